@@ -1,0 +1,14 @@
+"""hf_sparsekv: long-context speculative decoding for HF transformers with compressed drafter KV caches.
+
+Importing the package registers the ``"sparsekv"`` attention implementation and teaches ``generate()`` the
+arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
+"""
+
+from . import attention
+from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+
+__version__ = "0.1.0"
+
+attention.register()
+
+__all__ = ["ChunkBudgetCache", "HierarchicalQuantCache", "SinkWindowCache", "__version__"]

@@ -1,0 +1,7 @@
+"""The project's `transformers.Cache` subclasses."""
+
+from .chunk_budget import ChunkBudgetCache
+from .quantized import HierarchicalQuantCache
+from .sink_window import SinkWindowCache
+
+__all__ = ["ChunkBudgetCache", "HierarchicalQuantCache", "SinkWindowCache"]
