@@ -6,9 +6,20 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 
 from . import attention
 from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from .generation import SpecStats, register, speculative_generate, unregister
 
 __version__ = "0.1.0"
 
 attention.register()
+register()
 
-__all__ = ["ChunkBudgetCache", "HierarchicalQuantCache", "SinkWindowCache", "__version__"]
+__all__ = [
+    "ChunkBudgetCache",
+    "HierarchicalQuantCache",
+    "SinkWindowCache",
+    "SpecStats",
+    "register",
+    "speculative_generate",
+    "unregister",
+    "__version__",
+]

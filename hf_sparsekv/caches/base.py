@@ -51,7 +51,10 @@ class CompressedLayer(CacheLayerMixin):
         raise NotImplementedError
 
     def _tokens_to_remove(self, tokens_to_remove: int) -> int:
-        """``crop`` argument -> number of tokens to drop. Negative: remove that many; non-negative: keep that many."""
+        """``crop`` argument -> number of tokens to drop. Negative: remove that many; positive: keep that many (the
+        legacy transformers convention); zero: nothing."""
+        if tokens_to_remove == 0:
+            return 0
         n = -tokens_to_remove if tokens_to_remove < 0 else self.seen - tokens_to_remove
         if n > self.seen:
             raise ValueError(f"cannot remove {n} tokens from a cache that has seen {self.seen}")
@@ -69,7 +72,7 @@ class CompressedCache(Cache):
         return sum(layer.nbytes() for layer in self.layers)
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Negative: remove that many most recent tokens. Non-negative: keep the first ``tokens_to_remove`` tokens."""
+        """Negative: remove that many most recent tokens; positive: keep the first ``tokens_to_remove``; zero: no-op."""
         for layer in self.layers:
             layer.crop(tokens_to_remove)
 

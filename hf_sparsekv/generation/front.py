@@ -1,0 +1,233 @@
+"""``generate(..., kv_budget=..., draft_cache=...)``: argument checks, cache set-up, HF-shaped outputs."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationConfig
+from transformers.cache_utils import Cache, DynamicCache
+from transformers.generation import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from .. import attention
+from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from .drafters import ModelDrafter, SelfDrafter
+from .speculative import GreedyRules, speculative_decode
+
+DRAFT_CACHES = ("chunk", "window", "int4", "full")
+DEFAULT_GAMMA = 5
+WINDOW_SINK = 4
+DEFAULT_WINDOW_BUDGET = 1024
+
+# Generation options that add logits processors stock greedy would apply; not supported here (yet).
+_UNSUPPORTED_OPTIONS = {
+    "repetition_penalty": lambda v: v is not None and v != 1.0,
+    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
+    "no_repeat_ngram_size": lambda v: bool(v),
+    "bad_words_ids": lambda v: bool(v),
+    "suppress_tokens": lambda v: bool(v),
+    "begin_suppress_tokens": lambda v: bool(v),
+    "forced_bos_token_id": lambda v: v is not None,
+    "forced_eos_token_id": lambda v: v is not None,
+    "sequence_bias": lambda v: bool(v),
+    "exponential_decay_length_penalty": lambda v: v is not None,
+    "guidance_scale": lambda v: v is not None and v != 1.0,
+    "watermarking_config": lambda v: v is not None,
+    "stop_strings": lambda v: bool(v),
+    "output_attentions": lambda v: bool(v),
+    "output_hidden_states": lambda v: bool(v),
+}
+
+
+@dataclass
+class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
+    """``GenerateDecoderOnlyOutput`` plus ``spec_stats`` (see :class:`hf_sparsekv.generation.stats.SpecStats`)."""
+
+    spec_stats: dict | None = None
+
+
+def _text_config(model):
+    config = model.config
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    if attention_mask is None or bool(attention_mask.all()):
+        return input_ids
+    mask = attention_mask[0].bool()
+    first = int(mask.int().argmax())
+    if not bool(mask[first:].all()) or first == mask.shape[0]:
+        raise NotImplementedError(
+            "attention_mask: only left padding is supported with kv_budget/draft_cache (batch size 1)"
+        )
+    return input_ids[:, first:]
+
+
+def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
+    """-> (drafter object, verifier cache, whether the drafter needs the 'sparsekv' attention)."""
+    if isinstance(draft_cache, Cache):
+        if draft_cache.get_seq_length() != 0:
+            raise ValueError("draft_cache: a cache instance must be empty (fresh or reset())")
+        if drafter is model:
+            if not isinstance(draft_cache, HierarchicalQuantCache):
+                raise NotImplementedError("draft_cache: self-drafting (assistant_model is the model) needs int4")
+            return SelfDrafter(model, draft_cache), draft_cache, False
+        return ModelDrafter(drafter, draft_cache), DynamicCache(), isinstance(draft_cache, ChunkBudgetCache)
+    kind = draft_cache if draft_cache is not None else "chunk"
+    if kind not in DRAFT_CACHES:
+        raise ValueError(f"draft_cache must be one of {DRAFT_CACHES} or a Cache instance, got {draft_cache!r}")
+    if kind == "int4":
+        if kv_budget is not None:
+            raise ValueError("kv_budget does not apply to draft_cache='int4' (the quantized cache keeps every token)")
+        store = HierarchicalQuantCache()
+        if gamma >= store.group_size:
+            raise ValueError(f"num_assistant_tokens must be < group_size ({store.group_size}) with draft_cache='int4'")
+        if drafter is model:
+            return SelfDrafter(model, store), store, False
+        store.set_view("int4")
+        return ModelDrafter(drafter, store), DynamicCache(), False
+    if drafter is model and kind == "chunk":
+        raise NotImplementedError("kv_budget/draft_cache='chunk' needs a separate assistant_model (not the model)")
+    if kind == "chunk":
+        if kv_budget is None:
+            raise ValueError("draft_cache='chunk' needs kv_budget")
+        return ModelDrafter(drafter, ChunkBudgetCache(kv_budget)), DynamicCache(), True
+    if kind == "window":
+        budget = DEFAULT_WINDOW_BUDGET if kv_budget is None else kv_budget
+        if budget <= WINDOW_SINK:
+            raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window'")
+        cache = SinkWindowCache(sink=WINDOW_SINK, window=budget - WINDOW_SINK, max_rollback=gamma + 1)
+        return ModelDrafter(drafter, cache), DynamicCache(), False
+    return ModelDrafter(drafter, DynamicCache()), DynamicCache(), False
+
+
+def _check_models(model, drafter) -> None:
+    if drafter is None:
+        raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
+    if drafter is model:
+        return
+    v_vocab, d_vocab = _text_config(model).vocab_size, _text_config(drafter).vocab_size
+    if v_vocab != d_vocab:
+        raise ValueError(
+            f"assistant_model has vocab_size {d_vocab} but the model has {v_vocab}: the drafter must share the "
+            "verifier's tokenizer and vocabulary"
+        )
+    if drafter.device != model.device:
+        raise ValueError(
+            f"assistant_model is on {drafter.device} but the model is on {model.device}: move it with "
+            f"assistant_model.to('{model.device}')"
+        )
+
+
+def speculative_generate(
+    model,
+    inputs: torch.Tensor | None = None,
+    generation_config: GenerationConfig | None = None,
+    logits_processor: LogitsProcessorList | None = None,
+    stopping_criteria: StoppingCriteriaList | None = None,
+    prefix_allowed_tokens_fn=None,
+    synced_gpus=None,
+    assistant_model=None,
+    streamer=None,
+    negative_prompt_ids=None,
+    negative_prompt_attention_mask=None,
+    custom_generate=None,
+    *,
+    kv_budget: int | None = None,
+    draft_cache: str | Cache | None = None,
+    **kwargs,
+):
+    """The speculative path of ``generate()``; same arguments, greedy only, batch size 1."""
+    if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
+        raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
+    for name, value in (
+        ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
+        ("negative_prompt_ids", negative_prompt_ids),
+        ("custom_generate", custom_generate),
+    ):
+        if value is not None:
+            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
+    if synced_gpus:
+        raise NotImplementedError("synced_gpus is not supported together with kv_budget/draft_cache")
+    input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
+    if input_ids is None:
+        raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
+    attention_mask = kwargs.pop("attention_mask", None)
+    kwargs.pop("use_cache", None)
+    gamma_given = "num_assistant_tokens" in kwargs
+    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
+    unused = config.update(**kwargs)
+    if unused:
+        raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
+
+    if config.do_sample:
+        raise NotImplementedError("do_sample=True is not supported with kv_budget/draft_cache yet (greedy only)")
+    if (config.num_beams or 1) > 1:
+        raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
+    if (config.num_return_sequences or 1) > 1:
+        raise NotImplementedError("num_return_sequences > 1 is not supported with kv_budget/draft_cache")
+    for name, is_active in _UNSUPPORTED_OPTIONS.items():
+        if is_active(getattr(config, name, None)):
+            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise NotImplementedError(
+            f"input_ids must have batch size 1 with kv_budget/draft_cache, got shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty")
+    gamma = config.num_assistant_tokens if gamma_given else DEFAULT_GAMMA
+    if not isinstance(gamma, int) or gamma < 1:
+        raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
+    _check_models(model, assistant_model)
+
+    prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    if config.max_new_tokens is not None:
+        max_length = input_ids.shape[1] + config.max_new_tokens
+    else:
+        max_length = config.max_length
+    if max_length <= input_ids.shape[1]:
+        raise ValueError(
+            f"nothing to generate: the input has {input_ids.shape[1]} tokens and max_length is {max_length} "
+            "(set max_new_tokens)"
+        )
+    pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(config.max_time))
+    rules = GreedyRules(
+        prompt_length=prompt.shape[1],
+        max_length=max_length - pad,
+        eos_token_ids=eos_ids,
+        min_length=max((config.min_length or 0) - pad, 0),
+        min_new_tokens=config.min_new_tokens or 0,
+        logits_processor=LogitsProcessorList(logits_processor or []),
+        stopping_criteria=criteria,
+    )
+
+    drafter, verifier_cache, needs_scoring = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
+    if streamer is not None:
+        streamer.put(input_ids.cpu())
+    previous_attn = assistant_model.config._attn_implementation
+    if needs_scoring:
+        assistant_model.set_attn_implementation(attention.NAME)
+    try:
+        with torch.no_grad():
+            result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
+    finally:
+        if needs_scoring:
+            assistant_model.set_attn_implementation(previous_attn)
+
+    sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
+    if not config.return_dict_in_generate:
+        return sequences
+    return SpeculativeGenerateOutput(
+        sequences=sequences,
+        scores=tuple(result.scores) if config.output_scores else None,
+        logits=tuple(result.logits) if config.output_logits else None,
+        past_key_values=verifier_cache if config.use_cache else None,
+        spec_stats=result.stats.to_dict(),
+    )

@@ -1,0 +1,66 @@
+"""Wiring into ``generate()``: a guarded patch of ``GenerationMixin.generate``.
+
+Why a patch: it is the only mechanism that makes the stock ``model.generate(...)`` of every causal LM (and
+``pipeline("text-generation")``, which calls it) accept ``kv_budget``/``draft_cache`` after one import, without a
+wrapper class or a Hub ``custom_generate`` repository. The patch is narrow: a call without our arguments goes to
+the original method untouched; it is guarded: installed only if ``generate`` still takes the arguments we forward,
+and :func:`unregister` puts the original back.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+
+from transformers.generation.utils import GenerationMixin
+
+from .front import speculative_generate
+
+OUR_ARGUMENTS = ("kv_budget", "draft_cache")
+_EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "assistant_model", "streamer")
+_original = None
+
+
+def register() -> bool:
+    """Install the patch (idempotent). Returns False (with a warning) if ``generate`` has an unexpected shape."""
+    global _original
+    if _original is not None:
+        return True
+    original = GenerationMixin.generate
+    params = inspect.signature(original).parameters
+    if not all(name in params for name in _EXPECTED):
+        warnings.warn(
+            "hf_sparsekv: GenerationMixin.generate has an unexpected signature; kv_budget/draft_cache are not "
+            "available in generate() (use hf_sparsekv.generation.speculative_generate directly)",
+            stacklevel=2,
+        )
+        return False
+    positional = [name for name in params if name != "self"]
+
+    @functools.wraps(original)
+    def generate(self, *args, **kwargs):
+        ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
+        if all(value is None for value in ours.values()):
+            return original(self, *args, **kwargs)
+        named = dict(zip(positional, args))
+        overlap = set(named) & set(kwargs)
+        if overlap:
+            raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
+        return speculative_generate(self, **named, **kwargs, **ours)
+
+    _original = original
+    GenerationMixin.generate = generate
+    return True
+
+
+def unregister() -> None:
+    """Restore the stock ``GenerationMixin.generate``."""
+    global _original
+    if _original is not None:
+        GenerationMixin.generate = _original
+        _original = None
+
+
+def is_registered() -> bool:
+    return _original is not None

@@ -1,0 +1,121 @@
+"""Greedy chain speculative decoding (BudgetDraft Alg. 2, QuantSpec §4), lossless against greedy AR.
+
+Each round: the drafter proposes γ tokens; the verifier scores [last token, drafts] in one forward on its own
+cache; the longest prefix of drafts equal to the verifier's argmax is accepted, plus the verifier's next token;
+both caches are rolled back past the first rejection. Stopping rules are checked token by token in order, so the
+output is the one greedy AR produces.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers.cache_utils import Cache
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
+
+from ..caches import HierarchicalQuantCache
+from .drafters import forward
+from .stats import SpecStats
+
+
+@dataclass
+class GreedyRules:
+    """What greedy ``generate()`` would do to logits and when it stops (batch size 1)."""
+
+    prompt_length: int
+    max_length: int
+    eos_token_ids: list[int]
+    min_length: int = 0
+    min_new_tokens: int = 0
+    logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
+    stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+
+    def process(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Scores for the token after ``sequence [1, N]`` from raw ``logits [1, V]``."""
+        n = sequence.shape[1]
+        if self.eos_token_ids and (n < self.min_length or n - self.prompt_length < self.min_new_tokens):
+            logits = logits.clone()
+            logits[:, self.eos_token_ids] = float("-inf")
+        if self.logits_processor:
+            logits = self.logits_processor(sequence, logits)
+        return logits
+
+    def should_stop(self, sequence: torch.Tensor, scores: torch.Tensor) -> bool:
+        if sequence.shape[1] >= self.max_length or int(sequence[0, -1]) in self.eos_token_ids:
+            return True
+        return bool(self.stopping_criteria) and bool(self.stopping_criteria(sequence, scores).any())
+
+
+@dataclass
+class SpeculativeResult:
+    sequence: torch.Tensor  # [1, N] prompt + generated tokens
+    stats: SpecStats
+    scores: list[torch.Tensor]  # processed scores per generated token, [1, V] each
+    logits: list[torch.Tensor]  # raw verifier logits per generated token
+
+
+def speculative_decode(
+    verifier,
+    verifier_cache: Cache,
+    drafter,
+    prompt: torch.Tensor,
+    gamma: int,
+    rules: GreedyRules,
+    streamer=None,
+) -> SpeculativeResult:
+    """Generate greedily from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens
+    per round. ``verifier_cache`` must be empty; it is left holding the sequence minus its last token."""
+    stats = SpecStats()
+    device = prompt.device
+    scores_out: list[torch.Tensor] = []
+    logits_out: list[torch.Tensor] = []
+    sequence = prompt
+    quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
+
+    def append(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
+        nonlocal sequence
+        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
+        logits_out.append(raw)
+        scores_out.append(scores)
+        stats.new_tokens += 1
+        if streamer is not None:
+            streamer.put(sequence[0, -1:].cpu())
+        return rules.should_stop(sequence, scores)
+
+    with stats.timer("prefill_seconds", device):
+        raw = forward(verifier, prompt, verifier_cache, 0, 1)[:, -1]
+        drafter.prefill(prompt)
+    scores = rules.process(sequence, raw)
+    done = append(int(scores.argmax(-1)), raw, scores)
+
+    while not done:
+        n_seq = sequence.shape[1]
+        n_draft = min(gamma, rules.max_length - n_seq - 1)
+        if quant_store is not None:
+            n_draft = min(n_draft, quant_store.uniform_room() - 1)
+        drafts: list[int] = []
+        if n_draft > 0:
+            with stats.timer("draft_seconds", device):
+                drafts = drafter.propose(sequence, n_draft)
+        with stats.timer("verify_seconds", device):
+            block = torch.cat([sequence[:, -1:], sequence.new_tensor([drafts])], dim=1)
+            raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]
+        stats.rounds += 1
+        stats.drafted += len(drafts)
+        accepted = 0
+        for i in range(len(drafts) + 1):
+            scores = rules.process(sequence, raw_block[i : i + 1])
+            token = int(scores.argmax(-1))
+            matches = i < len(drafts) and token == drafts[i]
+            done = append(token, raw_block[i : i + 1], scores)
+            if not matches or done:
+                break
+            accepted += 1
+        stats.accepted += accepted
+        # The verifier cache holds n_seq - 1 + len(drafts) + 1 tokens; keep those of the sequence minus its last.
+        verifier_cache.crop(sequence.shape[1] - 1 - (n_seq + len(drafts)))
+        drafter.rollback(sequence.shape[1] - 1)
+    if streamer is not None:
+        streamer.end()
+    return SpeculativeResult(sequence, stats, scores_out, logits_out)
