@@ -131,8 +131,8 @@ class ChunkBudgetLayer(CompressedLayer):
                 f"cannot crop ChunkBudgetCache to {self.seen - n} tokens: the prefix of {self.prefix_length} tokens "
                 "was already compressed"
             )
-        self.keys = self.keys[..., : self.stored_length() - n, :]
-        self.values = self.values[..., : self.stored_length() - n, :]
+        keep = self.stored_length() - n
+        self.keys, self.values = self.keys[..., :keep, :], self.values[..., :keep, :]
         self.seen -= n
 
     def reset(self) -> None:

@@ -62,20 +62,19 @@ class SinkWindowLayer(CompressedLayer):
         n = self._tokens_to_remove(tokens_to_remove)
         if n == 0:
             return
-        n_recent = self.recent_keys.shape[-2]
-        non_sink_after = self.seen - n - self.keys.shape[-2]
-        if n_recent - n < min(self.window, max(non_sink_after, 0)):
+        n_recent, n_sink = self.recent_keys.shape[-2], self.keys.shape[-2]
+        from_recent = min(n, n_recent)
+        from_sink = n - from_recent
+        non_sink_after = self.seen - n - (n_sink - from_sink)
+        if n_recent - from_recent < min(self.window, non_sink_after):
             raise ValueError(
-                f"cannot roll SinkWindowCache back by {n} tokens: only {n_recent - min(self.window, n_recent)} "
+                f"cannot roll SinkWindowCache back by {n} tokens: only {max(n_recent - self.window, 0)} "
                 f"tokens beyond the window are kept (max_rollback={self.max_rollback})"
             )
-        from_recent = min(n, n_recent)
         self.recent_keys = self.recent_keys[..., : n_recent - from_recent, :]
         self.recent_values = self.recent_values[..., : n_recent - from_recent, :]
-        from_sink = n - from_recent
-        if from_sink:
-            self.keys = self.keys[..., : self.keys.shape[-2] - from_sink, :]
-            self.values = self.values[..., : self.values.shape[-2] - from_sink, :]
+        self.keys = self.keys[..., : n_sink - from_sink, :]
+        self.values = self.values[..., : n_sink - from_sink, :]
         self.seen -= n
 
     def reset(self) -> None:

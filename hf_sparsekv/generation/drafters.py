@@ -9,7 +9,8 @@ from ..caches import HierarchicalQuantCache
 
 
 def forward(model, tokens: torch.Tensor, cache: Cache, start: int, logits_to_keep: int) -> torch.Tensor:
-    """Run ``model`` on ``tokens [1, n]`` at real positions ``start..start+n-1``; float32 logits ``[1, k, V]``."""
+    """Run ``model`` on ``tokens [1, n]`` at real positions ``start..start+n-1``; float32 logits ``[1, k, V]``
+    (float32 like stock generate(), so that argmax ties break the same way)."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
     out = model(
         input_ids=tokens, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep

@@ -1,0 +1,59 @@
+"""Tiny random models built in the tests (no downloads), in float64 so that batched and one-token forwards agree to
+far below any argmax gap."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+import hf_sparsekv  # noqa: F401  (registers the attention implementation and the generate() arguments)
+
+VOCAB = 96
+ARCHS = ("llama", "qwen2", "mistral")
+_CLASSES = {
+    "llama": (LlamaConfig, LlamaForCausalLM),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM),
+    "mistral": (MistralConfig, MistralForCausalLM),
+}
+
+
+@functools.lru_cache(maxsize=None)
+def tiny_model(arch: str, role: str = "verifier", seed: int = 0, layers: int | None = None):
+    config_cls, model_cls = _CLASSES[arch]
+    big = role == "verifier"
+    kwargs = dict(
+        vocab_size=VOCAB,
+        hidden_size=64 if big else 32,
+        intermediate_size=128 if big else 64,
+        num_hidden_layers=layers if layers is not None else (2 if big else 1),
+        num_attention_heads=4 if big else 2,
+        num_key_value_heads=2 if big else 1,
+        max_position_embeddings=1024 if big else 64,  # the drafter runs far beyond its native positions
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        tie_word_embeddings=False,
+    )
+    if arch == "mistral":
+        kwargs["sliding_window"] = 256 if big else None
+    config = config_cls(**kwargs)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = model_cls(config).eval().to(torch.float64)
+    # Spread the logits so that greedy paths are varied and argmax gaps are wide.
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    return model
+
+
+def prompt(length: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, length), generator=g)
+
+
+@pytest.fixture(params=ARCHS)
+def arch(request):
+    return request.param

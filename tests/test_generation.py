@@ -1,0 +1,262 @@
+"""Speculative generate() is token-for-token greedy AR, across architectures, modes, budgets and γ."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.generation.streamers import BaseStreamer
+
+import hf_sparsekv
+from hf_sparsekv import HierarchicalQuantCache
+
+from .conftest import ARCHS, VOCAB, prompt, tiny_model
+
+
+def _copy_of(model):
+    return copy.deepcopy(model)  # a separate drafter object that agrees with the verifier on a full cache
+
+
+def _cases(n_per_arch=16, seed=0):
+    rng = random.Random(seed)
+    modes = ["chunk", "window", "full", "int4-self"]
+    cases = []
+    for arch in ARCHS:
+        for i in range(n_per_arch):
+            cases.append(
+                dict(
+                    arch=arch,
+                    mode=modes[i % len(modes)],
+                    prompt_len=rng.choice([1, 2, 7, 33, 120, 257, 400]),
+                    budget=rng.choice([8, 16, 64, 512]),
+                    gamma=rng.choice([1, 2, 3, 5, 8]),
+                    copy_drafter=rng.random() < 0.5,
+                    seed=i,
+                )
+            )
+    return cases
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_lossless_against_greedy_ar(case):
+    verifier = tiny_model(case["arch"])
+    drafter = _copy_of(verifier) if case["copy_drafter"] else tiny_model(case["arch"], role="drafter")
+    ids = prompt(case["prompt_len"], seed=case["seed"])
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    mode = case["mode"]
+    if mode == "int4-self":
+        store = HierarchicalQuantCache(group_size=16)
+        reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=16), **kwargs)
+        spec = dict(assistant_model=verifier, draft_cache=store)
+    else:
+        reference = verifier.generate(ids, **kwargs)
+        spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=case["budget"])
+    out = verifier.generate(ids, num_assistant_tokens=case["gamma"], return_dict_in_generate=True, **spec, **kwargs)
+    assert torch.equal(out.sequences, reference)
+    stats = out.spec_stats
+    assert stats["new_tokens"] == reference.shape[1] - ids.shape[1]
+    assert 0 <= stats["accepted"] <= stats["drafted"] <= case["gamma"] * stats["rounds"]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_copy_drafter_on_full_cache_accepts_everything(arch):
+    verifier = tiny_model(arch)
+    out = verifier.generate(
+        prompt(50, 1), assistant_model=_copy_of(verifier), draft_cache="full", num_assistant_tokens=4,
+        max_new_tokens=30, do_sample=False, return_dict_in_generate=True,
+    )
+    assert out.spec_stats["acceptance_rate"] == 1.0
+    assert out.spec_stats["mean_accepted_length"] > 4.0
+
+
+def _greedy_tokens(model, ids, n):
+    return model.generate(ids, max_new_tokens=n, do_sample=False)[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("position", [1, 3, 6])
+def test_eos_inside_an_accepted_run_stops_there(position):
+    verifier = tiny_model("llama")
+    ids = prompt(64, 5)
+    tokens = _greedy_tokens(verifier, ids, 20)
+    eos = tokens[position]
+    reference = verifier.generate(ids, max_new_tokens=20, do_sample=False, eos_token_id=[eos, 2])
+    out = verifier.generate(
+        ids, max_new_tokens=20, do_sample=False, eos_token_id=[eos, 2], assistant_model=_copy_of(verifier),
+        kv_budget=512, num_assistant_tokens=8,
+    )
+    assert torch.equal(out, reference)
+    assert out[0, -1].item() == eos
+
+
+def test_min_new_tokens_suppresses_eos_like_stock():
+    verifier = tiny_model("qwen2")
+    ids = prompt(30, 2)
+    eos = _greedy_tokens(verifier, ids, 5)[1]
+    kwargs = dict(max_new_tokens=15, min_new_tokens=6, do_sample=False, eos_token_id=eos)
+    reference = verifier.generate(ids, **kwargs)
+    out = verifier.generate(ids, assistant_model=_copy_of(verifier), kv_budget=16, num_assistant_tokens=3, **kwargs)
+    assert torch.equal(out, reference)
+    assert out.shape[1] - ids.shape[1] >= 6
+
+
+@pytest.mark.parametrize("mode", ["chunk", "int4"])
+def test_max_new_tokens_one(mode):
+    verifier = tiny_model("mistral")
+    ids = prompt(40, 3)
+    drafter = verifier if mode == "int4" else tiny_model("mistral", role="drafter")
+    kwargs = dict(kv_budget=16) if mode == "chunk" else dict(draft_cache="int4")
+    out = verifier.generate(ids, max_new_tokens=1, do_sample=False, assistant_model=drafter, **kwargs)
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=1, do_sample=False))
+
+
+class _Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+        self.ended = False
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_exactly_the_accepted_tokens_in_order():
+    verifier = tiny_model("llama")
+    ids = prompt(25, 4)
+    stock, ours = _Collect(), _Collect()
+    reference = verifier.generate(ids, max_new_tokens=20, do_sample=False, streamer=stock)
+    out = verifier.generate(
+        ids, max_new_tokens=20, do_sample=False, streamer=ours, assistant_model=_copy_of(verifier), kv_budget=16
+    )
+    assert torch.equal(out, reference)
+    assert ours.chunks[0] == ids[0].tolist() and ours.ended
+    assert sum(ours.chunks[1:], []) == reference[0, ids.shape[1] :].tolist()
+    assert all(len(c) == 1 for c in ours.chunks[1:])
+
+
+class _StopAfter(StoppingCriteria):
+    def __init__(self, token):
+        self.token = token
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return input_ids[:, -1] == self.token
+
+
+def test_stopping_criteria_like_stock():
+    verifier = tiny_model("qwen2")
+    ids = prompt(45, 6)
+    stop = _greedy_tokens(verifier, ids, 12)[7]
+    criteria = StoppingCriteriaList([_StopAfter(stop)])
+    reference = verifier.generate(ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    out = verifier.generate(
+        ids, max_new_tokens=30, do_sample=False, stopping_criteria=criteria, assistant_model=_copy_of(verifier),
+        draft_cache="window", kv_budget=20, num_assistant_tokens=5,
+    )
+    assert torch.equal(out, reference)
+
+
+def test_left_padded_attention_mask_like_stock():
+    verifier = tiny_model("llama")
+    ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), prompt(30, 7)], dim=1)
+    mask = torch.cat([torch.zeros(1, 5, dtype=torch.long), torch.ones(1, 30, dtype=torch.long)], dim=1)
+    reference = verifier.generate(ids, attention_mask=mask, max_new_tokens=15, do_sample=False)
+    out = verifier.generate(
+        ids, attention_mask=mask, max_new_tokens=15, do_sample=False, assistant_model=_copy_of(verifier), kv_budget=16
+    )
+    assert torch.equal(out, reference)
+
+
+def test_return_dict_carries_scores_and_stats():
+    verifier = tiny_model("llama")
+    ids = prompt(30, 8)
+    out = verifier.generate(
+        ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_scores=True, output_logits=True,
+        assistant_model=tiny_model("llama", role="drafter"), kv_budget=16,
+    )
+    reference = verifier.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
+    assert len(out.scores) == len(out.logits) == 12
+    torch.testing.assert_close(torch.cat(out.logits), torch.cat(reference.logits), rtol=1e-9, atol=1e-9)
+    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+                "prefill_seconds", "draft_seconds", "verify_seconds"):
+        assert key in out.spec_stats
+
+
+def test_drafter_runs_past_its_native_positions():
+    verifier = tiny_model("llama")
+    drafter = tiny_model("llama", role="drafter")
+    assert drafter.config.max_position_embeddings == 64
+    ids = prompt(300, 9)
+    out = verifier.generate(ids, max_new_tokens=10, do_sample=False, assistant_model=drafter, kv_budget=32)
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
+
+
+def test_pipeline_accepts_kv_budget():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    vocab = {f"w{i}": i for i in range(VOCAB)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w2")
+    verifier = tiny_model("llama")
+    text = " ".join(f"w{i}" for i in prompt(40, 10)[0].tolist())
+    pipe = pipeline("text-generation", model=verifier, tokenizer=tokenizer, assistant_model=_copy_of(verifier))
+    stock = pipe(text, max_new_tokens=10, do_sample=False)
+    ours = pipe(text, max_new_tokens=10, do_sample=False, kv_budget=16)
+    assert ours == stock
+
+
+def test_without_new_arguments_generate_is_stock():
+    verifier = tiny_model("llama")
+    ids = prompt(20, 11)
+    drafter = tiny_model("llama", role="drafter")
+    ours = verifier.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter, kv_budget=None)
+    hf_sparsekv.unregister()
+    try:
+        stock = verifier.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter)
+        with pytest.raises(ValueError, match="kv_budget"):
+            verifier.generate(ids, max_new_tokens=8, assistant_model=drafter, kv_budget=16)
+    finally:
+        hf_sparsekv.register()
+    assert torch.equal(ours, stock)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(kv_budget=16), ValueError, "assistant_model"),
+        (dict(kv_budget=4, assistant_model="drafter"), ValueError, "kv_budget"),
+        (dict(kv_budget=16, assistant_model="drafter", do_sample=True), NotImplementedError, "do_sample"),
+        (dict(kv_budget=16, assistant_model="drafter", num_beams=2), NotImplementedError, "num_beams"),
+        (dict(draft_cache="sparse", assistant_model="drafter"), ValueError, "draft_cache"),
+        (dict(draft_cache="chunk", assistant_model="drafter"), ValueError, "kv_budget"),
+        (dict(kv_budget=16, assistant_model="other_vocab"), ValueError, "vocab"),
+        (dict(kv_budget=16, assistant_model="meta"), ValueError, "assistant_model is on"),
+        (dict(kv_budget=16, assistant_model="drafter", batch=2), NotImplementedError, "batch size"),
+        (dict(kv_budget=16, assistant_model="drafter", repetition_penalty=1.3), NotImplementedError, "repetition_penalty"),
+        (dict(draft_cache="int4", assistant_model="self", kv_budget=64), ValueError, "kv_budget"),
+    ],
+)
+def test_bad_input_raises_naming_the_argument(kwargs, error, match):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    verifier = tiny_model("llama")
+    kwargs = dict(kwargs)
+    batch = kwargs.pop("batch", 1)
+    choice = kwargs.get("assistant_model")
+    if choice == "drafter":
+        kwargs["assistant_model"] = tiny_model("llama", role="drafter")
+    elif choice == "self":
+        kwargs["assistant_model"] = verifier
+    elif choice == "other_vocab":
+        kwargs["assistant_model"] = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB + 1, hidden_size=16, intermediate_size=32,
+                                                                 num_hidden_layers=1, num_attention_heads=2))
+    elif choice == "meta":
+        kwargs["assistant_model"] = copy.deepcopy(tiny_model("llama", role="drafter")).to("meta")
+    ids = prompt(20, 0).repeat(batch, 1)
+    with pytest.raises(error, match=match):
+        verifier.generate(ids, max_new_tokens=5, **kwargs)
