@@ -57,3 +57,12 @@ def prompt(length: int, seed: int) -> torch.Tensor:
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
