@@ -204,7 +204,9 @@ def test_pipeline_accepts_kv_budget():
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w2")
     verifier = tiny_model("llama")
     text = " ".join(f"w{i}" for i in prompt(40, 10)[0].tolist())
-    pipe = pipeline("text-generation", model=verifier, tokenizer=tokenizer, assistant_model=_copy_of(verifier))
+    pipe = pipeline(
+        "text-generation", model=verifier, tokenizer=tokenizer, assistant_model=_copy_of(verifier), device="cpu"
+    )
     stock = pipe(text, max_new_tokens=10, do_sample=False)
     ours = pipe(text, max_new_tokens=10, do_sample=False, kv_budget=16)
     assert ours == stock
