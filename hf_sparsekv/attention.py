@@ -28,7 +28,7 @@ def sparsekv_attention(
 ):
     """query ``[B, Hq, q, D]``, key/value ``[B, Hkv, kv, D]`` (as returned by the cache) -> ``([B, q, Hq, D], None)``."""
     out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    layer = scoring_hook.take(getattr(module, "layer_idx", -1))
+    layer = scoring_hook.take(getattr(module, "layer_idx", -1), key)
     if layer is not None:
         layer.select(query, scaling if scaling is not None else query.shape[-1] ** -0.5)
     return out

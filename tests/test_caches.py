@@ -269,3 +269,14 @@ def test_batch_size_above_one_raises(make_cache):
     model = _with_sparsekv(tiny_model("llama"))
     with pytest.raises(NotImplementedError, match="batch size"):
         model(input_ids=torch.randint(3, 90, (2, 20)), past_key_values=make_cache(), use_cache=True)
+
+
+def test_stale_scoring_request_is_never_served_to_another_model():
+    plain, scoring = tiny_model("llama"), _with_sparsekv(tiny_model("qwen2"))
+    stale = ChunkBudgetCache(16)
+    plain(input_ids=prompt(40, seed=0), past_key_values=stale, use_cache=True)  # leaves a request nobody serves
+    fresh = ChunkBudgetCache(16)
+    scoring(input_ids=prompt(40, seed=1), past_key_values=DynamicCache(), use_cache=True)
+    scoring(input_ids=prompt(40, seed=1), past_key_values=fresh, use_cache=True)
+    assert stale.layers[0].awaiting_scores and stale.get_seq_length() == 40
+    assert all(layer.stored_length() <= 16 for layer in fresh.layers)

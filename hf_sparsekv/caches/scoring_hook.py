@@ -16,10 +16,12 @@ def expect_scores(layer_idx: int, layer) -> None:
     _expecting.set((layer_idx, layer))
 
 
-def take(layer_idx: int):
-    """The layer waiting for the queries of ``layer_idx``, if any (cleared once taken)."""
+def take(layer_idx: int, key):
+    """The layer waiting for the queries of ``layer_idx`` whose prefill keys are ``key`` (the very tensor its
+    ``update`` returned), if any; cleared once taken. A stale registration (another model, another cache) never
+    matches."""
     entry = _expecting.get()
-    if entry is None or entry[0] != layer_idx:
+    if entry is None or entry[0] != layer_idx or entry[1].keys is not key:
         return None
     _expecting.set(None)
     return entry[1]
