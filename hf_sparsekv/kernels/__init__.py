@@ -1,1 +1,2 @@
-"""Numerical building blocks of the caches: PyTorch references (the spec) and, on CUDA, Triton kernels."""
+"""Numerical building blocks of the caches. Each has a PyTorch reference here (the spec); CUDA Triton kernels
+that must match them are added beside their references."""
