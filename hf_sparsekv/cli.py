@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 import torch
 
-from . import HierarchicalQuantCache  # noqa: F401  (importing the package wires generate())
+from . import HierarchicalQuantCache  # importing the package also wires generate()
+from .generation.stats import SyncedTimer
 
 
 def _timed_generate(model, ids, **kwargs):
-    if ids.device.type == "cuda":
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    out = model.generate(ids, do_sample=False, **kwargs)
-    if ids.device.type == "cuda":
-        torch.cuda.synchronize()
-    return out, time.perf_counter() - start
+    with SyncedTimer(ids.device) as clock:
+        out = model.generate(ids, do_sample=False, **kwargs)
+    return out, clock.seconds
 
 
 def compare(verifier, drafter, ids, mode: str, budget: int | None, gamma: int, max_new_tokens: int) -> dict:

@@ -50,6 +50,12 @@ class CompressedLayer(CacheLayerMixin):
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def reset(self) -> None:
+        """Back to the empty, uninitialized state (subclasses clear their own extra state too)."""
+        self.keys = self.values = None
+        self.seen = 0
+        self.is_initialized = False
+
     def _tokens_to_remove(self, tokens_to_remove: int) -> int:
         """``crop`` argument -> number of tokens to drop. Negative: remove that many; positive: keep that many (the
         legacy transformers convention); zero: nothing."""

@@ -136,10 +136,10 @@ class ChunkBudgetLayer(CompressedLayer):
         self.seen -= n
 
     def reset(self) -> None:
-        self.keys = self.values = self.kept_indices = None
-        self.seen = self.prefix_length = 0
+        super().reset()
+        self.kept_indices = None
+        self.prefix_length = 0
         self.awaiting_scores = False
-        self.is_initialized = False
 
     def nbytes(self) -> int:
         return tensor_nbytes(self.keys, self.values)

@@ -112,9 +112,8 @@ class HierarchicalQuantLayer(CompressedLayer):
         self.seen -= n
 
     def reset(self) -> None:
-        self.keys = self.values = self.qkeys = self.qvalues = None
-        self.seen = 0
-        self.is_initialized = False
+        super().reset()
+        self.qkeys = self.qvalues = None
 
     def nbytes(self) -> int:
         q = [t for qt in (self.qkeys, self.qvalues) if qt is not None for t in vars(qt).values()]

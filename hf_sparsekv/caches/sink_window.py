@@ -78,9 +78,8 @@ class SinkWindowLayer(CompressedLayer):
         self.seen -= n
 
     def reset(self) -> None:
-        self.keys = self.values = self.recent_keys = self.recent_values = None
-        self.seen = 0
-        self.is_initialized = False
+        super().reset()
+        self.recent_keys = self.recent_values = None
 
     def nbytes(self) -> int:
         return tensor_nbytes(self.keys, self.values, self.recent_keys, self.recent_values)

@@ -9,6 +9,25 @@ from dataclasses import asdict, dataclass
 import torch
 
 
+class SyncedTimer:
+    """Wall-clock seconds of a ``with`` block, CUDA-synchronized at both ends on a CUDA device."""
+
+    def __init__(self, device: torch.device | str):
+        self.cuda = torch.device(device).type == "cuda"
+        self.seconds = 0.0
+
+    def __enter__(self) -> "SyncedTimer":
+        if self.cuda:
+            torch.cuda.synchronize()
+        self._start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self._start
+
+
 @dataclass
 class SpecStats:
     """Counters of one ``generate()`` call.
@@ -43,11 +62,10 @@ class SpecStats:
 
     @contextmanager
     def timer(self, field: str, device: torch.device):
-        sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        sync()
-        start = time.perf_counter()
+        """Add the block's seconds to ``field``."""
+        clock = SyncedTimer(device)
         try:
-            yield
+            with clock:
+                yield
         finally:
-            sync()
-            setattr(self, field, getattr(self, field) + time.perf_counter() - start)
+            setattr(self, field, getattr(self, field) + clock.seconds)
