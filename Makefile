@@ -4,7 +4,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo clean
+.PHONY: install test demo zoo clean
+
+ZOO_WORK ?= runs/zoo
+ZOO_VERIFIER_MINUTES ?= 5
+ZOO_DRAFTER_MINUTES ?= 3
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +25,14 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
+
+# Rebuild the bundled pair on one CUDA GPU (about 15 minutes); each stage resumes where it stopped.
+zoo: $(STAMP)
+	$(PY) -m hf_sparsekv.zoo.build data --work $(ZOO_WORK)
+	$(PY) -m hf_sparsekv.zoo.build train --work $(ZOO_WORK) --model verifier --minutes $(ZOO_VERIFIER_MINUTES)
+	$(PY) -m hf_sparsekv.zoo.build train --work $(ZOO_WORK) --model drafter --minutes $(ZOO_DRAFTER_MINUTES)
+	$(PY) -m hf_sparsekv.zoo.build export --work $(ZOO_WORK)
+	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info
