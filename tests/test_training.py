@@ -1,0 +1,335 @@
+"""BudgetDraft training (Alg. 1) on tiny float64 models: views against independent references, the objective's
+gradient, budget sampling, a short run that raises sparse-cache acceptance, checkpoints/resume."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from hf_sparsekv import ChunkBudgetCache
+from hf_sparsekv.generation import speculative_generate
+from hf_sparsekv.training import BudgetDraftTrainer, BudgetSampler, EvalSettings, TrainingConfig, measure_acceptance
+from hf_sparsekv.training import acceptance_table
+from hf_sparsekv.training.checkpoint import latest_checkpoint
+from hf_sparsekv.training.objective import teacher_targets
+from hf_sparsekv.training.views import prefill_prefix
+
+from .conftest import ARCHS, VOCAB, prompt, tiny_model
+
+
+def _drafter(arch="llama", layers=None, seed=0):
+    model = copy.deepcopy(tiny_model(arch, role="drafter", seed=seed, layers=layers))
+    model.set_attn_implementation("sparsekv")
+    return model
+
+
+def _config(**kw):
+    base = dict(seq_len=96, continuation_len=16, prefill_chunk=32, budgets=[16, 32], budget_weights=[0.5, 0.5],
+                lr=1e-3, warmup_steps=2, max_steps=10)
+    base.update(kw)
+    return TrainingConfig(**base)
+
+
+def _sequences(length, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randint(3, VOCAB, (length,), generator=g)
+
+
+def _kept_chunks(indices: torch.Tensor, p: int, s: int) -> list[int]:
+    """Chunk ids (token // s) covered by ``indices`` [N], checking every chunk is whole (or the trailing partial)."""
+    tokens = indices.tolist()
+    chunks = sorted({t // s for t in tokens})
+    expected = [c * s + o for c in chunks for o in range(s) if c * s + o < p]
+    assert tokens == expected, "kept tokens are not whole chunks in ascending order"
+    return chunks
+
+
+# ----------------------------------------------------------------------------------------------- config, sampling
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(budgets=[4], budget_weights=[1.0]), "chunk_size"),
+        (dict(budgets=[16, 32], budget_weights=[1.0]), "same length"),
+        (dict(continuation_len=96), "smaller than seq_len"),
+        (dict(loss="kl"), "loss must be one of"),
+        (dict(budget_weights=[0.0, 0.0]), "positive sum"),
+        (dict(lam=-1.0), "lam"),
+        (dict(seq_len=0), "seq_len"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        _config(**kwargs)
+
+
+def test_paper_defaults():
+    c = TrainingConfig()
+    assert (c.seq_len, c.continuation_len, c.prefix_len, c.chunk_size, c.lam) == (16384, 256, 16128, 8, 0.5)
+    assert c.budgets == [256, 512, 1024, 2048] and c.budget_weights == [0.4, 0.3, 0.2, 0.1]
+    assert (c.lr, c.weight_decay, c.warmup_steps, c.clip_norm, c.loss) == (1e-5, 0.01, 150, 1.0, "budgetdraft")
+
+
+def test_budget_sampling_follows_weights():
+    budgets, weights = [256, 512, 1024, 2048], [0.4, 0.3, 0.2, 0.1]
+    sampler = BudgetSampler(budgets, weights, seed=3)
+    n = 20000
+    draws = [sampler.sample() for _ in range(n)]
+    for b, w in zip(budgets, weights):
+        freq = draws.count(b) / n
+        assert abs(freq - w) < 4 * math.sqrt(w * (1 - w) / n), (b, freq, w)
+    # reproducible, resumable, and a zero weight is never drawn
+    again = BudgetSampler(budgets, weights, seed=3)
+    assert [again.sample() for _ in range(50)] == draws[:50]
+    state = sampler.state_dict()
+    nxt = [sampler.sample() for _ in range(20)]
+    sampler.load_state_dict(state)
+    assert [sampler.sample() for _ in range(20)] == nxt
+    only = BudgetSampler([16, 32], [0.0, 1.0])
+    assert {only.sample() for _ in range(200)} == {32}
+
+
+# ----------------------------------------------------------------------------------------------- views
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("p, budget", [(84, 32), (96, 16), (77, 64), (40, 64)])
+def test_sparse_view_is_the_inference_selection(arch, p, budget):
+    """Chunked training prefill + selection == ChunkBudgetCache after one inference prefill; ⌊B/s⌋ whole chunks."""
+    drafter = _drafter(arch, layers=2)
+    ids = prompt(p + 12, seed=p)
+    prefix = prefill_prefix(drafter, ids[:, :p], chunk=24)
+    view = prefix.sparse_view(budget)
+    cache = ChunkBudgetCache(budget)
+    with torch.no_grad():
+        drafter(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
+    for layer_idx in range(2):
+        kept = view.kept_indices[layer_idx]
+        assert kept.shape[:2] == (1, 1)
+        chunks = _kept_chunks(kept[0, 0], p, 8)
+        assert len(chunks) == min(budget // 8, math.ceil(p / 8))
+        if p > budget:
+            assert torch.equal(kept, cache.layers[layer_idx].kept_indices)
+            torch.testing.assert_close(view.cache.layers[layer_idx].keys, cache.layers[layer_idx].keys, rtol=0, atol=1e-12)
+        assert view.cache.layers[layer_idx].seen == p
+    positions = torch.arange(p, p + 12).unsqueeze(0)
+    ours = drafter(input_ids=ids[:, p:], past_key_values=view.cache, position_ids=positions).logits
+    ref = drafter(input_ids=ids[:, p:], past_key_values=cache, position_ids=positions).logits
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-10)
+
+
+def _eager_chunk_selection(drafter, prefix_ids, budget, s=8):
+    """Independent selection: eager attention probabilities of the prefix, summed over heads and queries, best
+    ⌊B/s⌋ − [tail] full chunks by brute-force sort, plus the trailing partial chunk."""
+    model = copy.deepcopy(drafter)
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        attn = model(input_ids=prefix_ids, output_attentions=True).attentions[0]  # [1, H, P, P]
+    p = prefix_ids.shape[1]
+    token_scores = attn[0].sum(dim=(0, 1))
+    n_full, tail = divmod(p, s)
+    chunk_scores = token_scores[: n_full * s].view(n_full, s).sum(-1)
+    n_keep = budget // s - (1 if tail else 0)
+    best = sorted(torch.argsort(chunk_scores, descending=True)[:n_keep].tolist())
+    return [c * s + o for c in best for o in range(s)] + list(range(n_full * s, p))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("p, budget", [(84, 32), (101, 24), (64, 16)])
+def test_sparse_branch_equals_masked_full_attention(arch, p, budget):
+    """Sparse-branch logits == one full forward over [prefix; continuation] at positions 0..T-1 with a boolean mask
+    letting continuation queries see only the kept prefix tokens (1 layer, so one kept set)."""
+    drafter = _drafter(arch, layers=1)
+    c = 10
+    ids = prompt(p + c, seed=7 * p)
+    prefix = prefill_prefix(drafter, ids[:, :p], chunk=16)
+    view = prefix.sparse_view(budget)
+    kept = view.kept_indices[0][0, 0].tolist()
+    assert kept == _eager_chunk_selection(drafter, ids[:, :p], budget)
+    assert view.cache.layers[0].keys.shape[-2] == len(kept) <= budget
+
+    positions = torch.arange(p, p + c).unsqueeze(0)
+    sparse_logits = drafter(input_ids=ids[:, p:], past_key_values=view.cache, position_ids=positions).logits
+    t = p + c
+    mask = torch.tril(torch.ones(t, t, dtype=torch.bool))
+    dropped = sorted(set(range(p)) - set(kept))
+    mask[p:, dropped] = False
+    ref = drafter(input_ids=ids, attention_mask=mask[None, None]).logits[:, p:]
+    torch.testing.assert_close(sparse_logits, ref, rtol=0, atol=1e-10)
+    # The view is read-only: the full view still holds every prefix token afterwards.
+    full = drafter(input_ids=ids[:, p:], past_key_values=prefix.full_view(), position_ids=positions).logits
+    torch.testing.assert_close(full, drafter(input_ids=ids).logits[:, p:], rtol=0, atol=1e-10)
+
+
+def test_prefill_requires_the_sparsekv_attention():
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter"))
+    with pytest.raises(ValueError, match="sparsekv"):
+        prefill_prefix(drafter, prompt(20, 0), chunk=8)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_teacher_targets_are_the_verifiers_greedy_tokens(arch):
+    verifier = tiny_model(arch)
+    ids = prompt(90, seed=1)
+    targets = teacher_targets(verifier, ids, 70, prefill_chunk=16)
+    with torch.no_grad():
+        ref = verifier(input_ids=ids).logits[0, 70:].argmax(-1)
+    assert torch.equal(targets, ref)
+
+
+# ----------------------------------------------------------------------------------------------- objective, step
+def _reference_gradients(verifier, drafter, ids, cfg, budget):
+    """∇(L_A + λ·L_C) the plain HF way: one unchunked no-grad prefill into a DynamicCache, then the continuation at
+    positions P..T-1 on copies of it; L_C through a boolean mask hiding the prefix tokens the eager-attention
+    selection drops."""
+    from transformers import DynamicCache
+
+    model = copy.deepcopy(drafter)
+    model.zero_grad(set_to_none=True)
+    p, t = cfg.prefix_len, cfg.seq_len
+    cont, pos = ids[:, p:], torch.arange(p, t).unsqueeze(0)
+    with torch.no_grad():
+        targets = verifier(input_ids=ids).logits[0, p:].argmax(-1)
+        prefix = DynamicCache()
+        model(input_ids=ids[:, :p], past_key_values=prefix, use_cache=True)
+    logits_a = model(input_ids=cont, past_key_values=copy.deepcopy(prefix), position_ids=pos).logits[0]
+    loss = F.cross_entropy(logits_a.float(), targets)
+    if cfg.loss == "budgetdraft":
+        kept = _eager_chunk_selection(drafter, ids[:, :p], budget, cfg.chunk_size)
+        mask = torch.ones(t - p, t, dtype=torch.bool)
+        mask[:, p:] = torch.tril(torch.ones(t - p, t - p, dtype=torch.bool))
+        mask[:, sorted(set(range(p)) - set(kept))] = False
+        logits_c = model(input_ids=cont, past_key_values=copy.deepcopy(prefix), position_ids=pos,
+                         attention_mask=mask[None, None]).logits[0]
+        loss = loss + cfg.lam * F.cross_entropy(logits_c.float(), targets)
+    loss.backward()
+    return {n: q.grad for n, q in model.named_parameters()}
+
+
+@pytest.mark.parametrize("loss", ["budgetdraft", "la-only"])
+def test_gradient_is_that_of_la_plus_lambda_lc(loss):
+    verifier = tiny_model("llama")
+    cfg = _config(loss=loss, lam=0.7)
+    trainer = BudgetDraftTrainer(verifier, _drafter(layers=1), cfg)
+    ids = prompt(cfg.seq_len, seed=5)
+    terms = trainer.accumulate_gradients(ids, budget=32)
+    assert (terms["budget"] is None) == (loss == "la-only")
+    ref = _reference_gradients(verifier, trainer.model, ids, cfg, 32)
+    for name, param in trainer.model.named_parameters():
+        torch.testing.assert_close(param.grad, ref[name], rtol=1e-7, atol=1e-9, msg=name)
+
+
+def test_one_step_changes_only_the_drafter():
+    verifier = tiny_model("qwen2")
+    before_v = {n: t.clone() for n, t in verifier.state_dict().items()}
+    drafter = _drafter("qwen2", layers=2)
+    before_d = {n: t.clone() for n, t in drafter.state_dict().items()}
+    trainer = BudgetDraftTrainer(verifier, drafter, _config())
+    result = trainer.train_step(prompt(96, seed=2))
+    assert result.step == trainer.step == 1 and result.budget in (16, 32) and result.lr > 0
+    assert all(torch.equal(t, before_v[n]) for n, t in verifier.state_dict().items())
+    assert all(p.grad is None and not p.requires_grad for p in verifier.parameters())
+    changed = [n for n, t in drafter.state_dict().items() if not torch.equal(t, before_d[n])]
+    trainable = [n for n, p in drafter.named_parameters()]
+    assert set(changed) == set(trainable), set(trainable) - set(changed)
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    verifier = tiny_model("llama")
+    ids = prompt(96, seed=9)
+    grads, forwards = [], []
+    for ckpt in (False, True):
+        trainer = BudgetDraftTrainer(verifier, _drafter(layers=2), _config(gradient_checkpointing=ckpt))
+        count = [0]
+        trainer.model.model.layers[0].self_attn.register_forward_hook(lambda *a: count.__setitem__(0, count[0] + 1))
+        trainer.accumulate_gradients(ids, budget=16)
+        grads.append({n: p.grad.clone() for n, p in trainer.model.named_parameters()})
+        forwards.append(count[0])
+    # 3 prefill chunks + 2 branches; with checkpointing both branches are recomputed in backward, cache and all.
+    assert forwards == [5, 7]
+    for name in grads[0]:
+        torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_bad_inputs_are_rejected():
+    verifier = tiny_model("llama")
+    trainer = BudgetDraftTrainer(verifier, _drafter(), _config())
+    with pytest.raises(ValueError, match=r"shape \[96\]"):
+        trainer.train_step(prompt(95, seed=0))
+    with pytest.raises(ValueError, match="integer tensor"):
+        trainer.train_step(torch.zeros(96))
+    with pytest.raises(ValueError, match="separate model"):
+        BudgetDraftTrainer(verifier, verifier, _config())
+    other = copy.deepcopy(tiny_model("llama", role="drafter"))
+    other.resize_token_embeddings(VOCAB + 8)
+    with pytest.raises(ValueError, match="vocab_size"):
+        BudgetDraftTrainer(verifier, other, _config())
+
+
+# ----------------------------------------------------------------------------------------------- acceptance
+def test_measure_acceptance_pools_spec_stats():
+    verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
+    prompts = [prompt(80, seed=s) for s in (1, 2)]
+    res = measure_acceptance(verifier, drafter, prompts, contexts=[48, 80], budgets=[16, None], gamma=3,
+                             max_new_tokens=12)
+    assert set(res) == {48, 80} and set(res[80]) == {16, "full"}
+    accepted = drafted = 0
+    for p in prompts:
+        out = speculative_generate(verifier, p[:, :80], assistant_model=drafter, draft_cache="chunk", kv_budget=16,
+                                   num_assistant_tokens=3, max_new_tokens=12, eos_token_id=None,
+                                   return_dict_in_generate=True)
+        assert out.sequences.shape[1] == 92
+        accepted += out.spec_stats["accepted"]
+        drafted += out.spec_stats["drafted"]
+    cell = res[80][16]
+    assert (cell["accepted"], cell["drafted"]) == (accepted, drafted)
+    assert cell["acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert acceptance_table(res)[80][16] == cell["acceptance_rate"]
+    with pytest.raises(ValueError, match="longer than the shortest prompt"):
+        measure_acceptance(verifier, drafter, prompts, contexts=[81], budgets=[16])
+
+
+def test_training_raises_sparse_cache_acceptance():
+    """A few hundred steps on random token sequences: greedy acceptance of the trained drafter on a sparse cache
+    beats the untrained drafter's at every budget, and L_A, L_C go down."""
+    verifier = tiny_model("llama")
+    cfg = _config(seq_len=160, continuation_len=32, prefill_chunk=64, budgets=[16, 32, 64],
+                  budget_weights=[0.4, 0.3, 0.3], lr=3e-3, warmup_steps=10, max_steps=300)
+    trainer = BudgetDraftTrainer(verifier, _drafter(), cfg)
+    settings = EvalSettings([prompt(160, seed=100 + i) for i in range(3)], contexts=[128], budgets=[16, 32, 64],
+                            gamma=4, max_new_tokens=32)
+    history = trainer.train(_sequences(160), eval_settings=settings, progress=False)
+    before, after = acceptance_table(history["eval"][0]["acceptance"]), acceptance_table(history["eval"][-1]["acceptance"])
+    assert history["eval"][0]["step"] == 0 and history["eval"][-1]["step"] == 300
+    for b in (16, 32, 64):
+        assert after[128][b] > before[128][b] + 0.2, (b, before, after)
+    steps = history["steps"]
+    first = sum(s["loss_c"] for s in steps[:20]) / 20
+    last = sum(s["loss_c"] for s in steps[-20:]) / 20
+    assert last < 0.6 * first
+    assert {s["budget"] for s in steps} == {16, 32, 64}
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+def test_resume_reproduces_an_uninterrupted_run(tmp_path):
+    verifier = tiny_model("llama")
+    cfg = _config(max_steps=6)
+    straight = BudgetDraftTrainer(verifier, _drafter(layers=2), cfg)
+    straight.train(_sequences(96, seed=4), progress=False)
+
+    first = BudgetDraftTrainer(verifier, _drafter(layers=2), _config(max_steps=6))
+    first.config.max_steps = 3  # interrupted after 3 steps (the schedule still spans 6)
+    first.train(_sequences(96, seed=4), output_dir=tmp_path, progress=False)
+    ckpt = latest_checkpoint(tmp_path)
+    assert ckpt == tmp_path / "checkpoint-3" and (ckpt / "model.safetensors").is_file()
+    resumed = BudgetDraftTrainer(verifier, _drafter(layers=2), cfg)
+    resumed.load_checkpoint(ckpt)
+    assert resumed.step == 3
+    resumed.train(_sequences(96, seed=4), progress=False)
+    assert [s["budget"] for s in resumed.history["steps"]] == [s["budget"] for s in straight.history["steps"]]
+    for (name, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=name)
+    with pytest.raises(ValueError, match="seq_len"):
+        BudgetDraftTrainer(verifier, _drafter(layers=2), _config(seq_len=128)).load_checkpoint(ckpt)
