@@ -1,4 +1,5 @@
-"""``hf-sparsekv`` command line: ``generate`` (speculative vs AR on one prompt) and ``demo``."""
+"""``hf-sparsekv`` command line: ``generate`` (speculative vs AR on one prompt), ``demo`` and ``train-drafter``
+(BudgetDraft training, see :mod:`hf_sparsekv.training.run`)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,12 @@ def _cmd_demo(args) -> int:
     return demo_main()
 
 
+def _cmd_train_drafter(args) -> int:
+    from .training.run import run
+
+    return run(args)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hf-sparsekv")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -93,6 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     gen.set_defaults(func=_cmd_generate)
     demo = sub.add_parser("demo", help="speculative generation on a tiny random model pair")
     demo.set_defaults(func=_cmd_demo)
+    from .training.run import add_arguments as add_training_arguments
+
+    train = sub.add_parser("train-drafter", help="BudgetDraft multi-view sparse training of a drafter")
+    add_training_arguments(train)
+    train.set_defaults(func=_cmd_train_drafter)
     args = parser.parse_args(argv)
     if args.command == "generate" and args.mode != "int4" and not args.drafter:
         parser.error("--drafter is required unless --mode int4")

@@ -1,14 +1,20 @@
 """BudgetDraft training (Alg. 1) on tiny float64 models: views against independent references, the objective's
-gradient, budget sampling, a short run that raises sparse-cache acceptance, checkpoints/resume."""
+gradient, budget sampling, a short run that raises sparse-cache acceptance, checkpoints/resume, the CLI, model cards
+and the Hub push (up to the HTTP boundary; a real server round trip runs only where one is configured)."""
 
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import string
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from hf_sparsekv import ChunkBudgetCache
 from hf_sparsekv.generation import speculative_generate
@@ -333,3 +339,163 @@ def test_resume_reproduces_an_uninterrupted_run(tmp_path):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-12, msg=name)
     with pytest.raises(ValueError, match="seq_len"):
         BudgetDraftTrainer(verifier, _drafter(layers=2), _config(seq_len=128)).load_checkpoint(ckpt)
+
+
+# ----------------------------------------------------------------------------------------------- CLI, card, Hub
+def _char_tokenizer():
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = (" \n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + string.punctuation)[: VOCAB - 4]
+    vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3, **{c: i + 4 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("[\\s\\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+                                   unk_token="<unk>")
+
+
+@pytest.fixture
+def pair_dirs(tmp_path):
+    verifier_dir, drafter_dir = tmp_path / "verifier", tmp_path / "drafter"
+    tiny_model("llama").save_pretrained(verifier_dir)
+    _char_tokenizer().save_pretrained(verifier_dir)
+    tiny_model("llama", role="drafter").save_pretrained(drafter_dir)
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, seed in (("train", 0), ("eval", 1)):
+        g = torch.Generator().manual_seed(seed)
+        with open(data / f"{split}.jsonl", "w") as f:
+            for _ in range(12):
+                words = ["".join(string.ascii_lowercase[i] for i in torch.randint(0, 26, (5,), generator=g).tolist())
+                         for _ in range(30)]
+                f.write(json.dumps({"content": " ".join(words)}) + "\n")
+    return verifier_dir, drafter_dir, data
+
+
+def _cli(verifier_dir, drafter_dir, data, out, *extra):
+    from hf_sparsekv.cli import main
+
+    return main([
+        "train-drafter", "--verifier", str(verifier_dir), "--drafter", str(drafter_dir),
+        "--data", str(data / "train.jsonl"), "--eval-data", str(data / "eval.jsonl"), "--text-field", "content",
+        "--output", str(out), "--seq-len", "128", "--continuation-len", "16", "--prefill-chunk", "48",
+        "--budgets", "16", "32", "--eval-contexts", "96", "--eval-budgets", "16", "32", "--eval-samples", "1",
+        "--eval-new-tokens", "8", "--gamma", "3", "--lr", "1e-3", "--warmup-steps", "1", "--no-progress",
+        "--drafter-dtype", "float64", "--verifier-dtype", "float64", *extra,
+    ])
+
+
+def test_cli_trains_saves_resumes_and_writes_the_card(pair_dirs, tmp_path):
+    verifier_dir, drafter_dir, data = pair_dirs
+    out = tmp_path / "run"
+    assert _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "3", "--save-every", "2", "--eval-every", "2") == 0
+    assert (out / "checkpoint-2" / "trainer_state.pt").is_file() and (out / "checkpoint-3").is_dir()
+    events = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "eval"] == [0, 2, 3]
+    assert [e["budget"] in (16, 32) for e in events if e["event"] == "step"] == [True] * 3
+    card = (out / "README.md").read_text()
+    for text in (str(verifier_dir), "{16, 32}", "| 96 | untrained |", "| 96 | step 3 |", "Intended use", "Limitations",
+                 "library_name: transformers"):
+        assert text in card, text
+    trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
+    ckpt3 = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3", dtype=torch.float64)
+    untouched = tiny_model("llama", role="drafter")
+    for (name, a), b, c in zip(trained.state_dict().items(), ckpt3.state_dict().values(), untouched.state_dict().values()):
+        assert torch.equal(a, b), name
+    assert any(not torch.equal(a, c) for a, c in zip(trained.state_dict().values(), untouched.state_dict().values()))
+
+    assert _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "4", "--resume-from", "latest", "--no-eval") == 0
+    state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
+    assert state["step"] == 4 and state["config"]["budgets"] == [16, 32]
+
+
+class _RecordingHubApi:
+    """Stands in for ``HfApi`` at the HTTP boundary: records what would be sent and copies the files that
+    ``upload_folder`` would upload (after its ignore patterns) into ``self.repo``."""
+
+    def __init__(self, repo: Path):
+        self.repo, self.calls = repo, []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.calls.append(("create_repo", repo_id, kwargs))
+
+    def upload_folder(self, *, repo_id, folder_path, ignore_patterns=None, **kwargs):
+        import shutil
+
+        from huggingface_hub.utils import filter_repo_objects
+
+        self.calls.append(("upload_folder", repo_id, kwargs))
+        root = Path(folder_path)
+        files = [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()]
+        for rel in filter_repo_objects(files, ignore_patterns=ignore_patterns):
+            (self.repo / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(root / rel, self.repo / rel)
+        return type("CommitInfo", (), {"commit_url": f"local://{repo_id}/commit/0"})()
+
+
+def _trained_folder(tmp_path):
+    from hf_sparsekv.training.hub import render_model_card
+
+    verifier = tiny_model("llama")
+    cfg = _config(max_steps=2)
+    trainer = BudgetDraftTrainer(verifier, _drafter(), cfg)
+    settings = EvalSettings([prompt(96, seed=1)], contexts=[64], budgets=[16, 32], gamma=3, max_new_tokens=8)
+    out = tmp_path / "drafter"
+    history = trainer.train(_sequences(96), output_dir=out, eval_settings=settings, progress=False)
+    trainer.model.save_pretrained(out)
+    card = render_model_card(repo_id="someone/tiny-budgetdraft", verifier_id="someone/tiny-verifier",
+                             drafter_base="someone/tiny-drafter", data="synthetic", config=cfg, steps=trainer.step,
+                             evals=history["eval"], eval_info={"gamma": 3, "max_new_tokens": 8, "samples": 1,
+                                                                "data": "synthetic"}, dataset_ids=["someone/data"])
+    card.save(out / "README.md")
+    return trainer, out
+
+
+def test_push_to_hub_up_to_the_http_boundary(tmp_path):
+    """Not a server test: ``push_to_hub`` calls ``HfApi`` correctly and what it would upload reloads as the same
+    drafter with a valid card."""
+    from huggingface_hub import ModelCard
+
+    from hf_sparsekv.training.hub import push_to_hub
+
+    trainer, folder = _trained_folder(tmp_path)
+    api = _RecordingHubApi(tmp_path / "remote")
+    url = push_to_hub(folder, "someone/tiny-budgetdraft", private=True, api=api)
+    assert url.startswith("local://someone/tiny-budgetdraft")
+    assert api.calls[0] == ("create_repo", "someone/tiny-budgetdraft", {"repo_type": "model", "private": True,
+                                                                        "exist_ok": True})
+    uploaded = sorted(p.name for p in (tmp_path / "remote").rglob("*") if p.is_file())
+    assert "model.safetensors" in uploaded and "README.md" in uploaded and "config.json" in uploaded
+    assert not any(n.endswith(".pt") or n == "metrics.jsonl" for n in uploaded)
+    assert not (tmp_path / "remote" / "checkpoint-2").exists()
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "remote", dtype=torch.float64)
+    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name
+    card = ModelCard.load(tmp_path / "remote" / "README.md")
+    assert card.data.base_model == "someone/tiny-drafter" and card.data.datasets == ["someone/data"]
+    assert "speculative-decoding" in card.data.tags
+    assert "| 64 | untrained |" in card.text and "| 64 | step 2 |" in card.text
+    with pytest.raises(ValueError, match="README.md"):
+        (folder / "README.md").unlink()
+        push_to_hub(folder, "someone/x", api=api)
+
+
+@pytest.mark.skipif(
+    not os.environ.get("HF_SPARSEKV_TEST_HUB_ENDPOINT"),
+    reason="no Hub-compatible server configured (set HF_SPARSEKV_TEST_HUB_ENDPOINT and HF_TOKEN); hf-local-hub 3.0.0 "
+    "on PyPI ships only a client CLI, without the server binary",
+)
+def test_push_and_reload_through_a_real_hub_server(tmp_path):
+    from huggingface_hub import snapshot_download
+
+    from hf_sparsekv.training.hub import push_to_hub
+
+    endpoint = os.environ["HF_SPARSEKV_TEST_HUB_ENDPOINT"]
+    trainer, folder = _trained_folder(tmp_path)
+    repo = os.environ.get("HF_SPARSEKV_TEST_HUB_REPO", "hf-sparsekv-test/tiny-budgetdraft")
+    push_to_hub(folder, repo, endpoint=endpoint)
+    local = snapshot_download(repo, endpoint=endpoint, cache_dir=tmp_path / "cache")
+    reloaded = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float64)
+    for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
+        assert torch.equal(a, b), name

@@ -1,0 +1,159 @@
+"""``hf-sparsekv train-drafter``: arguments, model/data loading, training, final save, model card, Hub push.
+
+Single GPU: ``hf-sparsekv train-drafter ...``; several: ``accelerate launch -m hf_sparsekv.cli train-drafter ...``
+(DDP, same arguments; each process takes every n-th sequence).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+from pathlib import Path
+
+import torch
+
+from .config import LOSSES, TrainingConfig
+
+PAPER = TrainingConfig()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("models and data")
+    g.add_argument("--verifier", required=True, help="path or Hub id of the frozen verifier (its tokenizer is used)")
+    g.add_argument("--drafter", required=True, help="path or Hub id of the drafter to train (same vocabulary)")
+    g.add_argument("--data", required=True,
+                   help="'python-source', a datasets Hub id (streamed, e.g. pg19) or local .txt/.jsonl/.json/.parquet files or a folder")
+    g.add_argument("--data-split", default="train")
+    g.add_argument("--text-field", default="text", help="text column of a dataset / json records")
+    g.add_argument("--eval-data", help="held-out data (default: --data)")
+    g.add_argument("--eval-split", help="held-out split (default: 'eval' for python-source, else 'validation')")
+    g.add_argument("--output", required=True, help="output folder: checkpoints, metrics.jsonl, the final drafter")
+    g.add_argument("--verifier-dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    g.add_argument("--drafter-dtype", default="float32", help="drafter weights (trained; paper: float32)")
+
+    t = parser.add_argument_group("BudgetDraft (defaults: paper §3.5)")
+    t.add_argument("--seq-len", type=int, default=PAPER.seq_len, help="T")
+    t.add_argument("--continuation-len", type=int, default=PAPER.continuation_len, help="C (P = T - C)")
+    t.add_argument("--prefill-chunk", type=int, default=PAPER.prefill_chunk, help="tokens per chunked-prefill forward")
+    t.add_argument("--budgets", type=int, nargs="+", default=PAPER.budgets, help="sparse-branch KV budgets B")
+    t.add_argument("--budget-weights", type=float, nargs="+", help="Cat weights w (default: paper's 0.4 0.3 0.2 0.1 for the "
+                   "paper's budgets, else uniform)")
+    t.add_argument("--chunk-size", type=int, default=PAPER.chunk_size, help="s")
+    t.add_argument("--lam", type=float, default=PAPER.lam, help="λ in L = L_A + λ·L_C")
+    t.add_argument("--loss", choices=LOSSES, default=PAPER.loss, help="'la-only': the L_A ablation (Table 3)")
+    t.add_argument("--per-kv-head", action="store_true", help="select chunks per KV head (as ChunkBudgetCache(per_kv_head=True))")
+    t.add_argument("--lr", type=float, default=PAPER.lr)
+    t.add_argument("--weight-decay", type=float, default=PAPER.weight_decay)
+    t.add_argument("--warmup-steps", type=int, default=PAPER.warmup_steps)
+    t.add_argument("--max-steps", type=int, default=PAPER.max_steps)
+    t.add_argument("--clip-norm", type=float, default=PAPER.clip_norm)
+    t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
+                   help="bf16 autocast (default: on with CUDA)")
+    t.add_argument("--gradient-checkpointing", action="store_true")
+    t.add_argument("--seed", type=int, default=0)
+
+    e = parser.add_argument_group("held-out acceptance, checkpoints, Hub")
+    e.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: start and end only)")
+    e.add_argument("--no-eval", action="store_true", help="no held-out acceptance at all")
+    e.add_argument("--eval-contexts", type=int, nargs="+", help="prompt lengths (default: 8192 16384 capped at --seq-len)")
+    e.add_argument("--eval-budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    e.add_argument("--eval-samples", type=int, default=4, help="held-out prompts")
+    e.add_argument("--eval-new-tokens", type=int, default=64)
+    e.add_argument("--gamma", type=int, default=5, help="draft tokens per round in the evaluation")
+    e.add_argument("--save-every", type=int, default=500, help="steps between checkpoints (0: end only)")
+    e.add_argument("--resume-from", help="a checkpoint-<step> folder, or 'latest' (the newest one in --output)")
+    e.add_argument("--push-to-hub", metavar="REPO", help="push the trained drafter and its model card to this repo")
+    e.add_argument("--hub-private", action="store_true")
+    e.add_argument("--hub-endpoint", help="another Hub-compatible server (default: HF_ENDPOINT / huggingface.co)")
+    e.add_argument("--no-progress", action="store_true")
+
+
+def config_from_args(args) -> TrainingConfig:
+    weights = args.budget_weights
+    if weights is None:
+        weights = PAPER.budget_weights if list(args.budgets) == PAPER.budgets else [1.0] * len(args.budgets)
+    return TrainingConfig(
+        seq_len=args.seq_len, continuation_len=args.continuation_len, prefill_chunk=args.prefill_chunk,
+        budgets=list(args.budgets), budget_weights=list(weights), chunk_size=args.chunk_size,
+        per_kv_head=args.per_kv_head, lam=args.lam, loss=args.loss, lr=args.lr, weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps, max_steps=args.max_steps, clip_norm=args.clip_norm, bf16=args.bf16,
+        gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
+    )
+
+
+def _eval_split(args) -> str:
+    if args.eval_split:
+        return args.eval_split
+    from ..data import PYTHON_SOURCE
+
+    return "eval" if (args.eval_data or args.data) == PYTHON_SOURCE else "validation"
+
+
+def run(args) -> int:
+    from accelerate import Accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ..data import documents, token_sequences
+    from . import checkpoint as ckpt
+    from .hub import push_to_hub, render_model_card
+    from .trainer import BudgetDraftTrainer, EvalSettings
+
+    config = config_from_args(args)
+    accelerator = Accelerator()
+    say = accelerator.print
+    tokenizer = AutoTokenizer.from_pretrained(args.verifier)
+    verifier = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=getattr(torch, args.verifier_dtype))
+    drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=getattr(torch, args.drafter_dtype))
+    trainer = BudgetDraftTrainer(verifier, drafter, config, accelerator=accelerator, tokenizer=tokenizer)
+
+    output = Path(args.output)
+    if args.resume_from:
+        path = ckpt.latest_checkpoint(output) if args.resume_from == "latest" else Path(args.resume_from)
+        if path is None:
+            raise SystemExit(f"--resume-from latest: no complete checkpoint-<step> folder in {output}")
+        trainer.load_checkpoint(path)
+        say(f"resumed from {path} at step {trainer.step}")
+
+    eval_settings = None
+    eval_info = None
+    if not args.no_eval:
+        contexts = args.eval_contexts or sorted({min(c, config.seq_len) for c in (8192, 16384)})
+        eval_source = args.eval_data or args.data
+        split = _eval_split(args)
+        if eval_source == args.data and split == args.data_split:
+            say(f"warning: held-out acceptance uses the training data ({eval_source}, split {split}): pass --eval-data")
+        texts = documents(eval_source, split=split, text_field=args.text_field)
+        prompts = list(itertools.islice(token_sequences(texts, tokenizer, max(contexts)), args.eval_samples))
+        if not prompts:
+            raise SystemExit(f"no held-out prompt of {max(contexts)} tokens in {eval_source} (split {split})")
+        eval_settings = EvalSettings(prompts, contexts, list(args.eval_budgets), gamma=args.gamma,
+                                     max_new_tokens=args.eval_new_tokens, every=args.eval_every)
+        eval_info = {"gamma": args.gamma, "max_new_tokens": args.eval_new_tokens, "samples": len(prompts),
+                     "data": f"{eval_source} (split {split})"}
+
+    texts = documents(args.data, split=args.data_split, text_field=args.text_field)
+    sequences = token_sequences(texts, tokenizer, config.seq_len)
+    history = trainer.train(sequences, output_dir=output, eval_settings=eval_settings, save_every=args.save_every,
+                            progress=not args.no_progress)
+
+    if accelerator.is_main_process:
+        ckpt.save_model_folder(trainer.model, output, tokenizer)
+        summary = {"step": trainer.step, "config": config.to_dict(), "verifier": args.verifier,
+                   "drafter_base": args.drafter, "data": f"{args.data} (split {args.data_split})",
+                   "eval": history["eval"], "eval_info": eval_info}
+        (output / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        repo_id = args.push_to_hub or output.name
+        is_hub_id = "/" in args.data and not Path(args.data).exists()
+        card = render_model_card(
+            repo_id=repo_id, verifier_id=args.verifier, drafter_base=args.drafter,
+            data=summary["data"], config=config, steps=trainer.step, evals=history["eval"], eval_info=eval_info,
+            processes=accelerator.num_processes, dataset_ids=[args.data] if is_hub_id else None,
+        )
+        card.save(output / "README.md")
+        say(f"saved the drafter and its card to {output}")
+        if args.push_to_hub:
+            url = push_to_hub(output, args.push_to_hub, private=args.hub_private or None, endpoint=args.hub_endpoint)
+            say(f"pushed to {url}")
+    accelerator.wait_for_everyone()
+    return 0
