@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 .PHONY: install test demo zoo clean
 
 ZOO_WORK ?= runs/zoo
-ZOO_VERIFIER_MINUTES ?= 5
+ZOO_VERIFIER_MINUTES ?= 7.5
 ZOO_DRAFTER_MINUTES ?= 3
 
 $(STAMP): pyproject.toml

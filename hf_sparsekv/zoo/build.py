@@ -33,9 +33,9 @@ EVAL_DOC_TOKENS = 16384
 TOKENIZER_SAMPLE_EVERY = 8  # train the tokenizer on every 8th train document
 SHARD = "15MB"
 
-# Verifier: 4K windows for 70% of the run, then 16K; drafter: 2K windows throughout (its native length).
+# Verifier: 4K windows for 80% of the run, then 16K; drafter: 2K windows throughout (its native length).
 RECIPES = {
-    "verifier": dict(config=verifier_config, phases=[Phase(0.7, 4096, 16), Phase(1.0, 16384, 4)], lr=2e-3),
+    "verifier": dict(config=verifier_config, phases=[Phase(0.8, 4096, 16), Phase(1.0, 16384, 4)], lr=2e-3),
     "drafter": dict(config=drafter_config, phases=[Phase(1.0, 2048, 32)], lr=3e-3),
 }
 
