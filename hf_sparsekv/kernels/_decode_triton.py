@@ -1,0 +1,207 @@
+"""Triton source of the split-KV decode kernels (see :mod:`hf_sparsekv.kernels.decode_core`, which documents them
+and launches them). Imported lazily: importing this module imports Triton and decorates the kernels, which reads
+``TRITON_INTERPRET`` at that moment."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _write_rows(
+    acc, m_i, l_i, cols, rows, row_ok, q_head, qi, pid_s, kvh,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
+    O, stride_ol, stride_oh,
+    FINAL: tl.constexpr, WRITE_LSE: tl.constexpr,
+):
+    has = l_i > 0
+    out = acc / tl.where(has, l_i, 1.0)[:, None]
+    if FINAL:
+        ptrs = O + qi[:, None] * stride_ol + q_head[:, None] * stride_oh + cols[None, :]
+        tl.store(ptrs, out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        ptrs = OP + kvh * stride_oph + pid_s * stride_ops + rows[:, None] * stride_opm + cols[None, :]
+        tl.store(ptrs, out, mask=row_ok[:, None])
+        if WRITE_LSE:
+            lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+            tl.store(LP + kvh * stride_lph + pid_s * stride_lps + rows, lse, mask=row_ok)
+
+@triton.jit
+def _fp_part(
+    Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
+    scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    dt = DOT_DTYPE
+    d = tl.arange(0, HEAD_DIM)
+    q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None], other=0.0).to(dt)
+    limit = S_FP - L + qi  # key n is visible to row r iff n <= limit[r]
+    start = fsplit * FSPLIT_TOKENS
+    end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    k_base = K + kvh * stride_kh
+    v_base = V + kvh * stride_vh
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+        visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PREC)
+        m_i = m_new
+    _write_rows(acc, m_i, l_i, d, rows, row_ok, q_head, qi, pid_s, kvh,
+                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                FINAL, True)
+
+@triton.jit
+def _quant_part(
+    Q, stride_qh, stride_ql,
+    KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+    VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+    T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
+    INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    dt = DOT_DTYPE
+    half = tl.arange(0, HALF)
+    even = 2 * half
+    q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
+    q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    start = pid_s * QSPLIT_TOKENS
+    end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
+    vbias = tl.zeros([BLOCK_M], tl.float32)
+    ku_base = KU + kvh * stride_kuh
+    kl_base = KL + kvh * stride_kuh
+    vu_base = VU + kvh * stride_vuh
+    vl_base = VL + kvh * stride_vuh
+    ks_base = KS + kvh * stride_ksh
+    kz_base = KZ + kvh * stride_ksh
+    for n0 in range(start, end, QBLOCK_N):
+        offs_n = n0 + tl.arange(0, QBLOCK_N)
+        n_ok = offs_n < end
+        # keys: fold the group's per-channel scale into the query, its zero point into a per-row bias
+        g = n0 // KEY_GROUP
+        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
+        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
+        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
+        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        qs_e = q_e * ks_e[None, :]
+        qs_o = q_o * ks_o[None, :]
+        kbias = tl.sum(q_e * kz_e[None, :], 1) + tl.sum(q_o * kz_o[None, :], 1)
+        code_ptrs = offs_n[:, None] * stride_kun + half[None, :]
+        ku = tl.load(ku_base + code_ptrs, mask=n_ok[:, None], other=0)
+        s = tl.dot(qs_e.to(dt), tl.trans((ku & 15).to(dt)), input_precision=DOT_PREC)
+        s += tl.dot(qs_o.to(dt), tl.trans((ku >> 4).to(dt)), input_precision=DOT_PREC)
+        if INT8:
+            kl = tl.load(kl_base + code_ptrs, mask=n_ok[:, None], other=0)
+            kl_e = ((kl & 15).to(tl.float32) - 8.0).to(dt)
+            kl_o = ((kl >> 4).to(tl.float32) - 8.0).to(dt)
+            s += tl.dot((qs_e * (1.0 / 14.0)).to(dt), tl.trans(kl_e), input_precision=DOT_PREC)
+            s += tl.dot((qs_o * (1.0 / 14.0)).to(dt), tl.trans(kl_o), input_precision=DOT_PREC)
+        s = (s + kbias[:, None]) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # values: fold the per-token scale into p, the zero point into a per-row bias
+        vs = tl.load(VS + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+        vz = tl.load(VZ + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+        ps = p * vs[None, :]
+        vbias = vbias * alpha + tl.sum(p * vz[None, :], 1)
+        vcode_ptrs = offs_n[:, None] * stride_vun + half[None, :]
+        vu = tl.load(vu_base + vcode_ptrs, mask=n_ok[:, None], other=0)
+        acc_e = acc_e * alpha[:, None] + tl.dot(ps.to(dt), (vu & 15).to(dt), input_precision=DOT_PREC)
+        acc_o = acc_o * alpha[:, None] + tl.dot(ps.to(dt), (vu >> 4).to(dt), input_precision=DOT_PREC)
+        if INT8:
+            vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
+            ps14 = (ps * (1.0 / 14.0)).to(dt)
+            acc_e += tl.dot(ps14, ((vl & 15).to(tl.float32) - 8.0).to(dt), input_precision=DOT_PREC)
+            acc_o += tl.dot(ps14, ((vl >> 4).to(tl.float32) - 8.0).to(dt), input_precision=DOT_PREC)
+        m_i = m_new
+    acc_e += vbias[:, None]
+    acc_o += vbias[:, None]
+    _write_rows(acc_e, m_i, l_i, even, rows, row_ok, q_head, qi, pid_s, kvh,
+                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                FINAL, True)
+    _write_rows(acc_o, m_i, l_i, even + 1, rows, row_ok, q_head, qi, pid_s, kvh,
+                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                FINAL, False)
+
+@triton.jit
+def decode_split_kernel(
+    Q, stride_qh, stride_ql,
+    K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP,
+    KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+    VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn, T_Q,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
+    O, stride_ol, stride_oh,
+    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    pid_s = tl.program_id(0)
+    kvh = tl.program_id(1)
+    rows = tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * L
+    qi = rows % L
+    q_head = kvh * GROUP + rows // L
+    if HAS_QUANT:
+        if pid_s < N_QSPLITS:
+            _quant_part(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+                        VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+                        T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                        OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                        HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE)
+        else:
+            _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
+                     pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE)
+    else:
+        _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
+                 pid_s, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                 HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE)
+
+@triton.jit
+def combine_kernel(
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
+    O, stride_ol, stride_oh, NS, L,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    kvh = tl.program_id(0)
+    row = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    m = -1.0e30
+    w = 0.0
+    acc = tl.zeros([HEAD_DIM], tl.float32)
+    for s in range(0, NS):
+        lse = tl.load(LP + kvh * stride_lph + s * stride_lps + row)
+        o = tl.load(OP + kvh * stride_oph + s * stride_ops + row * stride_opm + d)
+        m_new = tl.maximum(m, lse)
+        a = tl.exp2(m - m_new)
+        b = tl.exp2(lse - m_new)
+        acc = acc * a + o * b
+        w = w * a + b
+        m = m_new
+    q_head = kvh * GROUP + row // L
+    qi = row % L
+    tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / w).to(O.dtype.element_ty))

@@ -1,0 +1,35 @@
+"""Decode attention over a small full-precision cache (the chunk-budget and sink+window caches): Triton kernel and
+its PyTorch reference, same signature.
+
+``query [1, Hq, L, D]`` (L = 1..16 new tokens) against ``key/value [1, Hkv, S, D]``, the S tokens the cache stores
+(kept chunks, then appended tokens; the last L are the queries' own, causal among themselves). GQA: Hq a multiple of
+Hkv. dtypes float16/bfloat16/float32, head_dim 32/64/128. The kernel reads only the S stored tokens, so its time
+depends on the budget, not on the context length. Key/value may be strided views (last dim contiguous), e.g. views
+of preallocated storage. Returns ``[1, L, Hq, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+from .decode_core import launch_decode
+from .reference import masked_attention_reference
+
+
+def chunk_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Triton split-KV kernel; see the module docstring."""
+    runtime.check_attention_inputs(query, key, value)
+    if key.shape[-2] < query.shape[-2] or value.shape[-2] != key.shape[-2]:
+        raise ValueError(
+            f"key/value must hold the same number of tokens, at least the {query.shape[-2]} queries; got "
+            f"{key.shape[-2]} and {value.shape[-2]}"
+        )
+    return launch_decode(query, scaling, key, value)
+
+
+def chunk_decode_attention_reference(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+) -> torch.Tensor:
+    """PyTorch reference (float32 math)."""
+    return masked_attention_reference(query, key, value, scaling)

@@ -1,0 +1,142 @@
+"""Split-KV (flash-decoding) Triton kernel shared by the chunk-budget and the hierarchical-quantized attention.
+
+One launch computes, for each KV head, the attention of its ``group·L`` query rows (``group`` query heads x ``L``
+query tokens, packed as the rows of one tile) over two segments:
+
+* an optional **quantized segment** of ``T_q`` tokens (all visible to every query): packed INT4 upper codes and,
+  in the INT8 view, lower codes, read as bytes and dequantized in registers. The dequantization is folded into the
+  operands: a key is ``z + s·cu (+ s/14·cl)`` per channel, so ``q·k = (q⊙s)·cu (+ (q⊙s/14)·cl) + q·z`` with the
+  group's ``s, z`` loaded once per block of tokens; a value is ``z_n + s_n·cv`` per token, so
+  ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Codes enter the tensor-core dots directly.
+* a **full-precision segment** of ``S`` tokens whose last ``L`` are the queries' own tokens (causal among them).
+
+The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
+base-2 log-sum-exp, and a second small kernel merges the splits. With a single split the first kernel writes the
+final output directly. Softmax runs in float32 (base 2), dots accumulate in float32.
+
+Invariants the launcher guarantees: every quantized block of ``qblock`` tokens lies in one key group
+(``group_size % qblock == 0``, blocks start at multiples of ``qblock``); ``S >= L``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import runtime
+
+LOG2E = 1.4426950408889634
+
+
+def _kernels():
+    from . import _decode_triton as tk
+
+    return tk.decode_split_kernel, tk.combine_kernel
+
+
+def dot_config(dtype: torch.dtype):
+    """(input_precision, operand dtype) of the kernels' ``tl.dot``: the model dtype on the GPU (float32 in exact IEEE
+    mode, not TF32). Triton 3.6's interpreter computes bfloat16 dots wrongly, so under ``TRITON_INTERPRET=1``
+    bfloat16 operands are widened to float32 (tests only; the compiled path keeps bfloat16)."""
+    import triton.language as tl
+
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and runtime.interpreting()):
+        return "ieee", tl.float32
+    return "tf32", {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}[dtype]
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # interpreter: a few splits, so that tests exercise the merge
+
+
+def _split_tokens(tokens: int, programs_per_split: int, block: int, device: torch.device, min_tokens: int) -> int:
+    """Tokens per split (a multiple of ``block``) so that about 4 programs per SM run, none with < ``min_tokens``."""
+    if tokens <= 0:
+        return block
+    want = max(1, math.ceil(4 * _sm_count(device) / programs_per_split))
+    splits = max(1, min(want, tokens // min_tokens))
+    per = math.ceil(tokens / splits)
+    return math.ceil(per / block) * block
+
+
+def _block_m(rows: int) -> int:
+    return max(16, triton_next_pow2(rows))
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def launch_decode(
+    q: torch.Tensor,
+    scaling: float,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    quant: tuple | None = None,
+    group_size: int = 0,
+    int8: bool = False,
+    fp_min_split: int = 256,
+    q_min_split: int = 1024,
+) -> torch.Tensor:
+    """Launch the split-KV kernel(s). ``q [1, Hq, L, D]``; ``k/v [1, Hkv, S, D]`` (last dim contiguous), the
+    full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
+    None. Returns ``[1, L, Hq, D]`` in ``q.dtype``. Callers validate shapes (see runtime.check_attention_inputs)."""
+    runtime.require(q, k, v)
+    decode_split_kernel, combine_kernel = _kernels()
+    _, hq, length, d = q.shape
+    hkv, s_fp = k.shape[1], k.shape[2]
+    group = hq // hkv
+    rows = group * length
+    block_m = _block_m(rows)
+    device = q.device
+    for t in (q, k, v):
+        if t.stride(-1) != 1:
+            raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
+    block_n = 64 if d <= 64 else 32
+    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split)
+    n_fsplits = max(1, math.ceil(s_fp / fsplit))
+    if quant is not None:
+        qk, qv = quant
+        t_q = qk.upper.shape[-2]
+        qblock = next(b for b in (64, 32, 16) if group_size % b == 0)
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split)
+        n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
+        ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
+        vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
+    else:
+        t_q, qblock, qsplit, n_qsplits = 0, 16, 16, 0
+        ku = kl = vu = vl = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
+        ks = kz = vs = vz = k
+    n_splits = n_qsplits + n_fsplits
+    final = n_splits == 1
+    out = torch.empty(length, hq, d, dtype=q.dtype, device=device)
+    if final:
+        op = lp = out
+        op_strides, lp_strides = (0, 0, 0), (0, 0)
+    else:
+        op = torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=device)
+        lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=device)
+        op_strides, lp_strides = op.stride()[:3], lp.stride()[:2]
+    dot_prec, dot_dtype = dot_config(q.dtype)
+    decode_split_kernel[(n_splits, hkv)](
+        q, q.stride(1), q.stride(2),
+        k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
+        ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
+        vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
+        op, lp, *op_strides, *lp_strides,
+        out, out.stride(0), out.stride(1),
+        scaling * LOG2E, length, n_qsplits, qsplit, fsplit,
+        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
+        KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
+        DOT_DTYPE=dot_dtype,
+        num_warps=4, num_stages=3,
+    )
+    if not final:
+        combine_kernel[(hkv, rows)](
+            op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
+            GROUP=group, HEAD_DIM=d, num_warps=1,
+        )
+    return out.unsqueeze(0)

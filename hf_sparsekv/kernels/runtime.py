@@ -1,0 +1,131 @@
+"""When the Triton kernels run: availability (Triton importable, CUDA or the interpreter) and the on/off switch.
+
+Nothing here imports Triton at module import time, so the package imports on machines without Triton or CUDA.
+
+* :func:`enabled` ``(device)`` is what the caches and the attention function ask: True on a CUDA device when Triton
+  imports, False on CPU, unless overridden by :func:`use_kernels` (a context manager) or the environment variable
+  ``HF_SPARSEKV_KERNELS`` (``0`` = never, ``1`` = always, also on CPU, which needs ``TRITON_INTERPRET=1``).
+* :func:`require` raises a clear error when a kernel is called where it cannot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import os
+
+import torch
+
+_override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("_override", default=None)
+
+
+@functools.lru_cache(maxsize=None)
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _env_override() -> bool | None:
+    value = os.environ.get("HF_SPARSEKV_KERNELS", "")
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"HF_SPARSEKV_KERNELS must be '0' or '1', got {value!r}")
+    return value == "1"
+
+
+def enabled(device: torch.device | str) -> bool:
+    """Whether the attention/quantization of tensors on ``device`` goes through the Triton kernels."""
+    forced = _override.get()
+    if forced is None:
+        forced = _env_override()
+    if forced is False or not triton_available():
+        return False
+    device = torch.device(device)
+    if device.type == "cuda":
+        return True
+    return bool(forced) and interpreting()
+
+
+@contextlib.contextmanager
+def use_kernels(on: bool):
+    """``with use_kernels(False):`` forces the PyTorch reference path; ``use_kernels(True)`` forces the kernels,
+    also on CPU tensors when ``TRITON_INTERPRET=1`` (tests)."""
+    token = _override.set(bool(on))
+    try:
+        yield
+    finally:
+        _override.reset(token)
+
+
+@functools.lru_cache(maxsize=None)
+def _patch_interpreter_index() -> None:
+    """Triton 3.6's interpreter converts scalar tensors (1-element arrays) to Python ints with ``int(array)``, which
+    NumPy >= 2.3 rejects, so any loop with a runtime bound fails under ``TRITON_INTERPRET=1``. Re-define that one
+    conversion with ``.item()``; nothing else about the interpreter (or the compiled path) changes."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None or getattr(original, "_hf_sparsekv", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0].item()))
+
+    patched._hf_sparsekv = True
+    interpreter._patch_lang_tensor = patched
+
+
+def require(*tensors: torch.Tensor) -> None:
+    """Raise unless the Triton kernels can run on these tensors."""
+    if not triton_available():
+        raise NotImplementedError("the hf_sparsekv Triton kernels need the `triton` package")
+    if interpreting():
+        _patch_interpreter_index()
+    for t in tensors:
+        if t.device.type != "cuda" and not interpreting():
+            raise NotImplementedError(
+                f"the hf_sparsekv Triton kernels run on CUDA tensors (got a tensor on {t.device}); on CPU set "
+                "TRITON_INTERPRET=1 (tests) or use the PyTorch reference"
+            )
+
+
+def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) -> tuple[int, int, int, int, int]:
+    """Validate ``q [1, Hq, L, D]`` and ``kv`` tensors ``[1, Hkv, *, D]`` for the decode kernels.
+
+    Returns ``(Hq, Hkv, L, D, group)``. Raises ValueError/NotImplementedError naming what is unsupported.
+    """
+    if q.dim() != 4 or q.shape[0] != 1:
+        raise NotImplementedError(f"query must be [1, Hq, L, D] (batch size 1), got shape {tuple(q.shape)}")
+    _, hq, length, d = q.shape
+    if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise NotImplementedError(f"dtype {q.dtype} is not supported (float16, bfloat16, float32)")
+    if d not in (32, 64, 128):
+        raise NotImplementedError(f"head_dim {d} is not supported (32, 64, 128)")
+    if not 1 <= length <= max_q:
+        raise NotImplementedError(f"query length {length} is not supported (1..{max_q})")
+    hkv = kv[0].shape[1] if kv else hq
+    if hq % hkv:
+        raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    group = hq // hkv
+    if group * length > 128:
+        raise NotImplementedError(f"query heads per KV head x query length = {group * length} > 128 is not supported")
+    for t in kv:
+        if t.shape[0] != 1 or t.shape[1] != hkv:
+            raise ValueError(f"key/value tensors must be [1, {hkv}, *, *], got shape {tuple(t.shape)}")
+        if t.device != q.device:
+            raise ValueError(f"all tensors must be on {q.device}, got one on {t.device}")
+        if t.dtype.is_floating_point and t.dtype != q.dtype:
+            raise ValueError(f"key/value dtype {t.dtype} differs from the query dtype {q.dtype}")
+    return hq, hkv, length, d, group
