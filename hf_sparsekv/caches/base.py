@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from . import kernel_hook
+
 
 def tensor_nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
@@ -72,6 +74,13 @@ class CompressedLayer(CacheLayerMixin):
 
 class CompressedCache(Cache):
     """Base of the project's caches: memory reporting and a crop that accepts either convention."""
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """The layer's update, then the layer is handed to the attention function that follows (see
+        :mod:`.kernel_hook`), which may run a kernel over the layer's own storage."""
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        kernel_hook.offer(layer_idx, self.layers[layer_idx], keys)
+        return keys, values
 
     def nbytes(self) -> int:
         """Bytes held by the cache's tensors (stored tokens and quantization parameters)."""

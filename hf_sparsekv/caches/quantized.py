@@ -10,6 +10,13 @@ Layout per layer (batch 1):
   the buffer holds >= 2G tokens its oldest G are quantized. Rolled-back tokens therefore always live in the buffer
   and rollback never re-quantizes.
 
+Attention paths. Reference (CPU, or any attention implementation): ``update`` returns the dequantized store in the
+current view followed by the buffer. Kernel path (CUDA, the ``"sparsekv"`` attention, see :mod:`hf_sparsekv.attention`):
+once that attention has seen a layer it sets ``kernel_attention``; from then on ``update`` returns *placeholders*
+(meta tensors of the right shape, no memory, unusable by any other attention: a loud error, never a wrong result)
+and the attention kernel reads the packed codes and the buffer directly. Quantization (prefill and flush) runs
+through the Triton quantize kernels where they are enabled (bit-identical to the reference for float16/bfloat16).
+
 The quantization state a token sees depends only on its position, so greedy decoding one token at a time and a
 verification block that does not cross a flush (see :meth:`HierarchicalQuantCache.uniform_room`) see the same
 numbers. The prefill attends in full precision.
@@ -21,13 +28,9 @@ import functools
 
 import torch
 
-from ..kernels.quant_reference import (
-    QuantizedTensor,
-    dequantize_keys,
-    dequantize_values,
-    quantize_keys,
-    quantize_values,
-)
+from ..kernels import runtime
+from ..kernels.quant_reference import QuantizedTensor, dequantize_keys, dequantize_values
+from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
 from .base import CompressedCache, CompressedLayer, tensor_nbytes
 
 VIEWS = ("int4", "int8")
@@ -46,6 +49,7 @@ class HierarchicalQuantLayer(CompressedLayer):
         self.owner = owner  # holds the current view, shared by all layers
         self.qkeys: QuantizedTensor | None = None
         self.qvalues: QuantizedTensor | None = None
+        self.kernel_attention = False  # set by the "sparsekv" attention: update may return placeholders
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -64,8 +68,8 @@ class HierarchicalQuantLayer(CompressedLayer):
         """Quantize the oldest ``n_tokens`` (a multiple of G) of the buffer."""
         if n_tokens <= 0:
             return
-        self.qkeys = _cat_quantized(self.qkeys, quantize_keys(self.keys[..., :n_tokens, :], self.group_size))
-        self.qvalues = _cat_quantized(self.qvalues, quantize_values(self.values[..., :n_tokens, :]))
+        self.qkeys = _cat_quantized(self.qkeys, quantize_keys_auto(self.keys[..., :n_tokens, :], self.group_size))
+        self.qvalues = _cat_quantized(self.qvalues, quantize_values_auto(self.values[..., :n_tokens, :]))
         self.keys, self.values = self.keys[..., n_tokens:, :], self.values[..., n_tokens:, :]
 
     def pending_flush(self) -> int:
@@ -95,6 +99,16 @@ class HierarchicalQuantLayer(CompressedLayer):
         self.seen += key_states.shape[-2]
         if self.qkeys is None:
             return self.keys, self.values
+        if self.kernel_attention and runtime.enabled(self.device):
+            shape = (*self.keys.shape[:2], self.seen, self.keys.shape[-1])
+            placeholder = torch.empty(shape, dtype=self.dtype, device="meta")
+            return placeholder, placeholder
+        return self.materialized()
+
+    def materialized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every stored token, the quantized part dequantized in the current view, ``[B, H, seen, D]`` (reference)."""
+        if self.qkeys is None:
+            return self.keys, self.values
         qk, qv = self.dequantized(self.owner.view)
         return torch.cat([qk, self.keys], dim=-2), torch.cat([qv, self.values], dim=-2)
 
@@ -114,6 +128,7 @@ class HierarchicalQuantLayer(CompressedLayer):
     def reset(self) -> None:
         super().reset()
         self.qkeys = self.qvalues = None
+        self.kernel_attention = False
 
     def nbytes(self) -> int:
         q = [t for qt in (self.qkeys, self.qvalues) if qt is not None for t in vars(qt).values()]

@@ -1,0 +1,396 @@
+"""Triton kernels against their PyTorch references, and the "sparsekv" attention wiring.
+
+On CPU the kernels run through Triton's interpreter at small sizes. The interpreter must be chosen before Triton is
+first imported (``TRITON_INTERPRET=1``), and ``conftest`` has already imported it by the time this module loads, so
+a plain ``pytest tests`` runs this module's CPU tests in one child pytest process with ``TRITON_INTERPRET=1`` (the
+test ``test_kernels_in_triton_interpreter``, which shows the child's report on failure); running
+``TRITON_INTERPRET=1 pytest tests/test_kernels.py`` runs them directly. The ``cuda``-marked tests run the compiled
+kernels at real sizes on a GPU (skipped on CPU). Inputs are fresh random tensors with ragged lengths; outputs are
+compared to the float32 references by relative error ``||out - ref|| / ||ref||``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
+from hf_sparsekv.kernels import runtime  # noqa: E402
+from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference  # noqa: E402
+from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference  # noqa: E402
+from hf_sparsekv.kernels.quantize import (  # noqa: E402
+    quantize_keys,
+    quantize_keys_reference,
+    quantize_values,
+    quantize_values_reference,
+)
+from hf_sparsekv.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+HALF_DTYPES = [torch.float16, torch.bfloat16]
+TOL = 1e-2
+
+
+
+def _interpreter_active() -> bool:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(triton.language.zeros, InterpretedFunction)
+
+
+NEEDS_CHILD = DEVICE == "cpu" and not _interpreter_active()
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on(request):
+    if NEEDS_CHILD and request.node.originalname != "test_kernels_in_triton_interpreter":
+        pytest.skip("runs in the TRITON_INTERPRET=1 child process (test_kernels_in_triton_interpreter)")
+    with runtime.use_kernels(True):
+        yield
+
+
+@pytest.mark.skipif(not NEEDS_CHILD, reason="the kernels already run here (GPU or interpreter)")
+def test_kernels_in_triton_interpreter():
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x", "-p", "no:cacheprovider"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def _qkv(hq, hkv, length, d, s, dtype, seed, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    # query as transformers makes it: [1, L, Hq, D] projected, then transposed (non-contiguous for L > 1)
+    q = torch.randn(1, length, hq, d, generator=g).transpose(1, 2)
+    k = torch.randn(1, hkv, s, d, generator=g) * 1.5 + 0.3
+    v = torch.randn(1, hkv, s, d, generator=g)
+    return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+# ---------------------------------------------------------------- chunk-budget decode attention
+
+CHUNK_CASES = [  # (Hq, Hkv, L, D, stored tokens)
+    (4, 4, 1, 64, 8),
+    (4, 1, 3, 128, 37),
+    (8, 1, 16, 64, 203),
+    (8, 2, 5, 128, 131),
+    (4, 4, 16, 64, 1000),
+    (8, 8, 1, 128, 517),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CHUNK_CASES, ids=lambda c: "hq{}-hkv{}-L{}-d{}-s{}".format(*c))
+def test_chunk_attention_matches_reference(case, dtype):
+    hq, hkv, length, d, s = case
+    q, k, v = _qkv(hq, hkv, length, d, s, dtype, seed=s)
+    scaling = d**-0.5
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), scaling)
+    out = chunk_decode_attention(q, k, v, scaling)
+    assert out.shape == (1, length, hq, d) and out.dtype == dtype
+    assert _rel(out, ref) < TOL
+
+
+def test_chunk_attention_reads_strided_views_and_float32():
+    """Views of preallocated storage (a longer buffer cut to the stored length) and float32 (IEEE dots)."""
+    q, k, v = _qkv(8, 2, 4, 64, 300, torch.float32, seed=3)
+    ks, vs = k[:, :, :157], v[:, :, :157]
+    ref = chunk_decode_attention_reference(q, ks, vs, 0.125)
+    assert _rel(chunk_decode_attention(q, ks, vs, 0.125), ref) < 1e-5
+
+
+# ---------------------------------------------------------------- hierarchical quantized decode attention
+
+QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)
+    (4, 4, 1, 64, 32, 32, 33),
+    (4, 1, 5, 128, 16, 80, 21),
+    (8, 2, 16, 64, 32, 224, 63),
+    (8, 1, 1, 128, 64, 1088, 70),
+    (4, 4, 3, 64, 16, 0, 9),
+]
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["int4", "int8"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: "hq{}-hkv{}-L{}-d{}-G{}-T{}-b{}".format(*c))
+def test_quant_attention_matches_reference(case, dtype, int8):
+    hq, hkv, length, d, g, t_q, n_buf = case
+    q, k, v = _qkv(hq, hkv, length, d, t_q + n_buf, dtype, seed=t_q + n_buf)
+    qk = quantize_keys_reference(k[:, :, :t_q], g) if t_q else None
+    qv = quantize_values_reference(v[:, :, :t_q]) if t_q else None
+    bk, bv = k[:, :, t_q:], v[:, :, t_q:]
+    scaling = d**-0.5
+    ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), bk.float(), bv.float(), g, int8, scaling)
+    out = quant_decode_attention(q, qk, qv, bk, bv, g, int8, scaling)
+    assert out.shape == (1, length, hq, d) and out.dtype == dtype
+    assert _rel(out, ref) < TOL
+
+
+def _f32(qt):
+    if qt is None:
+        return None
+    return type(qt)(qt.upper, qt.lower, qt.scale.float(), qt.zero.float())
+
+
+def test_quant_attention_views_differ_and_int8_is_closer():
+    """The INT8 view is closer to full precision than the INT4 view (the kernel reads the lower codes)."""
+    q, k, v = _qkv(4, 2, 2, 64, 160, torch.float16, seed=7)
+    qk, qv = quantize_keys_reference(k[:, :, :128], 32), quantize_values_reference(v[:, :, :128])
+    full = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125)
+    err4 = _rel(quant_decode_attention(q, qk, qv, k[:, :, 128:], v[:, :, 128:], 32, False, 0.125), full)
+    err8 = _rel(quant_decode_attention(q, qk, qv, k[:, :, 128:], v[:, :, 128:], 32, True, 0.125), full)
+    assert err8 < err4 / 3
+
+
+# ---------------------------------------------------------------- verification (hybrid) attention
+
+VERIFY_CASES = [  # (Hq, Hkv, L, D, cache tokens)
+    (4, 4, 2, 64, 45),
+    (4, 1, 6, 128, 300),
+    (8, 2, 16, 64, 129),
+    (8, 8, 9, 128, 16),  # no prefix at all: the block alone
+]
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda c: "hq{}-hkv{}-L{}-d{}-s{}".format(*c))
+def test_verify_attention_matches_reference(case, dtype, tree):
+    hq, hkv, length, d, s = case
+    s = max(s, length)
+    q, k, v = _qkv(hq, hkv, length, d, s, dtype, seed=s + length)
+    mask = None
+    if tree:  # a random tree-like mask: every token sees itself and a random subset of earlier block tokens
+        g = torch.Generator().manual_seed(length)
+        mask = (torch.rand(length, length, generator=g) < 0.5).tril() | torch.eye(length, dtype=torch.bool)
+    scaling = d**-0.5
+    ref = verify_attention_reference(q.float(), k.float(), v.float(), scaling, mask)
+    out = verify_attention(q, k, v, scaling, mask)
+    assert out.shape == (1, length, hq, d) and out.dtype == dtype
+    assert _rel(out, ref) < TOL
+
+
+# ---------------------------------------------------------------- quantize / pack
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("g,t,d", [(32, 96, 64), (16, 16, 128), (48, 144, 32)])
+def test_quantize_kernels_bit_identical(dtype, g, t, d):
+    gen = torch.Generator().manual_seed(t + d)
+    x = (torch.randn(1, 3, t, d, generator=gen) * 3 + torch.linspace(-5, 5, d)).to(DEVICE, dtype)
+    x[0, 0, :g, 0] = 0.7  # a constant channel group and a constant token (scale 0 -> 1)
+    x[0, 1, 5, :] = -1.25
+    for got, want in ((quantize_keys(x, g), quantize_keys_reference(x, g)), (quantize_values(x), quantize_values_reference(x))):
+        for name in ("upper", "scale", "zero"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        if dtype == torch.float32:  # documented: a lower code may move by one at an exact rounding tie
+            diff = (got.lower.int() - want.lower.int()).abs()
+            assert (diff > 0).float().mean() < 1e-3
+        else:
+            assert torch.equal(got.lower, want.lower)
+
+
+def test_quantize_kernel_reads_a_buffer_slice():
+    x = torch.randn(1, 2, 100, 64, dtype=torch.float16, device=DEVICE)
+    got, want = quantize_keys(x[:, :, :64], 32), quantize_keys_reference(x[:, :, :64].contiguous(), 32)
+    assert torch.equal(got.upper, want.upper) and torch.equal(got.lower, want.lower)
+
+
+# ---------------------------------------------------------------- clear errors
+
+def test_unsupported_inputs_raise():
+    q, k, v = _qkv(4, 2, 1, 64, 20, torch.float16, seed=0)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        chunk_decode_attention(q[..., :48], k[..., :48], v[..., :48], 0.1)
+    with pytest.raises(NotImplementedError, match="dtype"):
+        chunk_decode_attention(q.double(), k.double(), v.double(), 0.1)
+    with pytest.raises(NotImplementedError, match="query length"):
+        chunk_decode_attention(torch.zeros(1, 4, 17, 64, dtype=torch.float16, device=DEVICE), k, v, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        chunk_decode_attention(torch.zeros(1, 3, 1, 64, dtype=torch.float16, device=DEVICE), k, v, 0.1)
+    with pytest.raises(NotImplementedError, match="group_size"):
+        qk, qv = quantize_keys_reference(k[:, :, :8], 8), quantize_values_reference(v[:, :, :8])
+        quant_decode_attention(q, qk, qv, k[:, :, 8:], v[:, :, 8:], 8, False, 0.1)
+    with pytest.raises(ValueError, match="group_size"):
+        quantize_keys(k[:, :, :20], 16)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CPU-only behaviour")
+def test_kernels_off_on_cpu_unless_forced():
+    with runtime.use_kernels(False):
+        assert not runtime.enabled("cpu")
+    assert runtime.enabled("cpu") == runtime.interpreting()
+
+
+# ---------------------------------------------------------------- wiring into a model
+
+def _tiny_llama(dtype=torch.float32, device=DEVICE, head_dim=32):
+    config = LlamaConfig(
+        vocab_size=96, hidden_size=4 * head_dim, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model = model.to(device, dtype)
+    model.set_attn_implementation("sparsekv")
+    return model
+
+
+class _Counter:
+    def __init__(self, monkeypatch, module, name):
+        import hf_sparsekv.kernels.chunk_attention  # noqa: F401  (the attribute must exist before patching)
+        import hf_sparsekv.kernels.quant_attention  # noqa: F401
+        import hf_sparsekv.kernels.verify_attention  # noqa: F401
+
+        self.calls = 0
+        original = getattr(module, name)
+
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+
+
+@pytest.mark.parametrize(
+    "make_cache,kernel",
+    [
+        (lambda: ChunkBudgetCache(budget=64), "chunk_attention.chunk_decode_attention"),
+        (lambda: SinkWindowCache(sink=4, window=40), "chunk_attention.chunk_decode_attention"),
+        (lambda: HierarchicalQuantCache(group_size=32), "quant_attention.quant_decode_attention"),
+    ],
+    ids=["chunk", "window", "quant"],
+)
+def test_model_generates_the_same_with_kernels(monkeypatch, make_cache, kernel):
+    import hf_sparsekv.kernels as kernels_pkg
+
+    model = _tiny_llama()
+    ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    with runtime.use_kernels(False):
+        reference = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=make_cache())
+    module_name, fn = kernel.split(".")
+    import importlib
+
+    counter = _Counter(monkeypatch, importlib.import_module(f"{kernels_pkg.__name__}.{module_name}"), fn)
+    cache = make_cache()
+    out = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=cache)
+    assert torch.equal(out, reference)
+    assert counter.calls == 7 * 2  # every decode step of both layers went through the kernel
+
+
+@torch.no_grad()
+def test_quantized_store_is_never_dequantized_with_kernels(monkeypatch):
+    from hf_sparsekv.caches import quantized
+
+    model = _tiny_llama()
+    ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the store was dequantized on the kernel path")
+
+    cache = HierarchicalQuantCache(group_size=32)
+    model(ids, past_key_values=cache)  # prefill: the attention marks the layers
+    monkeypatch.setattr(quantized, "dequantize_keys", forbidden)
+    for t in range(100, 106):
+        model(ids[:, :1], past_key_values=cache, position_ids=torch.tensor([[t]], device=DEVICE))
+    keys, _ = cache.layers[0].update(*(torch.zeros(1, 2, 1, 32, device=DEVICE),) * 2)
+    assert keys.is_meta  # a placeholder; SDPA or eager attention cannot use it silently
+
+
+def test_self_speculative_with_kernels_is_lossless():
+    model = _tiny_llama()
+    ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(4)).to(DEVICE)
+    reference = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=HierarchicalQuantCache(32))
+    out = model.generate(
+        ids, max_new_tokens=10, do_sample=False, assistant_model=model,
+        draft_cache=HierarchicalQuantCache(group_size=32), num_assistant_tokens=4,
+    )
+    assert torch.equal(out, reference)
+
+
+@torch.no_grad()
+def test_dense_cache_verify_step_uses_hybrid_attention(monkeypatch):
+    import hf_sparsekv.kernels.verify_attention as va
+
+    model = _tiny_llama(dtype=torch.float16)
+    ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    cache = DynamicCache()
+    model(ids[:, :74], past_key_values=cache)
+    ref_cache = copy.deepcopy(cache)
+    counter = _Counter(monkeypatch, va, "verify_attention")
+    got = model(ids[:, 74:], past_key_values=cache).logits.float()
+    assert counter.calls == 2
+    with runtime.use_kernels(False):
+        want = model(ids[:, 74:], past_key_values=ref_cache).logits.float()
+    assert _rel(got, want) < TOL
+
+
+# ---------------------------------------------------------------- real sizes on the GPU
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv,d", [(32, 32, 128), (32, 8, 128), (16, 2, 64)])
+@pytest.mark.parametrize("length", [1, 6, 16])
+def test_cuda_real_sizes(dtype, hq, hkv, d, length):
+    scaling = d**-0.5
+    q, k, v = _qkv(hq, hkv, length, d, 2048 + 8 + length, dtype, seed=length)
+    assert _rel(chunk_decode_attention(q, k, v, scaling), chunk_decode_attention_reference(q, k, v, scaling)) < TOL
+    t_q, g = 16384, 128
+    q, k, v = _qkv(hq, hkv, length, d, t_q + 200, dtype, seed=length + 1)
+    qk, qv = quantize_keys(k[:, :, :t_q], g), quantize_values(v[:, :, :t_q])
+    for int8 in (False, True):
+        ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), k[:, :, t_q:], v[:, :, t_q:], g, int8, scaling)
+        assert _rel(quant_decode_attention(q, qk, qv, k[:, :, t_q:], v[:, :, t_q:], g, int8, scaling), ref) < TOL
+    if length >= 2:
+        q, k, v = _qkv(hq, hkv, length, d, 32768 + 13, dtype, seed=length + 2)
+        assert _rel(verify_attention(q, k, v, scaling), verify_attention_reference(q, k, v, scaling)) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+def test_cuda_quantize_bit_identical_real_size(dtype):
+    x = (torch.randn(1, 8, 4096, 128, device="cuda") * 2).to(dtype)
+    for got, want in (
+        (quantize_keys(x, 128), quantize_keys_reference(x, 128)),
+        (quantize_values(x), quantize_values_reference(x)),
+    ):
+        for name in ("upper", "lower", "scale", "zero"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
+def test_cuda_lossless_with_kernels(mode):
+    """The losslessness of tests/test_cuda.py with both models on the "sparsekv" attention (kernels on)."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    verifier = _tiny_llama(head_dim=64)
+    drafter = _tiny_llama(head_dim=32)
+    for seed, length in enumerate((5, 140, 400)):
+        ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed)).cuda()
+        kwargs = dict(max_new_tokens=32, do_sample=False)
+        if mode == "int4":
+            reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
+            spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+        else:
+            reference = verifier.generate(ids, **kwargs)
+            spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
+        for gamma in (1, 3, 8):
+            out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
+            assert torch.equal(out, reference)
