@@ -190,8 +190,8 @@ def combine_kernel(
     kvh = tl.program_id(0)
     row = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
-    m = -1.0e30
-    w = 0.0
+    m = tl.zeros([1], tl.float32) - 1.0e30
+    w = tl.zeros([1], tl.float32)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for s in range(0, NS):
         lse = tl.load(LP + kvh * stride_lph + s * stride_lps + row)
