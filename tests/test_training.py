@@ -259,6 +259,16 @@ def test_gradient_checkpointing_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], grads[0][name], rtol=1e-9, atol=1e-12, msg=name)
 
 
+def test_bf16_autocast_step_keeps_float32_weights():
+    verifier = copy.deepcopy(tiny_model("qwen2")).float()
+    drafter = copy.deepcopy(tiny_model("qwen2", role="drafter")).float()
+    drafter.set_attn_implementation("sparsekv")
+    trainer = BudgetDraftTrainer(verifier, drafter, _config(bf16=True))
+    result = trainer.train_step(prompt(96, seed=3))
+    assert math.isfinite(result.loss) and result.loss_c is not None
+    assert {p.dtype for p in trainer.model.parameters()} == {torch.float32}
+
+
 def test_bad_inputs_are_rejected():
     verifier = tiny_model("llama")
     trainer = BudgetDraftTrainer(verifier, _drafter(), _config())
@@ -499,3 +509,71 @@ def test_push_and_reload_through_a_real_hub_server(tmp_path):
     reloaded = AutoModelForCausalLM.from_pretrained(local, dtype=torch.float64)
     for (name, a), b in zip(trainer.model.state_dict().items(), reloaded.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+_DDP_SCRIPT = r'''
+import copy, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from tests.conftest import prompt, tiny_model
+from hf_sparsekv.training import BudgetDraftTrainer, TrainingConfig
+from hf_sparsekv.training.objective import continuation_logits, teacher_targets, top1_loss
+from hf_sparsekv.training.views import prefill_prefix
+
+cfg = TrainingConfig(seq_len=96, continuation_len=16, prefill_chunk=32, budgets=[16, 32], budget_weights=[0.5, 0.5],
+                     lr=1e-3, warmup_steps=1, max_steps=3, lam=0.5)
+drafter = copy.deepcopy(tiny_model("llama", role="drafter", layers=2))
+trainer = BudgetDraftTrainer(tiny_model("llama"), drafter, cfg)
+acc = trainer.accelerator
+assert acc.num_processes == 2, acc.num_processes
+rank = acc.process_index
+seq = prompt(96, seed=10 + rank)  # different data on each process
+local = copy.deepcopy(trainer.model)  # plain module: this process's own gradient, no DDP
+prefix = prefill_prefix(local, seq[:, :80], 32)
+targets = teacher_targets(trainer.verifier, seq, 80, 32)
+la, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.full_view(), 80), targets)
+lc, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.sparse_view(16).cache, 80), targets)
+(la + 0.5 * lc).backward()
+trainer.accumulate_gradients(seq, budget=16)
+for (name, p), q in zip(trainer.model.named_parameters(), local.parameters()):
+    expected = q.grad.clone()
+    dist.all_reduce(expected)
+    torch.testing.assert_close(p.grad, expected / 2, rtol=1e-9, atol=1e-12, msg=name)
+trainer.optimizer.zero_grad()
+trainer.train([prompt(96, seed=20 + i) for i in range(6)], progress=False)  # 3 each
+flat = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+gathered = [torch.empty_like(flat) for _ in range(2)]
+dist.all_gather(gathered, flat)
+assert torch.equal(gathered[0], gathered[1])
+open(f"rank{rank}.ok", "w").write(str(trainer.step))  # cwd: the test's tmp_path
+dist.destroy_process_group()
+'''
+
+
+def test_ddp_two_processes_average_the_objective_gradient(tmp_path):
+    """Two CPU processes (torchrun, gloo): the synced gradient is the mean over processes of each one's
+    ∇(L_A + λ·L_C), though L_A's backward runs without sync; the replicas stay identical while training."""
+    import signal
+    import subprocess
+    import sys
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    if not torchrun.exists():
+        pytest.skip("torchrun is not installed next to the Python interpreter")
+    script = tmp_path / "ddp_check.py"
+    script.write_text(_DDP_SCRIPT)
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    repo = Path(__file__).resolve().parents[1]
+    # Its own session, so that a hang kills torchrun and both workers, never leaving orphans behind.
+    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(repo)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=150)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"2-process DDP run did not finish in 150 s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    assert [(tmp_path / f"rank{r}.ok").read_text() for r in (0, 1)] == ["3", "3"]
