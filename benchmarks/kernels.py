@@ -11,7 +11,10 @@ Two timings per kernel, both with L2 flushed before every call:
 
 Targets use ``gpu_ms``; ``eager_ms`` is printed beside it.
 
-Usage: ``python benchmarks/kernels.py --out kernels.json [--quick]`` (CUDA GPU required).
+``--sweep`` first times launch configurations of the quantized-attention kernel (block, warps, stages, split count,
+transposed code loads) at the longest context, prints them, and runs the table with the fastest.
+
+Usage: ``python benchmarks/kernels.py --out kernels.json [--quick] [--sweep]`` (CUDA GPU required).
 """
 
 from __future__ import annotations
@@ -122,6 +125,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="kernels.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="16K context only, fewer repeats")
+    parser.add_argument("--sweep", action="store_true", help="tune the quantized-attention launch config first")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -156,6 +160,11 @@ def main(argv=None) -> int:
     print(f"# {meta['gpu']}  torch {meta['torch']}  triton {meta['triton']}  commit {meta['commit']}  "
           f"copy bandwidth {copy_gbps:.0f} GB/s")
     rows = []
+    if args.sweep:
+        meta["sweep"] = _sweep(min(max(contexts), 65536))
+    from hf_sparsekv.kernels import decode_core
+
+    meta["quant_config"] = dict(decode_core.QUANT_CONFIG)
 
     def record(shape, ctx, kernel, fn, nbytes, baseline=None):
         gpu = timer.gpu_ms(fn)
@@ -220,6 +229,47 @@ def main(argv=None) -> int:
         json.dump({"meta": meta, "rows": rows, "targets": targets}, f, indent=1)
     print(f"wrote {args.out}")
     return 0
+
+
+def _sweep(ctx):
+    """Time quantized-attention launch configs (INT4, q=1, both shapes); keep the fastest (sum over shapes)."""
+    import itertools
+
+    from hf_sparsekv.kernels import decode_core
+    from hf_sparsekv.kernels.quant_attention import quant_decode_attention
+    from hf_sparsekv.kernels.quantize import quantize_keys, quantize_values
+
+    configs = [
+        dict(qblock=qb, num_warps=w, num_stages=3, programs_per_sm=pps, trans_load=tr)
+        for qb, w, pps, tr in itertools.product((64, 128), (4, 8), (4, 16), (False, True))
+    ]
+    data = {}
+    for shape, (hq, hkv, d) in SHAPES.items():
+        t_q = ctx - BUFFER
+        k = torch.randn(1, hkv, t_q, d, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        data[shape] = (torch.randn(1, hq, 1, d, device="cuda", dtype=torch.float16), quantize_keys(k, GROUP),
+                       quantize_values(v), torch.randn(1, hkv, BUFFER, d, device="cuda", dtype=torch.float16),
+                       torch.randn(1, hkv, BUFFER, d, device="cuda", dtype=torch.float16), d**-0.5)
+        del k, v
+    timer = Timer(reps=10)
+    results = []
+    print(f"# sweep: quantized attention at {ctx} tokens, q=1 (gpu_ms)")
+    for cfg in configs:
+        decode_core.QUANT_CONFIG.update(cfg)
+        times = {}
+        for shape, (q, qk, qv, bk, bv, scaling) in data.items():
+            for int8 in (False, True):
+                fn = lambda: quant_decode_attention(q, qk, qv, bk, bv, GROUP, int8, scaling)  # noqa: E731
+                times[f"{shape}/{'int8' if int8 else 'int4'}"] = round(timer.gpu_ms(fn), 4)
+        results.append(dict(config=dict(cfg), gpu_ms=times))
+        print(cfg, times)
+    best = min(results, key=lambda r: sum(r["gpu_ms"].values()))
+    decode_core.QUANT_CONFIG.update(best["config"])
+    print("# sweep best:", best)
+    del data
+    torch.cuda.empty_cache()
+    return results
 
 
 def _targets(rows):

@@ -387,10 +387,12 @@ def test_cuda_lossless_with_kernels(mode):
         kwargs = dict(max_new_tokens=32, do_sample=False)
         if mode == "int4":
             reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
-            spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
         else:
             reference = verifier.generate(ids, **kwargs)
-            spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
         for gamma in (1, 3, 8):
+            if mode == "int4":
+                spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+            else:
+                spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
             out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
             assert torch.equal(out, reference)

@@ -71,6 +71,7 @@ def _quant_part(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
     INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    TRANS_LOAD: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     dt = DOT_DTYPE
@@ -104,16 +105,29 @@ def _quant_part(
         qs_e = q_e * ks_e[None, :]
         qs_o = q_o * ks_o[None, :]
         kbias = tl.sum(q_e * kz_e[None, :], 1) + tl.sum(q_o * kz_o[None, :], 1)
-        code_ptrs = offs_n[:, None] * stride_kun + half[None, :]
-        ku = tl.load(ku_base + code_ptrs, mask=n_ok[:, None], other=0)
-        s = tl.dot(qs_e.to(dt), tl.trans((ku & 15).to(dt)), input_precision=DOT_PREC)
-        s += tl.dot(qs_o.to(dt), tl.trans((ku >> 4).to(dt)), input_precision=DOT_PREC)
+        if TRANS_LOAD:  # codes loaded as [HALF, N]: the dot's right operand as is
+            code_ptrs = offs_n[None, :] * stride_kun + half[:, None]
+            code_mask = n_ok[None, :]
+        else:
+            code_ptrs = offs_n[:, None] * stride_kun + half[None, :]
+            code_mask = n_ok[:, None]
+        ku = tl.load(ku_base + code_ptrs, mask=code_mask, other=0)
+        ku_e = (ku & 15).to(dt)
+        ku_o = (ku >> 4).to(dt)
+        if not TRANS_LOAD:
+            ku_e = tl.trans(ku_e)
+            ku_o = tl.trans(ku_o)
+        s = tl.dot(qs_e.to(dt), ku_e, input_precision=DOT_PREC)
+        s += tl.dot(qs_o.to(dt), ku_o, input_precision=DOT_PREC)
         if INT8:
-            kl = tl.load(kl_base + code_ptrs, mask=n_ok[:, None], other=0)
+            kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
             kl_e = ((kl & 15).to(tl.float32) - 8.0).to(dt)
             kl_o = ((kl >> 4).to(tl.float32) - 8.0).to(dt)
-            s += tl.dot((qs_e * (1.0 / 14.0)).to(dt), tl.trans(kl_e), input_precision=DOT_PREC)
-            s += tl.dot((qs_o * (1.0 / 14.0)).to(dt), tl.trans(kl_o), input_precision=DOT_PREC)
+            if not TRANS_LOAD:
+                kl_e = tl.trans(kl_e)
+                kl_o = tl.trans(kl_o)
+            s += tl.dot((qs_e * (1.0 / 14.0)).to(dt), kl_e, input_precision=DOT_PREC)
+            s += tl.dot((qs_o * (1.0 / 14.0)).to(dt), kl_o, input_precision=DOT_PREC)
         s = (s + kbias[:, None]) * scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -155,7 +169,7 @@ def decode_split_kernel(
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
-    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -169,7 +183,7 @@ def decode_split_kernel(
                         VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
                         T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                         OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                        HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE)
+                        HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE, TRANS_LOAD)
         else:
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
@@ -185,23 +199,25 @@ def decode_split_kernel(
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
+    """One program per (KV head, query row): merge the NS split results by their base-2 log-sum-exp."""
     kvh = tl.program_id(0)
     row = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
-    m = tl.zeros([1], tl.float32) - 1.0e30
-    w = tl.zeros([1], tl.float32)
+    s_all = tl.arange(0, BLOCK_S)
+    lse_base = LP + kvh * stride_lph + row
+    lse = tl.load(lse_base + s_all * stride_lps, mask=s_all < NS, other=float("-inf"))
+    m = tl.max(lse, 0)
+    denom = tl.sum(tl.exp2(lse - m), 0)
     acc = tl.zeros([HEAD_DIM], tl.float32)
-    for s in range(0, NS):
-        lse = tl.load(LP + kvh * stride_lph + s * stride_lps + row)
-        o = tl.load(OP + kvh * stride_oph + s * stride_ops + row * stride_opm + d)
-        m_new = tl.maximum(m, lse)
-        a = tl.exp2(m - m_new)
-        b = tl.exp2(lse - m_new)
-        acc = acc * a + o * b
-        w = w * a + b
-        m = m_new
+    for c0 in range(0, NS, CHUNK_S):
+        sc = c0 + tl.arange(0, CHUNK_S)
+        ok = sc < NS
+        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
+        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     q_head = kvh * GROUP + row // L
     qi = row % L
-    tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / w).to(O.dtype.element_ty))
+    tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / denom).to(O.dtype.element_ty))

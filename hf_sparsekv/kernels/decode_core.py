@@ -28,6 +28,12 @@ from . import runtime
 
 LOG2E = 1.4426950408889634
 
+# Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment): tokens per
+# block (the largest of these dividing the group size), warps, software-pipeline stages, programs per SM the split
+# count aims at, and whether code tiles are loaded transposed ([D/2, N], the dot's right operand).
+QUANT_CONFIG = dict(qblock=64, num_warps=4, num_stages=3, programs_per_sm=4, trans_load=False)
+FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
+
 
 def _kernels():
     from . import _decode_triton as tk
@@ -52,11 +58,14 @@ def _sm_count(device: torch.device) -> int:
     return 4  # interpreter: a few splits, so that tests exercise the merge
 
 
-def _split_tokens(tokens: int, programs_per_split: int, block: int, device: torch.device, min_tokens: int) -> int:
-    """Tokens per split (a multiple of ``block``) so that about 4 programs per SM run, none with < ``min_tokens``."""
+def _split_tokens(
+    tokens: int, programs_per_split: int, block: int, device: torch.device, min_tokens: int, per_sm: int = 4
+) -> int:
+    """Tokens per split (a multiple of ``block``) so that about ``per_sm`` programs per SM run, none with fewer than
+    ``min_tokens`` tokens."""
     if tokens <= 0:
         return block
-    want = max(1, math.ceil(4 * _sm_count(device) / programs_per_split))
+    want = max(1, math.ceil(per_sm * _sm_count(device) / programs_per_split))
     splits = max(1, min(want, tokens // min_tokens))
     per = math.ceil(tokens / splits)
     return math.ceil(per / block) * block
@@ -96,13 +105,14 @@ def launch_decode(
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
     block_n = 64 if d <= 64 else 32
-    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split)
+    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split, FP_CONFIG["programs_per_sm"])
+    qcfg = QUANT_CONFIG
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
-        qblock = next(b for b in (64, 32, 16) if group_size % b == 0)
-        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split)
+        qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"])
         n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
         ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
         vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
@@ -131,12 +141,13 @@ def launch_decode(
         scaling * LOG2E, length, n_qsplits, qsplit, fsplit,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
-        DOT_DTYPE=dot_dtype,
-        num_warps=4, num_stages=3,
+        DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]),
+        num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
+        num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
     if not final:
         combine_kernel[(hkv, rows)](
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
-            GROUP=group, HEAD_DIM=d, num_warps=1,
+            GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
         )
     return out.unsqueeze(0)
