@@ -1,4 +1,4 @@
-"""`make demo`: speculative generation on a tiny random model pair (see hf_sparsekv/demo.py)."""
+"""`make demo`: speculative generation with the bundled trained pair on a held-out document (see hf_sparsekv/demo.py)."""
 
 from hf_sparsekv.demo import main
 

@@ -50,7 +50,7 @@ def _joined(docs: list[np.ndarray], eos: int) -> np.ndarray:
     return out
 
 
-def stage_data(work: Path, vocab_size: int, roots: list[str] | None) -> None:
+def stage_data(work: Path, vocab_size: int, roots: list[str] | None, eval_fraction: float = 0.1) -> None:
     from ..data import python_source_documents
 
     if (work / "train.npy").exists():
@@ -58,8 +58,11 @@ def stage_data(work: Path, vocab_size: int, roots: list[str] | None) -> None:
         return
     work.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    train_texts = [d.text for d in python_source_documents("train", roots=roots)]
-    eval_texts = [d.text for d in python_source_documents("eval", roots=roots)]
+    train_texts = [d.text for d in python_source_documents("train", roots=roots, eval_fraction=eval_fraction)]
+    eval_texts = [d.text for d in python_source_documents("eval", roots=roots, eval_fraction=eval_fraction)]
+    if not train_texts or not eval_texts:
+        raise ValueError(f"the corpus split has {len(train_texts)} train and {len(eval_texts)} eval documents; "
+                         "give more source roots or another --eval-fraction")
     print(f"corpus: {len(train_texts)} train / {len(eval_texts)} eval documents, "
           f"{sum(map(len, train_texts)) / 1e6:.1f} / {sum(map(len, eval_texts)) / 1e6:.1f} M chars")
     tokenizer = train_tokenizer(train_texts[::TOKENIZER_SAMPLE_EVERY], vocab_size)
@@ -150,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deadline", type=float, help="stop after this many wall seconds with a checkpoint")
     p.add_argument("--vocab-size", type=int, default=VOCAB_SIZE)
     p.add_argument("--roots", nargs="*", help="source roots of the corpus (default: this Python installation)")
+    p.add_argument("--eval-fraction", type=float, default=0.1, help="share of packages held out for evaluation")
     p.add_argument("--to", type=Path, default=PAIR_DIR)
     p.add_argument("--pair", type=Path, default=PAIR_DIR)
     p.add_argument("--out", type=Path, default=Path("quality.json"))
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     args = p.parse_args(argv)
     if args.stage == "data":
-        stage_data(args.work, args.vocab_size, args.roots)
+        stage_data(args.work, args.vocab_size, args.roots, args.eval_fraction)
     elif args.stage == "train":
         if args.model is None:
             p.error("train needs --model")

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -41,7 +41,6 @@ class PretrainConfig:
     eval_every: int = 100
     checkpoint_every: int = 200
     eval_windows: int = 8
-    extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if (self.max_steps is None) == (self.minutes is None):
