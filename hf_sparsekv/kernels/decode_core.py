@@ -31,7 +31,8 @@ LOG2E = 1.4426950408889634
 # Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment): tokens per
 # block (the largest of these dividing the group size), warps, software-pipeline stages, programs per SM the split
 # count aims at, and whether code tiles are loaded transposed ([D/2, N], the dot's right operand).
-QUANT_CONFIG = dict(qblock=64, num_warps=4, num_stages=3, programs_per_sm=4, trans_load=False)
+# Default: the fastest of benchmarks/kernels.py --sweep on an H100 (64K tokens, Llama-2/3 shapes, INT4 and INT8).
+QUANT_CONFIG = dict(qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, trans_load=True)
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
 
 
