@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import time
 from collections.abc import Callable, Iterable
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -289,7 +290,7 @@ class BudgetDraftTrainer:
                 raise FloatingPointError(f"loss is {result.loss} at step {result.step}")
             record = asdict(result)
             self.history["steps"].append(record)
-            self._log(out, {"event": "step", **record})
+            self._log(out, {"event": "step", "time": time.time(), **record})
             postfix = {"loss": f"{result.loss:.3f}", "L_A": f"{result.loss_a:.3f}", "lr": f"{result.lr:.2e}"}
             if result.loss_c is not None:
                 postfix.update({"L_C": f"{result.loss_c:.3f}", "B": result.budget})
