@@ -62,9 +62,12 @@ def probe_seconds_per_step(args, verifier: Path, drafter: Path, work: Path) -> f
 
 def train(args, work: Path) -> dict[str, Path]:
     verifier, drafter = _models(work)
-    per_step = probe_seconds_per_step(args, verifier, drafter, work)
-    steps = max(10, int(args.minutes * 60 / (per_step * len(VARIANTS))))  # the parallel runs share the GPU
-    print(f"probe: {per_step:.3f} s/step alone -> {steps} steps per variant ({len(VARIANTS)} in parallel)")
+    if args.steps:
+        per_step, steps = None, args.steps
+    else:
+        per_step = probe_seconds_per_step(args, verifier, drafter, work)
+        steps = max(10, int(args.minutes * 60 / (per_step * len(VARIANTS))))  # the parallel runs share the GPU
+        print(f"probe: {per_step:.3f} s/step alone -> {steps} steps per variant ({len(VARIANTS)} in parallel)")
     procs = {}
     for name, flags in VARIANTS.items():
         log = (work / f"{name}.log").open("w")
@@ -111,6 +114,7 @@ def main() -> None:
     p.add_argument("what", choices=("all", "eval", "eval-one"))
     p.add_argument("--out", type=Path, default=Path("runs/budgetdraft"))
     p.add_argument("--minutes", type=float, default=4.0, help="training time budget for the parallel variants")
+    p.add_argument("--steps", type=int, help="steps per variant (instead of probing for --minutes)")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=50)
