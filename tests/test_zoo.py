@@ -17,7 +17,7 @@ from hf_sparsekv.zoo.quality import position_metrics, window_mask
 
 @pytest.fixture(scope="module")
 def pair():
-    return load_pair()
+    return load_pair(drafter="base")
 
 
 def _acceptance(verifier, drafter, docs, prompt_len=1024, new=32):
@@ -70,6 +70,18 @@ def test_verifier_beats_drafter_and_uses_long_context(pair):
     assert v["0-2K"]["loss"] < d["0-2K"]["loss"]
     short = position_metrics(verifier, doc, window=256, buckets=buckets)
     assert v["2-2K"]["loss"] < short["2-2K"]["loss"]
+
+
+def test_budgetdraft_drafter_beats_the_base_drafter_on_a_sparse_cache(pair):
+    verifier, base, _ = pair
+    _, trained, _ = load_pair()  # drafter="budgetdraft"
+    ids = eval_documents()[5][None, :3072]
+    rates = []
+    for drafter in (base, trained):
+        out = speculative_generate(verifier, ids, assistant_model=drafter, draft_cache="chunk", kv_budget=256,
+                                   num_assistant_tokens=4, max_new_tokens=40, return_dict_in_generate=True)
+        rates.append(out.spec_stats["acceptance_rate"])
+    assert rates[1] > 2 * rates[0] and rates[1] > rates[0] + 0.03, rates
 
 
 def test_window_mask():
@@ -137,6 +149,8 @@ def test_zoo_pipeline_smoke(tmp_path):
         build_main(["train", "--work", str(work), "--model", model, "--max-steps", "2", "--seq-len", "64",
                     "--device", "cpu"])
     build_main(["export", "--work", str(work), "--to", str(pair_dir)])
-    verifier, drafter, tokenizer = load_pair(pair_dir)
+    with pytest.raises(FileNotFoundError, match="drafter-budgetdraft"):
+        load_pair(pair_dir)
+    verifier, drafter, tokenizer = load_pair(pair_dir, drafter="base")
     assert len(tokenizer) == 300 and verifier.config.num_hidden_layers == 12
     assert json.loads((pair_dir / "verifier" / "training.json").read_text())["steps"] == 2
