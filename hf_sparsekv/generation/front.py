@@ -103,6 +103,19 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
     return ModelDrafter(drafter, DynamicCache()), DynamicCache(), False
 
 
+def _switch_attention(model, drafter, needs_scoring: bool) -> list:
+    """Route attention through ``"sparsekv"`` for the call: always for a chunk-budget drafter (prefill scoring), and
+    on CUDA for models on plain SDPA, so that our caches use the Triton kernels. Returns ``[(model, previous)]``."""
+    switched = []
+    for m in {id(model): model, id(drafter): drafter}.values():
+        previous = m.config._attn_implementation
+        wanted = (m is drafter and needs_scoring) or (m.device.type == "cuda" and previous == "sdpa")
+        if wanted and previous != attention.NAME:
+            m.set_attn_implementation(attention.NAME)
+            switched.append((m, previous))
+    return switched
+
+
 def _check_models(model, drafter) -> None:
     if drafter is None:
         raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
@@ -211,15 +224,13 @@ def speculative_generate(
     drafter, verifier_cache, needs_scoring = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    previous_attn = assistant_model.config._attn_implementation
-    if needs_scoring:
-        assistant_model.set_attn_implementation(attention.NAME)
+    switched = _switch_attention(model, assistant_model, needs_scoring)
     try:
         with torch.no_grad():
             result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
     finally:
-        if needs_scoring:
-            assistant_model.set_attn_implementation(previous_attn)
+        for m, previous in switched:
+            m.set_attn_implementation(previous)
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     if not config.return_dict_in_generate:
