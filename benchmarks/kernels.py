@@ -11,10 +11,15 @@ Two timings per kernel, both with L2 flushed before every call:
 
 Targets use ``gpu_ms``; ``eager_ms`` is printed beside it.
 
-``--sweep`` first times launch configurations of the quantized-attention kernel (block, warps, stages, split count,
-transposed code loads) at the longest context, prints them, and runs the table with the fastest.
+``--sweep`` first times launch configurations of the quantized-attention kernel at the longest context (64K at most):
+the tensor-core path ("dot": block, warps, split count, transposed code loads) and the register path ("vec": block,
+warps, split count, prefetch, rows it serves). Each config is first checked against the float32 reference (relative
+error < 1e-2 on both shapes and both views); a config that fails or does not compile is reported and skipped. The
+fastest correct config (sum of the four times) is used for the table and written to ``quant_config.json`` beside
+``--out``; ``HF_SPARSEKV_QUANT_CONFIG=<that file>`` makes it the runtime default (see kernels/decode_core.py).
 
-Usage: ``python benchmarks/kernels.py --out kernels.json [--quick] [--sweep]`` (CUDA GPU required).
+Usage: ``python benchmarks/kernels.py --out kernels.json [--quick] [--sweep] [--contexts 65536,131072]
+[--quant-only]`` (CUDA GPU required).
 """
 
 from __future__ import annotations
@@ -126,6 +131,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="kernels.json", help="JSON output path")
     parser.add_argument("--quick", action="store_true", help="16K context only, fewer repeats")
     parser.add_argument("--sweep", action="store_true", help="tune the quantized-attention launch config first")
+    parser.add_argument("--contexts", default="", help="comma-separated context lengths (overrides --quick's 16K)")
+    parser.add_argument("--quant-only", action="store_true", help="table: SDPA and the quantized attention only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -140,6 +147,8 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     timer = Timer(reps=10 if args.quick else 20)
     contexts = (16384,) if args.quick else CONTEXTS
+    if args.contexts:
+        contexts = tuple(int(c) for c in args.contexts.split(","))
     dtype = torch.float16
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -161,7 +170,16 @@ def main(argv=None) -> int:
           f"copy bandwidth {copy_gbps:.0f} GB/s")
     rows = []
     if args.sweep:
-        meta["sweep"] = _sweep(min(max(contexts), 65536))
+        meta["sweep"] = _sweep(min(max(contexts), 65536), timer)
+        import os
+
+        best = next((r for r in meta["sweep"] if r.get("best")), None)
+        if best is not None:
+            path = os.path.join(os.path.dirname(os.path.abspath(args.out)), "quant_config.json")
+            with open(path, "w") as f:
+                json.dump({"config": best["config"], "gpu": meta["gpu"], "commit": meta["commit"],
+                           "gpu_ms": best["gpu_ms"], "speedup_vs_sdpa": best.get("speedup")}, f, indent=1)
+            print(f"# wrote {path} (HF_SPARSEKV_QUANT_CONFIG={path} makes it the default)")
     from hf_sparsekv.kernels import decode_core
 
     meta["quant_config"] = dict(decode_core.QUANT_CONFIG)
@@ -191,15 +209,20 @@ def main(argv=None) -> int:
             kv_bytes = 2 * hkv * ctx * d * 2
             sdpa_ms = record(shape, ctx, "sdpa_flash_fp16 q=1", lambda: sdpa_flash(q1, k, v, scaling), kv_bytes)
             t_q = ctx - BUFFER
-            record(shape, ctx, "quantize prefill (K+V)", lambda: (quantize_keys(k[:, :, :t_q], GROUP),
-                                                                  quantize_values(v[:, :, :t_q])),
-                   2 * hkv * t_q * d * 2 + quant_bytes(hkv, t_q, d, 0, True))
+            if not args.quant_only:
+                record(shape, ctx, "quantize prefill (K+V)", lambda: (quantize_keys(k[:, :, :t_q], GROUP),
+                                                                      quantize_values(v[:, :, :t_q])),
+                       2 * hkv * t_q * d * 2 + quant_bytes(hkv, t_q, d, 0, True))
             qk, qv = quantize_keys(k[:, :, :t_q], GROUP), quantize_values(v[:, :, :t_q])
             bk, bv = k[:, :, t_q:], v[:, :, t_q:]
             for int8, name in ((False, "int4"), (True, "int8")):
                 record(shape, ctx, f"quant_{name} q=1",
                        lambda int8=int8: quant_decode_attention(q1, qk, qv, bk, bv, GROUP, int8, scaling),
                        quant_bytes(hkv, t_q, d, BUFFER, int8), ("sdpa_flash_fp16 q=1", sdpa_ms))
+            if args.quant_only:
+                del k, v, qk, qv, bk, bv
+                torch.cuda.empty_cache()
+                continue
             q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
             record(shape, ctx, f"verify_hybrid q={GAMMA1}", lambda: verify_attention(q6, k, v, scaling), kv_bytes,
                    ("sdpa_flash_fp16 q=1", sdpa_ms))
@@ -208,6 +231,8 @@ def main(argv=None) -> int:
                    2 * hkv * (ctx - GAMMA1) * d * 2)
             del k, v, qk, qv, bk, bv
             torch.cuda.empty_cache()
+        if args.quant_only:
+            continue
         # chunk budget: the kernel reads the B kept tokens only, whatever the context was
         kb = torch.randn(1, hkv, BUDGET, d, device="cuda", dtype=dtype)
         vb = torch.randn(1, hkv, BUDGET, d, device="cuda", dtype=dtype)
@@ -231,43 +256,92 @@ def main(argv=None) -> int:
     return 0
 
 
-def _sweep(ctx):
-    """Time quantized-attention launch configs (INT4, q=1, both shapes); keep the fastest (sum over shapes)."""
-    import itertools
+SWEEP_CONFIGS = [  # tensor-core path: the current default (the fastest of the previous dot-only sweep)
+    dict(path="dot", qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, min_split=1024, trans_load=True),
+] + [  # register path for <= vec_max_rows query rows per KV head (more rows: dot path with these block/warps/stages)
+    dict(path="vec", qblock=qb, num_warps=w, num_stages=st, programs_per_sm=pps, min_split=ms, prefetch=pf,
+         vec_max_rows=vr, trans_load=True)
+    for qb, w, st, pps, ms, pf, vr in (
+        (64, 4, 1, 16, 512, False, 4),
+        (64, 8, 1, 16, 512, False, 4),
+        (128, 8, 1, 16, 512, False, 4),
+        (128, 8, 1, 16, 512, True, 4),
+        (64, 4, 1, 16, 512, True, 4),
+        (32, 4, 1, 16, 256, False, 4),
+        (64, 4, 1, 32, 256, False, 4),
+        (64, 4, 1, 16, 512, False, 1),  # register path for 1 row only (Llama-3's 4 rows stay on tensor cores)
+    )
+]
 
+
+def _sweep(ctx, timer):
+    """Time quantized-attention launch configs (q=1, both shapes, INT4 and INT8) after checking each against the
+    float32 reference; keep the fastest correct one (sum over the four)."""
     from hf_sparsekv.kernels import decode_core
-    from hf_sparsekv.kernels.quant_attention import quant_decode_attention
+    from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
     from hf_sparsekv.kernels.quantize import quantize_keys, quantize_values
 
-    configs = [
-        dict(qblock=qb, num_warps=w, num_stages=3, programs_per_sm=pps, trans_load=tr)
-        for qb, w, pps, tr in itertools.product((64, 128), (4, 8), (4, 16), (False, True))
-    ]
-    data = {}
+    def f32(qt):
+        return QuantizedTensor(qt.upper, qt.lower, qt.scale.float(), qt.zero.float())
+
+    data, refs, sdpa = {}, {}, {}
     for shape, (hq, hkv, d) in SHAPES.items():
         t_q = ctx - BUFFER
-        k = torch.randn(1, hkv, t_q, d, device="cuda", dtype=torch.float16)
+        k = torch.randn(1, hkv, ctx, d, device="cuda", dtype=torch.float16)
         v = torch.randn_like(k)
-        data[shape] = (torch.randn(1, hq, 1, d, device="cuda", dtype=torch.float16), quantize_keys(k, GROUP),
-                       quantize_values(v), torch.randn(1, hkv, BUFFER, d, device="cuda", dtype=torch.float16),
-                       torch.randn(1, hkv, BUFFER, d, device="cuda", dtype=torch.float16), d**-0.5)
+        q = torch.randn(1, hq, 1, d, device="cuda", dtype=torch.float16)
+        sdpa[shape] = timer.gpu_ms(lambda: sdpa_flash(q, k, v, d**-0.5))
+        qk, qv = quantize_keys(k[:, :, :t_q].contiguous(), GROUP), quantize_values(v[:, :, :t_q].contiguous())
+        bk, bv = k[:, :, t_q:].contiguous(), v[:, :, t_q:].contiguous()
+        data[shape] = (q, qk, qv, bk, bv, d**-0.5)
+        for int8 in (False, True):
+            refs[shape, int8] = quant_decode_attention_reference(
+                q.float(), f32(qk), f32(qv), bk.float(), bv.float(), GROUP, int8, d**-0.5).float()
         del k, v
-    timer = Timer(reps=10)
     results = []
-    print(f"# sweep: quantized attention at {ctx} tokens, q=1 (gpu_ms)")
-    for cfg in configs:
+    print(f"# sweep: quantized attention at {ctx} tokens, q=1 (gpu_ms; speedup = SDPA-flash fp16 time / time)")
+    print("# SDPA-flash fp16 q=1 gpu_ms: " + ", ".join(f"{s}={t:.4f}" for s, t in sdpa.items()))
+    saved = dict(decode_core.QUANT_CONFIG)
+    for cfg in SWEEP_CONFIGS:
+        decode_core.QUANT_CONFIG.clear()
+        decode_core.QUANT_CONFIG.update(saved)
         decode_core.QUANT_CONFIG.update(cfg)
-        times = {}
-        for shape, (q, qk, qv, bk, bv, scaling) in data.items():
-            for int8 in (False, True):
-                fn = lambda: quant_decode_attention(q, qk, qv, bk, bv, GROUP, int8, scaling)  # noqa: E731
-                times[f"{shape}/{'int8' if int8 else 'int4'}"] = round(timer.gpu_ms(fn), 4)
-        results.append(dict(config=dict(cfg), gpu_ms=times))
-        print(cfg, times)
-    best = min(results, key=lambda r: sum(r["gpu_ms"].values()))
-    decode_core.QUANT_CONFIG.update(best["config"])
-    print("# sweep best:", best)
-    del data
+        times, errors, speed = {}, {}, {}
+        try:
+            for shape, (q, qk, qv, bk, bv, scaling) in data.items():
+                for int8 in (False, True):
+                    key = f"{shape}/{'int8' if int8 else 'int4'}"
+                    out = quant_decode_attention(q, qk, qv, bk, bv, GROUP, int8, scaling).float()
+                    ref = refs[shape, int8]
+                    errors[key] = float((out - ref).norm() / ref.norm())
+                    if not errors[key] < 1e-2:  # also catches NaN
+                        raise AssertionError(f"{key}: relative error {errors[key]:.3g} vs the float32 reference")
+                    fn = lambda: quant_decode_attention(q, qk, qv, bk, bv, GROUP, int8, scaling)  # noqa: E731
+                    times[key] = round(timer.gpu_ms(fn), 4)
+                    speed[key] = round(sdpa[shape] / times[key], 3)
+        except Exception as exc:  # noqa: BLE001  (a config that fails to compile or is wrong is skipped)
+            results.append(dict(config=dict(cfg), failed=f"{type(exc).__name__}: {str(exc)[:300]}", rel_err=errors))
+            print("FAILED", cfg, results[-1]["failed"])
+            continue
+        results.append(dict(config=dict(cfg), gpu_ms=times, speedup=speed,
+                            max_rel_err=float(f"{max(errors.values()):.3g}")))
+        print(cfg, times, "speedup", speed, f"max_rel_err {max(errors.values()):.2e}")
+    decode_core.QUANT_CONFIG.clear()
+    decode_core.QUANT_CONFIG.update(saved)
+    ok = [r for r in results if "gpu_ms" in r]
+    if ok:
+        best = min(ok, key=lambda r: sum(r["gpu_ms"].values()))
+        best["best"] = True
+        decode_core.QUANT_CONFIG.update(best["config"])
+        print("# sweep best:", best)
+    for shape in SHAPES:  # the fastest correct config per shape and view, for reading the targets at this context
+        for view in ("int4", "int8"):
+            key = f"{shape}/{view}"
+            r = min(ok, key=lambda r: r["gpu_ms"][key]) if ok else None
+            if r:
+                print(f"# fastest {key}: {r['gpu_ms'][key]:.4f} ms, {r['speedup'][key]:.2f}x SDPA  {r['config']}")
+    del data, refs
     torch.cuda.empty_cache()
     return results
 

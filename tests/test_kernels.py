@@ -123,23 +123,77 @@ QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)
     (8, 2, 16, 64, 32, 224, 63),
     (8, 1, 1, 128, 64, 1088, 70),
     (4, 4, 3, 64, 16, 0, 9),
+    # few query rows per KV head: the register ("vec") path serves these when selected
+    (8, 8, 1, 128, 64, 1088, 5),  # 1 row, several splits
+    (8, 2, 1, 128, 32, 256, 40),  # 4 rows (GQA)
+    (6, 2, 1, 64, 16, 96, 17),  # 3 rows (one masked)
+    (4, 2, 1, 32, 32, 64, 2),  # 2 rows, head_dim 32
 ]
+QUANT_PATHS = {  # launch settings the quantized-attention tests run under (decode_core.quant_config)
+    "dot": dict(path="dot"),
+    "vec": dict(path="vec", qblock=128, min_split=32),
+    "vec-prefetch-b16": dict(path="vec", qblock=16, prefetch=True, min_split=32),
+}
 
 
+@pytest.mark.parametrize("path", list(QUANT_PATHS))
 @pytest.mark.parametrize("int8", [False, True], ids=["int4", "int8"])
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: "hq{}-hkv{}-L{}-d{}-G{}-T{}-b{}".format(*c))
-def test_quant_attention_matches_reference(case, dtype, int8):
+def test_quant_attention_matches_reference(case, dtype, int8, path):
+    from hf_sparsekv.kernels import decode_core
+
     hq, hkv, length, d, g, t_q, n_buf = case
+    if path != "dot" and hq // hkv * length > 4:
+        pytest.skip("more than 4 query rows per KV head: the dot path serves it whatever the setting")
     q, k, v = _qkv(hq, hkv, length, d, t_q + n_buf, dtype, seed=t_q + n_buf)
     qk = quantize_keys_reference(k[:, :, :t_q], g) if t_q else None
     qv = quantize_values_reference(v[:, :, :t_q]) if t_q else None
     bk, bv = k[:, :, t_q:], v[:, :, t_q:]
     scaling = d**-0.5
     ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), bk.float(), bv.float(), g, int8, scaling)
-    out = quant_decode_attention(q, qk, qv, bk, bv, g, int8, scaling)
+    with decode_core.quant_config(**QUANT_PATHS[path]):
+        out = quant_decode_attention(q, qk, qv, bk, bv, g, int8, scaling)
     assert out.shape == (1, length, hq, d) and out.dtype == dtype
     assert _rel(out, ref) < TOL
+
+
+def test_quant_vec_path_large_logit_range():
+    """Lazy rescaling of the 1-row register path: logits growing along the context (later blocks exceed the running
+    maximum by far more than the 2^8 slack) and the views still match the reference."""
+    from hf_sparsekv.kernels import decode_core
+
+    q, k, v = _qkv(4, 4, 1, 64, 300, torch.float16, seed=11)
+    k = k * torch.linspace(0.1, 6.0, 300, dtype=torch.float16).view(1, 1, -1, 1)
+    qk, qv = quantize_keys_reference(k[:, :, :256], 32), quantize_values_reference(v[:, :, :256])
+    for int8 in (False, True):
+        ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, 256:].float(),
+                                               v[:, :, 256:].float(), 32, int8, 0.125)
+        with decode_core.quant_config(path="vec", qblock=32, min_split=64):
+            out = quant_decode_attention(q, qk, qv, k[:, :, 256:], v[:, :, 256:], 32, int8, 0.125)
+        assert _rel(out, ref) < TOL
+
+
+def test_quant_config_override(tmp_path):
+    from hf_sparsekv.kernels import decode_core
+
+    before = dict(decode_core.QUANT_CONFIG)
+    assert before["path"] == "dot"  # the default stays the tensor-core path until a GPU run shows better
+    with decode_core.quant_config(path="vec", qblock=64) as cfg:
+        assert cfg["path"] == "vec" and cfg["qblock"] == 64
+    assert decode_core.QUANT_CONFIG == before
+    f = tmp_path / "quant_config.json"
+    f.write_text('{"config": {"path": "vec", "num_warps": 8}, "gpu": "x"}')
+    assert decode_core.load_quant_config(str(f)) == {"path": "vec", "num_warps": 8}
+    assert decode_core.load_quant_config('{"prefetch": true}') == {"prefetch": True}
+    with pytest.raises(ValueError, match="unknown"):
+        decode_core.load_quant_config('{"qblok": 64}')
+    with pytest.raises(ValueError, match="path"):
+        decode_core.load_quant_config('{"path": "fast"}')
+    env = dict(os.environ, HF_SPARSEKV_QUANT_CONFIG='{"path": "vec", "qblock": 64}')
+    code = "from hf_sparsekv.kernels import decode_core as d; print(d.QUANT_CONFIG['path'], d.QUANT_CONFIG['qblock'])"
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.stdout.split() == ["vec", "64"], proc.stderr[-2000:]
 
 
 def _f32(qt):
@@ -361,6 +415,27 @@ def test_cuda_real_sizes(dtype, hq, hkv, d, length):
     if length >= 2:
         q, k, v = _qkv(hq, hkv, length, d, 32768 + 13, dtype, seed=length + 2)
         assert _rel(verify_attention(q, k, v, scaling), verify_attention_reference(q, k, v, scaling)) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8), (8, 4)])
+@pytest.mark.parametrize("settings", [
+    dict(path="vec", qblock=64, num_warps=4, num_stages=1),
+    dict(path="vec", qblock=128, num_warps=8, num_stages=1, prefetch=True),
+], ids=["vec-b64", "vec-b128-prefetch"])
+def test_cuda_quant_vec_path_real_sizes(dtype, hq, hkv, settings):
+    """The register path at real sizes (q = 1: 1, 4 and 2 rows per KV head), both views."""
+    from hf_sparsekv.kernels import decode_core
+
+    d, t_q, g = 128, 16384, 128
+    q, k, v = _qkv(hq, hkv, 1, d, t_q + 130, dtype, seed=hq + hkv)
+    qk, qv = quantize_keys(k[:, :, :t_q], g), quantize_values(v[:, :, :t_q])
+    for int8 in (False, True):
+        ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), k[:, :, t_q:], v[:, :, t_q:], g, int8, d**-0.5)
+        with decode_core.quant_config(**settings):
+            out = quant_decode_attention(q, qk, qv, k[:, :, t_q:], v[:, :, t_q:], g, int8, d**-0.5)
+        assert _rel(out, ref) < TOL
 
 
 @pytest.mark.cuda

@@ -159,6 +159,305 @@ def _quant_part(
                 FINAL, False)
 
 @triton.jit
+def _codes_f32(bu, bl, MAGIC, INT8: tl.constexpr):
+    """Packed code bytes (int32, 0..255) -> float32 ``(even, 16·odd)`` channel codes without int->float converts:
+    an integer ``0 <= x < 2^23`` ORed into the bits of 2^23 reads as ``2^23 + x``; one subtraction leaves ``x``.
+    The odd nibble is taken in place (``byte & 0xF0`` = 16·code; callers fold the 1/16 into their scales). INT8:
+    upper ``u`` and stored lower ``l`` (offset 8) combine as integers into ``C = 14·u + l`` (0..225): the dequantized
+    value is ``z + s·u + (s/14)·(l - 8) = (z - 8s/14) + (s/14)·C``, so the INT8 view converts as many codes as INT4.
+    ``MAGIC`` (= 0x4B000000) is a runtime argument, so it sits in a register and mask + OR is one LOP3."""
+    if INT8:
+        ce = 14 * (bu & 15) + (bl & 15)
+        co = 14 * (bu & 240) + (bl & 240)
+    else:
+        ce = bu & 15
+        co = bu & 240
+    fe = (ce | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+    fo = (co | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
+    return fe, fo
+
+@triton.jit
+def _quant_part_vec1(
+    Q, stride_qh, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+    VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+    T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
+    HEAD_DIM: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, INT8: tl.constexpr,
+    FINAL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """:func:`_quant_part_vec` for one query row per KV head (no GQA, one query token): vectors and scalars only,
+    so every tensor of a block shares the code tile's layout (no layout conversions in the loop). The value sums stay
+    per token (``[QBLOCK_N, D/2]`` accumulators, reduced over tokens once at the end: one FMA per code, no
+    cross-thread reduction per block), with lazy rescaling: probabilities are taken against a running maximum that
+    is raised (and the accumulators rescaled) only when a block's maximum exceeds it by more than 2^8, so p <= 2^8."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if INT8:
+        CF: tl.constexpr = 1.0 / 14.0
+        ZOFF: tl.constexpr = -8.0 / 14.0
+    else:
+        CF: tl.constexpr = 1.0
+        ZOFF: tl.constexpr = 0.0
+    half = tl.arange(0, HALF)
+    even = 2 * half
+    q_ptr = Q + kvh * stride_qh
+    q_e = tl.load(q_ptr + even).to(tl.float32)
+    q_o = tl.load(q_ptr + even + 1).to(tl.float32)
+    start = pid_s * QSPLIT_TOKENS
+    end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
+    m_i = tl.max(tl.full([2], -1.0e30, tl.float32), 0)
+    acc_e = tl.zeros([QBLOCK_N, HALF], tl.float32)
+    acc_o = tl.zeros([QBLOCK_N, HALF], tl.float32)
+    pv = tl.zeros([QBLOCK_N], tl.float32)  # per token slot: Σ p (the denominator) and Σ p·(z + ZOFF·s)
+    pz = tl.zeros([QBLOCK_N], tl.float32)
+    ku_base = KU + kvh * stride_kuh
+    kl_base = KL + kvh * stride_kuh
+    vu_base = VU + kvh * stride_vuh
+    vl_base = VL + kvh * stride_vuh
+    ks_base = KS + kvh * stride_ksh
+    kz_base = KZ + kvh * stride_ksh
+    vs_base = VS + kvh * stride_vsh
+    vz_base = VZ + kvh * stride_vsh
+    tok = tl.arange(0, QBLOCK_N)
+    if PREFETCH:
+        n_ok0 = (start + tok) < end
+        kptr0 = (start + tok)[:, None] * stride_kun + half[None, :]
+        vptr0 = (start + tok)[:, None] * stride_vun + half[None, :]
+        ku = tl.load(ku_base + kptr0, mask=n_ok0[:, None], other=0)
+        vu = tl.load(vu_base + vptr0, mask=n_ok0[:, None], other=0)
+        if INT8:
+            kl = tl.load(kl_base + kptr0, mask=n_ok0[:, None], other=0)
+            vl = tl.load(vl_base + vptr0, mask=n_ok0[:, None], other=0)
+        else:
+            kl = ku
+            vl = vu
+        vs = tl.load(vs_base + (start + tok) * stride_vsn, mask=n_ok0, other=0.0)
+        vz = tl.load(vz_base + (start + tok) * stride_vsn, mask=n_ok0, other=0.0)
+    for n0 in range(start, end, QBLOCK_N):
+        offs_n = n0 + tok
+        n_ok = offs_n < end
+        if PREFETCH:
+            ku_c = ku
+            kl_c = kl
+            vu_c = vu
+            vl_c = vl
+            vs_c = vs
+            vz_c = vz
+            nxt = offs_n + QBLOCK_N
+            nxt_ok = nxt < end
+            kptr = nxt[:, None] * stride_kun + half[None, :]
+            vptr = nxt[:, None] * stride_vun + half[None, :]
+            ku = tl.load(ku_base + kptr, mask=nxt_ok[:, None], other=0)
+            vu = tl.load(vu_base + vptr, mask=nxt_ok[:, None], other=0)
+            if INT8:
+                kl = tl.load(kl_base + kptr, mask=nxt_ok[:, None], other=0)
+                vl = tl.load(vl_base + vptr, mask=nxt_ok[:, None], other=0)
+            else:
+                kl = ku
+                vl = vu
+            vs = tl.load(vs_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
+            vz = tl.load(vz_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
+        else:
+            kptr = offs_n[:, None] * stride_kun + half[None, :]
+            vptr = offs_n[:, None] * stride_vun + half[None, :]
+            ku_c = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
+            vu_c = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
+            if INT8:
+                kl_c = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
+                vl_c = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
+            else:
+                kl_c = ku_c
+                vl_c = vu_c
+            vs_c = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+            vz_c = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+        g = n0 // KEY_GROUP
+        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
+        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
+        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
+        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        qs_e = q_e * (ks_e * CF)
+        qs_o = q_o * (ks_o * (CF / 16.0))
+        kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o), 0)
+        fe, fo = _codes_f32(ku_c.to(tl.int32), kl_c.to(tl.int32), MAGIC, INT8)
+        s = tl.sum(fe * qs_e[None, :] + fo * qs_o[None, :], 1)
+        s = (s + kbias) * scale_log2
+        s = tl.where(n_ok, s, float("-inf"))
+        m_blk = tl.max(s, 0)
+        if m_blk > m_i + 8.0:  # rare after the first block: raise the running maximum, rescale
+            alpha = tl.exp2(m_i - m_blk)
+            acc_e = acc_e * alpha
+            acc_o = acc_o * alpha
+            pv = pv * alpha
+            pz = pz * alpha
+            m_i = m_blk
+        p = tl.exp2(s - m_i)
+        vsf = vs_c.to(tl.float32)
+        ps = p * (vsf * CF)
+        pv += p
+        pz += p * (vz_c.to(tl.float32) + ZOFF * vsf)
+        fe, fo = _codes_f32(vu_c.to(tl.int32), vl_c.to(tl.int32), MAGIC, INT8)
+        acc_e += ps[:, None] * fe
+        acc_o += ps[:, None] * fo
+    l_i = tl.sum(pv, 0)
+    vbias = tl.sum(pz, 0)
+    has = l_i > 0
+    inv = 1.0 / tl.where(has, l_i, 1.0)
+    out_e = (tl.sum(acc_e, 0) + vbias) * inv
+    out_o = (tl.sum(acc_o, 0) * (1.0 / 16.0) + vbias) * inv
+    if FINAL:
+        tl.store(O + kvh * stride_oh + even, out_e.to(O.dtype.element_ty))
+        tl.store(O + kvh * stride_oh + even + 1, out_o.to(O.dtype.element_ty))
+    else:
+        base = OP + kvh * stride_oph + pid_s * stride_ops
+        tl.store(base + even, out_e)
+        tl.store(base + even + 1, out_o)
+        tl.store(LP + kvh * stride_lph + pid_s * stride_lps,
+                 tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf")))
+
+@triton.jit
+def _quant_part_vec(
+    Q, stride_qh, stride_ql,
+    KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+    VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+    T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, L, MAGIC,
+    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VEC_M: tl.constexpr, QBLOCK_N: tl.constexpr,
+    KEY_GROUP: tl.constexpr, INT8: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
+):
+    """The quantized segment without tensor cores, for few query rows per KV head (``VEC_M`` <= 4, a power of two):
+    everything stays in registers, dots are broadcast multiplies + sums (over channels for the scores, over tokens
+    for the output). Scales/zeros folded as in :func:`_quant_part`; codes converted once by :func:`_codes_f32`.
+    ``PREFETCH``: the next block's codes are loaded before the current block is computed (register double buffer)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if INT8:
+        CF: tl.constexpr = 1.0 / 14.0  # value = (z + ZOFF·s) + (s·CF)·C
+        ZOFF: tl.constexpr = -8.0 / 14.0
+    else:
+        CF: tl.constexpr = 1.0
+        ZOFF: tl.constexpr = 0.0
+    rows = tl.arange(0, VEC_M)
+    row_ok = rows < GROUP * L
+    qi = rows % L
+    q_head = kvh * GROUP + rows // L
+    half = tl.arange(0, HALF)
+    even = 2 * half
+    q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
+    q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    start = pid_s * QSPLIT_TOKENS
+    end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
+    m_i = tl.full([VEC_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([VEC_M], tl.float32)
+    acc_e = tl.zeros([VEC_M, HALF], tl.float32)
+    acc_o = tl.zeros([VEC_M, HALF], tl.float32)
+    vbias = tl.zeros([VEC_M], tl.float32)
+    ku_base = KU + kvh * stride_kuh
+    kl_base = KL + kvh * stride_kuh
+    vu_base = VU + kvh * stride_vuh
+    vl_base = VL + kvh * stride_vuh
+    ks_base = KS + kvh * stride_ksh
+    kz_base = KZ + kvh * stride_ksh
+    vs_base = VS + kvh * stride_vsh
+    vz_base = VZ + kvh * stride_vsh
+    tok = tl.arange(0, QBLOCK_N)
+    # codes of the first block (PREFETCH) or placeholders of the right types
+    offs_n = start + tok
+    n_ok = offs_n < end
+    kptr = offs_n[:, None] * stride_kun + half[None, :]
+    vptr = offs_n[:, None] * stride_vun + half[None, :]
+    if PREFETCH:
+        ku = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
+        vu = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
+        if INT8:
+            kl = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
+            vl = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
+        else:
+            kl = ku
+            vl = vu
+        vs = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+        vz = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+    for n0 in range(start, end, QBLOCK_N):
+        offs_n = n0 + tok
+        n_ok = offs_n < end
+        if PREFETCH:
+            ku_c = ku
+            kl_c = kl
+            vu_c = vu
+            vl_c = vl
+            vs_c = vs
+            vz_c = vz
+            nxt = offs_n + QBLOCK_N
+            nxt_ok = nxt < end
+            kptr = nxt[:, None] * stride_kun + half[None, :]
+            vptr = nxt[:, None] * stride_vun + half[None, :]
+            ku = tl.load(ku_base + kptr, mask=nxt_ok[:, None], other=0)
+            vu = tl.load(vu_base + vptr, mask=nxt_ok[:, None], other=0)
+            if INT8:
+                kl = tl.load(kl_base + kptr, mask=nxt_ok[:, None], other=0)
+                vl = tl.load(vl_base + vptr, mask=nxt_ok[:, None], other=0)
+            else:
+                kl = ku
+                vl = vu
+            vs = tl.load(vs_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
+            vz = tl.load(vz_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
+        else:
+            kptr = offs_n[:, None] * stride_kun + half[None, :]
+            vptr = offs_n[:, None] * stride_vun + half[None, :]
+            ku_c = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
+            if INT8:
+                kl_c = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
+            else:
+                kl_c = ku_c
+        # keys: q·k = (q⊙s·CF)·C + q·(z + ZOFF·s), the group's s, z loaded once per block
+        g = n0 // KEY_GROUP
+        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
+        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
+        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
+        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        qs_e = q_e * (ks_e * CF)[None, :]
+        qs_o = q_o * (ks_o * (CF / 16.0))[None, :]
+        kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e)[None, :], 1) + tl.sum(q_o * (kz_o + ZOFF * ks_o)[None, :], 1)
+        fe, fo = _codes_f32(ku_c.to(tl.int32), kl_c.to(tl.int32), MAGIC, INT8)
+        if VEC_M == 1:
+            s = tl.sum(fe * tl.sum(qs_e, 0)[None, :] + fo * tl.sum(qs_o, 0)[None, :], 1)[None, :]
+        else:
+            s = tl.sum(fe[None, :, :] * qs_e[:, None, :] + fo[None, :, :] * qs_o[:, None, :], 2)
+        s = (s + kbias[:, None]) * scale_log2
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # values: Σ p_n v_n = (p⊙s·CF)·C + Σ p_n (z_n + ZOFF·s_n)
+        if not PREFETCH:
+            vu_c = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
+            if INT8:
+                vl_c = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
+            else:
+                vl_c = vu_c
+            vs_c = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+            vz_c = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+        vsf = vs_c.to(tl.float32)
+        ps = p * (vsf * CF)[None, :]
+        vbias = vbias * alpha + tl.sum(p * (vz_c.to(tl.float32) + ZOFF * vsf)[None, :], 1)
+        fe, fo = _codes_f32(vu_c.to(tl.int32), vl_c.to(tl.int32), MAGIC, INT8)
+        if VEC_M == 1:
+            p1 = tl.sum(ps, 0)
+            acc_e = acc_e * alpha[:, None] + tl.sum(p1[:, None] * fe, 0)[None, :]
+            acc_o = acc_o * alpha[:, None] + tl.sum(p1[:, None] * fo, 0)[None, :]
+        else:
+            acc_e = acc_e * alpha[:, None] + tl.sum(ps[:, :, None] * fe[None, :, :], 1)
+            acc_o = acc_o * alpha[:, None] + tl.sum(ps[:, :, None] * fo[None, :, :], 1)
+        m_i = m_new
+    acc_e += vbias[:, None]
+    acc_o = acc_o * (1.0 / 16.0) + vbias[:, None]
+    _write_rows(acc_e, m_i, l_i, even, rows, row_ok, q_head, qi, pid_s, kvh,
+                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                FINAL, True)
+    _write_rows(acc_o, m_i, l_i, even + 1, rows, row_ok, q_head, qi, pid_s, kvh,
+                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+                FINAL, False)
+
+@triton.jit
 def decode_split_kernel(
     Q, stride_qh, stride_ql,
     K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP,
@@ -166,10 +465,11 @@ def decode_split_kernel(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn, T_Q,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
-    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS,
+    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS, MAGIC,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
+    VEC_M: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -179,11 +479,25 @@ def decode_split_kernel(
     q_head = kvh * GROUP + rows // L
     if HAS_QUANT:
         if pid_s < N_QSPLITS:
-            _quant_part(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
-                        VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
-                        T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
-                        OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                        HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE, TRANS_LOAD)
+            if VEC_M == 1 and GROUP == 1:  # constexpr (L == 1 follows: rows = GROUP·L <= VEC_M)
+                _quant_part_vec1(Q, stride_qh, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+                                 VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+                                 T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
+                                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
+                                 HEAD_DIM, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH)
+            elif VEC_M > 0:  # constexpr: only one of the two quantized paths is compiled into a kernel
+                _quant_part_vec(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh,
+                                stride_ksg, VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+                                T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, L, MAGIC,
+                                OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
+                                stride_oh, GROUP, HEAD_DIM, VEC_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH)
+            else:
+                _quant_part(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
+                            VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
+                            T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                            OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
+                            stride_oh, HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
+                            TRANS_LOAD)
         else:
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,

@@ -7,7 +7,12 @@ query tokens, packed as the rows of one tile) over two segments:
   in the INT8 view, lower codes, read as bytes and dequantized in registers. The dequantization is folded into the
   operands: a key is ``z + s·cu (+ s/14·cl)`` per channel, so ``q·k = (q⊙s)·cu (+ (q⊙s/14)·cl) + q·z`` with the
   group's ``s, z`` loaded once per block of tokens; a value is ``z_n + s_n·cv`` per token, so
-  ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Codes enter the tensor-core dots directly.
+  ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Two implementations (``QUANT_CONFIG["path"]``):
+  "dot": codes enter tensor-core dots directly (query rows padded to 16);
+  "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
+  registers (broadcast multiply + sum), codes turned into float32 with one mask|OR + one subtraction (no int->float
+  convert), the INT8 view's upper/lower codes combined as integers first (``14·u + l``) so it converts no more codes
+  than INT4; with one row the value sums stay per token with lazy rescaling (one FMA per code).
 * a **full-precision segment** of ``S`` tokens whose last ``L`` are the queries' own tokens (causal among them).
 
 The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
@@ -20,7 +25,10 @@ Invariants the launcher guarantees: every quantized block of ``qblock`` tokens l
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import os
 
 import torch
 
@@ -28,12 +36,63 @@ from . import runtime
 
 LOG2E = 1.4426950408889634
 
-# Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment): tokens per
-# block (the largest of these dividing the group size), warps, software-pipeline stages, programs per SM the split
-# count aims at, and whether code tiles are loaded transposed ([D/2, N], the dot's right operand).
-# Default: the fastest of benchmarks/kernels.py --sweep on an H100 (64K tokens, Llama-2/3 shapes, INT4 and INT8).
-QUANT_CONFIG = dict(qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, trans_load=True)
+# Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment):
+# * path: "dot" = tensor-core tiles (query rows padded to 16); "vec" = registers only, broadcast multiply + sum, used
+#   when the query rows per KV head (group x L) are at most ``vec_max_rows`` (<= 4), else "dot";
+# * qblock: tokens per block (the largest of these dividing the group size); num_warps; num_stages (pipelining);
+# * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
+# * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
+# * prefetch ("vec"): the next block's codes are loaded before the current one is computed.
+# Default: path "dot", the fastest of the H100 sweep of commit 57c1d63 (64K tokens, Llama-2/3 shapes, INT4 and INT8).
+# Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
+# (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
+QUANT_CONFIG = dict(
+    path="dot", qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, min_split=1024, trans_load=True,
+    prefetch=False, vec_max_rows=4,
+)
+QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
+
+
+def _validated(cfg: dict) -> dict:
+    unknown = set(cfg) - set(QUANT_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown quantized-attention launch settings {sorted(unknown)}; known: {sorted(QUANT_CONFIG)}")
+    if cfg.get("path", "dot") not in ("dot", "vec"):
+        raise ValueError(f"path must be 'dot' or 'vec', got {cfg['path']!r}")
+    if not 0 <= int(cfg.get("vec_max_rows", 4)) <= 4:
+        raise ValueError(f"vec_max_rows must be in 0..4, got {cfg['vec_max_rows']!r}")
+    if cfg.get("qblock", 128) not in (16, 32, 64, 128):
+        raise ValueError(f"qblock must be 16, 32, 64 or 128, got {cfg['qblock']!r}")
+    return dict(cfg)
+
+
+def load_quant_config(spec: str) -> dict:
+    """A launch config from a JSON object string or the path of a JSON file (``{"config": {...}}`` also accepted,
+    the shape of benchmarks/kernels.py's quant_config.json)."""
+    text = spec if spec.lstrip().startswith("{") else open(spec).read()
+    cfg = json.loads(text)
+    if isinstance(cfg, dict) and isinstance(cfg.get("config"), dict):
+        cfg = cfg["config"]
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{QUANT_CONFIG_ENV} must hold a JSON object, got {type(cfg).__name__}")
+    return _validated(cfg)
+
+
+@contextlib.contextmanager
+def quant_config(**settings):
+    """``with quant_config(path="vec", qblock=64):`` launches the quantized segment with these settings."""
+    saved = dict(QUANT_CONFIG)
+    QUANT_CONFIG.update(_validated(settings))
+    try:
+        yield QUANT_CONFIG
+    finally:
+        QUANT_CONFIG.clear()
+        QUANT_CONFIG.update(saved)
+
+
+if os.environ.get(QUANT_CONFIG_ENV):
+    QUANT_CONFIG.update(load_quant_config(os.environ[QUANT_CONFIG_ENV]))
 
 
 def _kernels():
@@ -89,7 +148,7 @@ def launch_decode(
     group_size: int = 0,
     int8: bool = False,
     fp_min_split: int = 256,
-    q_min_split: int = 1024,
+    q_min_split: int | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [1, Hq, L, D]``; ``k/v [1, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
@@ -108,12 +167,14 @@ def launch_decode(
     block_n = 64 if d <= 64 else 32
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split, FP_CONFIG["programs_per_sm"])
     qcfg = QUANT_CONFIG
+    vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
-        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"])
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split if q_min_split is not None else qcfg["min_split"],
+                               qcfg["programs_per_sm"])
         n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
         ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
         vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
@@ -139,10 +200,10 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, fsplit,
+        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
-        DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]),
+        DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
