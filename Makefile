@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo zoo clean
+.PHONY: install test demo zoo bench bench-full clean
 
 ZOO_WORK ?= runs/zoo
 ZOO_VERIFIER_MINUTES ?= 7.5
@@ -33,6 +33,13 @@ zoo: $(STAMP)
 	$(PY) -m hf_sparsekv.zoo.build train --work $(ZOO_WORK) --model drafter --minutes $(ZOO_DRAFTER_MINUTES)
 	$(PY) -m hf_sparsekv.zoo.build export --work $(ZOO_WORK)
 	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
+
+# End-to-end speculative benchmarks on one CUDA GPU (results, tables and plots under runs/).
+bench: $(STAMP)
+	$(PY) benchmarks/speculative.py --quick --profile --projection --out runs/speculative-quick
+
+bench-full: $(STAMP)
+	$(PY) benchmarks/speculative.py --profile --projection --out runs/speculative
 
 clean:
 	rm -rf $(VENV) build *.egg-info
