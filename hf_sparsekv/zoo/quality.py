@@ -1,4 +1,5 @@
-"""Quality of a model pair on held-out documents: loss/top-1 by position bucket, and greedy acceptance.
+"""Quality of a model pair on held-out documents: loss/top-1 by position bucket (acceptance is measured by
+:func:`hf_sparsekv.training.measure_acceptance`).
 
 These numbers prove the pair is fit for the benchmarks: the verifier must beat the drafter, and must be better at
 long positions when it sees the whole context than when it sees only the last ``window`` tokens.
@@ -53,31 +54,3 @@ def position_metrics(model, documents: Sequence[torch.Tensor], window: int | Non
                 sums[b][1] += hit[sel].sum().item()
                 sums[b][2] += int(sel.sum())
     return {_bucket_name(*b): {"loss": s[0] / s[2], "top1": s[1] / s[2], "tokens": s[2]} for b, s in sums.items() if s[2]}
-
-
-def acceptance(verifier, drafter, documents: Sequence[torch.Tensor], contexts: Sequence[int], gamma: int = 5,
-               max_new_tokens: int = 64, draft_cache: str = "full", kv_budget: int | None = None) -> dict[int, dict]:
-    """Greedy acceptance of ``drafter`` against ``verifier`` with prompts of each context length cut from documents.
-
-    Returns ``{context: {"acceptance": accepted/drafted, "tau": tokens per verifier forward, "prompts": n}}``,
-    pooled over prompts (documents shorter than the context are skipped).
-    """
-    from ..generation import speculative_generate
-
-    device = next(verifier.parameters()).device
-    result = {}
-    for context in contexts:
-        drafted = accepted = rounds = new = used = 0
-        for doc in tqdm(documents, desc=f"acceptance {context}", leave=False):
-            if len(doc) < context:
-                continue
-            out = speculative_generate(verifier, doc[None, :context].to(device), assistant_model=drafter,
-                                       draft_cache=draft_cache, kv_budget=kv_budget, num_assistant_tokens=gamma,
-                                       max_new_tokens=max_new_tokens, return_dict_in_generate=True)
-            s = out.spec_stats
-            drafted, accepted, rounds, new, used = (drafted + s["drafted"], accepted + s["accepted"],
-                                                    rounds + s["rounds"], new + s["new_tokens"], used + 1)
-        if used:
-            result[context] = {"acceptance": accepted / max(drafted, 1), "tau": (new - used) / max(rounds, 1),
-                               "prompts": used}
-    return result
