@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import statistics
 import subprocess
 import sys
@@ -125,10 +124,11 @@ class _Stock:
 # ---------------------------------------------------------------------------------------------------- methods
 
 
-def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, args):
-    """A zero-argument callable running one generation -> (sequences [1, N], spec_stats dict or None)."""
+def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, args, new_tokens: int | None = None):
+    """A zero-argument callable running one generation of ``new_tokens`` (default ``args.new_tokens``) tokens
+    -> (sequences [1, N], spec_stats dict or None)."""
     verifier = models["verifier"]
-    n = args.new_tokens
+    n = args.new_tokens if new_tokens is None else new_tokens
     common = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n)  # min_new_tokens: every method makes n tokens
 
     def spec(drafter_name, **kw):
@@ -185,10 +185,11 @@ def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, ar
     raise ValueError(f"unknown method {method!r}")
 
 
-def _measure(fn, device, warmup: int, repeats: int) -> dict:
+def _measure(fn, device, warmup: int, repeats: int, warmup_fn=None) -> dict:
+    """``warmup`` discarded runs of ``warmup_fn`` (default ``fn``), then the median of ``repeats`` timed runs."""
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
-        fn()
+        (warmup_fn or fn)()
     runs = []
     for _ in range(repeats):
         if cuda:
@@ -215,6 +216,19 @@ def _first_mismatch(got: torch.Tensor, ref: torch.Tensor, prompt_length: int):
     return None
 
 
+def _sweep_budgets(args) -> list[int]:
+    """The budgets at which every γ of ``--gammas`` runs: ``--sweep-budget`` when ``--table-gammas`` restricts the
+    others, else all of them."""
+    return [args.sweep_budget] if args.table_gammas else list(args.budgets)
+
+
+def _cell_gammas(args, budget: int) -> list[int]:
+    """The γ values run at a budget: all of them at a sweep budget, ``--table-gammas`` at the others."""
+    if budget in _sweep_budgets(args):
+        return list(args.gammas)
+    return [g for g in args.gammas if g in args.table_gammas]
+
+
 def _jobs(args) -> list[dict]:
     """AR references of every context first, then the fixed γ, then the rest of the γ sweep: a --time-limit cut
     loses γ-sweep points before it loses a context."""
@@ -232,25 +246,79 @@ def _jobs(args) -> list[dict]:
                     if m in args.methods:
                         jobs.append(dict(method=m, context=context, prompt=p, budget=None, gamma=gamma))
                 for budget in args.budgets:
+                    if gamma not in _cell_gammas(args, budget):
+                        continue
                     for m in BUDGET_METHODS:
                         if m in args.methods:
                             jobs.append(dict(method=m, context=context, prompt=p, budget=budget, gamma=gamma))
     return jobs
 
 
+def _job_key(job: dict) -> tuple:
+    return job["method"], job["context"], job["prompt"], job["budget"], job["gamma"]
+
+
+def _reference_name(method: str) -> str:
+    return "ar-int8" if method in ("int4", "ar-int8") else "ar"
+
+
+@torch.no_grad()
+def _last_logits(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """Logits [V] after ``ids`` [1, T], prefilled ``chunk`` tokens at a time (bounded attention memory)."""
+    from transformers.cache_utils import DynamicCache
+
+    cache = DynamicCache()
+    for start in range(0, ids.shape[1], chunk):
+        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out.logits[0, -1]
+
+
+def tie_check(verifier, ids: torch.Tensor, reference: torch.Tensor, mismatch: dict) -> dict:
+    """Is a first divergence from the AR reference a numerical tie of the run's dtype, or a real failure?
+
+    ``ids`` [1, P] is the prompt, ``reference`` [1, P + n] the AR output, ``mismatch`` the first differing new token
+    (``position``, ``expected`` = AR's token, ``got`` = the method's). Both outputs share the prefix before
+    ``position``; the verifier scores that prefix once in float64 and once in its own dtype by plain chunked
+    prefill. The divergence is a tie when the float64 logits of the two tokens differ by less than twice the
+    run dtype's own error on them (its logits cannot order the two), and a failure otherwise. Returns the evidence:
+    the float64 margin (expected - got), that error, which token float64 picks, and ``tie``."""
+    import copy
+
+    prefix = reference[:, : ids.shape[1] + mismatch["position"]].to(ids.device)
+    exact = copy.deepcopy(verifier).to(torch.float64)
+    try:
+        l64 = _last_logits(exact, prefix)
+    finally:
+        del exact
+    lrun = _last_logits(verifier, prefix).to(torch.float64)
+    e, g = mismatch["expected"], mismatch["got"]
+    margin = float(l64[e] - l64[g])
+    error = float(max(abs(lrun[e] - l64[e]), abs(lrun[g] - l64[g])))
+    return dict(float64_margin=margin, run_dtype_error=error, float64_argmax=int(l64.argmax()),
+                float64_picks=("expected" if margin > 0 else "got" if margin < 0 else "either"),
+                tie=abs(margin) <= 2 * error, dtype=str(verifier.dtype).replace("torch.", ""))
+
+
 def run_job(job: dict, models: dict, prompts: list[torch.Tensor], references: dict, args, device) -> dict:
-    """One cell on one prompt; never raises (an error is recorded in the returned record)."""
+    """One cell on one prompt; never raises (an error is recorded in the returned record).
+
+    A record keeps the new tokens of its median run (``tokens``), so a resumed grid can rebuild its references.
+    A method whose output differs from the reference gets ``identical=False``, the first differing position and,
+    for references on the plain full cache, a :func:`tie_check`."""
     record = dict(job, status="ok")
     try:
         ids = prompts[job["prompt"]][None, : job["context"]].to(device)
         if ids.shape[1] < job["context"]:
             raise ValueError(f"prompt {job['prompt']} has only {ids.shape[1]} tokens < context {job['context']}")
         fn = _generate_fn(job["method"], models, ids, job["budget"], job["gamma"], args)
-        m = _measure(fn, device, args.warmup, args.repeats)
+        warm = _generate_fn(job["method"], models, ids, job["budget"], job["gamma"], args,
+                            new_tokens=min(args.new_tokens, args.warmup_tokens))
+        m = _measure(fn, device, args.warmup, args.repeats, warmup_fn=warm)
         new = m["sequences"].shape[1] - ids.shape[1]
         record.update(seconds=m["seconds"], seconds_all=m["seconds_all"], new_tokens=new,
-                      tokens_per_s=new / m["seconds"], peak_memory_bytes=m["peak"], spec_stats=m["stats"])
-        ref_name = "ar-int8" if job["method"] in ("int4", "ar-int8") else "ar"
+                      tokens_per_s=new / m["seconds"], peak_memory_bytes=m["peak"], spec_stats=m["stats"],
+                      tokens=m["sequences"][0, ids.shape[1]:].tolist())
+        ref_name = _reference_name(job["method"])
         key = (ref_name, job["context"], job["prompt"])
         if job["method"] == ref_name:
             references[key] = m["sequences"]
@@ -263,6 +331,11 @@ def run_job(job: dict, models: dict, prompts: list[torch.Tensor], references: di
             record["identical"] = not bad
             record["mismatch"] = bad[0] if bad else None
             record["reference"] = ref_name
+            if bad and ref_name == "ar" and "got" in bad[0]:
+                try:
+                    record["tie_check"] = tie_check(models["verifier"], ids, references[key], bad[0])
+                except Exception as exc:  # noqa: BLE001 - the mismatch then stands as a failure
+                    record["tie_check"] = {"error": f"{type(exc).__name__}: {exc}", "tie": False}
     except Exception as exc:  # noqa: BLE001 - recorded, the grid goes on
         record.update(status="error", error=f"{type(exc).__name__}: {exc}",
                       traceback=traceback.format_exc(limit=6)[-2000:])
@@ -292,10 +365,16 @@ def aggregate(records: list[dict], args) -> list[dict]:
             seconds = sum(r["seconds"] for r in ok)
             tokens = sum(r["new_tokens"] for r in ok)
             cell.update(seconds=seconds, new_tokens=tokens, tokens_per_s=tokens / seconds,
-                        identical=all(r.get("identical") is True for r in ok),
-                        mismatches=[dict(prompt=r["prompt"], **(r["mismatch"] if isinstance(r["mismatch"], dict)
-                                                                  else {"note": r["mismatch"]}))
-                                    for r in ok if r.get("identical") is not True])
+                        identical=all(r.get("identical") is True for r in ok))
+            for r in ok:
+                if r.get("identical") is True:
+                    continue
+                entry = dict(prompt=r["prompt"], **(r["mismatch"] if isinstance(r["mismatch"], dict)
+                                                    else {"note": r["mismatch"]}))
+                if r.get("tie_check", {}).get("tie"):
+                    cell.setdefault("ties", []).append(dict(entry, **r["tie_check"]))
+                else:
+                    cell.setdefault("mismatches", []).append(dict(entry, **r.get("tie_check", {})))
             peaks = [r["peak_memory_bytes"] for r in ok if r["peak_memory_bytes"] is not None]
             cell["peak_memory_gb"] = max(peaks) / GB if peaks else None
 
@@ -349,8 +428,10 @@ def _cell_text(cell, show_gamma: bool) -> str:
     text = f"{sp} / {acc}"
     if show_gamma and cell.get("gamma") is not None:
         text += f" (γ={cell['gamma']})"
-    if not cell.get("identical", True):
+    if cell.get("mismatches"):
         text += " **MISMATCH**"
+    elif cell.get("ties"):
+        text += " (tie†)"
     return text
 
 
@@ -409,18 +490,42 @@ def detail_table(cells: list[dict], args) -> str:
             f"{x['tokens_per_s']:.1f} | {_fmt(x.get('speedup_vs_ar'))} | {_fmt(x.get('speedup_vs_stock'))} | {acc} | "
             f"{_fmt(x.get('tau'))} | {_fmt(x.get('peak_memory_gb'), '.3f')} | {_fmt(x.get('prefill_seconds'), '.3f')} | "
             f"{_fmt(x.get('draft_seconds'), '.3f')} | {_fmt(x.get('verify_seconds'), '.3f')} | "
-            f"{_fmt(x.get('other_seconds'), '.3f')} | {'yes' if x['identical'] else '**NO**'} |")
+            f"{_fmt(x.get('other_seconds'), '.3f')} | {_identity_text(x)} |")
     return "\n".join(lines)
 
 
+def _identity_text(cell: dict) -> str:
+    if cell.get("mismatches"):
+        return "**NO**"
+    if cell.get("ties"):
+        return "tie†"
+    return "yes" if cell["identical"] else "**NO**"
+
+
+def _where(x: dict) -> str:
+    return f"{x['method']} ctx={x['context']} B={x['budget']} γ={x['gamma']}"
+
+
 def failures(cells: list[dict]) -> list[str]:
+    """Errors, and outputs that differ from their reference other than by a numerical tie (see :func:`tie_check`)."""
     out = []
     for x in cells:
-        where = f"{x['method']} ctx={x['context']} B={x['budget']} γ={x['gamma']}"
         for e in x["errors"]:
-            out.append(f"ERROR    {where}: {e}")
+            out.append(f"ERROR    {_where(x)}: {e}")
         for mm in x.get("mismatches", []):
-            out.append(f"MISMATCH {where}: {mm}")
+            out.append(f"MISMATCH {_where(x)}: {mm}")
+    return out
+
+
+def ties(cells: list[dict]) -> list[str]:
+    """Divergences from the reference that :func:`tie_check` found to be ties of the run's dtype."""
+    out = []
+    for x in cells:
+        for t in x.get("ties", []):
+            out.append(f"{_where(x)}, prompt {t['prompt']}, new token {t['position']}: AR {t['expected']}, "
+                       f"method {t['got']}; float64 margin {t['float64_margin']:+.4f} (float64 picks the "
+                       f"{'AR' if t['float64_picks'] == 'expected' else 'method' if t['float64_picks'] == 'got' else 'either'}"
+                       f" token), {t['dtype']} error on these logits {t['run_dtype_error']:.4f}")
     return out
 
 
@@ -466,9 +571,11 @@ def plots(cells: list[dict], args, out: Path) -> list[str]:
     # Fig. 3: budget-averaged acceptance and speedup vs γ; Table 4: peak memory vs γ.
     swept = [m for m in args.methods if m in GAMMA_METHODS + BUDGET_METHODS]
 
+    swept_budgets = _sweep_budgets(args)
+
     def averaged(m, c, g, key):
         vals = [x[key] for x in ok if x["method"] == m and x["context"] == c and x["gamma"] == g
-                and x.get(key) is not None]
+                and x.get(key) is not None and (x["budget"] is None or x["budget"] in swept_budgets)]
         return sum(vals) / len(vals) if vals else None
 
     for name, keys in (("gamma_sweep.png", [("acceptance_rate", "acceptance (%)", 100),
@@ -502,7 +609,7 @@ def plots(cells: list[dict], args, out: Path) -> list[str]:
                     handles.setdefault(line.get_label(), line)
         if handles:
             axes[0][-1].legend(handles.values(), handles.keys(), fontsize=7)
-        fig.suptitle("averaged over budgets " + ", ".join(map(str, args.budgets)), fontsize=9)
+        fig.suptitle("budget-method curves averaged over B = " + ", ".join(map(str, swept_budgets)), fontsize=9)
         fig.tight_layout()
         fig.savefig(out / name, dpi=120)
         plt.close(fig)
@@ -609,7 +716,7 @@ def projection(args, cells: list[dict]) -> dict:
             holder.clear()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-        del verifier
+        verifier = None  # frees the 7B weights before the drafter is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
         drafter = _random_llama(shapes["drafter"], max(contexts) + 64, dtype, device)
@@ -641,7 +748,7 @@ def projection(args, cells: list[dict]) -> dict:
                     cache.crop(-1)
                 costs[str(c)][f"drafter_prefill_B{b}_s"] = clock.seconds
                 costs[str(c)][f"drafter_step_B{b}_s"] = _time(dstep, device, warmup=3, reps=10)
-        del drafter
+        drafter = None
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -815,6 +922,12 @@ def parse_args(argv=None):
     p.add_argument("--prompts", type=int, help="held-out documents of the pair (at most 50)")
     p.add_argument("--repeats", type=int, help="timed repeats per cell (median reported)")
     p.add_argument("--warmup", type=int, help="discarded runs per cell")
+    p.add_argument("--warmup-tokens", type=int, default=32, help="new tokens of a warm-up run (compiles, caches)")
+    p.add_argument("--table-gammas", type=int, nargs="*",
+                   help="γ values run at budgets other than --sweep-budget (nothing given: every γ at every budget)")
+    p.add_argument("--sweep-budget", type=int, help="the budget at which every γ of --gammas runs (Fig. 3, Table 4)")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the records of --out/results.json made with the same settings and run only the rest")
     p.add_argument("--methods", nargs="+", choices=ALL_METHODS)
     p.add_argument("--static-cache", action="store_true", help="also time AR on a static cache (ar-static)")
     p.add_argument("--stock-drafter", choices=("base", "budgetdraft"), default="base",
@@ -836,9 +949,11 @@ def parse_args(argv=None):
     p.add_argument("--profile-method", default="budgetdraft", choices=BUDGET_METHODS + ("int4",))
     args = p.parse_args(argv)
     quick = dict(contexts=[4096, 16384], budgets=[256, 1024], gammas=[3, 5], new_tokens=64, prompts=1, repeats=1,
-                 warmup=1, methods=list(QUICK_METHODS), time_limit=210.0)
+                 warmup=1, methods=list(QUICK_METHODS), time_limit=210.0, table_gammas=None, sweep_budget=None)
+    # The full grid: Table 1 (every context × budget) at γ ∈ {3, 5, 7}, the γ sweep 1..10 at B = 1024.
     full = dict(contexts=[4096, 8192, 16384], budgets=[256, 512, 1024, 2048], gammas=list(range(1, 11)),
-                new_tokens=256, prompts=3, repeats=3, warmup=1, methods=list(DEFAULT_METHODS), time_limit=None)
+                new_tokens=256, prompts=2, repeats=3, warmup=1, methods=list(DEFAULT_METHODS), time_limit=None,
+                table_gammas=[3, 5, 7], sweep_budget=None)
     for key, value in (quick if args.quick else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -850,7 +965,32 @@ def parse_args(argv=None):
     if "int4" in args.methods and "ar-int8" not in args.methods:
         args.methods.append("ar-int8")
     args.methods = [m for m in ALL_METHODS if m in args.methods]
+    if args.table_gammas:
+        if args.sweep_budget is None:
+            args.sweep_budget = 1024 if 1024 in args.budgets else max(args.budgets)
+        if args.sweep_budget not in args.budgets:
+            p.error(f"--sweep-budget {args.sweep_budget} is not one of --budgets {args.budgets}")
     return args
+
+
+RESUME_KEYS = ("device", "dtype", "attention", "commit", "models", "new_tokens", "repeats", "warmup", "warmup_tokens",
+               "stock_drafter", "window_drafter")
+
+
+def _resume(path: Path, settings: dict, prompts: list[torch.Tensor]) -> tuple[list[dict], dict]:
+    """The finished records of an earlier run with the same ``RESUME_KEYS`` settings, and the references rebuilt
+    from them; errors and skipped jobs are dropped (run again)."""
+    old = json.loads(path.read_text())
+    differ = {k: (old["settings"].get(k), settings[k]) for k in RESUME_KEYS if old["settings"].get(k) != settings[k]}
+    if differ:
+        raise SystemExit(f"--resume: {path} was made with other settings (earlier, now): {differ}; use another --out")
+    records = [r for r in old["records"] if r["status"] == "ok" and r["prompt"] < len(prompts)]
+    references = {}
+    for r in records:
+        if r["method"] == _reference_name(r["method"]):
+            ids = prompts[r["prompt"]][None, : r["context"]]
+            references[(r["method"], r["context"], r["prompt"])] = torch.cat([ids, torch.tensor([r["tokens"]])], 1)
+    return records, references
 
 
 def _write(out: Path, payload: dict) -> None:
@@ -878,17 +1018,22 @@ def main(argv=None) -> int:
         "model_notes": models["notes"], "dtype": str(verifier.dtype).replace("torch.", ""),
         "attention": verifier.config._attn_implementation,
         "dataset": f"held-out documents of the pair (Python source), first {args.prompts}, cut to each context",
-        **{k: getattr(args, k) for k in ("contexts", "budgets", "gammas", "new_tokens", "prompts", "repeats",
-                                          "warmup", "methods", "stock_drafter", "window_drafter", "quick")},
+        **{k: getattr(args, k) for k in ("contexts", "budgets", "gammas", "table_gammas", "sweep_budget",
+                                          "new_tokens", "prompts", "repeats", "warmup", "warmup_tokens", "methods",
+                                          "stock_drafter", "window_drafter", "quick")},
         "speedup_definition": "end-to-end seconds (prefill + decode) of baseline / method, summed over prompts; "
                               "'vs AR' = baseline (1), the fastest AR of our stack; 'vs stock' = baseline (2)",
         "note": "ar and ar-stock run the same transformers code path (the hf_sparsekv patch forwards calls without "
                 "its arguments untouched); their difference is timing noise",
     }
-    payload = {"settings": settings, "records": [], "cells": [], "failures": []}
+    payload = {"settings": settings, "records": [], "cells": [], "failures": [], "ties": []}
     records, references = [], {}
+    if args.resume and (out / "results.json").exists():
+        records, references = _resume(out / "results.json", settings, prompts)
+        print(f"--resume: kept {len(records)} finished records of {out / 'results.json'}")
     if not args.no_grid:
-        jobs = _jobs(args)
+        done = {_job_key(r) for r in records}
+        jobs = [j for j in _jobs(args) if _job_key(j) not in done]
         grid_start = time.perf_counter()
         bar = tqdm(jobs, desc="grid", unit="run", file=sys.stdout, mininterval=2.0)
         for job in bar:
@@ -901,14 +1046,15 @@ def main(argv=None) -> int:
                 tqdm.write(f"!! ERROR {job['method']} ctx={job['context']} B={job['budget']} γ={job['gamma']}: "
                            f"{record['error']}")
             elif record.get("identical") is False:
-                tqdm.write(f"!!!!!! MISMATCH vs {record['reference']}: {job} first differing new token "
-                           f"{record['mismatch']}")
+                verdict = "numerical tie" if record.get("tie_check", {}).get("tie") else "MISMATCH"
+                tqdm.write(f"!!!!!! {verdict} vs {record['reference']}: {job} first differing new token "
+                           f"{record['mismatch']} {record.get('tie_check', '')}")
             records.append(record)
             payload["records"] = records
             _write(out, payload)
         bar.close()
     cells = aggregate(records, args)
-    payload.update(cells=cells, failures=failures(cells))
+    payload.update(cells=cells, failures=failures(cells), ties=ties(cells))
     _write(out, payload)
 
     md = [f"# Speculative decoding benchmark ({'quick' if args.quick else 'grid'})", "",
@@ -927,8 +1073,12 @@ def main(argv=None) -> int:
     if payload["failures"]:
         md += ["## FAILURES (errors and outputs that differ from the AR reference)", ""]
         md += [f"- {f}" for f in payload["failures"]] + [""]
-    elif cells:
+    elif cells and not payload["ties"]:
         md += ["All outputs identical to their greedy AR reference.", ""]
+    if payload["ties"]:
+        md += [f"## † Numerical ties ({settings['dtype']}): outputs that leave the AR reference where the verifier's "
+               "two candidate tokens are closer in float64 than its own error in the run dtype", ""]
+        md += [f"- {t}" for t in payload["ties"]] + [""]
     if not args.no_plots and cells:
         try:
             payload["plots"] = plots(cells, args, out)

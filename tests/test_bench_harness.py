@@ -4,6 +4,7 @@ profile, the projection code path at a tiny shape) are written."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 from pathlib import Path
@@ -85,3 +86,78 @@ def test_minimal_run_on_the_pair(tmp_path, monkeypatch):
     assert rows and all(r["E"] >= 1 and r["end_to_end_speedup"] > 0 for r in rows)
     table = (out / "table.md").read_text()
     assert "speedup vs AR (ours) / acceptance %" in table and "FAILURES" in table and "PROJECTION" in table
+
+
+def _tiny_llama(dtype):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    return LlamaForCausalLM(config).eval().to(dtype)
+
+
+def test_chunked_last_logits_equal_one_forward():
+    bench = _harness()
+    model = _tiny_llama(torch.float64)
+    ids = torch.randint(0, 64, (1, 23))
+    with torch.no_grad():
+        whole = model(ids).logits[0, -1]
+    torch.testing.assert_close(bench._last_logits(model, ids, chunk=5), whole, rtol=1e-10, atol=1e-10)
+
+
+def test_tie_check_separates_ties_from_failures():
+    bench = _harness()
+    model = _tiny_llama(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight[7] = model.lm_head.weight[3]  # tokens 3 and 7 have equal logits everywhere
+    ids = torch.randint(0, 64, (1, 20))
+    reference = torch.cat([ids, torch.tensor([[3, 5]])], 1)
+    tie = bench.tie_check(model, ids, reference, {"position": 0, "expected": 3, "got": 7})
+    assert tie["tie"] and tie["float64_margin"] == 0 and tie["float64_picks"] == "either" and tie["dtype"] == "bfloat16"
+    assert model.dtype == torch.bfloat16  # the float64 copy leaves the model as it was
+    # at new token 1 the prefix includes the reference's token 3; the float64 best and worst tokens are no tie
+    prefix = reference[:, :21]
+    exact = bench._last_logits(copy.deepcopy(model).to(torch.float64), prefix)
+    best, worst = int(exact.argmax()), int(exact.argmin())
+    failure = bench.tie_check(model, ids, reference, {"position": 1, "expected": best, "got": worst})
+    assert not failure["tie"] and failure["float64_picks"] == "expected"
+    assert failure["float64_margin"] == pytest.approx(float(exact[best] - exact[worst]))
+    assert failure["float64_margin"] > 2 * failure["run_dtype_error"] > 0
+
+
+def test_full_grid_plan():
+    bench = _harness()
+    args = bench.parse_args([])
+    assert args.sweep_budget == 1024 and args.table_gammas == [3, 5, 7] and args.prompts >= 2
+    jobs = bench._jobs(args)
+    sparse = [j for j in jobs if j["method"] == "budgetdraft"]
+    # every context × budget at γ 3, 5, 7 (Table 1); every γ at the sweep budget (Fig. 3)
+    assert {(j["context"], j["budget"]) for j in sparse if j["gamma"] == 7} == {
+        (c, b) for c in args.contexts for b in args.budgets}
+    assert {j["gamma"] for j in sparse if j["budget"] == 1024} == set(range(1, 11))
+    assert {j["gamma"] for j in sparse if j["budget"] == 256} == {3, 5, 7}
+    assert {j["gamma"] for j in jobs if j["method"] == "int4"} == set(range(1, 11))
+    assert len({bench._job_key(j) for j in jobs}) == len(jobs)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--budgets", "256", "--sweep-budget", "512"])
+    assert bench.parse_args(["--budgets", "256", "512"]).sweep_budget == 512
+
+
+def test_resume_keeps_finished_records_and_runs_the_rest(tmp_path, capsys):
+    bench = _harness()
+    out = tmp_path / "bench"
+    common = ["--contexts", "48", "--budgets", "16", "--new-tokens", "6", "--prompts", "1", "--repeats", "1",
+              "--warmup", "1", "--warmup-tokens", "2", "--device", "cpu", "--methods", "budgetdraft", "--no-plots",
+              "--out", str(out)]
+    assert bench.main(common + ["--gammas", "2"]) == 0
+    first = json.loads((out / "results.json").read_text())["records"]
+    assert bench.main(common + ["--gammas", "2", "3", "--resume"]) == 0
+    second = json.loads((out / "results.json").read_text())
+    kept = [r for r in second["records"] if r["gamma"] in (None, 2)]
+    assert [r["seconds"] for r in kept] == [r["seconds"] for r in first]  # not re-run
+    new = [r for r in second["records"] if r["gamma"] == 3]
+    assert len(new) == 1 and new[0]["identical"] is True  # checked against the reference rebuilt from JSON
+    assert len(new[0]["tokens"]) == 6 and "--resume: kept 2 finished records" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="other settings"):
+        bench.main(common + ["--gammas", "2", "--new-tokens", "7", "--resume"])
