@@ -177,6 +177,32 @@ def _codes_f32(bu, bl, MAGIC, INT8: tl.constexpr):
     return fe, fo
 
 @triton.jit
+def _key_codes(ku_base, kl_base, offs_n, end, half, stride_kun, INT8: tl.constexpr):
+    """Packed key code bytes of one block ``[QBLOCK_N, D/2]`` (upper; lower too for INT8, else the upper again)."""
+    ok = offs_n < end
+    ptrs = offs_n[:, None] * stride_kun + half[None, :]
+    ku = tl.load(ku_base + ptrs, mask=ok[:, None], other=0)
+    if INT8:
+        kl = tl.load(kl_base + ptrs, mask=ok[:, None], other=0)
+    else:
+        kl = ku
+    return ku, kl
+
+@triton.jit
+def _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n, end, half, stride_vun, stride_vsn, INT8: tl.constexpr):
+    """Packed value code bytes of one block (as :func:`_key_codes`) and the tokens' scales and zero points."""
+    ok = offs_n < end
+    ptrs = offs_n[:, None] * stride_vun + half[None, :]
+    vu = tl.load(vu_base + ptrs, mask=ok[:, None], other=0)
+    if INT8:
+        vl = tl.load(vl_base + ptrs, mask=ok[:, None], other=0)
+    else:
+        vl = vu
+    vs = tl.load(vs_base + offs_n * stride_vsn, mask=ok, other=0.0)
+    vz = tl.load(vz_base + offs_n * stride_vsn, mask=ok, other=0.0)
+    return vu, vl, vs, vz
+
+@triton.jit
 def _quant_part_vec1(
     Q, stride_qh, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
@@ -219,56 +245,21 @@ def _quant_part_vec1(
     vz_base = VZ + kvh * stride_vsh
     tok = tl.arange(0, QBLOCK_N)
     if PREFETCH:
-        n_ok0 = (start + tok) < end
-        kptr0 = (start + tok)[:, None] * stride_kun + half[None, :]
-        vptr0 = (start + tok)[:, None] * stride_vun + half[None, :]
-        ku = tl.load(ku_base + kptr0, mask=n_ok0[:, None], other=0)
-        vu = tl.load(vu_base + vptr0, mask=n_ok0[:, None], other=0)
-        if INT8:
-            kl = tl.load(kl_base + kptr0, mask=n_ok0[:, None], other=0)
-            vl = tl.load(vl_base + vptr0, mask=n_ok0[:, None], other=0)
-        else:
-            kl = ku
-            vl = vu
-        vs = tl.load(vs_base + (start + tok) * stride_vsn, mask=n_ok0, other=0.0)
-        vz = tl.load(vz_base + (start + tok) * stride_vsn, mask=n_ok0, other=0.0)
+        ku, kl = _key_codes(ku_base, kl_base, start + tok, end, half, stride_kun, INT8)
+        vu, vl, vs, vz = _value_codes(vu_base, vl_base, vs_base, vz_base, start + tok, end, half, stride_vun,
+                                      stride_vsn, INT8)
     for n0 in range(start, end, QBLOCK_N):
         offs_n = n0 + tok
         n_ok = offs_n < end
         if PREFETCH:
-            ku_c = ku
-            kl_c = kl
-            vu_c = vu
-            vl_c = vl
-            vs_c = vs
-            vz_c = vz
-            nxt = offs_n + QBLOCK_N
-            nxt_ok = nxt < end
-            kptr = nxt[:, None] * stride_kun + half[None, :]
-            vptr = nxt[:, None] * stride_vun + half[None, :]
-            ku = tl.load(ku_base + kptr, mask=nxt_ok[:, None], other=0)
-            vu = tl.load(vu_base + vptr, mask=nxt_ok[:, None], other=0)
-            if INT8:
-                kl = tl.load(kl_base + kptr, mask=nxt_ok[:, None], other=0)
-                vl = tl.load(vl_base + vptr, mask=nxt_ok[:, None], other=0)
-            else:
-                kl = ku
-                vl = vu
-            vs = tl.load(vs_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
-            vz = tl.load(vz_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
+            ku_c, kl_c, vu_c, vl_c, vs_c, vz_c = ku, kl, vu, vl, vs, vz
+            ku, kl = _key_codes(ku_base, kl_base, offs_n + QBLOCK_N, end, half, stride_kun, INT8)
+            vu, vl, vs, vz = _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n + QBLOCK_N, end, half,
+                                          stride_vun, stride_vsn, INT8)
         else:
-            kptr = offs_n[:, None] * stride_kun + half[None, :]
-            vptr = offs_n[:, None] * stride_vun + half[None, :]
-            ku_c = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
-            vu_c = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
-            if INT8:
-                kl_c = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
-                vl_c = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
-            else:
-                kl_c = ku_c
-                vl_c = vu_c
-            vs_c = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
-            vz_c = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+            ku_c, kl_c = _key_codes(ku_base, kl_base, offs_n, end, half, stride_kun, INT8)
+            vu_c, vl_c, vs_c, vz_c = _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n, end, half, stride_vun,
+                                                  stride_vsn, INT8)
         g = n0 // KEY_GROUP
         ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
         ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
@@ -359,54 +350,20 @@ def _quant_part_vec(
     vs_base = VS + kvh * stride_vsh
     vz_base = VZ + kvh * stride_vsh
     tok = tl.arange(0, QBLOCK_N)
-    # codes of the first block (PREFETCH) or placeholders of the right types
-    offs_n = start + tok
-    n_ok = offs_n < end
-    kptr = offs_n[:, None] * stride_kun + half[None, :]
-    vptr = offs_n[:, None] * stride_vun + half[None, :]
-    if PREFETCH:
-        ku = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
-        vu = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
-        if INT8:
-            kl = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
-            vl = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
-        else:
-            kl = ku
-            vl = vu
-        vs = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
-        vz = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+    if PREFETCH:  # the first block's codes
+        ku, kl = _key_codes(ku_base, kl_base, start + tok, end, half, stride_kun, INT8)
+        vu, vl, vs, vz = _value_codes(vu_base, vl_base, vs_base, vz_base, start + tok, end, half, stride_vun,
+                                      stride_vsn, INT8)
     for n0 in range(start, end, QBLOCK_N):
         offs_n = n0 + tok
         n_ok = offs_n < end
         if PREFETCH:
-            ku_c = ku
-            kl_c = kl
-            vu_c = vu
-            vl_c = vl
-            vs_c = vs
-            vz_c = vz
-            nxt = offs_n + QBLOCK_N
-            nxt_ok = nxt < end
-            kptr = nxt[:, None] * stride_kun + half[None, :]
-            vptr = nxt[:, None] * stride_vun + half[None, :]
-            ku = tl.load(ku_base + kptr, mask=nxt_ok[:, None], other=0)
-            vu = tl.load(vu_base + vptr, mask=nxt_ok[:, None], other=0)
-            if INT8:
-                kl = tl.load(kl_base + kptr, mask=nxt_ok[:, None], other=0)
-                vl = tl.load(vl_base + vptr, mask=nxt_ok[:, None], other=0)
-            else:
-                kl = ku
-                vl = vu
-            vs = tl.load(vs_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
-            vz = tl.load(vz_base + nxt * stride_vsn, mask=nxt_ok, other=0.0)
-        else:
-            kptr = offs_n[:, None] * stride_kun + half[None, :]
-            vptr = offs_n[:, None] * stride_vun + half[None, :]
-            ku_c = tl.load(ku_base + kptr, mask=n_ok[:, None], other=0)
-            if INT8:
-                kl_c = tl.load(kl_base + kptr, mask=n_ok[:, None], other=0)
-            else:
-                kl_c = ku_c
+            ku_c, kl_c, vu_c, vl_c, vs_c, vz_c = ku, kl, vu, vl, vs, vz
+            ku, kl = _key_codes(ku_base, kl_base, offs_n + QBLOCK_N, end, half, stride_kun, INT8)
+            vu, vl, vs, vz = _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n + QBLOCK_N, end, half,
+                                          stride_vun, stride_vsn, INT8)
+        else:  # values are loaded after the scores (fewer live registers)
+            ku_c, kl_c = _key_codes(ku_base, kl_base, offs_n, end, half, stride_kun, INT8)
         # keys: q·k = (q⊙s·CF)·C + q·(z + ZOFF·s), the group's s, z loaded once per block
         g = n0 // KEY_GROUP
         ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
@@ -429,13 +386,8 @@ def _quant_part_vec(
         l_i = l_i * alpha + tl.sum(p, 1)
         # values: Σ p_n v_n = (p⊙s·CF)·C + Σ p_n (z_n + ZOFF·s_n)
         if not PREFETCH:
-            vu_c = tl.load(vu_base + vptr, mask=n_ok[:, None], other=0)
-            if INT8:
-                vl_c = tl.load(vl_base + vptr, mask=n_ok[:, None], other=0)
-            else:
-                vl_c = vu_c
-            vs_c = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
-            vz_c = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0)
+            vu_c, vl_c, vs_c, vz_c = _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n, end, half, stride_vun,
+                                                  stride_vsn, INT8)
         vsf = vs_c.to(tl.float32)
         ps = p * (vsf * CF)[None, :]
         vbias = vbias * alpha + tl.sum(p * (vz_c.to(tl.float32) + ZOFF * vsf)[None, :], 1)
