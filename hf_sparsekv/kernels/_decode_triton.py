@@ -63,6 +63,23 @@ def _fp_part(
                 FINAL, True)
 
 @triton.jit
+def _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even):
+    """The query rows' even and odd channels ``[M, D/2]`` in float32 (masked rows read 0)."""
+    q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
+    q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return q_e, q_o
+
+@triton.jit
+def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
+    """Per-channel key scales and zero points of key group ``g``, even and odd channels, float32 ``[D/2]``."""
+    ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
+    ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
+    kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
+    kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+    return ks_e, ks_o, kz_e, kz_o
+
+@triton.jit
 def _quant_part(
     Q, stride_qh, stride_ql,
     KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
@@ -77,9 +94,7 @@ def _quant_part(
     dt = DOT_DTYPE
     half = tl.arange(0, HALF)
     even = 2 * half
-    q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
-    q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -98,10 +113,7 @@ def _quant_part(
         n_ok = offs_n < end
         # keys: fold the group's per-channel scale into the query, its zero point into a per-row bias
         g = n0 // KEY_GROUP
-        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
-        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
-        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
-        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
         qs_e = q_e * ks_e[None, :]
         qs_o = q_o * ks_o[None, :]
         kbias = tl.sum(q_e * kz_e[None, :], 1) + tl.sum(q_o * kz_o[None, :], 1)
@@ -261,10 +273,7 @@ def _quant_part_vec1(
             vu_c, vl_c, vs_c, vz_c = _value_codes(vu_base, vl_base, vs_base, vz_base, offs_n, end, half, stride_vun,
                                                   stride_vsn, INT8)
         g = n0 // KEY_GROUP
-        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
-        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
-        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
-        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
         qs_e = q_e * (ks_e * CF)
         qs_o = q_o * (ks_o * (CF / 16.0))
         kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o), 0)
@@ -331,9 +340,7 @@ def _quant_part_vec(
     q_head = kvh * GROUP + rows // L
     half = tl.arange(0, HALF)
     even = 2 * half
-    q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
-    q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.full([VEC_M], -1.0e30, tl.float32)
@@ -366,10 +373,7 @@ def _quant_part_vec(
             ku_c, kl_c = _key_codes(ku_base, kl_base, offs_n, end, half, stride_kun, INT8)
         # keys: q·k = (q⊙s·CF)·C + q·(z + ZOFF·s), the group's s, z loaded once per block
         g = n0 // KEY_GROUP
-        ks_e = tl.load(ks_base + g * stride_ksg + even).to(tl.float32)
-        ks_o = tl.load(ks_base + g * stride_ksg + even + 1).to(tl.float32)
-        kz_e = tl.load(kz_base + g * stride_ksg + even).to(tl.float32)
-        kz_o = tl.load(kz_base + g * stride_ksg + even + 1).to(tl.float32)
+        ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
         qs_e = q_e * (ks_e * CF)[None, :]
         qs_o = q_o * (ks_o * (CF / 16.0))[None, :]
         kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e)[None, :], 1) + tl.sum(q_o * (kz_o + ZOFF * ks_o)[None, :], 1)
