@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo zoo bench bench-full clean
+.PHONY: install test test-lowest demo zoo bench bench-full clean
 
 ZOO_WORK ?= runs/zoo
 ZOO_VERIFIER_MINUTES ?= 7.5
@@ -22,6 +22,15 @@ install: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The same suite on the lowest transformers release pyproject.toml admits, in its own environment.
+LOWEST_VENV := .venv-lowest
+LOWEST_PY := $(LOWEST_VENV)/bin/python
+test-lowest:
+	test -x $(LOWEST_PY) || $(PYTHON) -m venv $(LOWEST_VENV)
+	$(LOWEST_PY) -c "import torch" 2>/dev/null || $(LOWEST_PY) -m pip install -q "torch==2.13.0"
+	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
+	$(LOWEST_PY) -m pytest -q tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
@@ -43,4 +52,4 @@ bench-full: $(STAMP)
 	$(PY) benchmarks/speculative.py --resume --profile --projection --out runs/speculative
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

@@ -80,6 +80,19 @@ def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
     return ks_e, ks_o, kz_e, kz_o
 
 @triton.jit
+def _code_pairs(bu, bl, INT8: tl.constexpr):
+    """Packed code bytes -> integer codes of the even and odd channels: the upper nibbles for INT4; for INT8 the
+    upper ``u`` and stored lower ``l`` (offset 8) combined as ``C = 14·u + l`` (0..225, exact in fp16/bf16), so the
+    INT8 view takes one dot per half as INT4 does (value = ``z - 8s/14 + (s/14)·C``)."""
+    if INT8:
+        ce = 14 * (bu & 15).to(tl.int32) + (bl & 15).to(tl.int32)
+        co = 14 * (bu >> 4).to(tl.int32) + (bl >> 4).to(tl.int32)
+    else:
+        ce = bu & 15
+        co = bu >> 4
+    return ce, co
+
+@triton.jit
 def _quant_part(
     Q, stride_qh, stride_ql,
     KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
@@ -91,6 +104,12 @@ def _quant_part(
     TRANS_LOAD: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
+    if INT8:
+        CF: tl.constexpr = 1.0 / 14.0  # dequantized = (z + ZOFF·s) + (s·CF)·C, C = 14·upper + stored lower
+        ZOFF: tl.constexpr = -8.0 / 14.0
+    else:
+        CF: tl.constexpr = 1.0
+        ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
     half = tl.arange(0, HALF)
     even = 2 * half
@@ -114,9 +133,9 @@ def _quant_part(
         # keys: fold the group's per-channel scale into the query, its zero point into a per-row bias
         g = n0 // KEY_GROUP
         ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
-        qs_e = q_e * ks_e[None, :]
-        qs_o = q_o * ks_o[None, :]
-        kbias = tl.sum(q_e * kz_e[None, :], 1) + tl.sum(q_o * kz_o[None, :], 1)
+        qs_e = (q_e * (ks_e * CF)[None, :]).to(dt)
+        qs_o = (q_o * (ks_o * CF)[None, :]).to(dt)
+        kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e)[None, :], 1) + tl.sum(q_o * (kz_o + ZOFF * ks_o)[None, :], 1)
         if TRANS_LOAD:  # codes loaded as [HALF, N]: the dot's right operand as is
             code_ptrs = offs_n[None, :] * stride_kun + half[:, None]
             code_mask = n_ok[None, :]
@@ -124,22 +143,18 @@ def _quant_part(
             code_ptrs = offs_n[:, None] * stride_kun + half[None, :]
             code_mask = n_ok[:, None]
         ku = tl.load(ku_base + code_ptrs, mask=code_mask, other=0)
-        ku_e = (ku & 15).to(dt)
-        ku_o = (ku >> 4).to(dt)
-        if not TRANS_LOAD:
-            ku_e = tl.trans(ku_e)
-            ku_o = tl.trans(ku_o)
-        s = tl.dot(qs_e.to(dt), ku_e, input_precision=DOT_PREC)
-        s += tl.dot(qs_o.to(dt), ku_o, input_precision=DOT_PREC)
         if INT8:
             kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
-            kl_e = ((kl & 15).to(tl.float32) - 8.0).to(dt)
-            kl_o = ((kl >> 4).to(tl.float32) - 8.0).to(dt)
-            if not TRANS_LOAD:
-                kl_e = tl.trans(kl_e)
-                kl_o = tl.trans(kl_o)
-            s += tl.dot((qs_e * (1.0 / 14.0)).to(dt), kl_e, input_precision=DOT_PREC)
-            s += tl.dot((qs_o * (1.0 / 14.0)).to(dt), kl_o, input_precision=DOT_PREC)
+        else:
+            kl = ku
+        ke, ko = _code_pairs(ku, kl, INT8)
+        ke = ke.to(dt)
+        ko = ko.to(dt)
+        if not TRANS_LOAD:
+            ke = tl.trans(ke)
+            ko = tl.trans(ko)
+        s = tl.dot(qs_e, ke, input_precision=DOT_PREC)
+        s += tl.dot(qs_o, ko, input_precision=DOT_PREC)
         s = (s + kbias[:, None]) * scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -149,17 +164,17 @@ def _quant_part(
         # values: fold the per-token scale into p, the zero point into a per-row bias
         vs = tl.load(VS + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
         vz = tl.load(VZ + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-        ps = p * vs[None, :]
-        vbias = vbias * alpha + tl.sum(p * vz[None, :], 1)
+        ps = (p * (vs * CF)[None, :]).to(dt)
+        vbias = vbias * alpha + tl.sum(p * (vz + ZOFF * vs)[None, :], 1)
         vcode_ptrs = offs_n[:, None] * stride_vun + half[None, :]
         vu = tl.load(vu_base + vcode_ptrs, mask=n_ok[:, None], other=0)
-        acc_e = acc_e * alpha[:, None] + tl.dot(ps.to(dt), (vu & 15).to(dt), input_precision=DOT_PREC)
-        acc_o = acc_o * alpha[:, None] + tl.dot(ps.to(dt), (vu >> 4).to(dt), input_precision=DOT_PREC)
         if INT8:
             vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
-            ps14 = (ps * (1.0 / 14.0)).to(dt)
-            acc_e += tl.dot(ps14, ((vl & 15).to(tl.float32) - 8.0).to(dt), input_precision=DOT_PREC)
-            acc_o += tl.dot(ps14, ((vl >> 4).to(tl.float32) - 8.0).to(dt), input_precision=DOT_PREC)
+        else:
+            vl = vu
+        ve, vo = _code_pairs(vu, vl, INT8)
+        acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
+        acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo.to(dt), input_precision=DOT_PREC)
         m_i = m_new
     acc_e += vbias[:, None]
     acc_o += vbias[:, None]
