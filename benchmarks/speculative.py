@@ -262,17 +262,6 @@ def _reference_name(method: str) -> str:
     return "ar-int8" if method in ("int4", "ar-int8") else "ar"
 
 
-@torch.no_grad()
-def _last_logits(model, ids: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
-    """Logits [V] after ``ids`` [1, T], prefilled ``chunk`` tokens at a time (bounded attention memory)."""
-    from transformers.cache_utils import DynamicCache
-
-    cache = DynamicCache()
-    for start in range(0, ids.shape[1], chunk):
-        out = model(input_ids=ids[:, start:start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out.logits[0, -1]
-
-
 def tie_check(verifier, ids: torch.Tensor, reference: torch.Tensor, mismatch: dict) -> dict:
     """Is a first divergence from the AR reference a numerical tie of the run's dtype, or a real failure?
 
@@ -284,13 +273,20 @@ def tie_check(verifier, ids: torch.Tensor, reference: torch.Tensor, mismatch: di
     the float64 margin (expected - got), that error, which token float64 picks, and ``tie``."""
     import copy
 
+    from transformers.cache_utils import DynamicCache
+
+    from hf_sparsekv.training.views import chunked_prefill
+
+    def last_logits(model):  # chunks of 1024 tokens bound the attention memory of a long prefix
+        return chunked_prefill(model, prefix, 1024, DynamicCache())[0]
+
     prefix = reference[:, : ids.shape[1] + mismatch["position"]].to(ids.device)
     exact = copy.deepcopy(verifier).to(torch.float64)
     try:
-        l64 = _last_logits(exact, prefix)
+        l64 = last_logits(exact)
     finally:
         del exact
-    lrun = _last_logits(verifier, prefix).to(torch.float64)
+    lrun = last_logits(verifier).to(torch.float64)
     e, g = mismatch["expected"], mismatch["got"]
     margin = float(l64[e] - l64[g])
     error = float(max(abs(lrun[e] - l64[e]), abs(lrun[g] - l64[g])))

@@ -98,15 +98,22 @@ def _tiny_llama(dtype):
 
 
 def test_chunked_last_logits_equal_one_forward():
-    bench = _harness()
+    from transformers.cache_utils import DynamicCache
+
+    from hf_sparsekv.training.views import chunked_prefill
+
     model = _tiny_llama(torch.float64)
     ids = torch.randint(0, 64, (1, 23))
     with torch.no_grad():
         whole = model(ids).logits[0, -1]
-    torch.testing.assert_close(bench._last_logits(model, ids, chunk=5), whole, rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(chunked_prefill(model, ids, 5, DynamicCache())[0], whole, rtol=1e-10, atol=1e-10)
 
 
 def test_tie_check_separates_ties_from_failures():
+    from transformers.cache_utils import DynamicCache
+
+    from hf_sparsekv.training.views import chunked_prefill
+
     bench = _harness()
     model = _tiny_llama(torch.bfloat16)
     with torch.no_grad():
@@ -118,7 +125,7 @@ def test_tie_check_separates_ties_from_failures():
     assert model.dtype == torch.bfloat16  # the float64 copy leaves the model as it was
     # at new token 1 the prefix includes the reference's token 3; the float64 best and worst tokens are no tie
     prefix = reference[:, :21]
-    exact = bench._last_logits(copy.deepcopy(model).to(torch.float64), prefix)
+    exact = chunked_prefill(copy.deepcopy(model).to(torch.float64), prefix, 1024, DynamicCache())[0]
     best, worst = int(exact.argmax()), int(exact.argmin())
     failure = bench.tie_check(model, ids, reference, {"position": 1, "expected": best, "got": worst})
     assert not failure["tie"] and failure["float64_picks"] == "expected"

@@ -145,16 +145,17 @@ def _check_ids(input_ids: torch.Tensor, name: str) -> None:
 
 
 @torch.no_grad()
-def chunked_prefill(model, input_ids: torch.Tensor, chunk: int, cache) -> None:
+def chunked_prefill(model, input_ids: torch.Tensor, chunk: int, cache) -> torch.Tensor:
     """Run ``model`` over ``input_ids [1, P]`` ``chunk`` tokens at a time into ``cache`` (real positions 0..P-1;
-    only the last position's logits are computed)."""
+    only the last position's logits are computed). Returns those logits, ``[1, V]``."""
     _check_ids(input_ids, "input_ids")
     if chunk <= 0:
         raise ValueError(f"prefill chunk must be positive, got {chunk}")
     for start in range(0, input_ids.shape[1], chunk):
         piece = input_ids[:, start : start + chunk]
         positions = torch.arange(start, start + piece.shape[1], device=input_ids.device).unsqueeze(0)
-        model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+    return out.logits[:, -1]
 
 
 def prefill_prefix(drafter, prefix_ids: torch.Tensor, chunk: int) -> DrafterPrefix:
