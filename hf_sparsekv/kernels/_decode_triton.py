@@ -63,6 +63,13 @@ def _fp_part(
                 FINAL, True)
 
 @triton.jit
+def _head_bases(KU, KL, VU, VL, KS, KZ, VS, VZ, kvh, stride_kuh, stride_vuh, stride_ksh, stride_vsh):
+    """Pointers to KV head ``kvh`` of the quantized store: key/value upper and lower codes, key group scales/zeros,
+    value token scales/zeros."""
+    return (KU + kvh * stride_kuh, KL + kvh * stride_kuh, VU + kvh * stride_vuh, VL + kvh * stride_vuh,
+            KS + kvh * stride_ksh, KZ + kvh * stride_ksh, VS + kvh * stride_vsh, VZ + kvh * stride_vsh)
+
+@triton.jit
 def _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even):
     """The query rows' even and odd channels ``[M, D/2]`` in float32 (masked rows read 0)."""
     q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
@@ -121,12 +128,8 @@ def _quant_part(
     acc_e = tl.zeros([BLOCK_M, HALF], tl.float32)
     acc_o = tl.zeros([BLOCK_M, HALF], tl.float32)
     vbias = tl.zeros([BLOCK_M], tl.float32)
-    ku_base = KU + kvh * stride_kuh
-    kl_base = KL + kvh * stride_kuh
-    vu_base = VU + kvh * stride_vuh
-    vl_base = VL + kvh * stride_vuh
-    ks_base = KS + kvh * stride_ksh
-    kz_base = KZ + kvh * stride_ksh
+    ku_base, kl_base, vu_base, vl_base, ks_base, kz_base, vs_base, vz_base = _head_bases(
+        KU, KL, VU, VL, KS, KZ, VS, VZ, kvh, stride_kuh, stride_vuh, stride_ksh, stride_vsh)
     for n0 in range(start, end, QBLOCK_N):
         offs_n = n0 + tl.arange(0, QBLOCK_N)
         n_ok = offs_n < end
@@ -162,8 +165,8 @@ def _quant_part(
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         # values: fold the per-token scale into p, the zero point into a per-row bias
-        vs = tl.load(VS + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-        vz = tl.load(VZ + kvh * stride_vsh + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+        vs = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
+        vz = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
         ps = (p * (vs * CF)[None, :]).to(dt)
         vbias = vbias * alpha + tl.sum(p * (vz + ZOFF * vs)[None, :], 1)
         vcode_ptrs = offs_n[:, None] * stride_vun + half[None, :]
@@ -262,14 +265,8 @@ def _quant_part_vec1(
     acc_o = tl.zeros([QBLOCK_N, HALF], tl.float32)
     pv = tl.zeros([QBLOCK_N], tl.float32)  # per token slot: Σ p (the denominator) and Σ p·(z + ZOFF·s)
     pz = tl.zeros([QBLOCK_N], tl.float32)
-    ku_base = KU + kvh * stride_kuh
-    kl_base = KL + kvh * stride_kuh
-    vu_base = VU + kvh * stride_vuh
-    vl_base = VL + kvh * stride_vuh
-    ks_base = KS + kvh * stride_ksh
-    kz_base = KZ + kvh * stride_ksh
-    vs_base = VS + kvh * stride_vsh
-    vz_base = VZ + kvh * stride_vsh
+    ku_base, kl_base, vu_base, vl_base, ks_base, kz_base, vs_base, vz_base = _head_bases(
+        KU, KL, VU, VL, KS, KZ, VS, VZ, kvh, stride_kuh, stride_vuh, stride_ksh, stride_vsh)
     tok = tl.arange(0, QBLOCK_N)
     if PREFETCH:
         ku, kl = _key_codes(ku_base, kl_base, start + tok, end, half, stride_kun, INT8)
@@ -363,14 +360,8 @@ def _quant_part_vec(
     acc_e = tl.zeros([VEC_M, HALF], tl.float32)
     acc_o = tl.zeros([VEC_M, HALF], tl.float32)
     vbias = tl.zeros([VEC_M], tl.float32)
-    ku_base = KU + kvh * stride_kuh
-    kl_base = KL + kvh * stride_kuh
-    vu_base = VU + kvh * stride_vuh
-    vl_base = VL + kvh * stride_vuh
-    ks_base = KS + kvh * stride_ksh
-    kz_base = KZ + kvh * stride_ksh
-    vs_base = VS + kvh * stride_vsh
-    vz_base = VZ + kvh * stride_vsh
+    ku_base, kl_base, vu_base, vl_base, ks_base, kz_base, vs_base, vz_base = _head_bases(
+        KU, KL, VU, VL, KS, KZ, VS, VZ, kvh, stride_kuh, stride_vuh, stride_ksh, stride_vsh)
     tok = tl.arange(0, QBLOCK_N)
     if PREFETCH:  # the first block's codes
         ku, kl = _key_codes(ku_base, kl_base, start + tok, end, half, stride_kun, INT8)

@@ -7,12 +7,13 @@ query tokens, packed as the rows of one tile) over two segments:
   in the INT8 view, lower codes, read as bytes and dequantized in registers. The dequantization is folded into the
   operands: a key is ``z + s·cu (+ s/14·cl)`` per channel, so ``q·k = (q⊙s)·cu (+ (q⊙s/14)·cl) + q·z`` with the
   group's ``s, z`` loaded once per block of tokens; a value is ``z_n + s_n·cv`` per token, so
-  ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Two implementations (``QUANT_CONFIG["path"]``):
+  ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Both implementations combine the INT8 view's upper and
+  lower codes as integers first (``C = 14·u + l``, 0..225, exact in fp16/bf16; the lower codes' offset of 8 goes
+  into the zero-point term), so INT8 takes as many dots/conversions per block as INT4. ``QUANT_CONFIG["path"]``:
   "dot": codes enter tensor-core dots directly (query rows padded to 16);
   "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
   registers (broadcast multiply + sum), codes turned into float32 with one mask|OR + one subtraction (no int->float
-  convert), the INT8 view's upper/lower codes combined as integers first (``14·u + l``) so it converts no more codes
-  than INT4; with one row the value sums stay per token with lazy rescaling (one FMA per code).
+  convert); with one row the value sums stay per token with lazy rescaling (one FMA per code).
 * a **full-precision segment** of ``S`` tokens whose last ``L`` are the queries' own tokens (causal among them).
 
 The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
