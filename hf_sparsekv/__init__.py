@@ -4,13 +4,14 @@ Importing the package registers the ``"sparsekv"`` attention implementation and 
 arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
 """
 
-from . import attention
+from . import attention, static_attention
 from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
 from .generation import SpecStats, register, speculative_generate, unregister
 
 __version__ = "0.1.0"
 
 attention.register()
+static_attention.register()
 register()
 
 __all__ = [

@@ -13,6 +13,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from . import graph_loop
 from .drafters import ModelDrafter, SelfDrafter
 from .speculative import GreedyRules, speculative_decode
 
@@ -224,13 +225,23 @@ def speculative_generate(
     drafter, verifier_cache, needs_scoring = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    switched = _switch_attention(model, assistant_model, needs_scoring)
-    try:
-        with torch.no_grad():
-            result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
-    finally:
-        for m, previous in switched:
-            m.set_attn_implementation(previous)
+    static = graph_loop.static_mode(
+        model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
+        logits_processor=logits_processor, stopping_criteria=stopping_criteria, rules=rules,
+    )
+    if static is not None:
+        engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,
+                                       rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda")
+        result = graph_loop.static_speculative_decode(engine, prompt, rules, streamer)
+        verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
+    else:
+        switched = _switch_attention(model, assistant_model, needs_scoring)
+        try:
+            with torch.no_grad():
+                result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
+        finally:
+            for m, previous in switched:
+                m.set_attn_implementation(previous)
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     if not config.return_dict_in_generate:

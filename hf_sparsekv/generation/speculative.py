@@ -41,6 +41,19 @@ class GreedyRules:
             logits = self.logits_processor(sequence, logits)
         return logits
 
+    def suppresses_eos(self) -> bool:
+        """Whether some step masks EOS (min_length / min_new_tokens not yet reached after the prompt)."""
+        return bool(self.eos_token_ids) and (
+            self.min_length > self.prompt_length or self.min_new_tokens > 0
+        )
+
+    def stop_token(self, tokens: list[int]) -> bool:
+        """``should_stop`` for a host-side sequence, without scores (the static loop; criteria that need scores
+        take the eager loop)."""
+        if len(tokens) >= self.max_length or tokens[-1] in self.eos_token_ids:
+            return True
+        return bool(self.stopping_criteria) and bool(self.stopping_criteria(torch.tensor([tokens]), None).any())
+
     def should_stop(self, sequence: torch.Tensor, scores: torch.Tensor) -> bool:
         if sequence.shape[1] >= self.max_length or int(sequence[0, -1]) in self.eos_token_ids:
             return True

@@ -17,19 +17,26 @@ from .decode_core import launch_decode
 from .reference import masked_attention_reference
 
 
-def chunk_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Triton split-KV kernel; see the module docstring."""
+def chunk_decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Triton split-KV kernel; see the module docstring. With ``length`` (int32 ``[1]`` on the device), ``key/value``
+    are preallocated buffers and only their first ``length`` tokens are stored ones (CUDA-graph capture: nothing is
+    read on the host)."""
     runtime.check_attention_inputs(query, key, value)
     if key.shape[-2] < query.shape[-2] or value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"key/value must hold the same number of tokens, at least the {query.shape[-2]} queries; got "
             f"{key.shape[-2]} and {value.shape[-2]}"
         )
-    return launch_decode(query, scaling, key, value)
+    return launch_decode(query, scaling, key, value, fp_length=length)
 
 
 def chunk_decode_attention_reference(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
 ) -> torch.Tensor:
     """PyTorch reference (float32 math)."""
+    if length is not None:
+        n = int(length)
+        key, value = key[:, :, :n], value[:, :, :n]
     return masked_attention_reference(query, key, value, scaling)

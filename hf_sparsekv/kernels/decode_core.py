@@ -150,10 +150,19 @@ def launch_decode(
     int8: bool = False,
     fp_min_split: int = 256,
     q_min_split: int | None = None,
+    fp_length: torch.Tensor | None = None,
+    quant_length: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [1, Hq, L, D]``; ``k/v [1, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
-    None. Returns ``[1, L, Hq, D]`` in ``q.dtype``. Callers validate shapes (see runtime.check_attention_inputs)."""
+    None. Returns ``[1, L, Hq, D]`` in ``q.dtype``. Callers validate shapes (see runtime.check_attention_inputs).
+
+    Lengths on the device (CUDA-graph capture): with ``fp_length`` (an int32 tensor of one element) ``k/v`` are
+    preallocated buffers of capacity S and only their first ``fp_length`` tokens are read (the last L of those are
+    the queries' own); ``quant_length`` likewise for the code buffers of ``quant``. The grid is sized from the
+    capacities and nothing is read on the host, so the launch can be captured and replayed as lengths change."""
+    if quant is not None and (fp_length is None) != (quant_length is None):
+        raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
     runtime.require(q, k, v)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
@@ -194,6 +203,9 @@ def launch_decode(
         lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=device)
         op_strides, lp_strides = op.stride()[:3], lp.stride()[:2]
     dot_prec, dot_dtype = dot_config(q.dtype)
+    on_device = fp_length is not None
+    s_ptr = fp_length if on_device else out
+    t_ptr = quant_length if quant_length is not None else s_ptr
     decode_split_kernel[(n_splits, hkv)](
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
@@ -201,10 +213,11 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000,
+        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
+        LENGTHS_ON_DEVICE=on_device,
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )

@@ -1,0 +1,324 @@
+"""Preallocated ("static") storage of the caches for the CUDA-graph path.
+
+Every buffer is allocated once, to a capacity fixed before the first step; a step writes its tokens in place at
+*slots* computed on the device from their logical positions, so a decode step does no ``torch.cat``, allocates
+no cache memory, reads no length on the host, and can be captured as a CUDA graph and replayed.
+
+Per cache (shared by its layers):
+
+* ``slot_positions [capacity]`` int64: the logical position held by each slot, -1 where nothing was written.
+  A query at position p sees slot j iff ``0 <= slot_positions[j] <= p`` and the cache's own rule (window, sink).
+* ``fp_length [1]`` int32: for the caches whose slots are in position order (full, chunk budget), the number of
+  slots the step's last query sees (``slot(last position) + 1``); the Triton decode kernel reads this length
+  from the device, so its launch is captured once and stays right as the sequence grows or rolls back.
+
+Rollback moves nothing: the next step writes at the slots of its own positions, and slots holding positions
+beyond the current one are masked out (``slot_positions > p``) or lie past ``fp_length``. Keys are stored after
+RoPE at their real positions, as in the dynamic caches.
+
+The three layouts (``slot(p)``):
+
+* :class:`StaticFullCache` (the verifier): ``slot = p``.
+* :class:`StaticChunkBudgetCache` (BudgetDraft): after the prefill selection the kept chunks fill slots
+  ``0..K-1`` and a later token goes to ``slot = p - (P - K)`` (P prompt length). The selection is the one of
+  :class:`~hf_sparsekv.caches.ChunkBudgetCache` (same scores, same chunks).
+* :class:`StaticSinkWindowCache` (StreamingLLM / LongSpec): ``sink`` fixed slots, then a ring of
+  ``window + max_rollback + 1`` slots: ``slot = sink + (p - sink) mod ring``. A query at p sees the sinks and
+  positions ``p - window .. p``; the ring is long enough that rolling back up to ``max_rollback`` tokens never
+  loses a position still in the window.
+
+Mask positions: a chunk-budget slot j is given the position ``j + P - K`` (the stored tokens as if contiguous and
+ending at the last one), exactly the positions the dynamic cache's ``get_mask_sizes`` gives the standard mask; the
+other layouts use real positions.
+
+Driving a step (what :mod:`hf_sparsekv.generation.graph_steps` does): ``begin_step(positions)`` with the step's
+positions ``[L]`` (a device tensor), then the model forward (its attention must be the ``"sparsekv_static"``
+implementation, :mod:`hf_sparsekv.static_attention`). A prompt is fed with ``begin_prefill(length)`` instead
+(eager, never captured): it attends to the prompt itself and then stores what the layout keeps. Batch size 1.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from . import kernel_hook
+from .chunk_budget import cumulative_attention, select_tokens, top_chunk_indices
+
+
+class StaticLayer(CacheLayerMixin):
+    """Key/value buffers ``[1, Hkv, capacity, D]`` of one layer; the slot arithmetic lives in the owning cache."""
+
+    is_compileable = True
+    is_sliding = False
+
+    def __init__(self, owner: "PreallocatedCache", layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.keys, self.values = keys, values
+        self.dtype, self.device = keys.dtype, keys.device
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:  # buffers exist from the start
+        pass
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        return self.owner.write(self, key_states, value_states)
+
+    def get_seq_length(self) -> int:
+        return self.owner.seen
+
+    def get_max_length(self) -> int:
+        return self.keys.shape[-2]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.keys.shape[-2], 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("crop the owning cache (PreallocatedCache.crop)")
+
+    def reset(self) -> None:
+        raise NotImplementedError("reset the owning cache (PreallocatedCache.reset)")
+
+    def reorder_cache(self, beam_idx) -> None:
+        raise NotImplementedError("static caches do not support beam search")
+
+
+class PreallocatedCache(Cache):
+    """Base of the static caches: buffers, per-step slots and mask, prefill. Subclasses define :meth:`slots_of` and
+    what a prefill keeps (:meth:`_store_prefill`).
+
+    Args:
+        num_layers, kv_heads, head_dim: the model's attention shape.
+        capacity: slots per layer.
+        dtype, device: of the key/value buffers.
+    """
+
+    contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
+
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+        if capacity < 1:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self.capacity = capacity
+        device = torch.device(device)
+        shape = (1, kv_heads, capacity, head_dim)
+        layers = [
+            StaticLayer(self, i, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for i in range(num_layers)
+        ]
+        super().__init__(layers=layers)
+        self.slot_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
+        self.fp_length = torch.zeros(1, dtype=torch.int32, device=device)
+        self.positions: torch.Tensor | None = None  # the current step's positions [L]
+        self.slots: torch.Tensor | None = None  # their slots [L]
+        self.prefilling = False
+        self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
+        self._mask: torch.Tensor | None = None
+
+    # ---- driving a step
+    def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Prepare a decode/verify step whose tokens are at ``positions [L]`` (int64, on the device, ascending)."""
+        self.prefilling = False
+        self.positions = positions
+        self.slots = self.slots_of(positions)
+        self.slot_positions.index_copy_(0, self.slots, positions)
+        if self.contiguous:
+            self.fp_length.copy_(self.slots[-1:] + 1)
+        self._mask = None
+
+    def begin_prefill(self, length: int) -> None:
+        """The next forward feeds a prompt of ``length`` tokens to this empty cache (eager)."""
+        if self.seen:
+            raise ValueError(f"{type(self).__name__}.begin_prefill: the cache already holds {self.seen} tokens (reset())")
+        self.prefilling = True
+        self.prefill_length = length
+        self._mask = None
+
+    def end_prefill(self) -> None:
+        self.prefilling = False
+        self.seen = self.prefill_length
+
+    def write(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Store a step's keys/values ``[1, Hkv, L, D]``; returns what the attention reads (the buffers, or the prompt's
+        own keys/values during a prefill)."""
+        if self.prefilling:
+            if key_states.shape[-2] != self.prefill_length:
+                raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
+            self._store_prefill(layer, key_states, value_states)
+            return key_states, value_states
+        if self.slots is None or key_states.shape[-2] != self.slots.shape[0]:
+            raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
+        layer.keys.index_copy_(2, self.slots, key_states)
+        layer.values.index_copy_(2, self.slots, value_states)
+        return layer.keys, layer.values
+
+    def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        keys, values = self.layers[layer_idx].update(key_states, value_states)
+        kernel_hook.offer(layer_idx, self.layers[layer_idx], keys)
+        return keys, values
+
+    # ---- what a query sees
+    def visible(self, query_positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+        """Boolean ``[L, capacity]``: query i (at ``query_positions[i]``) sees slot j. ``sliding_window`` as in
+        transformers' sliding masks (key position > query position - sliding_window)."""
+        sp = self.slot_positions[None, :]
+        qp = query_positions[:, None]
+        seen = (sp >= 0) & (sp <= qp) & self._rule(sp, qp)
+        if sliding_window is not None:
+            seen &= sp > qp - sliding_window
+        return seen
+
+    def _rule(self, slot_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(slot_pos, dtype=torch.bool)
+
+    def step_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """The current step's mask ``[1, 1, L, capacity]``, computed once per step and shared by the layers."""
+        if self._mask is None or self._mask[0] != sliding_window:
+            self._mask = (sliding_window, self.visible(self.positions, sliding_window)[None, None])
+        return self._mask[1]
+
+    # ---- host-side bookkeeping
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.seen
+
+    def set_seen(self, n: int) -> None:
+        """Record the logical length (tokens of the sequence the cache holds), known to the host after a round."""
+        self.seen = n
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Negative: forget that many most recent tokens (nothing moves; the next step overwrites them)."""
+        if tokens_to_remove > 0:
+            tokens_to_remove = tokens_to_remove - self.seen
+        if -tokens_to_remove > self.seen:
+            raise ValueError(f"cannot remove {-tokens_to_remove} tokens from a cache that has seen {self.seen}")
+        self.seen += tokens_to_remove
+
+    def reset(self) -> None:
+        """Empty, keeping the buffers (and so any CUDA graph captured on them)."""
+        self.slot_positions.fill_(-1)
+        self.fp_length.zero_()
+        self.seen = 0
+        self.prefilling = False
+        self._mask = None
+
+    def nbytes(self) -> int:
+        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
+
+    def stored(self, layer_idx: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a query at ``position`` would see in layer ``layer_idx``, in position order: keys/values
+        ``[1, Hkv, n, D]`` and their mask positions ``[n]`` (for tests and inspection)."""
+        seen = self.visible(torch.tensor([position], device=self.slot_positions.device))[0]
+        slots = seen.nonzero().flatten()
+        order = self.slot_positions[slots].argsort()
+        slots = slots[order]
+        layer = self.layers[layer_idx]
+        return layer.keys[:, :, slots], layer.values[:, :, slots], self.slot_positions[slots]
+
+
+class StaticFullCache(PreallocatedCache):
+    """Every token at ``slot = position`` (the verifier's cache)."""
+
+    def slots_of(self, positions):
+        return positions
+
+    def _store_prefill(self, layer, key_states, value_states):
+        n = key_states.shape[-2]
+        if n > self.capacity:
+            raise ValueError(f"prompt of {n} tokens exceeds the cache capacity {self.capacity}")
+        layer.keys[:, :, :n].copy_(key_states)
+        layer.values[:, :, :n].copy_(value_states)
+        if layer.layer_idx == 0:
+            self.slot_positions[:n] = torch.arange(n, device=self.slot_positions.device)
+            self.fp_length.fill_(n)
+
+
+class StaticChunkBudgetCache(PreallocatedCache):
+    """BudgetDraft's chunk-budget cache on preallocated storage (see :class:`~hf_sparsekv.caches.ChunkBudgetCache`
+    for the selection; the same functions compute it). ``capacity`` must hold the kept prompt tokens (<= budget)
+    and every token appended later."""
+
+    def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
+                 per_kv_head: bool = False, score_window: int | None = None):
+        if budget < chunk_size:
+            raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
+        if per_kv_head:
+            raise NotImplementedError("per_kv_head selection is not supported on static storage")
+        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device)
+        self.budget, self.chunk_size, self.score_window = budget, chunk_size, score_window
+        self.offset = torch.zeros(1, dtype=torch.long, device=self.slot_positions.device)  # P - K
+        self.kept = 0
+
+    def slots_of(self, positions):
+        return positions - self.offset
+
+    def _store_prefill(self, layer, key_states, value_states):
+        p = key_states.shape[-2]
+        if p <= self.budget:  # nothing to drop: keep the prompt as it is
+            self._keep(layer, key_states, value_states)
+
+    def select(self, layer: StaticLayer, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
+               scaling: float) -> None:
+        """Keep the top chunks of the prompt given its queries ``[1, Hq, P, D]`` (called by the attention during a
+        prefill longer than the budget)."""
+        scores = cumulative_attention(query, key_states, scaling, self.score_window).sum(1, keepdim=True)
+        kept = top_chunk_indices(scores, self.budget, self.chunk_size)
+        self._keep(layer, select_tokens(key_states, kept), select_tokens(value_states, kept))
+
+    def _keep(self, layer, keys, values) -> None:
+        k = keys.shape[-2]
+        if k + 1 > self.capacity:
+            raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
+        layer.keys[:, :, :k].copy_(keys)
+        layer.values[:, :, :k].copy_(values)
+        if layer.layer_idx == 0:
+            self.kept = k
+            self.offset.fill_(self.prefill_length - k)
+            self.slot_positions[:k] = torch.arange(self.prefill_length - k, self.prefill_length, device=self.offset.device)
+            self.fp_length.fill_(k)
+
+    def needs_selection(self) -> bool:
+        return self.prefilling and self.prefill_length > self.budget
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset.zero_()
+        self.kept = 0
+
+
+class StaticSinkWindowCache(PreallocatedCache):
+    """Sink + sliding window on a ring buffer (see :class:`~hf_sparsekv.caches.SinkWindowCache`): a query at p sees
+    the first ``sink`` positions and positions ``p - window .. p``; rollback of up to ``max_rollback`` tokens is
+    exact. Capacity ``sink + window + max_rollback + 1``."""
+
+    contiguous = False
+
+    def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device):
+        if sink < 0 or window < 1 or max_rollback < 0:
+            raise ValueError(f"need sink >= 0, window >= 1, max_rollback >= 0; got {sink}, {window}, {max_rollback}")
+        self.sink, self.window, self.ring = sink, window, window + max_rollback + 1
+        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device)
+
+    def slots_of(self, positions):
+        return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
+
+    def _rule(self, slot_pos, query_pos):
+        return (slot_pos < self.sink) | (slot_pos >= query_pos - self.window)
+
+    def _store_prefill(self, layer, key_states, value_states):
+        p = key_states.shape[-2]
+        device = self.slot_positions.device
+        positions = torch.cat([
+            torch.arange(min(self.sink, p), device=device),
+            torch.arange(min(p, max(self.sink, p - self.ring)), p, device=device),
+        ])
+        slots = self.slots_of(positions)
+        layer.keys.index_copy_(2, slots, key_states[:, :, positions])
+        layer.values.index_copy_(2, slots, value_states[:, :, positions])
+        if layer.layer_idx == 0:
+            self.slot_positions.index_copy_(0, slots, positions)

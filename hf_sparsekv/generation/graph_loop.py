@@ -1,0 +1,329 @@
+"""The static speculative loop: preallocated caches, device-side drafting and acceptance, one host sync per round;
+on CUDA its steps are captured as CUDA graphs (the fast path of ``generate()``; the eager loop of
+:mod:`.speculative` stays the reference it is tested against).
+
+Device state (all preallocated): ``seq [capacity]`` the token sequence, ``n [1]`` its length. Between rounds the
+verifier's cache holds positions ``0..n-2`` (all but the last token), and so does the drafter's. A round:
+
+1. (only after a round that accepted every draft) **catch-up**: the drafter is fed ``seq[n-2]``, the last draft,
+   which it proposed but never read;
+2. **draft**: γ one-token drafter steps, each step's argmax the next step's input (``drafts [γ]``);
+3. **verify**: the verifier reads ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ`` (one forward), its argmaxes
+   ``v [γ+1]``; ``a`` = the number of leading drafts equal to ``v``; ``seq[n..n+γ] = v``; ``n += a + 1``;
+4. one transfer brings ``a`` and ``v`` to the host, which applies the stopping rules token by token.
+
+Nothing is rolled back explicitly: the caches hold stale entries past the sequence, which the next steps overwrite
+and never read (see :mod:`hf_sparsekv.caches.static`). A round may compute tokens past ``max_length``; the host
+drops them, as it drops tokens after a stop (they cannot change the earlier ones). Greedy AR on the same engine
+(:func:`graph_greedy`) is one verifier step per token, several steps between syncs.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers.utils import logging
+
+from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+from .graph_steps import CapturedStep, static_attention_for, static_forward, static_prefill
+from .stats import SpecStats
+
+logger = logging.get_logger(__name__)
+
+CAPACITY_ROUNDING = 256
+AR_STEPS_PER_SYNC = 8
+
+
+def _attention_shape(model) -> tuple[int, int, int]:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return config.num_hidden_layers, kv_heads, head_dim
+
+
+def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
+    return math.ceil(n / to) * to
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What a set of static caches and captured graphs is built for; an engine is reused by calls with the same spec
+    (same models with the same weight storage: a graph reads weights by address) and a capacity that suffices."""
+
+    mode: str  # "ar", "chunk", "window", "full"
+    budget: int | None
+    gamma: int
+    dtype: torch.dtype
+    device: torch.device
+    weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
+
+
+def _weights(*models) -> tuple:
+    return tuple((p.data_ptr(), p.dtype) for m in models if m is not None for p in m.parameters())
+
+
+class StaticEngine:
+    """Static caches, token buffers and (captured) steps for one verifier/drafter pair. See the module docstring."""
+
+    def __init__(self, verifier, drafter, spec: EngineSpec, max_tokens: int, max_new: int, use_graphs: bool):
+        # weak references: the engine is kept in a WeakKeyDictionary keyed by the verifier
+        self._verifier = weakref.ref(verifier)
+        self._drafter = None if drafter is None else weakref.ref(drafter)
+        self.spec = spec
+        self.use_graphs = use_graphs
+        gamma, device, dtype = spec.gamma, spec.device, spec.dtype
+        slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
+        self.max_tokens = _round_up(max_tokens)
+        self.max_new = _round_up(max_new)
+        self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device)
+        self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
+        self.seq = torch.zeros(self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
+        self.n = torch.zeros(1, dtype=torch.long, device=device)
+        self.drafts = torch.zeros(gamma, dtype=torch.long, device=device)
+        self.verified = torch.zeros(gamma + 1, dtype=torch.long, device=device)
+        self.accepted = torch.zeros(1, dtype=torch.long, device=device)
+        self.report = torch.zeros(gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ]: what the host reads
+        self._block_offsets = torch.arange(gamma + 1, device=device)
+        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        self.steps: dict[str, CapturedStep] = {}
+
+    def _drafter_cache(self, slack: int):
+        shape = _attention_shape(self.drafter)
+        mode, spec = self.spec.mode, self.spec
+        if mode == "chunk":
+            return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype, spec.device)
+        if mode == "window":
+            from .front import WINDOW_SINK
+
+            return StaticSinkWindowCache(WINDOW_SINK, spec.budget - WINDOW_SINK, spec.gamma + 1, *shape, spec.dtype,
+                                         spec.device)
+        if mode == "full":
+            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device)
+        raise ValueError(f"unknown static drafter mode {mode!r}")
+
+    @property
+    def verifier(self):
+        return self._verifier()
+
+    @property
+    def drafter(self):
+        return None if self._drafter is None else self._drafter()
+
+    def fits(self, drafter, spec: EngineSpec, max_tokens: int, max_new: int, use_graphs: bool) -> bool:
+        return (
+            self.drafter is drafter and spec == self.spec and use_graphs == self.use_graphs
+            and max_tokens <= self.max_tokens and max_new <= self.max_new
+        )
+
+    # ---- device-only steps (captured on CUDA)
+    def _draft(self) -> None:
+        token = self.seq.index_select(0, self.n - 1)
+        for i in range(self.spec.gamma):
+            logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1)
+            token = self.drafts[i : i + 1]
+            token.copy_(logits.argmax(-1))
+
+    def _catch_up(self) -> None:
+        static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1)
+
+    def _verify(self) -> None:
+        gamma = self.spec.gamma
+        block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
+        logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0)
+        verified = logits.argmax(-1)
+        accepted = (verified[:gamma] == self.drafts).long().cumprod(0).sum(0, keepdim=True)
+        self.seq.index_copy_(0, self.n + self._block_offsets, verified)
+        self.n.add_(accepted + 1)
+        self.report[:1].copy_(accepted)
+        self.report[1:].copy_(verified)
+
+    def _ar_step(self) -> None:
+        logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
+                                self.verifier_cache, 1)
+        self.seq.index_copy_(0, self.n, logits.argmax(-1))
+        self.n.add_(1)
+
+    def run_step(self, name: str) -> None:
+        """Run (and on first use, capture) the step ``name``."""
+        step = self.steps.get(name)
+        if step is None:
+            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool)
+            if self.use_graphs:
+                try:
+                    step.capture(restore=(self.n, self.seq))
+                except Exception as err:  # an architecture whose forward does not capture: run it eagerly
+                    logger.warning_once(f"hf_sparsekv: CUDA-graph capture failed ({type(err).__name__}: {err}); "
+                                        "running the static loop without graphs")
+                    self.use_graphs = False
+                    torch.cuda.synchronize()
+        step()
+
+    # ---- prefill
+    def prefill(self, prompt: torch.Tensor) -> int:
+        """Reset the caches, feed ``prompt [1, P]`` to both models; returns the verifier's first token."""
+        p = prompt.shape[1]
+        self.verifier_cache.reset()
+        first = static_prefill(self.verifier, prompt, self.verifier_cache).argmax(-1)
+        if self.drafter_cache is not None:
+            self.drafter_cache.reset()
+            static_prefill(self.drafter, prompt, self.drafter_cache)
+        self.seq[:p].copy_(prompt[0])
+        self.seq[p : p + 1].copy_(first)
+        self.n.fill_(p + 1)
+        return int(first)
+
+
+_engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
+               use_graphs: bool) -> StaticEngine:
+    """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
+    transformers keeps its static cache), or a new one replacing it."""
+    dtype = next(verifier.parameters()).dtype
+    spec = EngineSpec(mode, budget, gamma, dtype, verifier.device, _weights(verifier, drafter))
+    engine = _engines.get(verifier)
+    if engine is not None and engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
+        return engine
+    _engines.pop(verifier, None)
+    engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs)
+    _engines[verifier] = engine
+    return engine
+
+
+def release_engines() -> None:
+    """Free every kept static cache and CUDA graph."""
+    _engines.clear()
+
+
+class _EventTimer:
+    """Seconds between CUDA events recorded around phases, summed once at the end (no sync per phase)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: dict[str, list] = {}
+
+    def mark(self, name: str, start: bool):
+        if not self.cuda:
+            if start:
+                self.spans.setdefault(name, []).append([time.perf_counter(), None])
+            else:
+                self.spans[name][-1][1] = time.perf_counter()
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if start:
+            self.spans.setdefault(name, []).append([event, None])
+        else:
+            self.spans[name][-1][1] = event
+
+    def seconds(self, name: str) -> float:
+        total = 0.0
+        for a, b in self.spans.get(name, []):
+            total += (a.elapsed_time(b) / 1000.0) if self.cuda else (b - a)
+        return total
+
+
+def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None):
+    """Greedy speculative decoding on ``engine`` from ``prompt [1, P]``; same contract and result type as
+    :func:`hf_sparsekv.generation.speculative.speculative_decode` (scores/logits lists stay empty: the caller routes
+    requests for them to the eager loop)."""
+    from .speculative import SpeculativeResult
+
+    stats = SpecStats()
+    device = prompt.device
+    timer = _EventTimer(device.type == "cuda")
+    tokens = prompt[0].tolist()
+    is_ar = engine.spec.mode == "ar"
+    gamma = engine.spec.gamma
+
+    def accept(new: list[int]) -> bool:
+        for token in new:
+            tokens.append(token)
+            stats.new_tokens += 1
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            if rules.stop_token(tokens):
+                return True
+        return False
+
+    t0 = time.perf_counter()
+    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
+        first = engine.prefill(prompt)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        stats.prefill_seconds = time.perf_counter() - t0
+        done = accept([first])
+        catch_up = False
+        while not done:
+            n = len(tokens)
+            if is_ar:
+                k = min(AR_STEPS_PER_SYNC, rules.max_length - n)
+                timer.mark("verify", True)
+                for _ in range(k):
+                    engine.run_step("ar_step")
+                timer.mark("verify", False)
+                new = engine.seq[n : n + k].tolist()
+                stats.rounds += k
+                done = accept(new)
+                continue
+            timer.mark("draft", True)
+            if catch_up:
+                engine.run_step("catch_up")
+            engine.run_step("draft")
+            timer.mark("draft", False)
+            timer.mark("verify", True)
+            engine.run_step("verify")
+            timer.mark("verify", False)
+            report = engine.report.tolist()  # the round's one sync
+            a = report[0]
+            stats.rounds += 1
+            stats.drafted += gamma
+            stats.accepted += a
+            done = accept(report[1 : a + 2])
+            catch_up = a == gamma
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    stats.draft_seconds = timer.seconds("draft")
+    stats.verify_seconds = timer.seconds("verify")
+    if streamer is not None:
+        streamer.end()
+    sequence = torch.tensor([tokens], dtype=prompt.dtype, device=device)
+    return SpeculativeResult(sequence, stats, [], [])
+
+
+def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
+                rules) -> tuple[str, int | None] | None:
+    """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
+    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why."""
+    from .front import DEFAULT_WINDOW_BUDGET
+    from .graph_steps import graphs_setting
+
+    setting = graphs_setting()
+    if setting == "0" or (setting == "auto" and model.device.type != "cuda"):
+        return None
+    kind = draft_cache if isinstance(draft_cache, str) or draft_cache is None else None
+    kind = "chunk" if draft_cache is None else kind
+    reason = None
+    if kind is None:
+        reason = "a draft_cache instance was given"
+    elif kind == "int4" or drafter is model:
+        reason = "self-speculation (int4) is not on the static path yet"
+    elif logits_processor:
+        reason = "logits_processor needs the host at every token"
+    elif stopping_criteria:
+        reason = "stopping_criteria may read the scores of every token"
+    elif wants_outputs:
+        reason = "output_scores/output_logits keep every token's scores"
+    elif rules.suppresses_eos():
+        reason = "min_length/min_new_tokens mask EOS at some steps"
+    if reason is not None:
+        logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
+        return None
+    budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None}[kind]
+    return kind, budget
