@@ -6,7 +6,7 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 
 from . import attention, static_attention
 from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
-from .generation import SpecStats, register, speculative_generate, unregister
+from .generation import SpecStats, graph_greedy_generate, register, release_engines, speculative_generate, unregister
 
 __version__ = "0.1.0"
 
@@ -19,6 +19,8 @@ __all__ = [
     "HierarchicalQuantCache",
     "SinkWindowCache",
     "SpecStats",
+    "graph_greedy_generate",
+    "release_engines",
     "register",
     "speculative_generate",
     "unregister",

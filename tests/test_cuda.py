@@ -1,4 +1,5 @@
-"""The same losslessness on a CUDA GPU (run on the GPU machine; skipped on CPU)."""
+"""Losslessness on a CUDA GPU: the CUDA-graph path (the default there) and the eager loop (run on the GPU machine;
+skipped on CPU)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,34 @@ import copy
 import pytest
 import torch
 
+import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
+from hf_sparsekv.generation import graph_loop
 
 from .conftest import ARCHS, prompt, tiny_model
 
 pytestmark = pytest.mark.cuda
+NO_EOS = dict(eos_token_id=None, pad_token_id=0)
+
+
+def _on_cuda(arch, role="verifier", dtype=torch.float32):
+    return copy.deepcopy(tiny_model(arch, role=role)).to("cuda", dtype)
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graph_loop.release_engines()
+    yield
+    graph_loop.release_engines()
 
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-def test_lossless_on_cuda_float32(arch, mode, gamma):
-    torch.backends.cuda.matmul.allow_tf32 = False
-    verifier = copy.deepcopy(tiny_model(arch)).to("cuda", torch.float32)
-    drafter = copy.deepcopy(tiny_model(arch, role="drafter")).to("cuda", torch.float32)
+def test_eager_loop_lossless_on_cuda_float32(arch, mode, gamma, monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
+    verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
     for seed, length in enumerate((5, 140, 400)):
         ids = prompt(length, seed).cuda()
         kwargs = dict(max_new_tokens=32, do_sample=False)
@@ -32,3 +47,48 @@ def test_lossless_on_cuda_float32(arch, mode, gamma):
             spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
         out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
         assert torch.equal(out, reference)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_graph_path_lossless_float32(arch, mode, gamma):
+    verifier = _on_cuda(arch)
+    drafter = _on_cuda(arch, "drafter") if gamma != 3 else copy.deepcopy(verifier)  # γ=3: every draft accepted
+    for seed, length in enumerate((5, 140, 400)):
+        ids = prompt(length, seed).cuda()
+        for extra in ({}, NO_EOS):
+            kwargs = dict(max_new_tokens=48, do_sample=False, **extra)
+            reference = verifier.generate(ids, **kwargs)
+            out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode,
+                                    kv_budget=None if mode == "full" else 64, num_assistant_tokens=gamma, **kwargs)
+            assert torch.equal(out, reference), (length, extra)
+    engine = graph_loop.current_engine(verifier)
+    assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert {"draft", "verify"} <= set(engine.steps)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+def test_graph_path_equals_eager_loop_bfloat16(arch, mode, monkeypatch):
+    verifier, drafter = _on_cuda(arch, dtype=torch.bfloat16), _on_cuda(arch, "drafter", torch.bfloat16)
+    for seed, length in enumerate((60, 333)):
+        ids = prompt(length, seed).cuda()
+        spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64,
+                    num_assistant_tokens=4, max_new_tokens=48, do_sample=False, **NO_EOS)
+        monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
+        eager = verifier.generate(ids, **spec)
+        monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "auto")
+        graphed = verifier.generate(ids, **spec)
+        assert torch.equal(graphed, eager)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_greedy_ar_equals_generate(arch):
+    verifier = _on_cuda(arch)
+    for seed, length in enumerate((1, 200, 450)):
+        ids = prompt(length, seed).cuda()
+        reference = verifier.generate(ids, max_new_tokens=40, do_sample=False, **NO_EOS)
+        assert torch.equal(hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=40, eos_token_id=[]),
+                           reference)
+    assert graph_loop.current_engine(verifier).steps["ar_step"].graph is not None

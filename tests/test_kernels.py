@@ -115,6 +115,23 @@ def test_chunk_attention_reads_strided_views_and_float32():
     assert _rel(chunk_decode_attention(q, ks, vs, 0.125), ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length,stored", [(4, 2, 1, 9), (8, 2, 6, 300), (4, 4, 16, 70)])
+def test_chunk_attention_reads_its_length_from_the_device(dtype, hq, hkv, length, stored):
+    """Preallocated buffers (capacity 512, garbage past the length) and the length in a device tensor, as the
+    CUDA-graph path launches it: the same result as the reference on the first ``stored`` tokens."""
+    q, k, v = _qkv(hq, hkv, length, 64, 512, dtype, seed=stored)
+    k[:, :, stored:] = 1e4  # never read
+    n = torch.tensor([stored], dtype=torch.int32, device=k.device)
+    ref = chunk_decode_attention_reference(q.float(), k[:, :, :stored].float(), v[:, :, :stored].float(), 0.125)
+    out = chunk_decode_attention(q, k, v, 0.125, length=n)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else TOL)
+    n.fill_(stored - 1 if stored > length else stored)  # the same launch arguments, another length
+    shorter = min(stored, max(int(n), length))
+    ref = chunk_decode_attention_reference(q.float(), k[:, :, :shorter].float(), v[:, :, :shorter].float(), 0.125)
+    assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
+
+
 # ---------------------------------------------------------------- hierarchical quantized decode attention
 
 QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)

@@ -211,9 +211,10 @@ class PreallocatedCache(Cache):
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
 
     def stored(self, layer_idx: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a query at ``position`` would see in layer ``layer_idx``, in position order: keys/values
-        ``[1, Hkv, n, D]`` and their mask positions ``[n]`` (for tests and inspection)."""
+        """What a query at ``position`` would see in layer ``layer_idx`` besides its own token, in position order:
+        keys/values ``[1, Hkv, n, D]`` and their mask positions ``[n]`` (for tests and inspection)."""
         seen = self.visible(torch.tensor([position], device=self.slot_positions.device))[0]
+        seen &= self.slot_positions < position
         slots = seen.nonzero().flatten()
         order = self.slot_positions[slots].argsort()
         slots = slots[order]

@@ -46,6 +46,12 @@ def _attention_shape(model) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
+    """Greedy acceptance on the device: the number of leading ``drafts [γ]`` equal to the verifier's argmaxes
+    ``verified [γ+1]`` (``verified[i]`` is the verifier's token after draft i-1), as a ``[1]`` int64 tensor."""
+    return (verified[: drafts.shape[0]] == drafts).long().cumprod(0).sum(0, keepdim=True)
+
+
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
     return math.ceil(n / to) * to
 
@@ -132,11 +138,10 @@ class StaticEngine:
         static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1)
 
     def _verify(self) -> None:
-        gamma = self.spec.gamma
         block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
         logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0)
         verified = logits.argmax(-1)
-        accepted = (verified[:gamma] == self.drafts).long().cumprod(0).sum(0, keepdim=True)
+        accepted = accepted_length(self.drafts, verified)
         self.seq.index_copy_(0, self.n + self._block_offsets, verified)
         self.n.add_(accepted + 1)
         self.report[:1].copy_(accepted)
@@ -178,7 +183,8 @@ class StaticEngine:
         return int(first)
 
 
-_engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last
+MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: raise it to keep several configurations
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
@@ -187,13 +193,22 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     transformers keeps its static cache), or a new one replacing it."""
     dtype = next(verifier.parameters()).dtype
     spec = EngineSpec(mode, budget, gamma, dtype, verifier.device, _weights(verifier, drafter))
-    engine = _engines.get(verifier)
-    if engine is not None and engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
-        return engine
-    _engines.pop(verifier, None)
+    kept = _engines.setdefault(verifier, [])
+    for engine in kept:
+        if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
+            kept.remove(engine)
+            kept.append(engine)
+            return engine
+    del kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]  # free before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs)
-    _engines[verifier] = engine
+    kept.append(engine)
     return engine
+
+
+def current_engine(verifier) -> StaticEngine | None:
+    """The engine ``verifier``'s last static call ran on, if any."""
+    kept = _engines.get(verifier)
+    return kept[-1] if kept else None
 
 
 def release_engines() -> None:
@@ -327,3 +342,23 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         return None
     budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None}[kind]
     return kind, budget
+
+
+def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
+    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [1, P]`` -> ``[1, P + n]`` (stops at EOS or after ``max_new_tokens``),
+    token-identical to ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``."""
+    from .speculative import GreedyRules
+
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise NotImplementedError(f"input_ids must be [1, P], got shape {tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    prompt = input_ids.to(model.device)
+    rules = GreedyRules(prompt_length=prompt.shape[1], max_length=prompt.shape[1] + max_new_tokens, eos_token_ids=eos)
+    engine = engine_for(model, None, "ar", None, 1, rules.max_length, max_new_tokens,
+                        use_graphs=model.device.type == "cuda")
+    return static_speculative_decode(engine, prompt, rules).sequence

@@ -1,0 +1,230 @@
+"""End-to-end speed of the CUDA-graph path on the bundled pair, against every AR baseline a user has, in one run.
+
+Methods, interleaved within each repeat (so that the noisy host affects them alike):
+
+  hf-eager-ar      verifier.generate(ids, do_sample=False)                         stock eager AR
+  hf-static-ar     verifier.generate(ids, cache_implementation="static")           transformers' compiled static AR
+  graph-ar         hf_sparsekv.graph_greedy_generate(verifier, ids)                our AR on the captured static engine
+  hf-assisted      verifier.generate(ids, assistant_model=drafter)                 stock assisted generation
+  chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
+  window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
+  int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours (eager loop: not on the graph path)
+
+End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
+(torch.compile and graph capture happen there), acceptance α and τ, peak memory, token identity against greedy AR.
+The slow stock baselines run ``--slow-repeats`` times. ``--steps`` also times one captured draft step and one
+captured verify step against the same steps run eagerly. Prints a table, writes ``results.json`` and a PNG plot.
+
+    python benchmarks/graph_engine.py --contexts 4096,16384 --docs 3 --new-tokens 256 --out runs/graph-engine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+
+import hf_sparsekv
+from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.zoo import eval_documents, load_pair
+
+SLOW = ("hf-eager-ar", "hf-assisted", "int4-self-g3")
+
+
+def methods(budgets, gammas) -> list[str]:
+    names = ["hf-eager-ar", "hf-static-ar", "graph-ar", "hf-assisted"]
+    names += [f"chunk-{b}-g{g}" for b in budgets for g in gammas]
+    names += [f"window-g{g}" for g in gammas] + ["int4-self-g3"]
+    return names
+
+
+def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
+    """A function running method ``name`` once -> (sequences, spec_stats or None)."""
+    common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if name == "hf-eager-ar":
+        return lambda: (verifier.generate(ids, **common), None)
+    if name == "hf-static-ar":
+        return lambda: (verifier.generate(ids, cache_implementation="static", **common), None)
+    if name == "graph-ar":
+        return lambda: (hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[]), None)
+    if name == "hf-assisted":
+        return lambda: (verifier.generate(ids, assistant_model=drafter, **common), None)
+    kind, *rest = name.split("-")
+    gamma = int(rest[-1][1:])
+    if kind == "chunk":
+        spec = dict(assistant_model=drafter, kv_budget=int(rest[0]))
+    elif kind == "window":
+        spec = dict(assistant_model=drafter, draft_cache="window", kv_budget=1024)
+    else:
+        spec = dict(assistant_model=verifier, draft_cache="int4")
+
+    def run():
+        out = verifier.generate(ids, num_assistant_tokens=gamma, return_dict_in_generate=True, **spec, **common)
+        return out.sequences, out.spec_stats
+    return run
+
+
+def timed(fn) -> tuple[float, torch.Tensor, dict | None, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    seq, stats = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, seq, stats, torch.cuda.max_memory_allocated()
+
+
+def step_times(verifier, drafter, ids, new_tokens, reps=50) -> dict:
+    """Median ms of one captured draft step / verify step against the same step function run eagerly."""
+    verifier.generate(ids, assistant_model=drafter, kv_budget=512, num_assistant_tokens=3, max_new_tokens=new_tokens,
+                      do_sample=False, eos_token_id=None, pad_token_id=0)
+    engine = graph_loop.current_engine(verifier)
+    result = {}
+    for name in ("draft", "verify"):
+        step = engine.steps[name]
+        n0 = engine.n.clone()
+        for label, fn in (("graph", step), ("eager", step.fn)):
+            times = []
+            with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+                for _ in range(reps):
+                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    a.record()
+                    fn()
+                    b.record()
+                    torch.cuda.synchronize()
+                    engine.n.copy_(n0)
+                    times.append(a.elapsed_time(b))
+            result[f"{name}_{label}_ms"] = statistics.median(times)
+    result["gamma"] = 3
+    return result
+
+
+def commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--contexts", default="4096,16384")
+    p.add_argument("--docs", type=int, default=3)
+    p.add_argument("--new-tokens", type=int, default=256)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--slow-repeats", type=int, default=1)
+    p.add_argument("--budgets", default="256,512,1024,2048")
+    p.add_argument("--gammas", default="3,5")
+    p.add_argument("--only", default="", help="comma-separated method names (default: all)")
+    p.add_argument("--steps", action="store_true", help="also time captured vs eager draft/verify steps")
+    p.add_argument("--out", default="runs/graph-engine")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    graph_loop.MAX_ENGINES_PER_MODEL = 32  # every configuration keeps its captured graphs across the interleaved runs
+    verifier, drafter, _ = load_pair(device="cuda")
+    docs = eval_documents()
+    names = methods([int(b) for b in args.budgets.split(",")], [int(g) for g in args.gammas.split(",")])
+    if args.only:
+        names = [n for n in names if n in args.only.split(",")]
+    records = []
+    from tqdm import tqdm
+
+    for context in [int(c) for c in args.contexts.split(",")]:
+        prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
+        references = {}
+        for name in tqdm(names, desc=f"warm-up {context}"):
+            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens))
+        for rep in range(args.repeats):
+            for i, ids in enumerate(prompts):
+                for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
+                    if name in SLOW and rep >= args.slow_repeats:
+                        continue
+                    seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
+                    if name == "hf-eager-ar":
+                        references[i] = seq
+                    ref = references.get(i)
+                    records.append(dict(
+                        context=context, doc=i, rep=rep, method=name, seconds=seconds,
+                        tokens=int(seq.shape[1] - ids.shape[1]), peak_bytes=peak,
+                        identical=None if ref is None else bool(torch.equal(seq, ref)),
+                        acceptance=None if stats is None else stats["acceptance_rate"],
+                        tau=None if stats is None else stats["mean_accepted_length"],
+                    ))
+    summary = summarize(records)
+    payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
+                   torch=torch.__version__, settings=vars(args), summary=summary, records=records)
+    if args.steps:
+        ids = docs[0][None, :16384].cuda()
+        payload["steps_16k"] = step_times(verifier, drafter, ids, 64)
+    (out / "results.json").write_text(json.dumps(payload, indent=1))
+    print(table(summary))
+    if args.steps:
+        print("per-forward ms at 16K (γ=3):", json.dumps(payload["steps_16k"]))
+    plot(summary, out / "tokens_per_second.png")
+    return 0
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    rows = []
+    for context in sorted({r["context"] for r in records}):
+        cell = [r for r in records if r["context"] == context]
+        tps = {}
+        for name in dict.fromkeys(r["method"] for r in cell):
+            rs = [r for r in cell if r["method"] == name]
+            per_doc = [statistics.median([r["tokens"] / r["seconds"] for r in rs if r["doc"] == d])
+                       for d in sorted({r["doc"] for r in rs})]
+            tps[name] = statistics.mean(per_doc)
+            acc = [r["acceptance"] for r in rs if r["acceptance"] is not None]
+            tau = [r["tau"] for r in rs if r["tau"] is not None]
+            ident = [r["identical"] for r in rs if r["identical"] is not None]
+            rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs),
+                             acceptance=statistics.mean(acc) if acc else None, tau=statistics.mean(tau) if tau else None,
+                             peak_gib=max(r["peak_bytes"] for r in rs) / 2**30,
+                             identical=f"{sum(ident)}/{len(ident)}" if ident else "-"))
+        for row in rows:
+            if row["context"] == context:
+                row["vs_hf_static"] = row["tokens_per_s"] / tps["hf-static-ar"] if "hf-static-ar" in tps else None
+                row["vs_graph_ar"] = row["tokens_per_s"] / tps["graph-ar"] if "graph-ar" in tps else None
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    def f(x, spec=".2f"):
+        return "-" if x is None else format(x, spec)
+
+    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | peak GiB | identical to AR | runs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        lines.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.0f} | {f(r['vs_hf_static'])} | "
+                     f"{f(r['vs_graph_ar'])} | {f(r['acceptance'])} | {f(r['tau'])} | {r['peak_gib']:.2f} | "
+                     f"{r['identical']} | {r['runs']} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    contexts = sorted({r["context"] for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(7 * len(contexts), 5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        cell = [r for r in rows if r["context"] == context]
+        ax.barh([r["method"] for r in cell], [r["tokens_per_s"] for r in cell])
+        ax.set_title(f"bundled pair, bf16, {context} prompt")
+        ax.set_xlabel("tokens/s (end to end)")
+        ax.invert_yaxis()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,223 @@
+"""The static path on CPU: preallocated caches against today's dynamic caches (stored keys/values and mask positions,
+bit for bit), device-side acceptance against the eager loop's rule, and the static speculative loop against greedy
+AR (``HF_SPARSEKV_GRAPHS=1`` runs it without CUDA-graph capture on CPU; the captured path is tested in
+test_cuda.py)."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+
+import hf_sparsekv
+from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
+from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation.graph_loop import accepted_length
+
+from .conftest import ARCHS, prompt, tiny_model
+
+H, D = 2, 8
+
+
+@pytest.fixture
+def static_path(monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    graph_loop.release_engines()
+    yield
+    graph_loop.release_engines()
+
+
+def _states(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(1, H, n, D, generator=g, dtype=torch.float64), torch.randn(1, H, n, D, generator=g, dtype=torch.float64)
+
+
+def _dynamic_view(kind, cache):
+    """What the dynamic cache's next query sees in layer 0: keys, values, mask positions (from get_mask_sizes)."""
+    layer = cache.layers[0]
+    if kind == "window":
+        r = layer._visible_recent()
+        keys = torch.cat([layer.keys, layer.recent_keys[..., layer.recent_keys.shape[-2] - r :, :]], dim=-2)
+        values = torch.cat([layer.values, layer.recent_values[..., layer.recent_values.shape[-2] - r :, :]], dim=-2)
+        sink = layer.keys.shape[-2]
+        positions = torch.cat([torch.arange(sink), torch.arange(layer.seen - r, layer.seen)])
+        return keys, values, positions
+    stored = layer.keys.shape[-2]
+    return layer.keys, layer.values, torch.arange(layer.seen - stored, layer.seen)
+
+
+def _make(kind, budget, gamma):
+    if kind == "chunk":
+        return ChunkBudgetCache(budget), StaticChunkBudgetCache(budget, 1, H, D, budget + 200, torch.float64, "cpu")
+    window = budget - 4
+    return (
+        SinkWindowCache(4, window, max_rollback=gamma + 1),
+        StaticSinkWindowCache(4, window, gamma + 1, 1, H, D, torch.float64, "cpu"),
+    )
+
+
+@pytest.mark.parametrize("kind", ["chunk", "window"])
+@pytest.mark.parametrize("prompt_len,budget,gamma", [(3, 16, 2), (40, 16, 3), (203, 64, 5), (64, 64, 1), (9, 24, 8)])
+def test_static_cache_stores_what_the_dynamic_cache_stores(kind, prompt_len, budget, gamma):
+    dynamic, static = _make(kind, budget, gamma)
+    rng = random.Random(prompt_len * 31 + budget)
+    k, v = _states(prompt_len, seed=prompt_len)
+    query = torch.randn(1, 2 * H, prompt_len, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    dynamic.update(k, v, 0)
+    if kind == "chunk" and prompt_len > budget:
+        dynamic.layers[0].select(query, D**-0.5)
+    static.begin_prefill(prompt_len)
+    static.update(k, v, 0)
+    if kind == "chunk" and static.needs_selection():
+        static.select(static.layers[0], query, k, v, D**-0.5)
+    static.end_prefill()
+    seen = prompt_len
+    for step in range(40):
+        keys, values, positions = static.stored(0, seen)
+        ref_keys, ref_values, ref_positions = _dynamic_view(kind, dynamic)
+        assert torch.equal(keys, ref_keys) and torch.equal(values, ref_values), f"step {step}"
+        assert torch.equal(positions, ref_positions), f"step {step}"
+        # one token appended (as a drafter step does), then now and then a rollback of up to gamma tokens
+        k1, v1 = _states(1, seed=1000 + step)
+        dynamic.update(k1, v1, 0)
+        static.begin_step(torch.tensor([seen]))
+        static.update(k1, v1, 0)
+        seen += 1
+        if rng.random() < 0.3:
+            back = rng.randint(1, min(gamma, seen - prompt_len) or 1)
+            if seen - back >= prompt_len:
+                dynamic.crop(-back)
+                seen -= back
+
+
+def test_static_full_cache_is_position_indexed():
+    cache = StaticFullCache(1, H, D, 32, torch.float64, "cpu")
+    k, v = _states(5, seed=0)
+    cache.begin_prefill(5)
+    cache.update(k, v, 0)
+    cache.end_prefill()
+    k2, v2 = _states(3, seed=1)
+    cache.begin_step(torch.tensor([5, 6, 7]))
+    keys, values = cache.update(k2, v2, 0)
+    assert int(cache.fp_length) == 8
+    assert torch.equal(keys[:, :, :8], torch.cat([k, k2], dim=-2))
+    visible = cache.visible(torch.tensor([5, 6, 7]))
+    assert visible[:, :8].tolist() == [[j <= i + 5 for j in range(8)] for i in range(3)] and not visible[:, 8:].any()
+    cache.begin_step(torch.tensor([6]))  # rollback to 6 tokens: the next step overwrites position 6
+    k3, v3 = _states(1, seed=2)
+    keys, _ = cache.update(k3, v3, 0)
+    assert int(cache.fp_length) == 7 and torch.equal(keys[:, :, 6], k3[:, :, 0])
+
+
+def test_static_caches_refuse_bad_use():
+    cache = StaticFullCache(1, H, D, 8, torch.float64, "cpu")
+    k, v = _states(1, seed=0)
+    with pytest.raises(RuntimeError, match="begin_step"):
+        cache.update(k, v, 0)
+    cache.begin_prefill(3)
+    with pytest.raises(ValueError, match="prefill of 3"):
+        cache.update(k, v, 0)
+    with pytest.raises(ValueError, match="capacity"):
+        cache.begin_prefill(9)
+        cache.update(*_states(9, seed=1), 0)
+    with pytest.raises(NotImplementedError, match="per_kv_head"):
+        StaticChunkBudgetCache(16, 1, H, D, 64, torch.float64, "cpu", per_kv_head=True)
+
+
+def test_device_acceptance_equals_the_eager_rule():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(500):
+        gamma = int(torch.randint(1, 9, (1,), generator=g))
+        drafts = torch.randint(0, 3, (gamma,), generator=g)
+        verified = torch.randint(0, 3, (gamma + 1,), generator=g)
+        expected = 0
+        while expected < gamma and int(drafts[expected]) == int(verified[expected]):
+            expected += 1
+        assert accepted_length(drafts, verified).tolist() == [expected]
+
+
+def _static_cases(seed=0):
+    rng = random.Random(seed)
+    cases = []
+    for arch in ARCHS:
+        for i, mode in enumerate(["chunk", "window", "full"] * 3):
+            cases.append(dict(
+                arch=arch, mode=mode, prompt_len=rng.choice([1, 3, 33, 120, 257, 400]), budget=rng.choice([8, 16, 64, 512]),
+                gamma=[1, 3, 8][i // 3], copy_drafter=rng.random() < 0.5, eos=rng.random() < 0.3, seed=i,
+            ))
+    return cases
+
+
+@pytest.mark.parametrize("case", _static_cases(), ids=lambda c: "-".join(f"{v}" for v in c.values()))
+def test_static_loop_is_lossless(static_path, case):
+    verifier = tiny_model(case["arch"])
+    drafter = copy.deepcopy(verifier) if case["copy_drafter"] else tiny_model(case["arch"], role="drafter")
+    ids = prompt(case["prompt_len"], seed=case["seed"])
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    if not case["eos"]:
+        kwargs.update(eos_token_id=None, pad_token_id=0)
+    reference = verifier.generate(ids, **kwargs)
+    budget = max(case["budget"], 8) if case["mode"] != "window" else max(case["budget"], 12)
+    spec = dict(assistant_model=drafter, draft_cache=case["mode"], kv_budget=None if case["mode"] == "full" else budget)
+    out = verifier.generate(ids, num_assistant_tokens=case["gamma"], return_dict_in_generate=True, **spec, **kwargs)
+    assert torch.equal(out.sequences, reference)
+    engine = graph_loop.current_engine(verifier)
+    assert engine.spec.mode == case["mode"] and engine.use_graphs is False  # the static loop ran (no capture on CPU)
+    stats = out.spec_stats
+    assert stats["new_tokens"] == reference.shape[1] - ids.shape[1]
+    if case["copy_drafter"] and case["mode"] == "full" and stats["drafted"]:
+        assert stats["acceptance_rate"] == 1.0
+
+
+def test_engine_is_reused_and_rebuilt_when_needed(static_path):
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
+    outs = []
+    for length in (50, 30, 50):
+        ids = prompt(length, seed=length)
+        outs.append(verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs))
+        assert torch.equal(outs[-1], verifier.generate(ids, **kwargs))
+        if length == 50 and len(outs) == 1:
+            first = graph_loop.current_engine(verifier)
+    assert graph_loop.current_engine(verifier) is first  # same spec, capacity suffices: caches (and graphs) reused
+    verifier.generate(prompt(20, 0), assistant_model=drafter, kv_budget=32, **kwargs)
+    assert graph_loop.current_engine(verifier) is not first  # another budget: a new engine
+
+
+def test_graph_greedy_generate_equals_generate(arch):
+    verifier = tiny_model(arch)
+    for length in (1, 77, 300):
+        ids = prompt(length, seed=length)
+        for eos in (None, 2):
+            kwargs = dict(eos_token_id=eos) if eos is not None else dict(eos_token_id=None, pad_token_id=0)
+            reference = verifier.generate(ids, max_new_tokens=30, do_sample=False, **kwargs)
+            out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=30, eos_token_id=eos if eos else [])
+            assert torch.equal(out, reference)
+
+
+def test_requests_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    ids = prompt(40, seed=3)
+    processors = LogitsProcessorList([MinLengthLogitsProcessor(48, eos_token_id=2)])
+    reference = verifier.generate(ids, max_new_tokens=20, do_sample=False, logits_processor=processors)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=20, do_sample=False,
+                            logits_processor=processors)
+    assert torch.equal(out, reference)
+    assert graph_loop.current_engine(verifier) is None  # served by the eager loop
+
+
+def test_graphs_off_runs_the_eager_loop(monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
+    graph_loop.release_engines()
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(30, seed=1)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
+    assert graph_loop.current_engine(verifier) is None
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "yes")
+    with pytest.raises(ValueError, match="HF_SPARSEKV_GRAPHS"):
+        verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
