@@ -6,6 +6,7 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 
 from . import attention
 from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from .caches.query_hooks import prompt_queries
 from .generation import SpecStats, register, speculative_generate, unregister
 
 __version__ = "0.1.0"
@@ -18,6 +19,7 @@ __all__ = [
     "HierarchicalQuantCache",
     "SinkWindowCache",
     "SpecStats",
+    "prompt_queries",
     "register",
     "speculative_generate",
     "unregister",
