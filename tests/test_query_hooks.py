@@ -20,7 +20,7 @@ from hf_sparsekv import ChunkBudgetCache
 from .conftest import VOCAB, prompt, tiny_model
 from .test_caches import _bruteforce_chunks
 
-IMPLS = ["eager", "sdpa", "flash_attention_2"]
+IMPLS = ["eager", "sdpa"]  # flash-attn needs CUDA and half precision: test_hooked_selection_on_cuda_half_precision
 _recorded: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
 
 
@@ -35,8 +35,6 @@ AttentionMaskInterface.register("test_record", ALL_MASK_ATTENTION_FUNCTIONS["sdp
 
 
 def _model(arch: str, impl: str, layers: int | None = None):
-    if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        pytest.skip("flash-attn is not installed")
     if arch == "qwen3":  # q_norm/k_norm: the recipe must apply the module's norms
         config = Qwen3Config(
             vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=layers or 2,
@@ -150,3 +148,28 @@ def test_fused_qkv_module_raises():
     )).eval()
     with pytest.raises(NotImplementedError, match="q_proj"):
         model.generate(prompt(40, seed=3), past_key_values=ChunkBudgetCache(16), max_new_tokens=2, do_sample=False)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("impl", ["sdpa", "flash_attention_2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_hooked_selection_on_cuda_half_precision(arch, impl):
+    """bf16 on CUDA: the hooks recompute the queries with the module's own ops, so the selection is the one the
+    "sparsekv" attention makes from the query it receives, index for index."""
+    if impl == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        pytest.skip("flash-attn is not installed")
+    model = copy.deepcopy(tiny_model(arch)).to("cuda", torch.bfloat16)
+    model.set_attn_implementation(impl)
+    ids = prompt(300, seed=11).cuda()
+    hooked, direct = ChunkBudgetCache(64), ChunkBudgetCache(64)
+    with torch.no_grad(), hf_sparsekv.prompt_queries(model):
+        model(input_ids=ids, past_key_values=hooked, use_cache=True)
+    model.set_attn_implementation("sparsekv")
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=direct, use_cache=True)
+    for a, b in zip(hooked.layers, direct.layers):
+        assert torch.equal(a.kept_indices, b.kept_indices)
+    out = copy.deepcopy(model)
+    out.set_attn_implementation(impl)
+    generated = out.generate(ids, past_key_values=ChunkBudgetCache(64), max_new_tokens=8, do_sample=False)
+    assert generated.shape[1] == 308
