@@ -124,7 +124,7 @@ def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, 
             "past_key_values has sliding-window layers, which cannot be rolled back after rejected drafts; build it "
             "as DynamicCache() (no config) to reuse a prefix with kv_budget/draft_cache"
         )
-    if verifier_cache is not None and not isinstance(verifier_cache, DynamicCache):
+    if not isinstance(verifier_cache, DynamicCache):
         raise NotImplementedError(
             "past_key_values cannot be combined with self-drafting on draft_cache='int4' (the quantized store is the "
             "verifier's cache)"
@@ -145,8 +145,9 @@ def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, 
 
 
 def _switch_attention(model, drafter, needs_scoring: bool) -> list:
-    """Route attention through ``"sparsekv"`` for the call: always for a chunk-budget drafter (prefill scoring), and
-    on CUDA for models on plain SDPA, so that our caches use the Triton kernels. Returns ``[(model, previous)]``."""
+    """Route attention through ``"sparsekv"`` for the call: for a drafter with ``needs_scoring`` (none at present: chunk
+    scoring takes the prompt's queries through hooks), and on CUDA for models on plain SDPA, so that our caches use
+    the Triton kernels. Returns ``[(model, previous)]``."""
     switched = []
     for m in {id(model): model, id(drafter): drafter}.values():
         previous = m.config._attn_implementation
