@@ -6,6 +6,7 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 
 from . import attention, static_attention
 from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from .caches.query_hooks import prompt_queries
 from .generation import SpecStats, graph_greedy_generate, register, release_engines, speculative_generate, unregister
 
 __version__ = "0.1.0"
@@ -20,6 +21,7 @@ __all__ = [
     "SinkWindowCache",
     "SpecStats",
     "graph_greedy_generate",
+    "prompt_queries",
     "release_engines",
     "register",
     "speculative_generate",

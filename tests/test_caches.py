@@ -167,7 +167,7 @@ def test_chunk_cache_without_sparsekv_attention_raises():
     model = tiny_model("llama")  # plain sdpa: the prompt's queries never reach the cache
     cache = ChunkBudgetCache(16)
     model(input_ids=prompt(40, seed=0), past_key_values=cache, use_cache=True)
-    with pytest.raises(RuntimeError, match="sparsekv"):
+    with pytest.raises(RuntimeError, match="attn_implementation='sparsekv'"):
         model(input_ids=prompt(1, seed=1), past_key_values=cache, use_cache=True)
 
 

@@ -6,9 +6,11 @@ head), and the ⌊B/s⌋ best chunks are kept in their original order. A trailin
 the most recent ones) is always kept and counts as one of the ⌊B/s⌋. Tokens fed after the prefill are appended.
 Keys are stored after RoPE, so a kept token keeps its real position.
 
-Scoring needs the queries, which a cache never sees: the ``"sparsekv"`` attention implementation registered by
-``hf_sparsekv`` hands them over (see :mod:`hf_sparsekv.attention`). The same :func:`top_chunk_indices` is used by
-inference and by the BudgetDraft trainer.
+Scoring needs the queries, which a cache never sees. Under any attention implementation, forward hooks on the
+attention modules recompute them from the module's input and hand them over (:mod:`.query_hooks`;
+``generate()`` opens them for the call); the ``"sparsekv"`` attention implementation hands them over directly
+(:mod:`hf_sparsekv.attention`). Both call :meth:`ChunkBudgetLayer.select`. The same :func:`top_chunk_indices` is
+used by inference and by the BudgetDraft trainer.
 """
 
 from __future__ import annotations
@@ -94,9 +96,9 @@ class ChunkBudgetLayer(CompressedLayer):
             self.lazy_initialization(key_states, value_states)
         if self.awaiting_scores:
             raise RuntimeError(
-                "ChunkBudgetCache received its prefill but never the attention scores needed to select chunks: run "
-                "the model with attn_implementation='sparsekv' (registered by `import hf_sparsekv`), e.g. "
-                "`model.set_attn_implementation('sparsekv')`"
+                "ChunkBudgetCache received its prefill but never the prompt's queries needed to select chunks: use it "
+                "through generate() (past_key_values=cache), or run the prefill inside "
+                "`with hf_sparsekv.prompt_queries(model):`, or with attn_implementation='sparsekv'"
             )
         q = key_states.shape[-2]
         if self.seen == 0:
@@ -155,9 +157,13 @@ class ChunkBudgetCache(CompressedCache):
             selection per layer summed over all heads (the paper's default).
         score_window: only the last ``score_window`` prompt queries vote (None: all of them, cumulative attention).
 
-    Memory: O(budget + tokens generated) per layer, independent of the prompt length. The model must run with
-    ``attn_implementation="sparsekv"`` for the prefill (the speculative ``generate()`` does this for the drafter).
+    Memory: O(budget + tokens generated) per layer, independent of the prompt length. Works under the model's own
+    attention implementation: ``generate(ids, past_key_values=ChunkBudgetCache(B))`` takes the prompt's queries
+    through hooks (:mod:`.query_hooks`); a direct forward call needs ``with hf_sparsekv.prompt_queries(model):``
+    around the prefill, or ``attn_implementation="sparsekv"``.
     """
+
+    needs_prompt_queries = True  # see query_hooks.needs_prompt_queries
 
     def __init__(self, budget: int, chunk_size: int = 8, per_kv_head: bool = False, score_window: int | None = None):
         if not isinstance(chunk_size, int) or chunk_size <= 0:

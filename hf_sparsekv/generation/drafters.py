@@ -1,11 +1,19 @@
-"""Draft sources of the speculative loop: a separate model on its own cache, or the verifier's INT4 view."""
+"""Draft sources of the speculative loop: a separate model on its own cache, the verifier on a compressed cache
+built from its own prefill, or the verifier's INT4 view.
+
+Every drafter has ``sharing_prefill(verifier, verifier_cache)`` (a context around the verifier's prefill),
+``prefill(prompt)`` (after it), ``propose(sequence, n)`` and ``rollback(valid)``.
+"""
 
 from __future__ import annotations
+
+import contextlib
+import functools
 
 import torch
 from transformers.cache_utils import Cache
 
-from ..caches import HierarchicalQuantCache
+from ..caches import HierarchicalQuantCache, query_hooks
 
 
 def forward(model, tokens: torch.Tensor, cache: Cache, start: int, logits_to_keep: int) -> torch.Tensor:
@@ -26,8 +34,16 @@ class ModelDrafter:
         self.model, self.cache = model, cache
         self.fed = 0  # tokens of the sequence the cache holds
 
+    def sharing_prefill(self, verifier, verifier_cache: Cache) -> contextlib.AbstractContextManager:
+        """Nothing to take from the verifier's prefill: this drafter prefills on its own."""
+        return contextlib.nullcontext()
+
     def prefill(self, prompt: torch.Tensor) -> None:
-        forward(self.model, prompt, self.cache, 0, 1)
+        """Run the drafter on the whole prompt; a cache that selects from the prompt's queries gets them through
+        hooks, under the drafter's own attention implementation."""
+        hooks = query_hooks.prompt_queries(self.model) if query_hooks.needs_prompt_queries(self.cache) else None
+        with hooks or contextlib.nullcontext():
+            forward(self.model, prompt, self.cache, 0, 1)
         self.fed = prompt.shape[1]
 
     def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
@@ -49,6 +65,49 @@ class ModelDrafter:
             self.fed = valid
 
 
+class SharedPrefillDrafter(ModelDrafter):
+    """Self-speculation on a compressed view (TriForce/MagicDec-style): the verifier drafts on a chunk-budget or
+    sink+window cache built from its own prefill, with no second prefill of the prompt.
+
+    During the verifier's prefill, after each attention module has run, that layer's keys/values in the verifier's
+    cache (the whole prompt, ``[1, Hkv, P, D]``, after RoPE) go through the compressed cache's ``update``, exactly
+    as if the model had prefilled it; a layer that selects from the prompt's queries gets them recomputed from the
+    module's input (:func:`hf_sparsekv.caches.query_hooks.recompute_queries`). Tensors are shared, never modified
+    in place (both caches only concatenate, slice or gather). Afterwards it drafts like :class:`ModelDrafter`.
+
+    Invariant after the prefill: the compressed cache has seen exactly the P prompt tokens. A chunk-budget cache
+    needs the queries of all P tokens, so the verifier's cache must not hold a prefix (prompt caching) then.
+    """
+
+    def sharing_prefill(self, verifier, verifier_cache: Cache) -> contextlib.AbstractContextManager:
+        return query_hooks.after_attention(verifier, functools.partial(self._take_layer, verifier_cache))
+
+    def _take_layer(self, verifier_cache, module, hidden_states, position_embeddings, cache) -> None:
+        if cache is not verifier_cache:
+            return
+        idx = module.layer_idx
+        keys, values = verifier_cache.layers[idx].keys, verifier_cache.layers[idx].values
+        self.cache.update(keys, values, idx)
+        layer = self.cache.layers[idx]
+        if getattr(layer, "awaiting_scores", False):
+            if hidden_states.shape[-2] != keys.shape[-2]:
+                raise NotImplementedError(
+                    "past_key_values holding a prefix cannot seed a self-drafting chunk-budget cache: the chunk "
+                    "selection needs the queries of the whole prompt (pass a separate assistant_model, or "
+                    "draft_cache='window')"
+                )
+            query = query_hooks.recompute_queries(module, hidden_states, position_embeddings, keys)
+            layer.select(query, module.scaling)
+
+    def prefill(self, prompt: torch.Tensor) -> None:
+        if self.cache.get_seq_length() != prompt.shape[1]:
+            raise RuntimeError(
+                f"the self-drafter's cache saw {self.cache.get_seq_length()} tokens of the verifier's prefill of "
+                f"{prompt.shape[1]}"
+            )
+        self.fed = prompt.shape[1]
+
+
 class SelfDrafter:
     """QuantSpec self-speculation: the verifier drafts on the INT4 view of its own hierarchical store.
 
@@ -59,7 +118,10 @@ class SelfDrafter:
     def __init__(self, model, cache: HierarchicalQuantCache):
         self.model, self.cache = model, cache
 
-    def prefill(self, prompt: torch.Tensor) -> None:  # the verifier's prefill fills the shared store
+    def sharing_prefill(self, verifier, verifier_cache: Cache) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()  # the verifier's prefill fills the shared store itself
+
+    def prefill(self, prompt: torch.Tensor) -> None:
         pass
 
     def propose(self, sequence: torch.Tensor, n: int) -> list[int]:

@@ -7,14 +7,14 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import Cache, DynamicCache
+from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
-from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from . import graph_loop
-from .drafters import ModelDrafter, SelfDrafter
+from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .speculative import GreedyRules, speculative_decode
 
 DRAFT_CACHES = ("chunk", "window", "int4", "full")
@@ -67,15 +67,24 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
-    """-> (drafter object, verifier cache, whether the drafter needs the 'sparsekv' attention)."""
+    """-> (drafter object, verifier cache, whether the drafter needs the 'sparsekv' attention).
+
+    The last is False for every cache now: a chunk-budget cache gets the prompt's queries through hooks under any
+    attention implementation. With ``assistant_model=model``, a chunk-budget or sink+window cache is built from the
+    verifier's own prefill (:class:`SharedPrefillDrafter`)."""
     if isinstance(draft_cache, Cache):
         if draft_cache.get_seq_length() != 0:
             raise ValueError("draft_cache: a cache instance must be empty (fresh or reset())")
         if drafter is model:
-            if not isinstance(draft_cache, HierarchicalQuantCache):
-                raise NotImplementedError("draft_cache: self-drafting (assistant_model is the model) needs int4")
-            return SelfDrafter(model, draft_cache), draft_cache, False
-        return ModelDrafter(drafter, draft_cache), DynamicCache(), isinstance(draft_cache, ChunkBudgetCache)
+            if isinstance(draft_cache, HierarchicalQuantCache):
+                return SelfDrafter(model, draft_cache), draft_cache, False
+            if isinstance(draft_cache, (ChunkBudgetCache, SinkWindowCache)):
+                return SharedPrefillDrafter(model, draft_cache), DynamicCache(), False
+            raise NotImplementedError(
+                "draft_cache: self-drafting (assistant_model is the model) needs a HierarchicalQuantCache, "
+                f"ChunkBudgetCache or SinkWindowCache, got {type(draft_cache).__name__}"
+            )
+        return ModelDrafter(drafter, draft_cache), DynamicCache(), False
     kind = draft_cache if draft_cache is not None else "chunk"
     if kind not in DRAFT_CACHES:
         raise ValueError(f"draft_cache must be one of {DRAFT_CACHES} or a Cache instance, got {draft_cache!r}")
@@ -89,24 +98,57 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
             return SelfDrafter(model, store), store, False
         store.set_view("int4")
         return ModelDrafter(drafter, store), DynamicCache(), False
-    if drafter is model and kind == "chunk":
-        raise NotImplementedError("kv_budget/draft_cache='chunk' needs a separate assistant_model (not the model)")
+    drafter_class = SharedPrefillDrafter if drafter is model else ModelDrafter
     if kind == "chunk":
         if kv_budget is None:
             raise ValueError("draft_cache='chunk' needs kv_budget")
-        return ModelDrafter(drafter, ChunkBudgetCache(kv_budget)), DynamicCache(), True
+        return drafter_class(drafter, ChunkBudgetCache(kv_budget)), DynamicCache(), False
     if kind == "window":
         budget = DEFAULT_WINDOW_BUDGET if kv_budget is None else kv_budget
         if budget <= WINDOW_SINK:
             raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window'")
         cache = SinkWindowCache(sink=WINDOW_SINK, window=budget - WINDOW_SINK, max_rollback=gamma + 1)
-        return ModelDrafter(drafter, cache), DynamicCache(), False
+        return drafter_class(drafter, cache), DynamicCache(), False
     return ModelDrafter(drafter, DynamicCache()), DynamicCache(), False
 
 
+def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, padded: bool) -> Cache:
+    """Prompt caching: the user's ``past_key_values`` (a DynamicCache holding the first n < P prompt tokens) becomes
+    the verifier's cache; only the rest of the prompt is prefilled. The drafter's cache is still built from the whole
+    prompt. Anything else raises naming ``past_key_values``."""
+    if not isinstance(past_key_values, DynamicCache):
+        raise NotImplementedError(
+            f"past_key_values must be a DynamicCache holding a prefix of the prompt, got {type(past_key_values).__name__}"
+        )
+    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in past_key_values.layers):
+        raise NotImplementedError(
+            "past_key_values has sliding-window layers, which cannot be rolled back after rejected drafts; build it "
+            "as DynamicCache() (no config) to reuse a prefix with kv_budget/draft_cache"
+        )
+    if not isinstance(verifier_cache, DynamicCache):
+        raise NotImplementedError(
+            "past_key_values cannot be combined with self-drafting on draft_cache='int4' (the quantized store is the "
+            "verifier's cache)"
+        )
+    n = past_key_values.get_seq_length()
+    if n >= prompt_length:
+        raise ValueError(
+            f"past_key_values holds {n} tokens but the prompt has {prompt_length}: it must hold a proper prefix"
+        )
+    if n > 0 and isinstance(drafter, SharedPrefillDrafter) and query_hooks.needs_prompt_queries(drafter.cache):
+        raise NotImplementedError(
+            "past_key_values holding a prefix cannot seed a self-drafting chunk-budget cache: the chunk selection "
+            "needs the queries of the whole prompt (pass a separate assistant_model, or draft_cache='window')"
+        )
+    if n > 0 and padded:
+        raise NotImplementedError("past_key_values holding a prefix is not supported with a padded attention_mask")
+    return past_key_values
+
+
 def _switch_attention(model, drafter, needs_scoring: bool) -> list:
-    """Route attention through ``"sparsekv"`` for the call: always for a chunk-budget drafter (prefill scoring), and
-    on CUDA for models on plain SDPA, so that our caches use the Triton kernels. Returns ``[(model, previous)]``."""
+    """Route attention through ``"sparsekv"`` for the call: for a drafter with ``needs_scoring`` (none at present: chunk
+    scoring takes the prompt's queries through hooks), and on CUDA for models on plain SDPA, so that our caches use
+    the Triton kernels. Returns ``[(model, previous)]``."""
     switched = []
     for m in {id(model): model, id(drafter): drafter}.values():
         previous = m.config._attn_implementation
@@ -169,6 +211,7 @@ def speculative_generate(
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
     attention_mask = kwargs.pop("attention_mask", None)
+    past_key_values = kwargs.pop("past_key_values", None)
     kwargs.pop("use_cache", None)
     gamma_given = "num_assistant_tokens" in kwargs
     config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
@@ -223,11 +266,16 @@ def speculative_generate(
     )
 
     drafter, verifier_cache, needs_scoring = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
+    if past_key_values is not None:
+        verifier_cache = _prefix_cache(
+            past_key_values, verifier_cache, drafter, prompt.shape[1], prompt.shape[1] != input_ids.shape[1]
+        )
     if streamer is not None:
         streamer.put(input_ids.cpu())
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria, rules=rules,
+        prefix_cache=past_key_values is not None,
     )
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,

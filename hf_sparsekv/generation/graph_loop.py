@@ -52,6 +52,11 @@ def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tenso
     return (verified[: drafts.shape[0]] == drafts).long().cumprod(0).sum(0, keepdim=True)
 
 
+def _text_vocab(model) -> int:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return config.vocab_size
+
+
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
     return math.ceil(n / to) * to
 
@@ -313,7 +318,7 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
 
 
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                rules) -> tuple[str, int | None] | None:
+                rules, prefix_cache: bool = False) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why."""
     from .front import DEFAULT_WINDOW_BUDGET
@@ -328,7 +333,11 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if kind is None:
         reason = "a draft_cache instance was given"
     elif kind == "int4" or drafter is model:
-        reason = "self-speculation (int4) is not on the static path yet"
+        reason = "self-speculation is not on the static path yet"
+    elif prefix_cache:
+        reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
+    elif _text_vocab(model) != _text_vocab(drafter):
+        reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif logits_processor:
         reason = "logits_processor needs the host at every token"
     elif stopping_criteria:

@@ -78,7 +78,8 @@ def speculative_decode(
     streamer=None,
 ) -> SpeculativeResult:
     """Generate greedily from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens
-    per round. ``verifier_cache`` must be empty; it is left holding the sequence minus its last token."""
+    per round. ``verifier_cache`` is empty or holds the first n < P prompt tokens (prompt caching: only the rest is
+    prefilled); it is left holding the sequence minus its last token."""
     stats = SpecStats()
     device = prompt.device
     scores_out: list[torch.Tensor] = []
@@ -96,8 +97,10 @@ def speculative_decode(
             streamer.put(sequence[0, -1:].cpu())
         return rules.should_stop(sequence, scores)
 
+    start = verifier_cache.get_seq_length()  # prompt caching: the first `start` prompt tokens are already there
     with stats.timer("prefill_seconds", device):
-        raw = forward(verifier, prompt, verifier_cache, 0, 1)[:, -1]
+        with drafter.sharing_prefill(verifier, verifier_cache):
+            raw = forward(verifier, prompt[:, start:], verifier_cache, start, 1)[:, -1]
         drafter.prefill(prompt)
     scores = rules.process(sequence, raw)
     done = append(int(scores.argmax(-1)), raw, scores)
