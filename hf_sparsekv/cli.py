@@ -45,7 +45,7 @@ def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_ne
         "ar_seconds": ar_seconds,
         "spec_seconds": spec_seconds,
         "speedup": ar_seconds / spec_seconds,
-        **out.spec_stats,
+        **out.spec_stats.to_dict(),
     }
 
 

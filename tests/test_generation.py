@@ -180,9 +180,29 @@ def test_return_dict_carries_scores_and_stats():
     reference = verifier.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert len(out.scores) == len(out.logits) == 12
     torch.testing.assert_close(torch.cat(out.logits), torch.cat(reference.logits), rtol=1e-9, atol=1e-9)
-    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+    stats = out.spec_stats
+    for key in ("rounds", "drafted", "accepted", "new_tokens", "acceptance_rate", "mean_accepted_length",
                 "prefill_seconds", "draft_seconds", "verify_seconds"):
-        assert key in out.spec_stats
+        assert key in stats
+        assert stats[key] == getattr(stats, key) == stats.to_dict()[key]
+    assert set(stats.to_dict()) == set(stats.keys()) and {**stats} == stats.to_dict()
+    assert isinstance(stats, hf_sparsekv.SpecStats)
+
+
+def test_spec_stats_is_a_dataclass_with_dict_access():
+    # Independent arithmetic: the derived figures from the counters, by hand.
+    stats = hf_sparsekv.SpecStats(rounds=4, drafted=12, accepted=9, new_tokens=14, draft_seconds=0.5)
+    assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
+    assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
+    assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, new_tokens=14, prefill_seconds=0.0,
+                                   draft_seconds=0.5, verify_seconds=0.0, acceptance_rate=0.75,
+                                   mean_accepted_length=3.25)
+    text = repr(stats)
+    assert text.startswith("SpecStats(acceptance_rate=0.750, mean_accepted_length=3.25, rounds=4")
+    with pytest.raises(KeyError):
+        stats["timer"]  # methods are not keys
+    assert "timer" not in stats and "DERIVED" not in stats
+    assert hf_sparsekv.SpecStats().acceptance_rate == 0.0 and hf_sparsekv.SpecStats().mean_accepted_length == 0.0
 
 
 def test_drafter_runs_past_its_native_positions():

@@ -15,6 +15,7 @@ from .. import attention
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
 from .drafters import ModelDrafter, SelfDrafter
 from .speculative import GreedyRules, speculative_decode
+from .stats import SpecStats
 
 DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
@@ -43,9 +44,10 @@ _UNSUPPORTED_OPTIONS = {
 
 @dataclass
 class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
-    """``GenerateDecoderOnlyOutput`` plus ``spec_stats`` (see :class:`hf_sparsekv.generation.stats.SpecStats`)."""
+    """``GenerateDecoderOnlyOutput`` plus ``spec_stats``: a :class:`~hf_sparsekv.generation.stats.SpecStats`
+    (attributes such as ``out.spec_stats.acceptance_rate``, ``out.spec_stats["acceptance_rate"]``, ``to_dict()``)."""
 
-    spec_stats: dict | None = None
+    spec_stats: SpecStats | None = None
 
 
 def _text_config(model):
@@ -240,5 +242,5 @@ def speculative_generate(
         scores=tuple(result.scores) if config.output_scores else None,
         logits=tuple(result.logits) if config.output_logits else None,
         past_key_values=verifier_cache if config.use_cache else None,
-        spec_stats=result.stats.to_dict(),
+        spec_stats=result.stats,
     )
