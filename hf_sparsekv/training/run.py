@@ -26,7 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="'python-source', a datasets Hub id (streamed, e.g. pg19) or local .txt/.jsonl/.json/.parquet files or a folder")
     g.add_argument("--data-split", default="train", help="split of --data to train on")
     g.add_argument("--text-field", default="text", help="text column of a dataset / json records")
-    g.add_argument("--eval-data", help="held-out data (default: --data)")
+    g.add_argument("--eval-data", help="held-out data; unset: --data (for local files that is the training data itself, "
+                   "which the log and the model card then say)")
     g.add_argument("--eval-split", help="held-out split of --eval-data; unset: 'eval' for python-source, else 'validation'")
     g.add_argument("--output", required=True, help="output folder: checkpoints, metrics.jsonl, the final drafter")
     g.add_argument("--verifier-dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
@@ -122,8 +123,11 @@ def run(args) -> int:
         contexts = args.eval_contexts or sorted({min(c, config.seq_len) for c in (8192, 16384)})
         eval_source = args.eval_data or args.data
         split = _eval_split(args)
-        if eval_source == args.data and split == args.data_split:
-            say(f"warning: held-out acceptance uses the training data ({eval_source}, split {split}): pass --eval-data")
+        # Local files are served under any split name, so without --eval-data they are the training documents.
+        held_out = not (args.eval_data is None and (Path(args.data).exists() or split == args.data_split))
+        if not held_out:
+            say(f"warning: there is no held-out data: acceptance is measured on training documents ({eval_source}, "
+                f"split {split}); pass --eval-data for a held-out measurement (the model card says so too)")
         texts = documents(eval_source, split=split, text_field=args.text_field)
         prompts = list(itertools.islice(token_sequences(texts, tokenizer, max(contexts)), args.eval_samples))
         if not prompts:
@@ -131,7 +135,7 @@ def run(args) -> int:
         eval_settings = EvalSettings(prompts, contexts, list(args.eval_budgets), gamma=args.gamma,
                                      max_new_tokens=args.eval_new_tokens, every=args.eval_every)
         eval_info = {"gamma": args.gamma, "max_new_tokens": args.eval_new_tokens, "samples": len(prompts),
-                     "data": f"{eval_source} (split {split})"}
+                     "data": f"{eval_source} (split {split})", "held_out": held_out}
 
     texts = documents(args.data, split=args.data_split, text_field=args.text_field)
     sequences = token_sequences(texts, tokenizer, config.seq_len)
@@ -144,7 +148,7 @@ def run(args) -> int:
                    "drafter_base": args.drafter, "data": f"{args.data} (split {args.data_split})",
                    "eval": history["eval"], "eval_info": eval_info}
         (output / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        repo_id = args.push_to_hub or output.name
+        repo_id = args.push_to_hub or str(output)  # what from_pretrained() loads in the card's "Use" snippet
         is_hub_id = "/" in args.data and not Path(args.data).exists()
         card = render_model_card(
             repo_id=repo_id, verifier_id=args.verifier, drafter_base=args.drafter,
