@@ -1,4 +1,4 @@
-# `make test` / `make demo` create .venv/ on first use and install what is missing.
+# `make test` / `make demo` create .venv/ on first use and install what is missing (torch: see TORCH_INDEX_URL).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,11 +10,24 @@ ZOO_WORK ?= runs/zoo
 ZOO_VERIFIER_MINUTES ?= 7.5
 ZOO_DRAFTER_MINUTES ?= 3
 
+# torch. A torch that $(PYTHON) already has is kept: the environments are then created with
+# --system-site-packages and nothing is downloaded for it. Otherwise $(TORCH_SPEC) is installed from
+# TORCH_INDEX_URL if set, else wherever pip's own configuration finds it (on an ordinary Linux machine PyPI's torch
+# is the multi-GB CUDA build). For the CPU-only build:
+#     make test TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# For a given CUDA version use .../whl/cu128 (and so on).
+TORCH_INDEX_URL ?=
+TORCH_SPEC ?= torch==2.13.0
+# (Only for a python that is not itself a venv: a venv made from a venv does not see the parent venv's packages.)
+VENV_FLAGS := $(shell $(PYTHON) -c "import sys, torch; assert sys.prefix == sys.base_prefix" >/dev/null 2>&1 \
+	&& echo --system-site-packages)
+INSTALL_TORCH = -c "import torch" 2>/dev/null || $(1) -m pip install -q $(if $(TORCH_INDEX_URL),--index-url $(TORCH_INDEX_URL)) "$(TORCH_SPEC)"
+
 $(STAMP): pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# CPU build of torch first (a plain `torch` requirement would pull a multi-GB CUDA build on a CPU machine).
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	# torch before the package, so that its plain `torch` requirement is already met (see TORCH_INDEX_URL above).
+	$(PY) $(call INSTALL_TORCH,$(PY))
 	$(PY) -m pip install -q -e ".[dev]"
 	touch $(STAMP)
 
@@ -27,8 +40,8 @@ test: $(STAMP)
 LOWEST_VENV := .venv-lowest
 LOWEST_PY := $(LOWEST_VENV)/bin/python
 test-lowest:
-	test -x $(LOWEST_PY) || $(PYTHON) -m venv $(LOWEST_VENV)
-	$(LOWEST_PY) -c "import torch" 2>/dev/null || $(LOWEST_PY) -m pip install -q "torch==2.13.0"
+	test -x $(LOWEST_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(LOWEST_VENV)
+	$(LOWEST_PY) $(call INSTALL_TORCH,$(LOWEST_PY))
 	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
 	$(LOWEST_PY) -m pytest -q tests
 

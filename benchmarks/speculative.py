@@ -140,7 +140,7 @@ def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, ar
             extra = {k: (v() if callable(v) else v) for k, v in kw.items()}  # fresh cache instances per call
             out = verifier.generate(ids, assistant_model=drafter, num_assistant_tokens=gamma,
                                     return_dict_in_generate=True, **common, **extra)
-            return out.sequences, out.spec_stats
+            return out.sequences, out.spec_stats.to_dict()
 
         return run
 
@@ -171,7 +171,7 @@ def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, ar
         def run():
             out = verifier.generate(ids, assistant_model=verifier, draft_cache="int4", num_assistant_tokens=gamma,
                                     return_dict_in_generate=True, **common)
-            return out.sequences, out.spec_stats
+            return out.sequences, out.spec_stats.to_dict()
         return run
     if method == "sd-base":
         return spec("base", draft_cache="chunk", kv_budget=budget)

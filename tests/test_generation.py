@@ -53,7 +53,9 @@ def test_lossless_against_greedy_ar(case):
         spec = dict(assistant_model=verifier, draft_cache=store)
     else:
         reference = verifier.generate(ids, **kwargs)
-        spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=case["budget"])
+        spec = dict(assistant_model=drafter, draft_cache=mode)
+        if mode != "full":  # kv_budget with draft_cache="full" is refused (it would be ignored)
+            spec["kv_budget"] = case["budget"]
     out = verifier.generate(ids, num_assistant_tokens=case["gamma"], return_dict_in_generate=True, **spec, **kwargs)
     assert torch.equal(out.sequences, reference)
     stats = out.spec_stats
@@ -180,9 +182,29 @@ def test_return_dict_carries_scores_and_stats():
     reference = verifier.generate(ids, max_new_tokens=12, do_sample=False, return_dict_in_generate=True, output_logits=True)
     assert len(out.scores) == len(out.logits) == 12
     torch.testing.assert_close(torch.cat(out.logits), torch.cat(reference.logits), rtol=1e-9, atol=1e-9)
-    for key in ("rounds", "drafted", "accepted", "acceptance_rate", "mean_accepted_length",
+    stats = out.spec_stats
+    for key in ("rounds", "drafted", "accepted", "new_tokens", "acceptance_rate", "mean_accepted_length",
                 "prefill_seconds", "draft_seconds", "verify_seconds"):
-        assert key in out.spec_stats
+        assert key in stats
+        assert stats[key] == getattr(stats, key) == stats.to_dict()[key]
+    assert set(stats.to_dict()) == set(stats.keys()) and {**stats} == stats.to_dict()
+    assert isinstance(stats, hf_sparsekv.SpecStats)
+
+
+def test_spec_stats_is_a_dataclass_with_dict_access():
+    # Independent arithmetic: the derived figures from the counters, by hand.
+    stats = hf_sparsekv.SpecStats(rounds=4, drafted=12, accepted=9, new_tokens=14, draft_seconds=0.5)
+    assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
+    assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
+    assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, new_tokens=14, prefill_seconds=0.0,
+                                   draft_seconds=0.5, verify_seconds=0.0, acceptance_rate=0.75,
+                                   mean_accepted_length=3.25)
+    text = repr(stats)
+    assert text.startswith("SpecStats(acceptance_rate=0.750, mean_accepted_length=3.25, rounds=4")
+    with pytest.raises(KeyError):
+        stats["timer"]  # methods are not keys
+    assert "timer" not in stats and "DERIVED" not in stats
+    assert hf_sparsekv.SpecStats().acceptance_rate == 0.0 and hf_sparsekv.SpecStats().mean_accepted_length == 0.0
 
 
 def test_drafter_runs_past_its_native_positions():
@@ -194,14 +216,21 @@ def test_drafter_runs_past_its_native_positions():
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
 
 
-def test_pipeline_accepts_kv_budget():
+def _word_tokenizer(size=VOCAB, extra=()):
+    """A word-level tokenizer whose ids are the tiny models' ids: "w5" is id 5 (``extra`` words follow)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast, pipeline
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"w{i}": i for i in range(VOCAB)}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="w0"))
+    words = [f"w{i}" for i in range(size)] + list(extra)
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="w0"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w2")
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="w0", pad_token="w0", eos_token="w2")
+
+
+def test_pipeline_accepts_kv_budget():
+    from transformers import pipeline
+
+    tokenizer = _word_tokenizer()
     verifier = tiny_model("llama")
     text = " ".join(f"w{i}" for i in prompt(40, 10)[0].tolist())
     pipe = pipeline(
@@ -262,3 +291,138 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, match):
     ids = prompt(20, 0).repeat(batch, 1)
     with pytest.raises(error, match=match):
         verifier.generate(ids, max_new_tokens=5, **kwargs)
+
+
+# ------------------------------------------------------------------ what a newcomer tries (issue 18, item 6)
+
+
+def test_without_a_length_follows_the_generation_config_like_stock():
+    verifier = copy.deepcopy(tiny_model("llama"))
+    ids = prompt(12, 21)
+    spec = dict(assistant_model=tiny_model("llama", role="drafter"), kv_budget=16)
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`") as stock_warnings:
+        reference = verifier.generate(ids, do_sample=False)
+    with pytest.warns(UserWarning, match="model-agnostic default `max_length`"):
+        out = verifier.generate(ids, do_sample=False, **spec)
+    assert torch.equal(out, reference) and reference.shape[1] == 12 + 20
+    assert stock_warnings  # the same warning text stock gives
+    verifier.generation_config.max_length = 30  # a model whose generation config sets the length
+    assert torch.equal(verifier.generate(ids, **spec), verifier.generate(ids))
+    assert verifier.generate(ids, **spec).shape[1] == 30
+    with pytest.raises(ValueError, match="max_length"):  # stock's own check: nothing left to generate
+        verifier.generate(prompt(30, 1), **spec)
+
+
+def test_do_sample_from_the_generation_config_says_where_it_came_from():
+    verifier = copy.deepcopy(tiny_model("llama"))
+    verifier.generation_config.do_sample = True
+    drafter = tiny_model("llama", role="drafter")
+    with pytest.raises(NotImplementedError, match=r"model's generation config.*do_sample=False"):
+        verifier.generate(prompt(10, 0), max_new_tokens=4, assistant_model=drafter, kv_budget=16)
+    with pytest.raises(NotImplementedError, match=r"passed to generate\(\).*do_sample=False"):
+        tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=True, assistant_model=drafter,
+                                     kv_budget=16)
+    out = verifier.generate(prompt(10, 0), max_new_tokens=4, do_sample=False, assistant_model=drafter, kv_budget=16)
+    assert torch.equal(out, tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=False))
+
+
+def test_pipeline_without_do_sample_explains_how_to_pass_it():
+    from transformers import pipeline
+
+    verifier = tiny_model("llama")
+    pipe = pipeline("text-generation", model=verifier, tokenizer=_word_tokenizer(),
+                    assistant_model=_copy_of(verifier), device="cpu")
+    text = " ".join(f"w{i}" for i in prompt(20, 3)[0].tolist())
+    with pytest.raises(NotImplementedError, match=r"pipeline.*do_sample=False"):
+        pipe(text, max_new_tokens=5, kv_budget=16)
+
+
+def test_stop_strings_with_tokenizer_like_stock():
+    verifier = tiny_model("llama")
+    tokenizer = _word_tokenizer(extra=["abcdef"])  # StopStringCriteria probes the vocabulary with "abcdef"
+    ids = prompt(25, 4)
+    stop = f"w{_greedy_tokens(verifier, ids, 6)[3]}"
+    kwargs = dict(max_new_tokens=20, do_sample=False, stop_strings=[stop], tokenizer=tokenizer)
+    reference = verifier.generate(ids, **kwargs)
+    assert reference.shape[1] - ids.shape[1] <= 4  # the stop string fired
+    out = verifier.generate(ids, assistant_model=_copy_of(verifier), kv_budget=16, num_assistant_tokens=5, **kwargs)
+    assert torch.equal(out, reference)
+    with pytest.raises(ValueError, match="stop_strings needs the tokenizer"):
+        verifier.generate(ids, max_new_tokens=5, stop_strings=[stop], assistant_model=_copy_of(verifier), kv_budget=16)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        (dict(cache_implementation="static"), NotImplementedError, "cache_implementation"),
+        (dict(prompt_lookup_num_tokens=3), NotImplementedError, "prompt_lookup_num_tokens"),
+        (dict(use_cache=False), ValueError, "use_cache"),
+        (dict(draft_cache="full", kv_budget=64), ValueError, "kv_budget does not apply to draft_cache='full'"),
+        (dict(draft_cache="cache-instance", kv_budget=64), ValueError, "kv_budget does not apply"),
+    ],
+)
+def test_options_that_would_be_ignored_raise_naming_them(kwargs, error, match):
+    from hf_sparsekv import SinkWindowCache
+
+    kwargs = {"kv_budget": 16, **kwargs}
+    if kwargs.get("draft_cache") == "cache-instance":
+        kwargs["draft_cache"] = SinkWindowCache(window=32)
+    with pytest.raises(error, match=match):
+        tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=False,
+                                     assistant_model=tiny_model("llama", role="drafter"), **kwargs)
+
+
+def _padded(model, rows: int, favour: dict | None = None):
+    """A copy of ``model`` whose embedding and LM head have ``rows`` extra (padding) rows; ``favour`` maps a padding
+    row to a real one whose LM-head row it copies, scaled up, so that greedy picks the padding row instead."""
+    padded = copy.deepcopy(model)
+    vocab = padded.config.vocab_size
+    padded.resize_token_embeddings(vocab + rows, mean_resizing=False)
+    with torch.no_grad():
+        head = padded.get_output_embeddings().weight
+        head[vocab:] = 0.0
+        for pad_row, real in (favour or {}).items():
+            head[pad_row] = head[real] * 1.5
+    assert padded.config.vocab_size == vocab + rows
+    return padded
+
+
+def test_drafter_with_padded_vocabulary_is_lossless():
+    verifier = tiny_model("qwen2")
+    tokenizer = _word_tokenizer()
+    ids = prompt(60, 6)
+    reference = verifier.generate(ids, max_new_tokens=24, do_sample=False)
+    # The drafter's padding rows would win its argmax everywhere: only ids < VOCAB may be drafted.
+    drafter = _padded(verifier, 32)
+    with torch.no_grad():
+        drafter.get_output_embeddings().weight[VOCAB + 3] = 1e3 * drafter.get_output_embeddings().weight[7]
+    out = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, draft_cache="full",
+                            tokenizer=tokenizer, return_dict_in_generate=True, num_assistant_tokens=4)
+    assert torch.equal(out.sequences, reference)
+    assert out.spec_stats.acceptance_rate > 0.0  # the argmax over the shared range agrees with the verifier
+
+
+def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_padding_row():
+    base = tiny_model("qwen2")
+    ids = prompt(60, 7)
+    greedy = _greedy_tokens(base, ids, 24)
+    verifier = _padded(base, 32, favour={VOCAB + 5: greedy[0]})  # greedy emits the padding id VOCAB + 5
+    reference = verifier.generate(ids, max_new_tokens=24, do_sample=False)
+    assert (reference >= VOCAB).any()
+    for mode in ("full", "chunk"):
+        out = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=_copy_of(base),
+                                draft_cache=mode, kv_budget=16 if mode == "chunk" else None,
+                                tokenizer=_word_tokenizer())
+        assert torch.equal(out, reference)
+
+
+def test_padded_vocabulary_needs_a_tokenizer_within_the_shared_range():
+    verifier = tiny_model("llama")
+    drafter = _padded(tiny_model("llama", role="drafter"), 16)
+    kwargs = dict(max_new_tokens=4, do_sample=False, assistant_model=drafter, kv_budget=16)
+    with pytest.raises(ValueError, match=r"vocab_size.*tokenizer=tok"):
+        verifier.generate(prompt(10, 0), **kwargs)
+    with pytest.raises(ValueError, match="not embedding padding"):
+        verifier.generate(prompt(10, 0), tokenizer=_word_tokenizer(VOCAB + 4), **kwargs)
+    out = verifier.generate(prompt(10, 0), tokenizer=_word_tokenizer(), **kwargs)
+    assert torch.equal(out, verifier.generate(prompt(10, 0), max_new_tokens=4, do_sample=False))

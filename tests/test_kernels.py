@@ -3,7 +3,8 @@
 On CPU the kernels run through Triton's interpreter at small sizes. The interpreter must be chosen before Triton is
 first imported (``TRITON_INTERPRET=1``), and ``conftest`` has already imported it by the time this module loads, so
 a plain ``pytest tests`` runs this module's CPU tests in one child pytest process with ``TRITON_INTERPRET=1`` (the
-test ``test_kernels_in_triton_interpreter``, which shows the child's report on failure); running
+test ``test_kernels_in_triton_interpreter``, which shows the child's report on failure; the parent leaves them out of
+its own count and prints the child's counts in its summary); running
 ``TRITON_INTERPRET=1 pytest tests/test_kernels.py`` runs them directly. The ``cuda``-marked tests run the compiled
 kernels at real sizes on a GPU (skipped on CPU). Inputs are fresh random tensors with ragged lengths; outputs are
 compared to the float32 references by relative error ``||out - ref|| / ||ref||``.
@@ -36,6 +37,8 @@ from hf_sparsekv.kernels.quantize import (  # noqa: E402
 )
 from hf_sparsekv.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
 
+from .conftest import CHILD_SUMMARY  # noqa: E402
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 HALF_DTYPES = [torch.float16, torch.bfloat16]
 TOL = 1e-2
@@ -53,20 +56,21 @@ NEEDS_CHILD = DEVICE == "cpu" and not _interpreter_active()
 
 @pytest.fixture(autouse=True)
 def _kernels_on(request):
-    if NEEDS_CHILD and request.node.originalname != "test_kernels_in_triton_interpreter":
-        pytest.skip("runs in the TRITON_INTERPRET=1 child process (test_kernels_in_triton_interpreter)")
+    # With NEEDS_CHILD, conftest leaves this module's other tests out of the parent run (they run in the child).
     with runtime.use_kernels(True):
         yield
 
 
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernels already run here (GPU or interpreter)")
-def test_kernels_in_triton_interpreter():
+def test_kernels_in_triton_interpreter(request):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
         [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x", "-p", "no:cacheprovider"],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )
+    lines = proc.stdout.strip().splitlines()
+    request.config.stash[CHILD_SUMMARY] = lines[-1].strip("= ") if lines else "no output"
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
 
 

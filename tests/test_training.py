@@ -408,6 +408,11 @@ def test_cli_trains_saves_resumes_and_writes_the_card(pair_dirs, tmp_path):
     for text in (str(verifier_dir), "{16, 32}", "| 96 | untrained |", "| 96 | step 3 |", "Intended use", "Limitations",
                  "library_name: transformers"):
         assert text in card, text
+    assert "There was no held-out data" not in card  # --eval-data was given
+    snippet = card.split("## Use")[1].split("```python")[1].split("```")[0]
+    namespace: dict = {}
+    exec(compile(snippet, "card-use-snippet", "exec"), namespace)  # the card's "Use" snippet runs as written
+    assert namespace["out"].shape[1] == namespace["ids"].shape[1] + 256
     trained = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float64)
     ckpt3 = AutoModelForCausalLM.from_pretrained(out / "checkpoint-3", dtype=torch.float64)
     untouched = tiny_model("llama", role="drafter")
@@ -418,6 +423,24 @@ def test_cli_trains_saves_resumes_and_writes_the_card(pair_dirs, tmp_path):
     assert _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "4", "--resume-from", "latest", "--no-eval") == 0
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["config"]["budgets"] == [16, 32]
+
+
+def test_cli_without_eval_data_says_there_is_no_held_out_data(pair_dirs, tmp_path, capsys):
+    from hf_sparsekv.cli import main
+
+    verifier_dir, drafter_dir, data = pair_dirs
+    out = tmp_path / "run"
+    assert main([
+        "train-drafter", "--verifier", str(verifier_dir), "--drafter", str(drafter_dir),
+        "--data", str(data / "train.jsonl"), "--text-field", "content", "--output", str(out), "--seq-len", "128",
+        "--continuation-len", "16", "--prefill-chunk", "48", "--budgets", "16", "--eval-contexts", "96",
+        "--eval-budgets", "16", "--eval-samples", "1", "--eval-new-tokens", "4", "--max-steps", "1", "--eval-every", "0",
+        "--warmup-steps", "1", "--no-progress", "--drafter-dtype", "float64", "--verifier-dtype", "float64",
+    ]) == 0
+    assert "there is no held-out data" in capsys.readouterr().out
+    card = (out / "README.md").read_text()
+    assert "There was no held-out data" in card and "prompt(s) of the training data" in card
+    assert "held-out prompt(s)" not in card
 
 
 class _RecordingHubApi:

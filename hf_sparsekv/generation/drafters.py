@@ -33,6 +33,20 @@ class ModelDrafter:
     def __init__(self, model, cache: Cache):
         self.model, self.cache = model, cache
         self.fed = 0  # tokens of the sequence the cache holds
+        self.shared_vocab: int | None = None  # drafts come from ids [0, shared_vocab) (see limit_vocabulary)
+        self.own_vocab: int | None = None
+
+    def limit_vocabulary(self, shared_vocab: int, own_vocab: int) -> None:
+        """Draft only ids the verifier has (``[0, shared_vocab)``, argmax over that range of the drafter's logits)
+        when the two embeddings differ by padding. A sequence id the drafter lacks (``>= own_vocab``, possible only
+        if the verifier itself picks one of its padding rows) reaches the drafter as id 0: that changes the drafts,
+        never the output, which is the verifier's greedy choice either way."""
+        self.shared_vocab, self.own_vocab = shared_vocab, own_vocab
+
+    def _inputs(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.own_vocab is None:
+            return tokens
+        return torch.where(tokens < self.own_vocab, tokens, torch.zeros_like(tokens))
 
     def sharing_prefill(self, verifier, verifier_cache: Cache) -> contextlib.AbstractContextManager:
         """Nothing to take from the verifier's prefill: this drafter prefills on its own."""
@@ -43,17 +57,17 @@ class ModelDrafter:
         hooks, under the drafter's own attention implementation."""
         hooks = query_hooks.prompt_queries(self.model) if query_hooks.needs_prompt_queries(self.cache) else None
         with hooks or contextlib.nullcontext():
-            forward(self.model, prompt, self.cache, 0, 1)
+            forward(self.model, self._inputs(prompt), self.cache, 0, 1)
         self.fed = prompt.shape[1]
 
     def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
         """Greedy drafts continuing ``sequence [1, N]``; the cache ends up holding N + n - 1 tokens."""
         drafts: list[int] = []
-        tokens = sequence[:, self.fed :]
+        tokens = self._inputs(sequence[:, self.fed :])
         for _ in range(n):
             logits = forward(self.model, tokens, self.cache, self.fed, 1)
             self.fed += tokens.shape[1]
-            token = int(logits[0, -1].argmax())
+            token = int(logits[0, -1, : self.shared_vocab].argmax())
             drafts.append(token)
             tokens = sequence.new_tensor([[token]])
         return drafts

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
-from transformers.generation import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList
+from transformers.generation import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
@@ -16,6 +16,7 @@ from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, 
 from . import graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .speculative import GreedyRules, speculative_decode
+from .stats import SpecStats
 
 DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
@@ -36,7 +37,8 @@ _UNSUPPORTED_OPTIONS = {
     "exponential_decay_length_penalty": lambda v: v is not None,
     "guidance_scale": lambda v: v is not None and v != 1.0,
     "watermarking_config": lambda v: v is not None,
-    "stop_strings": lambda v: bool(v),
+    "prompt_lookup_num_tokens": lambda v: v is not None,
+    "assistant_early_exit": lambda v: v is not None,
     "output_attentions": lambda v: bool(v),
     "output_hidden_states": lambda v: bool(v),
 }
@@ -44,9 +46,10 @@ _UNSUPPORTED_OPTIONS = {
 
 @dataclass
 class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
-    """``GenerateDecoderOnlyOutput`` plus ``spec_stats`` (see :class:`hf_sparsekv.generation.stats.SpecStats`)."""
+    """``GenerateDecoderOnlyOutput`` plus ``spec_stats``: a :class:`~hf_sparsekv.generation.stats.SpecStats`
+    (attributes such as ``out.spec_stats.acceptance_rate``, ``out.spec_stats["acceptance_rate"]``, ``to_dict()``)."""
 
-    spec_stats: dict | None = None
+    spec_stats: SpecStats | None = None
 
 
 def _text_config(model):
@@ -159,22 +162,79 @@ def _switch_attention(model, drafter, needs_scoring: bool) -> list:
     return switched
 
 
-def _check_models(model, drafter) -> None:
+def _check_models(model, drafter, tokenizer=None) -> int | None:
+    """Refuse a drafter that cannot serve the model; return the shared vocabulary size when the two embeddings differ
+    only by padding (else None). Padding is accepted only when ``tokenizer`` (the shared one, passed to generate() as
+    ``tokenizer=``) has no id outside the shared range ``[0, min(V_model, V_drafter))``."""
     if drafter is None:
         raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
     if drafter is model:
-        return
-    v_vocab, d_vocab = _text_config(model).vocab_size, _text_config(drafter).vocab_size
-    if v_vocab != d_vocab:
-        raise ValueError(
-            f"assistant_model has vocab_size {d_vocab} but the model has {v_vocab}: the drafter must share the "
-            "verifier's tokenizer and vocabulary"
-        )
+        return None
     if drafter.device != model.device:
         raise ValueError(
             f"assistant_model is on {drafter.device} but the model is on {model.device}: move it with "
             f"assistant_model.to('{model.device}')"
         )
+    v_vocab, d_vocab = _text_config(model).vocab_size, _text_config(drafter).vocab_size
+    if v_vocab == d_vocab:
+        return None
+    shared = min(v_vocab, d_vocab)
+    mismatch = (
+        f"assistant_model has vocab_size {d_vocab} but the model has {v_vocab}: the drafter must share the "
+        "verifier's tokenizer and vocabulary"
+    )
+    if tokenizer is None:
+        raise ValueError(
+            f"{mismatch}. If the two differ only by embedding padding, pass the shared tokenizer to generate() "
+            f"(tokenizer=tok): drafting is then restricted to the shared ids [0, {shared}), accepted if the "
+            "tokenizer has no id beyond them"
+        )
+    if len(tokenizer) > shared:
+        raise ValueError(
+            f"{mismatch}; the tokenizer has {len(tokenizer)} ids, more than the {shared} both models have, so this "
+            "is not embedding padding"
+        )
+    return shared
+
+
+def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> str:
+    """Where an unsupported generation option came from, for the error message."""
+    if name in kwargs:
+        return f"{name}={value!r} was passed to generate()"
+    if generation_config is not None and getattr(generation_config, name, None) == value:
+        return f"{name}={value!r} comes from the generation_config passed to generate()"
+    return f"{name}={value!r} comes from the model's generation config (model.generation_config.{name})"
+
+
+def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Tensor):
+    """The call's ``GenerationConfig`` exactly as stock ``generate()`` builds it: the user's config or kwargs over the
+    model's ``generation_config`` over the library defaults, then ``max_length``/``min_length`` made absolute (the
+    default length with the same warning stock gives). Returns ``(config, kwargs generate() would not use)``.
+
+    Uses the same ``GenerationMixin`` helpers stock ``generate()`` calls (identical in transformers 5.17-5.23)."""
+    has_default_max_length = (
+        kwargs.get("max_length") is None
+        and (generation_config is None or generation_config.max_length is None)
+        and model.generation_config.max_length is None
+    )
+    has_default_min_length = (
+        kwargs.get("min_length") is None
+        and (generation_config is None or generation_config.min_length is None)
+        and model.generation_config.min_length is None
+    )
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    for name in ("output_attentions", "output_hidden_states"):  # refused below, naming them
+        if name not in kwargs:
+            unused.pop(name, None)
+    if unused:
+        return config, unused
+    config = model._prepare_generated_length(
+        generation_config=config, has_default_max_length=has_default_max_length,
+        has_default_min_length=has_default_min_length, model_input_name="input_ids",
+        input_ids_length=input_ids.shape[1], inputs_tensor=input_ids,
+    )
+    model._validate_generated_length(config, input_ids.shape[1], has_default_max_length)
+    return config, unused
 
 
 def speculative_generate(
@@ -207,20 +267,47 @@ def speculative_generate(
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
     if synced_gpus:
         raise NotImplementedError("synced_gpus is not supported together with kv_budget/draft_cache")
+    if kv_budget is not None and (draft_cache == "full" or isinstance(draft_cache, Cache)):
+        what = "draft_cache='full'" if draft_cache == "full" else "a draft_cache instance"
+        raise ValueError(f"kv_budget does not apply to {what} (it sets the budget of 'chunk'/'window' only); drop it")
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
     attention_mask = kwargs.pop("attention_mask", None)
     past_key_values = kwargs.pop("past_key_values", None)
-    kwargs.pop("use_cache", None)
-    gamma_given = "num_assistant_tokens" in kwargs
-    config = copy.deepcopy(generation_config if generation_config is not None else model.generation_config)
-    unused = config.update(**kwargs)
+    tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
+    gamma_given = "num_assistant_tokens" in kwargs or (
+        generation_config is not None and "num_assistant_tokens" in generation_config.to_diff_dict()
+    )
+    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+        raise NotImplementedError(
+            f"input_ids must have batch size 1 with kv_budget/draft_cache, got shape {tuple(input_ids.shape)}"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty")
+    config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
     if unused:
         raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
 
     if config.do_sample:
-        raise NotImplementedError("do_sample=True is not supported with kv_budget/draft_cache yet (greedy only)")
+        source = _refuse_source("do_sample", True, kwargs, generation_config, model)
+        raise NotImplementedError(
+            f"do_sample=True is not supported with kv_budget/draft_cache yet (greedy only): {source} (the "
+            "text-generation pipeline also passes it when the model's generation config does not set do_sample). "
+            "Pass do_sample=False, e.g. model.generate(ids, ..., do_sample=False) or "
+            "pipe(prompt, kv_budget=..., do_sample=False)"
+        )
+    if not config.use_cache:
+        raise ValueError(
+            f"use_cache=False is not supported with kv_budget/draft_cache: speculative decoding works on KV caches "
+            f"({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
+        )
+    if config.cache_implementation is not None:
+        source = _refuse_source("cache_implementation", config.cache_implementation, kwargs, generation_config, model)
+        raise NotImplementedError(
+            f"cache_implementation is not supported with kv_budget/draft_cache: {source}; the verifier runs on a "
+            "dynamic cache and the drafter on draft_cache"
+        )
     if (config.num_beams or 1) > 1:
         raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
     if (config.num_return_sequences or 1) > 1:
@@ -228,33 +315,23 @@ def speculative_generate(
     for name, is_active in _UNSUPPORTED_OPTIONS.items():
         if is_active(getattr(config, name, None)):
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise NotImplementedError(
-            f"input_ids must have batch size 1 with kv_budget/draft_cache, got shape {tuple(input_ids.shape)}"
-        )
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty")
     gamma = config.num_assistant_tokens if gamma_given else DEFAULT_GAMMA
     if not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
-    _check_models(model, assistant_model)
+    shared_vocab = _check_models(model, assistant_model, tokenizer)
 
     prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
     eos = config.eos_token_id
     eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    if config.max_new_tokens is not None:
-        max_length = input_ids.shape[1] + config.max_new_tokens
-    else:
-        max_length = config.max_length
-    if max_length <= input_ids.shape[1]:
-        raise ValueError(
-            f"nothing to generate: the input has {input_ids.shape[1]} tokens and max_length is {max_length} "
-            "(set max_new_tokens)"
-        )
+    max_length = config.max_length  # absolute (prompt included), as stock generate() sets it
     pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
     criteria = StoppingCriteriaList(stopping_criteria or [])
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(config.max_time))
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=tok to generate() (as stock generate())")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
     rules = GreedyRules(
         prompt_length=prompt.shape[1],
         max_length=max_length - pad,
@@ -270,6 +347,8 @@ def speculative_generate(
         verifier_cache = _prefix_cache(
             past_key_values, verifier_cache, drafter, prompt.shape[1], prompt.shape[1] != input_ids.shape[1]
         )
+    if shared_vocab is not None:
+        drafter.limit_vocabulary(shared_vocab, _text_config(assistant_model).vocab_size)
     if streamer is not None:
         streamer.put(input_ids.cpu())
     static = graph_loop.static_mode(
@@ -299,5 +378,5 @@ def speculative_generate(
         scores=tuple(result.scores) if config.output_scores else None,
         logits=tuple(result.logits) if config.output_logits else None,
         past_key_values=verifier_cache if config.use_cache else None,
-        spec_stats=result.stats.to_dict(),
+        spec_stats=result.stats,
     )

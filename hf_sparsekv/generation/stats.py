@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 
 import torch
 
@@ -30,11 +30,23 @@ class SyncedTimer:
 
 @dataclass
 class SpecStats:
-    """Counters of one ``generate()`` call.
+    """Counters of one speculative ``generate()`` call: ``out.spec_stats`` with ``return_dict_in_generate=True``.
 
-    ``rounds`` counts verifier decode forwards; ``drafted``/``accepted`` count draft tokens proposed/accepted.
-    ``acceptance_rate`` α = accepted / drafted; ``mean_accepted_length`` τ = tokens produced per verifier forward
-    (accepted drafts + the verifier's own token, averaged over rounds). Seconds are wall-clock, CUDA-synchronized.
+    Fields (attributes; ``out.spec_stats["rounds"]`` works too, and :meth:`to_dict` gives a plain dict):
+
+    - ``rounds``: verifier decode forwards after the prefill (one per draft-and-verify round).
+    - ``drafted``: draft tokens proposed by the drafter, summed over rounds (at most γ per round).
+    - ``accepted``: draft tokens the verifier accepted (``accepted <= drafted``).
+    - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
+    - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
+    - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
+      All seconds are wall-clock, CUDA-synchronized on a CUDA device.
+
+    Derived (read-only properties, also in :meth:`to_dict` and reachable by ``[...]``):
+
+    - ``acceptance_rate`` α = accepted / drafted (0.0 if nothing was drafted).
+    - ``mean_accepted_length`` τ = tokens produced per verifier forward = (new_tokens - 1) / rounds: the accepted
+      drafts plus the verifier's own token, averaged over rounds (0.0 without rounds).
     """
 
     rounds: int = 0
@@ -44,6 +56,8 @@ class SpecStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+
+    DERIVED = ("acceptance_rate", "mean_accepted_length")
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,10 +69,32 @@ class SpecStats:
         return produced / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict:
+        """Every field and derived figure as a plain ``dict`` (JSON-serialisable)."""
         d = asdict(self)
-        d["acceptance_rate"] = self.acceptance_rate
-        d["mean_accepted_length"] = self.mean_accepted_length
+        for name in self.DERIVED:
+            d[name] = getattr(self, name)
         return d
+
+    def keys(self) -> list[str]:
+        """The names :meth:`to_dict` returns; with ``__getitem__`` this makes ``{**stats}`` and ``dict(stats)`` work."""
+        return [f.name for f in fields(self)] + list(self.DERIVED)
+
+    def __getitem__(self, name: str):
+        """``stats["acceptance_rate"]``: the dict-style access ``spec_stats`` had before it was a dataclass."""
+        if not isinstance(name, str) or name not in self.keys():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __contains__(self, name) -> bool:
+        return name in self.keys()
+
+    def __repr__(self) -> str:
+        return (
+            f"SpecStats(acceptance_rate={self.acceptance_rate:.3f}, mean_accepted_length={self.mean_accepted_length:.2f}, "
+            f"rounds={self.rounds}, drafted={self.drafted}, accepted={self.accepted}, new_tokens={self.new_tokens}, "
+            f"prefill_seconds={self.prefill_seconds:.3f}, draft_seconds={self.draft_seconds:.3f}, "
+            f"verify_seconds={self.verify_seconds:.3f})"
+        )
 
     @contextmanager
     def timer(self, field: str, device: torch.device):

@@ -74,7 +74,8 @@ def render_model_card(
     dataset_ids: list[str] | None = None,
 ) -> ModelCard:
     """The drafter's card. ``evals``: ``[{"step": s, "acceptance": measure_acceptance(...)}, ...]`` in step order;
-    ``eval_info``: ``gamma``, ``max_new_tokens``, ``samples``, ``data`` of those measurements."""
+    ``eval_info``: ``gamma``, ``max_new_tokens``, ``samples``, ``data`` of those measurements, and ``held_out``
+    (False when the prompts came from the training data)."""
     evals = evals or []
     budgets_seen: list = []
     for e in evals:
@@ -93,7 +94,7 @@ def render_model_card(
     objective = (
         f"L_A + {config.lam}·L_C (multi-view sparse)" if config.uses_sparse_branch else "L_A only (ablation)"
     )
-    info = {"gamma": "?", "max_new_tokens": "?", "samples": "?", "data": data, **(eval_info or {})}
+    info = {"gamma": "?", "max_new_tokens": "?", "samples": "?", "data": data, "held_out": True, **(eval_info or {})}
     return ModelCard.from_template(
         card_data,
         template_path=str(template_path()),

@@ -24,12 +24,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--drafter", required=True, help="path or Hub id of the drafter to train (same vocabulary)")
     g.add_argument("--data", required=True,
                    help="'python-source', a datasets Hub id (streamed, e.g. pg19) or local .txt/.jsonl/.json/.parquet files or a folder")
-    g.add_argument("--data-split", default="train")
+    g.add_argument("--data-split", default="train", help="split of --data to train on")
     g.add_argument("--text-field", default="text", help="text column of a dataset / json records")
-    g.add_argument("--eval-data", help="held-out data (default: --data)")
-    g.add_argument("--eval-split", help="held-out split (default: 'eval' for python-source, else 'validation')")
+    g.add_argument("--eval-data", help="held-out data; unset: --data (for local files that is the training data itself, "
+                   "which the log and the model card then say)")
+    g.add_argument("--eval-split", help="held-out split of --eval-data; unset: 'eval' for python-source, else 'validation'")
     g.add_argument("--output", required=True, help="output folder: checkpoints, metrics.jsonl, the final drafter")
-    g.add_argument("--verifier-dtype", default="bfloat16" if torch.cuda.is_available() else "float32")
+    g.add_argument("--verifier-dtype", default="bfloat16" if torch.cuda.is_available() else "float32",
+                   help="verifier weights (frozen; the default depends on whether CUDA is available)")
     g.add_argument("--drafter-dtype", default="float32", help="drafter weights (trained; paper: float32)")
 
     t = parser.add_argument_group("BudgetDraft (defaults: paper §3.5)")
@@ -37,36 +39,36 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--continuation-len", type=int, default=PAPER.continuation_len, help="C (P = T - C)")
     t.add_argument("--prefill-chunk", type=int, default=PAPER.prefill_chunk, help="tokens per chunked-prefill forward")
     t.add_argument("--budgets", type=int, nargs="+", default=PAPER.budgets, help="sparse-branch KV budgets B")
-    t.add_argument("--budget-weights", type=float, nargs="+", help="Cat weights w (default: paper's 0.4 0.3 0.2 0.1 for the "
-                   "paper's budgets, else uniform)")
+    t.add_argument("--budget-weights", type=float, nargs="+", help="Cat weights w; unset: the paper's 0.4 0.3 0.2 0.1 for the "
+                   "paper's budgets, else uniform")
     t.add_argument("--chunk-size", type=int, default=PAPER.chunk_size, help="s")
     t.add_argument("--lam", type=float, default=PAPER.lam, help="λ in L = L_A + λ·L_C")
     t.add_argument("--loss", choices=LOSSES, default=PAPER.loss, help="'la-only': the L_A ablation (Table 3)")
     t.add_argument("--per-kv-head", action="store_true", help="select chunks per KV head (as ChunkBudgetCache(per_kv_head=True))")
-    t.add_argument("--lr", type=float, default=PAPER.lr)
-    t.add_argument("--weight-decay", type=float, default=PAPER.weight_decay)
-    t.add_argument("--warmup-steps", type=int, default=PAPER.warmup_steps)
-    t.add_argument("--max-steps", type=int, default=PAPER.max_steps)
-    t.add_argument("--clip-norm", type=float, default=PAPER.clip_norm)
+    t.add_argument("--lr", type=float, default=PAPER.lr, help="AdamW learning rate")
+    t.add_argument("--weight-decay", type=float, default=PAPER.weight_decay, help="AdamW weight decay")
+    t.add_argument("--warmup-steps", type=int, default=PAPER.warmup_steps, help="linear warm-up, then cosine decay")
+    t.add_argument("--max-steps", type=int, default=PAPER.max_steps, help="optimizer steps")
+    t.add_argument("--clip-norm", type=float, default=PAPER.clip_norm, help="gradient clipping (global norm)")
     t.add_argument("--bf16", action=argparse.BooleanOptionalAction, default=torch.cuda.is_available(),
-                   help="bf16 autocast (default: on with CUDA)")
-    t.add_argument("--gradient-checkpointing", action="store_true")
-    t.add_argument("--seed", type=int, default=0)
+                   help="bf16 autocast (the default is on when CUDA is available)")
+    t.add_argument("--gradient-checkpointing", action="store_true", help="trade compute for activation memory")
+    t.add_argument("--seed", type=int, default=0, help="data order, budget draws and initialisation")
 
     e = parser.add_argument_group("held-out acceptance, checkpoints, Hub")
     e.add_argument("--eval-every", type=int, default=500, help="steps between evaluations (0: start and end only)")
     e.add_argument("--no-eval", action="store_true", help="no held-out acceptance at all")
-    e.add_argument("--eval-contexts", type=int, nargs="+", help="prompt lengths (default: 8192 16384 capped at --seq-len)")
-    e.add_argument("--eval-budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    e.add_argument("--eval-contexts", type=int, nargs="+", help="prompt lengths; unset: 8192 16384 capped at --seq-len")
+    e.add_argument("--eval-budgets", type=int, nargs="+", default=[256, 512, 1024, 2048], help="kv_budget values evaluated")
     e.add_argument("--eval-samples", type=int, default=4, help="held-out prompts")
-    e.add_argument("--eval-new-tokens", type=int, default=64)
+    e.add_argument("--eval-new-tokens", type=int, default=64, help="tokens generated per held-out prompt")
     e.add_argument("--gamma", type=int, default=5, help="draft tokens per round in the evaluation")
     e.add_argument("--save-every", type=int, default=500, help="steps between checkpoints (0: end only)")
     e.add_argument("--resume-from", help="a checkpoint-<step> folder, or 'latest' (the newest one in --output)")
     e.add_argument("--push-to-hub", metavar="REPO", help="push the trained drafter and its model card to this repo")
-    e.add_argument("--hub-private", action="store_true")
-    e.add_argument("--hub-endpoint", help="another Hub-compatible server (default: HF_ENDPOINT / huggingface.co)")
-    e.add_argument("--no-progress", action="store_true")
+    e.add_argument("--hub-private", action="store_true", help="create the Hub repo private")
+    e.add_argument("--hub-endpoint", help="another Hub-compatible server; unset: HF_ENDPOINT / huggingface.co")
+    e.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
 
 
 def config_from_args(args) -> TrainingConfig:
@@ -121,8 +123,11 @@ def run(args) -> int:
         contexts = args.eval_contexts or sorted({min(c, config.seq_len) for c in (8192, 16384)})
         eval_source = args.eval_data or args.data
         split = _eval_split(args)
-        if eval_source == args.data and split == args.data_split:
-            say(f"warning: held-out acceptance uses the training data ({eval_source}, split {split}): pass --eval-data")
+        # Local files are served under any split name, so without --eval-data they are the training documents.
+        held_out = not (args.eval_data is None and (Path(args.data).exists() or split == args.data_split))
+        if not held_out:
+            say(f"warning: there is no held-out data: acceptance is measured on training documents ({eval_source}, "
+                f"split {split}); pass --eval-data for a held-out measurement (the model card says so too)")
         texts = documents(eval_source, split=split, text_field=args.text_field)
         prompts = list(itertools.islice(token_sequences(texts, tokenizer, max(contexts)), args.eval_samples))
         if not prompts:
@@ -130,7 +135,7 @@ def run(args) -> int:
         eval_settings = EvalSettings(prompts, contexts, list(args.eval_budgets), gamma=args.gamma,
                                      max_new_tokens=args.eval_new_tokens, every=args.eval_every)
         eval_info = {"gamma": args.gamma, "max_new_tokens": args.eval_new_tokens, "samples": len(prompts),
-                     "data": f"{eval_source} (split {split})"}
+                     "data": f"{eval_source} (split {split})", "held_out": held_out}
 
     texts = documents(args.data, split=args.data_split, text_field=args.text_field)
     sequences = token_sequences(texts, tokenizer, config.seq_len)
@@ -143,7 +148,7 @@ def run(args) -> int:
                    "drafter_base": args.drafter, "data": f"{args.data} (split {args.data_split})",
                    "eval": history["eval"], "eval_info": eval_info}
         (output / "training_summary.json").write_text(json.dumps(summary, indent=2, default=str))
-        repo_id = args.push_to_hub or output.name
+        repo_id = args.push_to_hub or str(output)  # what from_pretrained() loads in the card's "Use" snippet
         is_hub_id = "/" in args.data and not Path(args.data).exists()
         card = render_model_card(
             repo_id=repo_id, verifier_id=args.verifier, drafter_base=args.drafter,

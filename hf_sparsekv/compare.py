@@ -1,0 +1,74 @@
+"""Speculative generation against greedy AR on one prompt: the figures ``hf-sparsekv generate`` and ``make demo``
+print (token identity, acceptance α, τ, and on a GPU the speedup)."""
+
+from __future__ import annotations
+
+import torch
+
+from .caches import HierarchicalQuantCache
+from .generation.stats import SyncedTimer
+
+
+def timed_generate(model, ids, **kwargs):
+    """``(output of model.generate(ids, do_sample=False, **kwargs), wall-clock seconds)``."""
+    with SyncedTimer(ids.device) as clock:
+        out = model.generate(ids, do_sample=False, **kwargs)
+    return out, clock.seconds
+
+
+def greedy_reference(verifier, ids, max_new_tokens: int, mode="full"):
+    """``(sequences, seconds)`` of plain greedy AR; for ``mode == "int4"`` on the INT8 view the self-speculation verifies."""
+    cache = {"past_key_values": HierarchicalQuantCache()} if mode == "int4" else {}
+    return timed_generate(verifier, ids, max_new_tokens=max_new_tokens, **cache)
+
+
+def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_new_tokens: int, reference=None) -> dict:
+    """Run speculative generation on ``ids [1, P]`` and check it against greedy AR; return the figures: the
+    ``spec_stats`` fields plus ``identical_to_ar``, ``sequences``, ``ar_seconds``, ``spec_seconds``, ``speedup``.
+
+    ``mode`` is a ``draft_cache`` value of ``generate()``: "chunk", "window", "full", "int4" (self-speculative) or a
+    cache instance for the drafter; ``budget`` is passed as ``kv_budget`` for "chunk"/"window" only.
+    ``reference`` is a :func:`greedy_reference` result to reuse (same ids, length).
+    """
+    spec_args = {"assistant_model": drafter, "num_assistant_tokens": gamma}
+    if mode == "int4":
+        spec_args.update(assistant_model=verifier, draft_cache="int4")
+    elif mode in ("chunk", "window"):
+        spec_args.update(draft_cache=mode, kv_budget=budget)
+    else:
+        spec_args.update(draft_cache=mode)
+    sequences, ar_seconds = reference or greedy_reference(verifier, ids, max_new_tokens, mode)
+    out, spec_seconds = timed_generate(
+        verifier, ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **spec_args
+    )
+    return {
+        "identical_to_ar": bool(torch.equal(out.sequences, sequences)),
+        "sequences": out.sequences,
+        "ar_seconds": ar_seconds,
+        "spec_seconds": spec_seconds,
+        "speedup": ar_seconds / spec_seconds,
+        **out.spec_stats.to_dict(),
+    }
+
+
+def report(name: str, result: dict, tokenizer=None, prompt_length: int = 0, show_speed: bool = True) -> None:
+    """Print a :func:`compare` result; ``show_speed=False`` (on CPU) prints acceptance and τ without timings."""
+    print(f"== {name}")
+    if tokenizer is not None:
+        print(tokenizer.decode(result["sequences"][0, prompt_length:]))
+    line = (
+        f"identical to greedy AR: {result['identical_to_ar']} | acceptance {result['acceptance_rate']:.3f} | "
+        f"tau {result['mean_accepted_length']:.2f}"
+    )
+    if show_speed:
+        line += (
+            f" | AR {result['ar_seconds']:.2f}s, speculative {result['spec_seconds']:.2f}s, "
+            f"speedup {result['speedup']:.2f}x"
+        )
+    print(line)
+
+
+SPEED_ON_CPU = (
+    "(no speedup printed on CPU: timings of these small models there swing between identical runs and do not show "
+    "what speculation gains; speed is measured on the GPU, see BENCHMARKS.md)"
+)

@@ -1,0 +1,80 @@
+"""The ``hf-sparsekv`` command line: argument parsing only, so that ``hf-sparsekv --help`` answers at once.
+
+It lives outside the ``hf_sparsekv`` package on purpose: importing ``hf_sparsekv`` imports torch and transformers
+(to wire ``generate()``), several seconds before anything is printed. The commands themselves are in
+:mod:`hf_sparsekv.cli` and are imported only when one runs; ``train-drafter``'s options (defined next to its code, in
+:mod:`hf_sparsekv.training.run`) are loaded only when that command is named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+COMMANDS = {
+    "generate": "speculative vs greedy AR generation on one prompt",
+    "demo": "speculative generation with the bundled pair on a held-out document",
+    "train-drafter": "BudgetDraft multi-view sparse training of a drafter",
+}
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Shows each option's default in ``--help`` (not for flags and options without one)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if action.default in (None, False, argparse.SUPPRESS) or "%(default)" in text or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
+    g = gen.add_argument_group("models (a path or Hub id each, or --pair)")
+    g.add_argument("--pair", action="store_true",
+                   help="the bundled trained pair (hf_sparsekv/zoo/pair): sets --verifier, --drafter (the "
+                        "BudgetDraft-trained one) and --tokenizer unless given")
+    g.add_argument("--verifier", help="path or Hub id of the verifier")
+    g.add_argument("--drafter", help="path or Hub id of the drafter (same tokenizer); not needed for --mode int4")
+    g.add_argument("--tokenizer", help="path or Hub id of the tokenizer (default: the verifier's)")
+    s = gen.add_argument_group("speculative decoding")
+    s.add_argument("--mode", default="chunk", choices=["chunk", "window", "int4", "full"], help="drafter cache")
+    s.add_argument("--budget", type=int, default=256, help="drafter KV budget (chunk/window)")
+    s.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--prompt-file", help="read the prompt from this file (instead of --prompt)")
+    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--device", default="auto", help="'auto': cuda if available, else cpu")
+    s.add_argument("--dtype", default="auto", help="'auto': bfloat16 on cuda, float32 on cpu")
+
+
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The full parser; ``train-drafter``'s options are added (importing the training code) only if ``argv`` names it."""
+    parser = argparse.ArgumentParser(prog="hf-sparsekv", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    for name, text in COMMANDS.items():
+        command = sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
+        if name == "generate":
+            _add_generate_arguments(command)
+        elif name == "train-drafter" and _names_command(argv, name):
+            from hf_sparsekv.training.run import add_arguments
+
+            add_arguments(command)
+    return parser
+
+
+def _names_command(argv: list[str], name: str) -> bool:
+    positionals = [a for a in argv if not a.startswith("-")]
+    return bool(positionals) and positionals[0] == name
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(argv)
+    args = parser.parse_args(argv)
+    if args.command == "generate":
+        from hf_sparsekv.cli import resolve_generate_args
+
+        resolve_generate_args(args, parser)
+    from hf_sparsekv import cli
+
+    return {"generate": cli.cmd_generate, "demo": cli.cmd_demo, "train-drafter": cli.cmd_train_drafter}[args.command](args)

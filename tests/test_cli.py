@@ -1,0 +1,71 @@
+"""The ``hf-sparsekv`` command line and ``make demo``: fast ``--help``, the bundled pair from the command line,
+no CPU speedup figures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+import hf_sparsekv_cli
+from hf_sparsekv.zoo import PAIR_DIR
+
+HEAVY = ("torch", "transformers", "hf_sparsekv")
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["demo", "--help"]])
+def test_help_imports_neither_torch_nor_transformers(argv):
+    code = (
+        "import sys, hf_sparsekv_cli\n"
+        "try:\n"
+        f"    hf_sparsekv_cli.main({argv!r})\n"
+        "except SystemExit as e:\n"
+        "    assert e.code == 0, e.code\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "usage: hf-sparsekv" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_train_drafter_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit):
+        hf_sparsekv_cli.main(["train-drafter", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--seq-len SEQ_LEN T (default: 16384)" in text
+    assert "--max-steps MAX_STEPS optimizer steps (default: 5000)" in text
+
+
+def test_generate_needs_a_verifier(capsys):
+    with pytest.raises(SystemExit):
+        hf_sparsekv_cli.main(["generate", "--drafter", "x"])
+    assert "--verifier is required (or --pair" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("how", ["pair", "paths"])
+def test_generate_runs_the_bundled_pair_and_prints_no_cpu_speedup(how, capsys):
+    if how == "pair":
+        argv = ["generate", "--pair", "--mode", "window", "--budget", "64"]
+    else:  # the README's explicit form: the tokenizer lives in its own folder
+        argv = ["generate", "--verifier", str(PAIR_DIR / "verifier"), "--drafter", str(PAIR_DIR / "drafter"),
+                "--tokenizer", str(PAIR_DIR / "tokenizer"), "--mode", "chunk", "--budget", "16"]
+    assert hf_sparsekv_cli.main(argv + ["--max-new-tokens", "8", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "identical to greedy AR: True | acceptance" in out and "tau" in out
+    assert "speedup" not in out.replace("no speedup printed on CPU", "")
+    assert "speed is measured on the GPU" in out
+
+
+def test_demo_on_cpu_prints_acceptance_and_tau_not_speedup(monkeypatch, capsys):
+    from hf_sparsekv import demo
+
+    monkeypatch.setattr(demo, "PROMPT_TOKENS", 256)
+    monkeypatch.setattr(demo, "NEW_TOKENS", 8)
+    monkeypatch.setattr(demo.torch.cuda, "is_available", lambda: False)
+    assert demo.main() == 0
+    out = capsys.readouterr().out
+    assert out.count("identical to greedy AR: True | acceptance") == 2
+    assert "speedup" not in out.replace("no speedup printed on CPU", "")
+    assert "speed is measured on the GPU" in out
