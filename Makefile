@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-lowest demo zoo bench bench-full clean
+.PHONY: install test test-lowest test-cuda test-cuda-slow demo zoo bench bench-full clean
 
 ZOO_WORK ?= runs/zoo
 ZOO_VERIFIER_MINUTES ?= 7.5
@@ -57,6 +57,13 @@ zoo: $(STAMP)
 	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
 
 # End-to-end speculative benchmarks on one CUDA GPU (results, tables and plots under runs/).
+# On a CUDA machine: the GPU tests (graph path, kernels at real sizes); the slow cases separately.
+test-cuda: $(STAMP)
+	$(PY) -m pytest tests -m "cuda and not slow" --durations=10
+
+test-cuda-slow: $(STAMP)
+	$(PY) -m pytest tests -m "cuda and slow" --durations=10
+
 bench: $(STAMP)
 	$(PY) benchmarks/speculative.py --quick --profile --projection --out runs/speculative-quick
 

@@ -30,6 +30,7 @@ def _exact_float32():
     graph_loop.release_engines()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])

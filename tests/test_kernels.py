@@ -472,6 +472,7 @@ def test_cuda_quantize_bit_identical_real_size(dtype):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
 def test_cuda_lossless_with_kernels(mode):
     """The losslessness of tests/test_cuda.py with both models on the "sparsekv" attention (kernels on)."""
