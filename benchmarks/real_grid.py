@@ -133,11 +133,14 @@ def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
 
 
 def documents(tokenizer, n: int, min_tokens: int) -> list[tuple[str, torch.Tensor]]:
-    """The first ``n`` held-out python-source documents with at least ``min_tokens`` tokens: ``[(name, ids[1, T])]``."""
+    """The first ``n`` held-out python-source documents with at least ``min_tokens`` tokens, one per package:
+    ``[(name, ids[1, T])]``."""
     from hf_sparsekv.data import python_source_documents
 
     out = []
     for doc in python_source_documents("eval"):
+        if any(name.split("#")[0] == doc.package for name, _ in out):
+            continue
         ids = tokenizer(doc.text, add_special_tokens=False, return_tensors="pt").input_ids
         if ids.shape[1] >= min_tokens:
             out.append((f"{doc.package}#{doc.part}", ids))

@@ -42,15 +42,19 @@ def _pair():
 
 @functools.lru_cache(maxsize=1)
 def _prompts() -> tuple[torch.Tensor, ...]:
-    """The first N_PROMPTS held-out python-source documents of at least PROMPT_TOKENS tokens, cut to that length."""
+    """The first N_PROMPTS held-out python-source documents of at least PROMPT_TOKENS tokens, one per package, cut
+    to that length."""
     from hf_sparsekv.data import python_source_documents
 
     tokenizer = _pair()[2]
-    out = []
+    out, packages = [], set()
     for doc in python_source_documents("eval"):
+        if doc.package in packages:
+            continue
         ids = tokenizer(doc.text, add_special_tokens=False, return_tensors="pt").input_ids
         if ids.shape[1] >= PROMPT_TOKENS:
             out.append(ids[:, :PROMPT_TOKENS])
+            packages.add(doc.package)
         if len(out) == N_PROMPTS:
             return tuple(out)
     raise RuntimeError(f"fewer than {N_PROMPTS} held-out documents of {PROMPT_TOKENS} tokens in this installation")
