@@ -36,6 +36,9 @@ def add_grid_args(p) -> None:
     p.add_argument("--root", default=None, help="real-pair cache directory (default ~/.cache/hf_sparsekv/real)")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192])
     p.add_argument("--docs", type=int, default=2, help="documents per context (held-out python-source)")
+    p.add_argument("--min-doc-tokens", type=int, default=8192,
+                   help="documents are chosen among those at least this long (and as long as the largest context), "
+                        "so that every context uses the same documents")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
@@ -199,7 +202,7 @@ def run_grid(args, models=None) -> dict:
     cells = _method_cells(args)
     eos_ids = verifier.generation_config.eos_token_id
     eos = set([eos_ids] if isinstance(eos_ids, int) else (eos_ids or []))
-    docs = documents(tokenizer, args.docs, max(args.contexts))
+    docs = documents(tokenizer, args.docs, max(args.min_doc_tokens, *args.contexts))
     for context in args.contexts:
         for name, ids in docs:
             todo = [c for c in cells if (context, name, c) not in done]

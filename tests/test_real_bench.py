@@ -70,16 +70,16 @@ def test_projection_formula_and_measured_tau(tmp_path):
     assert "projected_speedup" not in by_mode["full/full"]
 
 
-def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path):
+def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, monkeypatch):
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
 
     class Tok:  # documents() is bypassed below; the grid only needs eos from the verifier
         pass
 
     ids = prompt(300, seed=3)
-    real_grid.documents = lambda tokenizer, n, min_tokens: [("doc", ids)]
+    monkeypatch.setattr(real_grid, "documents", lambda tokenizer, n, min_tokens: [("doc", ids)])
     args = real_models.parse_args(["grid", "--out", str(tmp_path), "--contexts", "200", "--docs", "1", "--new-tokens",
-                                   "12", "--budgets", "32", "--window-budget", "48"])
+                                   "12", "--budgets", "32", "--window-budget", "48", "--min-doc-tokens", "0"])
     calls = []
     original = verifier.forward
 
