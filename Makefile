@@ -60,7 +60,7 @@ fetch-real: $(STAMP)
 
 # Identity on real weights, CPU float32 (about half an hour on 2 cores).
 test-real: fetch-real
-	HF_SPARSEKV_REAL=1 $(PY) -m pytest -m real -s tests/test_real_identity.py
+	HF_SPARSEKV_REAL=1 $(PY) -m pytest -m real -s tests
 
 # Acceptance grid on real weights (CPU float32; hours on 2 cores; resumes from $(REAL_OUT)/results.json).
 bench-real: fetch-real

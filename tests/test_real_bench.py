@@ -104,3 +104,17 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
     again = real_grid.run_grid(args, models=(verifier, drafter, Tok()))
     assert len(again["cells"]) == 5
     assert "| chunk-32 |" in real_grid.table(again)
+
+
+@pytest.mark.real
+def test_cost_shapes_are_those_of_the_converted_pair():
+    from transformers import AutoConfig
+
+    from hf_sparsekv.zoo.real import converted_dir
+
+    for role, name in (("verifier", "qwen2.5-coder-1.5b"), ("drafter", "qwen2.5-coder-0.5b")):
+        real = AutoConfig.from_pretrained(converted_dir(role), local_files_only=True)
+        ours = real_cost.model_config(name)
+        for key in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "vocab_size"):  # (tied or not: the same lm_head matmul)
+            assert getattr(real, key) == getattr(ours, key), (role, key)
