@@ -58,7 +58,7 @@ fetch-real: $(STAMP)
 	$(PY) -m pip install -q -e ".[gguf]"
 	$(PY) benchmarks/real_models.py fetch
 
-# Identity on real weights, CPU float32 (about half an hour on 2 cores).
+# Identity on real weights, CPU float32 (15 tests of a 2K prompt each: hours on 2 shared cores).
 test-real: fetch-real
 	HF_SPARSEKV_REAL=1 $(PY) -m pytest -m real -s tests
 

@@ -19,7 +19,8 @@ Steps per (pair, context L):
 Projection (labelled so; decode phase only, prefill excluded): a round drafts γ tokens and verifies once, and
 yields τ tokens on average (τ measured on the real pair on CPU, ``--acceptance runs/real/results.json``), so
     speedup ≈ τ · T_ar / (γ · T_draft + T_verify)
-and the break-even τ* = (γ · T_draft + T_verify) / T_ar is printed for every mode (what τ a drafter must reach).
+and, from the measured α alone (drafts accepted independently), τ_α = (1 − α^(γ+1)) / (1 − α) in place of τ;
+the break-even τ* = (γ · T_draft + T_verify) / T_ar is printed for every mode (what τ a drafter must reach).
 
     python benchmarks/real_models.py cost --out runs/real-cost --acceptance runs/real/results.json   # CUDA, bf16
     python benchmarks/real_models.py cost --tiny --out /tmp/cost                                   # CPU smoke test
@@ -196,30 +197,40 @@ def _grid_method(mode: str) -> str:
     return f"chunk-{b}" if mode.startswith("sparse") else f"window4-{b}"
 
 
-def measured_tau(path: str | None) -> dict[tuple[str, int], float]:
-    """(grid method, context) -> τ pooled over documents (tokens after the first / rounds)."""
+def measured_acceptance(path: str | None) -> dict[tuple[str, int], tuple[float, float]]:
+    """(grid method, context) -> (α, τ) pooled over documents: α = accepted / drafted, τ = tokens after the
+    prefill's first / rounds."""
     if not path:
         return {}
     cells = [c for c in json.loads(Path(path).read_text())["cells"] if "error" not in c]
     acc: dict = {}
     for c in cells:
         key = (c["method"], c["context"])
-        n, r = acc.get(key, (0, 0))
-        acc[key] = (n + c["new_tokens"] - 1, r + c["rounds"])
-    return {k: n / r for k, (n, r) in acc.items() if r}
+        a, d, n, r = acc.get(key, (0, 0, 0, 0))
+        acc[key] = (a + c["accepted"], d + c["drafted"], n + c["new_tokens"] - 1, r + c["rounds"])
+    return {k: (a / d if d else 0.0, n / r) for k, (a, d, n, r) in acc.items() if r}
 
 
-def project(rows: list[dict], gamma: int, taus: dict) -> list[dict]:
-    """Break-even τ and, where the Qwen pair has a measured τ at that context, the projected decode speedup."""
+def tokens_per_round(alpha: float, gamma: int) -> float:
+    """Expected tokens per round if each draft is accepted independently with probability α:
+    (1 − α^(γ+1)) / (1 − α)."""
+    return gamma + 1.0 if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def project(rows: list[dict], gamma: int, measured: dict) -> list[dict]:
+    """Break-even τ and, where the Qwen pair has a measured (α, τ) at that context, the projected decode speedup:
+    from the measured τ, and from the measured α through :func:`tokens_per_round`."""
     out = []
     for row in rows:
         t_ar = row["seconds"]["ar"]
         for mode, (t_draft, t_verify) in modes(row["seconds"]).items():
             round_cost = gamma * t_draft + t_verify
             entry = {"pair": row["pair"], "context": row["context"], "mode": mode, "break_even_tau": round_cost / t_ar}
-            tau = taus.get((_grid_method(mode), row["context"])) if row["pair"] == "qwen2.5-coder" else None
-            if tau is not None:
-                entry.update(measured_tau=tau, projected_speedup=tau * t_ar / round_cost)
+            found = measured.get((_grid_method(mode), row["context"])) if row["pair"] == "qwen2.5-coder" else None
+            if found is not None:
+                alpha, tau = found
+                entry.update(measured_alpha=alpha, measured_tau=tau, projected_speedup=tau * t_ar / round_cost,
+                             projected_speedup_from_alpha=tokens_per_round(alpha, gamma) * t_ar / round_cost)
             out.append(entry)
     return out
 
@@ -232,12 +243,13 @@ def markdown(rows: list[dict], projection: list[dict], gamma: int) -> str:
         lines.append(f"| {r['pair']} | {r['context']} | " + " | ".join(f"{r['seconds'][k] * 1e3:.2f}" for k in keys) + " |")
     lines += ["", "PROJECTION (not a measurement): speedup ≈ τ · T_ar / (γ · T_draft + T_verify); "
               "break-even τ* = (γ · T_draft + T_verify) / T_ar", "",
-              "| pair | context | mode | break-even τ* | measured τ (CPU, real weights) | projected speedup |",
-              "| --- | --- | --- | --- | --- | --- |"]
+              "| pair | context | mode | break-even τ* | measured α / τ (CPU, real weights) | projected speedup (τ) | "
+              "projected speedup (α, i.i.d.) |", "| --- | --- | --- | --- | --- | --- | --- |"]
     for p in projection:
-        tau = f"{p['measured_tau']:.2f}" if "measured_tau" in p else "—"
+        at = f"{p['measured_alpha']:.3f} / {p['measured_tau']:.2f}" if "measured_tau" in p else "—"
         sp = f"{p['projected_speedup']:.2f}×" if "projected_speedup" in p else "—"
-        lines.append(f"| {p['pair']} | {p['context']} | {p['mode']} | {p['break_even_tau']:.2f} | {tau} | {sp} |")
+        spa = f"{p['projected_speedup_from_alpha']:.2f}×" if "projected_speedup_from_alpha" in p else "—"
+        lines.append(f"| {p['pair']} | {p['context']} | {p['mode']} | {p['break_even_tau']:.2f} | {at} | {sp} | {spa} |")
     return "\n".join(lines)
 
 
@@ -258,7 +270,7 @@ def run_cost(args) -> dict:
     rows = []
     for pair in args.pairs:
         rows += measure_pair(pair, args, device, dtype)
-    projection = project(rows, args.gamma, measured_tau(args.acceptance))
+    projection = project(rows, args.gamma, measured_acceptance(args.acceptance))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                 cwd=Path(__file__).parent).stdout.strip()
@@ -273,7 +285,8 @@ def run_cost(args) -> dict:
                      "acceptance_from": args.acceptance},
         "rows": rows,
         "projection": projection,
-        "formula": "speedup ≈ τ · T_ar / (γ · T_draft + T_verify) (decode only; a projection)",
+        "formula": "speedup ≈ τ · T_ar / (γ · T_draft + T_verify), τ measured, or τ_α = (1 − α^(γ+1)) / (1 − α) from the "
+                   "measured α (decode only, prefill excluded; a projection)",
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

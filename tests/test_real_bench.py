@@ -53,19 +53,23 @@ def test_projection_formula_and_measured_tau(tmp_path):
     steps = {"ar": 10.0, "verify": 12.0, "draft-full": 2.0, "draft-chunk-256": 1.0, "draft-window-1024": 1.5,
              "int4-draft": 6.0, "int4-verify": 13.0}
     grid = {"cells": [
-        {"method": "chunk-256", "context": 4096, "new_tokens": 64, "rounds": 20},
-        {"method": "chunk-256", "context": 4096, "new_tokens": 34, "rounds": 13},
+        {"method": "chunk-256", "context": 4096, "new_tokens": 64, "rounds": 20, "accepted": 43, "drafted": 100},
+        {"method": "chunk-256", "context": 4096, "new_tokens": 34, "rounds": 13, "accepted": 20, "drafted": 65},
         {"method": "full", "context": 8192, "error": "boom"},
     ]}
     path = tmp_path / "results.json"
     path.write_text(json.dumps(grid))
-    taus = real_cost.measured_tau(str(path))
-    assert taus == {("chunk-256", 4096): (63 + 33) / 33}
+    measured = real_cost.measured_acceptance(str(path))
+    alpha, tau = 63 / 165, (63 + 33) / 33
+    assert measured == {("chunk-256", 4096): (pytest.approx(alpha), pytest.approx(tau))}
     rows = [{"pair": "qwen2.5-coder", "context": 4096, "seconds": steps}]
-    by_mode = {p["mode"]: p for p in real_cost.project(rows, 5, taus)}
+    by_mode = {p["mode"]: p for p in real_cost.project(rows, 5, measured)}
     sparse = by_mode["sparse/full B=256"]
     assert sparse["break_even_tau"] == pytest.approx((5 * 1.0 + 12.0) / 10.0)
-    assert sparse["projected_speedup"] == pytest.approx(taus[("chunk-256", 4096)] * 10.0 / 17.0)
+    assert sparse["projected_speedup"] == pytest.approx(tau * 10.0 / 17.0)
+    expected = sum(alpha**k for k in range(6))  # 1 + α + ... + α^γ
+    assert sparse["projected_speedup_from_alpha"] == pytest.approx(expected * 10.0 / 17.0)
+    assert real_cost.tokens_per_round(1.0, 5) == 6.0 and real_cost.tokens_per_round(0.0, 5) == 1.0
     assert by_mode["int4 self-spec"]["break_even_tau"] == pytest.approx((30.0 + 13.0) / 10.0)
     assert "projected_speedup" not in by_mode["full/full"]
 
