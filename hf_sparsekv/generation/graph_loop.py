@@ -39,7 +39,9 @@ AR_STEPS_PER_SYNC = 8
 
 
 def _attention_shape(model) -> tuple[int, int, int]:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    from .front import _text_config
+
+    config = _text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -50,11 +52,6 @@ def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tenso
     """Greedy acceptance on the device: the number of leading ``drafts [γ]`` equal to the verifier's argmaxes
     ``verified [γ+1]`` (``verified[i]`` is the verifier's token after draft i-1), as a ``[1]`` int64 tensor."""
     return (verified[: drafts.shape[0]] == drafts).long().cumprod(0).sum(0, keepdim=True)
-
-
-def _text_vocab(model) -> int:
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    return config.vocab_size
 
 
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
@@ -321,7 +318,7 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
                 rules, prefix_cache: bool = False) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why."""
-    from .front import DEFAULT_WINDOW_BUDGET
+    from .front import DEFAULT_WINDOW_BUDGET, _text_config
     from .graph_steps import graphs_setting
 
     setting = graphs_setting()
@@ -336,7 +333,7 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "self-speculation is not on the static path yet"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
-    elif _text_vocab(model) != _text_vocab(drafter):
+    elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
         reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif logits_processor:
         reason = "logits_processor needs the host at every token"
