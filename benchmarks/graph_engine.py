@@ -9,9 +9,10 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours (eager loop: not on the graph path)
+  NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
 
 End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
-(torch.compile and graph capture happen there), acceptance α and τ, peak memory, token identity against greedy AR.
+(torch.compile and graph capture happen there; its duration is reported as ``first_call_s``), acceptance α and τ, peak memory, token identity against greedy AR.
 The slow stock baselines run ``--slow-repeats`` times. ``--steps`` also times one captured draft step and one
 captured verify step against the same steps run eagerly. Prints a table, writes ``results.json`` and a PNG plot.
 
@@ -21,7 +22,9 @@ captured verify step against the same steps run eagerly. Prints a table, writes 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -43,8 +46,27 @@ def methods(budgets, gammas) -> list[str]:
     return names
 
 
+@contextlib.contextmanager
+def _compile_env(value: str | None):
+    previous = os.environ.get("HF_SPARSEKV_COMPILE")
+    if value is not None:
+        os.environ["HF_SPARSEKV_COMPILE"] = value
+    try:
+        yield
+    finally:
+        if value is not None:
+            os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
+
+
 def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
     """A function running method ``name`` once -> (sequences, spec_stats or None)."""
+    if name.endswith("-nocompile"):
+        inner = runner(name.removesuffix("-nocompile"), verifier, drafter, ids, new_tokens)
+
+        def uncompiled():
+            with _compile_env("0"):
+                return inner()
+        return uncompiled
     common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     if name == "hf-eager-ar":
         return lambda: (verifier.generate(ids, **common), None)
@@ -87,7 +109,7 @@ def step_times(verifier, drafter, ids, new_tokens, reps=50) -> dict:
     for name in ("draft", "verify"):
         step = engine.steps[name]
         n0 = engine.n.clone()
-        for label, fn in (("graph", step), ("eager", step.fn)):
+        for label, fn in (("graph", step), ("eager", step.eager_fn)):
             times = []
             with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
                 for _ in range(reps):
@@ -104,6 +126,8 @@ def step_times(verifier, drafter, ids, new_tokens, reps=50) -> dict:
 
 
 def commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # a copy of the tree without its history (the GPU machine)
+        return os.environ["GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     except OSError:
@@ -120,6 +144,7 @@ def main(argv=None) -> int:
     p.add_argument("--budgets", default="256,512,1024,2048")
     p.add_argument("--gammas", default="3,5")
     p.add_argument("--only", default="", help="comma-separated method names (default: all)")
+    p.add_argument("--extra", default="", help="comma-separated methods added to the list (e.g. graph-ar-nocompile)")
     p.add_argument("--steps", action="store_true", help="also time captured vs eager draft/verify steps")
     p.add_argument("--out", default="runs/graph-engine")
     args = p.parse_args(argv)
@@ -131,14 +156,15 @@ def main(argv=None) -> int:
     names = methods([int(b) for b in args.budgets.split(",")], [int(g) for g in args.gammas.split(",")])
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
-    records = []
+    names += [n for n in args.extra.split(",") if n]
+    records, first_call = [], {}
     from tqdm import tqdm
 
     for context in [int(c) for c in args.contexts.split(",")]:
         prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
         references = {}
         for name in tqdm(names, desc=f"warm-up {context}"):
-            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens))
+            first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens))[0]
         for rep in range(args.repeats):
             for i, ids in enumerate(prompts):
                 for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
@@ -157,12 +183,14 @@ def main(argv=None) -> int:
                     ))
     summary = summarize(records)
     payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
-                   torch=torch.__version__, settings=vars(args), summary=summary, records=records)
+                   torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
+                   records=records)
     if args.steps:
         ids = docs[0][None, :16384].cuda()
         payload["steps_16k"] = step_times(verifier, drafter, ids, 64)
     (out / "results.json").write_text(json.dumps(payload, indent=1))
     print(table(summary))
+    print("first call (compile + capture + run), s:", json.dumps({k: round(v, 1) for k, v in first_call.items()}))
     if args.steps:
         print("per-forward ms at 16K (γ=3):", json.dumps(payload["steps_16k"]))
     plot(summary, out / "tokens_per_second.png")

@@ -3,14 +3,16 @@
 graph.
 
 No mask function is registered under this name, so transformers builds no mask (``create_causal_mask`` returns
-None); what a query sees comes from the cache (``slot_positions``, ``fp_length``), handed over by
-:mod:`hf_sparsekv.caches.kernel_hook`. Routing (``query [1, Hq, L, D]``):
+None); what a query sees comes from the cache (``slot_positions``, ``fp_length``), whose layer ``update`` leaves
+in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [1, Hq, L, D]``):
 
 * **prefill** (eager, the cache is empty): causal attention over the prompt's own keys (PyTorch SDPA; with a
   sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
   chunks from the prompt's queries here);
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding
-  window, a shape the kernel takes: the Triton split-KV kernel reading its length from ``fp_length`` on the device;
+  window, a shape the kernel takes: the Triton split-KV kernel reading its length from ``fp_length`` on the device,
+  called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
+  one graph;
 * otherwise (CPU, sink+window ring, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
   buffer with the cache's boolean mask (the reference the kernel is tested against).
 """
@@ -21,9 +23,8 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .caches import kernel_hook
-from .caches.static import StaticChunkBudgetCache, StaticLayer
-from .kernels import runtime
+from .attention import _kernel_shape_ok
+from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer
 
 NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -36,10 +37,20 @@ def _prefill_mask(length: int, sliding_window: int | None, device) -> torch.Tens
     return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
 
 
-def _kernel_ok(query: torch.Tensor, n_kv_heads: int) -> bool:
-    from .attention import _kernel_shape_ok
+@torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
+def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
+                  scaling: float) -> torch.Tensor:
+    """The Triton decode kernel over preallocated buffers: ``query [1, Hq, L, D]``, ``key/value [1, Hkv, S, D]`` of
+    which the first ``length`` (int32 ``[1]``, on the device) slots are read -> ``[1, L, Hq, D]`` contiguous."""
+    from .kernels.chunk_attention import chunk_decode_attention
 
-    return runtime.enabled(query.device) and _kernel_shape_ok(query, n_kv_heads)
+    return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length)
+
+
+@static_decode.register_fake
+def _static_decode_shape(query, key, value, length, scaling):
+    _, heads, n, dim = query.shape
+    return query.new_empty(1, n, heads, dim)
 
 
 def static_attention(
@@ -53,8 +64,9 @@ def static_attention(
     **kwargs,
 ):
     """query ``[1, Hq, L, D]``; key/value as the static cache's ``update`` returned -> ``([1, L, Hq, D], None)``."""
-    layer = kernel_hook.take(getattr(module, "layer_idx", -1), key)
-    if not isinstance(layer, StaticLayer):
+    layer = LAST_WRITTEN[0]
+    LAST_WRITTEN[0] = None
+    if not isinstance(layer, StaticLayer) or layer.layer_idx != getattr(module, "layer_idx", -1):
         raise RuntimeError(
             f"attn_implementation '{NAME}' runs on the static caches of hf_sparsekv.caches.static only (it is set by "
             "the CUDA-graph path of generate() for the duration of a call)"
@@ -73,10 +85,8 @@ def static_attention(
         if isinstance(cache, StaticChunkBudgetCache) and cache.needs_selection():
             cache.select(layer, query, key, value, scale)
         return out
-    if cache.contiguous and sliding is None and _kernel_ok(query, key.shape[1]):
-        from .kernels.chunk_attention import chunk_decode_attention
-
-        return chunk_decode_attention(query, key, value, scale, length=cache.fp_length), None
+    if cache.kernels and cache.contiguous and sliding is None and _kernel_shape_ok(query, key.shape[1]):
+        return static_decode(query, key, value, cache.fp_length, scale), None
     return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding), scaling=scale, is_causal=False)
 
 

@@ -136,6 +136,18 @@ def test_chunk_attention_reads_its_length_from_the_device(dtype, hq, hkv, length
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
 
 
+def test_static_decode_operator_matches_the_kernel_and_its_fake():
+    """``hf_sparsekv::static_decode`` (the kernel as torch.compile sees it): same result as the reference, and its
+    registration (schema, shape function, no aliasing) passes ``torch.library.opcheck``."""
+    from hf_sparsekv.static_attention import static_decode
+
+    q, k, v = _qkv(8, 2, 4, 64, 256, torch.float32, seed=11)
+    n = torch.tensor([150], dtype=torch.int32, device=k.device)
+    ref = chunk_decode_attention_reference(q, k[:, :, :150], v[:, :, :150], 0.125)
+    assert _rel(static_decode(q, k, v, n, 0.125), ref) < 1e-5
+    torch.library.opcheck(static_decode, (q, k, v, n, 0.125), test_utils=("test_schema", "test_faketensor"))
+
+
 # ---------------------------------------------------------------- hierarchical quantized decode attention
 
 QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)

@@ -221,3 +221,40 @@ def test_graphs_off_runs_the_eager_loop(monkeypatch):
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "yes")
     with pytest.raises(ValueError, match="HF_SPARSEKV_GRAPHS"):
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
+
+
+@pytest.fixture
+def compiled_steps(static_path, monkeypatch):
+    # torch.compile's tracing (dynamo + AOT autograd) without Inductor's code generation: the same graphs the CUDA
+    # path compiles, run by PyTorch's own kernels.
+    from hf_sparsekv.generation import graph_steps
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
+
+
+@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5)])
+def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
+    verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for length in (5, 300):
+        ids = prompt(length, seed=length + gamma)
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 24,
+                                num_assistant_tokens=gamma, **kwargs)
+        assert torch.equal(out, verifier.generate(ids, **kwargs))
+        engine = graph_loop.current_engine(verifier)
+        assert engine.compiled and all(step.fn is not step.eager_fn for step in engine.steps.values())
+
+
+def test_static_steps_trace_without_graph_breaks(static_path):
+    """Each step is one graph for torch.compile (a break would split the fused kernels around it)."""
+    import torch._dynamo
+
+    verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
+    for mode in ("chunk", "window"):
+        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False)
+        with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+            engine.prefill(prompt(40, seed=2))
+            for name in ("draft", "verify", "catch_up", "ar_step"):
+                explained = torch._dynamo.explain(getattr(engine, "_" + name))()
+                assert explained.graph_break_count == 0, (mode, name, explained.break_reasons)

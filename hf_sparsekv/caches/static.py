@@ -42,8 +42,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernel_hook
+from ..kernels import runtime
 from .chunk_budget import cumulative_attention, select_tokens, top_chunk_indices
+
+
+# The layer whose ``update`` ran last, read back by the "sparsekv_static" attention that transformers calls right
+# after it (the attention function is not given the cache). A plain list rather than the context variable of
+# :mod:`.kernel_hook`, so that torch.compile traces the hand-over instead of breaking the graph at every layer.
+LAST_WRITTEN: list = [None]
 
 
 class StaticLayer(CacheLayerMixin):
@@ -92,6 +98,9 @@ class PreallocatedCache(Cache):
         num_layers, kv_heads, head_dim: the model's attention shape.
         capacity: slots per layer.
         dtype, device: of the key/value buffers.
+
+    Whether decode steps run the Triton kernel is decided once, at construction (:func:`runtime.enabled`), so that
+    nothing host-side is asked during a step.
     """
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
@@ -112,6 +121,7 @@ class PreallocatedCache(Cache):
         self.positions: torch.Tensor | None = None  # the current step's positions [L]
         self.slots: torch.Tensor | None = None  # their slots [L]
         self.prefilling = False
+        self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
         self._mask: torch.Tensor | None = None
 
@@ -159,8 +169,9 @@ class PreallocatedCache(Cache):
         raise NotImplementedError
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        keys, values = self.layers[layer_idx].update(key_states, value_states)
-        kernel_hook.offer(layer_idx, self.layers[layer_idx], keys)
+        layer = self.layers[layer_idx]
+        keys, values = layer.update(key_states, value_states)
+        LAST_WRITTEN[0] = layer
         return keys, values
 
     # ---- what a query sees

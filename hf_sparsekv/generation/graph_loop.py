@@ -29,7 +29,8 @@ import torch
 from transformers.utils import logging
 
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
-from .graph_steps import CapturedStep, static_attention_for, static_forward, static_prefill
+from ..kernels import runtime
+from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
 
 logger = logging.get_logger(__name__)
@@ -68,6 +69,8 @@ class EngineSpec:
     gamma: int
     dtype: torch.dtype
     device: torch.device
+    kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
+    compiled: bool  # steps compiled with torch.compile before capture
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
 
 
@@ -99,6 +102,7 @@ class StaticEngine:
         self._block_offsets = torch.arange(gamma + 1, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.steps: dict[str, CapturedStep] = {}
+        self.compiled = spec.compiled
 
     def _drafter_cache(self, slack: int):
         shape = _attention_shape(self.drafter)
@@ -159,16 +163,30 @@ class StaticEngine:
         """Run (and on first use, capture) the step ``name``."""
         step = self.steps.get(name)
         if step is None:
-            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool)
+            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled)
             if self.use_graphs:
-                try:
-                    step.capture(restore=(self.n, self.seq))
-                except Exception as err:  # an architecture whose forward does not capture: run it eagerly
-                    logger.warning_once(f"hf_sparsekv: CUDA-graph capture failed ({type(err).__name__}: {err}); "
-                                        "running the static loop without graphs")
-                    self.use_graphs = False
-                    torch.cuda.synchronize()
+                self._capture(step)
         step()
+
+    def _capture(self, step: CapturedStep) -> None:
+        restore = (self.n, self.seq)
+        if self.compiled:
+            try:
+                step.capture(restore)
+                return
+            except Exception as err:  # a forward torch.compile cannot take: capture the eager step
+                logger.warning_once(f"hf_sparsekv: compiling the static steps failed ({type(err).__name__}: {err}); "
+                                    "capturing them uncompiled")
+                torch.cuda.synchronize()
+                self.compiled = False
+                step.uncompile()
+        try:
+            step.capture(restore)
+        except Exception as err:  # an architecture whose forward does not capture: run it eagerly
+            logger.warning_once(f"hf_sparsekv: CUDA-graph capture failed ({type(err).__name__}: {err}); "
+                                "running the static loop without graphs")
+            self.use_graphs = False
+            torch.cuda.synchronize()
 
     # ---- prefill
     def prefill(self, prompt: torch.Tensor) -> int:
@@ -194,7 +212,9 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it."""
     dtype = next(verifier.parameters()).dtype
-    spec = EngineSpec(mode, budget, gamma, dtype, verifier.device, _weights(verifier, drafter))
+    device = verifier.device
+    spec = EngineSpec(mode, budget, gamma, dtype, device, runtime.enabled(device), compile_setting(use_graphs),
+                      _weights(verifier, drafter))
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):

@@ -3,6 +3,11 @@
 A step is a Python function that reads and writes only preallocated device tensors (token and length buffers, the
 static caches of :mod:`hf_sparsekv.caches.static`) and never syncs with the host, so a CUDA graph recorded from
 one call replays it exactly with whatever those tensors hold at replay time.
+
+Before capture a step may be compiled with ``torch.compile`` (Inductor fuses each layer's norms, rotary embedding,
+activation and residual adds, so the captured graph holds several times fewer kernels; the decode attention stays
+our Triton kernel, as a custom operator). The compiled code runs only during the warm-up and the capture; a replay
+is the recorded kernels alone, so dynamo's guards are never consulted again.
 """
 
 from __future__ import annotations
@@ -15,6 +20,9 @@ import torch
 from .. import static_attention
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
+COMPILE_ENV = "HF_SPARSEKV_COMPILE"
+COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, no code generation
+RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
 
 def graphs_setting() -> str:
@@ -24,6 +32,15 @@ def graphs_setting() -> str:
     if value not in ("0", "1", "auto"):
         raise ValueError(f"{GRAPHS_ENV} must be '0', '1' or 'auto', got {value!r}")
     return value
+
+
+def compile_setting(use_graphs: bool) -> bool:
+    """``HF_SPARSEKV_COMPILE``: ``"0"`` capture the eager steps, ``"1"`` compile the steps (also without graphs:
+    tests), unset or ``"auto"``: compile when the steps are captured as CUDA graphs."""
+    value = os.environ.get(COMPILE_ENV, "auto") or "auto"
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{COMPILE_ENV} must be '0', '1' or 'auto', got {value!r}")
+    return value == "1" or (value == "auto" and use_graphs)
 
 
 def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
@@ -47,27 +64,35 @@ def static_prefill(model, prompt: torch.Tensor, cache) -> torch.Tensor:
 
 
 class CapturedStep:
-    """``fn`` (device ops on static tensors only) replayed as a CUDA graph once :meth:`capture` succeeded, else run
-    eagerly. ``restore``: tensors whose contents the warm-up and capture may change and must be put back (the
-    warm-up really runs ``fn``)."""
+    """``fn`` (device ops on static tensors only), compiled with ``torch.compile`` when ``compiled``, replayed as a
+    CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
+    and capture may change and must be put back (the warm-up really runs ``fn``)."""
 
-    def __init__(self, fn, pool=None):
-        self.fn, self.pool = fn, pool
+    def __init__(self, fn, pool=None, compiled: bool = False):
+        self.eager_fn, self.pool = fn, pool
+        self.fn = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
+
+    def run(self) -> None:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            self.fn()
+
+    def uncompile(self) -> None:
+        self.fn = self.eager_fn
 
     def capture(self, restore: tuple[torch.Tensor, ...] = (), warmup: int = 2) -> None:
         saved = [t.clone() for t in restore]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            for _ in range(warmup):  # Triton compilation, cuBLAS handles, allocator warm-up: outside the graph
-                self.fn()
+            for _ in range(warmup):  # compilation, cuBLAS handles, allocator warm-up: outside the graph
+                self.run()
                 for t, s in zip(restore, saved):
                     t.copy_(s)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            self.fn()
+            self.run()
         for t, s in zip(restore, saved):
             t.copy_(s)
         self.graph = graph
@@ -76,7 +101,7 @@ class CapturedStep:
         if self.graph is not None:
             self.graph.replay()
         else:
-            self.fn()
+            self.run()
 
 
 @contextlib.contextmanager
