@@ -13,8 +13,11 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [1, Hq, L, D
   window, a shape the kernel takes: the Triton split-KV kernel reading its length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
   one graph;
+* decode / verify step on the quantized store (self-speculation): the same kernel reading the packed codes in the
+  cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``);
 * otherwise (CPU, sink+window ring, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
-  buffer with the cache's boolean mask (the reference the kernel is tested against).
+  buffer (for the quantized store: every code slot dequantized, then the buffer) with a boolean mask computed from
+  device tensors (the reference the kernels are tested against).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import _kernel_shape_ok
-from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer
+from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer, StaticQuantCache
 
 NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -51,6 +54,42 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
 def _static_decode_shape(query, key, value, length, scaling):
     _, heads, n, dim = query.shape
     return query.new_empty(1, n, heads, dim)
+
+
+@torch.library.custom_op("hf_sparsekv::static_quant_decode", mutates_args=())
+def static_quant_decode(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_upper: torch.Tensor, key_lower: torch.Tensor,
+    key_scale: torch.Tensor, key_zero: torch.Tensor, value_upper: torch.Tensor, value_lower: torch.Tensor,
+    value_scale: torch.Tensor, value_zero: torch.Tensor, fp_length: torch.Tensor, quant_length: torch.Tensor,
+    group_size: int, int8: bool, scaling: float,
+) -> torch.Tensor:
+    """The Triton decode kernel over a :class:`StaticQuantCache` layer: the first ``quant_length`` code slots (in the
+    INT8 or INT4 view) then the first ``fp_length`` buffer slots -> ``[1, L, Hq, D]`` contiguous."""
+    from .kernels.decode_core import launch_decode
+    from .kernels.quant_reference import QuantizedTensor
+
+    quant = (QuantizedTensor(key_upper, key_lower, key_scale, key_zero),
+             QuantizedTensor(value_upper, value_lower, value_scale, value_zero))
+    return launch_decode(query.contiguous(), scaling, key, value, quant=quant, group_size=group_size, int8=int8,
+                         fp_length=fp_length, quant_length=quant_length)
+
+
+@static_quant_decode.register_fake
+def _static_quant_decode_shape(query, *args):
+    _, heads, n, dim = query.shape
+    return query.new_empty(1, n, heads, dim)
+
+
+def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, sliding):
+    if (cache.kernels and sliding is None and _kernel_shape_ok(query, layer.keys.shape[1])
+            and cache.group_size % 16 == 0):
+        qk, qv = layer.qkeys, layer.qvalues
+        out = static_quant_decode(query, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
+                                  qv.lower, qv.scale, qv.zero, cache.fp_length, cache.quant_length, cache.group_size,
+                                  cache.view == "int8", scale)
+        return out, None
+    keys, values, mask = cache.reference_attention_inputs(layer, sliding)
+    return sdpa_attention_forward(module, query, keys, values, mask, scaling=scale, is_causal=False)
 
 
 def static_attention(
@@ -85,6 +124,8 @@ def static_attention(
         if isinstance(cache, StaticChunkBudgetCache) and cache.needs_selection():
             cache.select(layer, query, key, value, scale)
         return out
+    if isinstance(cache, StaticQuantCache):
+        return _quant_attention(module, query, layer, cache, scale, sliding)
     if cache.kernels and cache.contiguous and sliding is None and _kernel_shape_ok(query, key.shape[1]):
         return static_decode(query, key, value, cache.fp_length, scale), None
     return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding), scaling=scale, is_causal=False)

@@ -148,6 +148,38 @@ def test_static_decode_operator_matches_the_kernel_and_its_fake():
     torch.library.opcheck(static_decode, (q, k, v, n, 0.125), test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("quantized,buffered,length", [(64, 37, 1), (0, 20, 4), (128, 80, 3)])
+def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized, buffered, length):
+    """``hf_sparsekv::static_quant_decode`` over preallocated code and buffer storage (garbage past both lengths) in
+    both views: the reference on the first ``quantized`` codes and ``buffered`` buffer tokens."""
+    from hf_sparsekv.caches.static import StaticQuantCache
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+    from hf_sparsekv.static_attention import static_quant_decode
+
+    g = 32
+    q, k, v = _qkv(8, 2, length, 64, 128 + 96, dtype, seed=quantized + buffered)
+    store = StaticQuantCache(g, 128, 32, 1, 2, 64, dtype, k.device)
+    layer = store.layers[0]
+    store._quantize_into(layer, k[:, :, :128], v[:, :, :128], 0)
+    layer.keys.copy_(k[:, :, 128:])
+    layer.values.copy_(v[:, :, 128:])
+    tq = torch.tensor([quantized], dtype=torch.int32, device=k.device)
+    tf = torch.tensor([buffered], dtype=torch.int32, device=k.device)
+    qk, qv = layer.qkeys, layer.qvalues
+    part = lambda x, n, rows: QuantizedTensor(x.upper[:, :, :n], x.lower[:, :, :n], x.scale[:, :, :rows], x.zero[:, :, :rows])  # noqa: E731
+    for int8 in (True, False):
+        out = static_quant_decode(q, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper, qv.lower,
+                                  qv.scale, qv.zero, tf, tq, g, int8, 0.125)
+        ref = quant_decode_attention_reference(
+            q.float(), part(qk, quantized, quantized // g), part(qv, quantized, quantized),
+            layer.keys[:, :, :buffered].float(), layer.values[:, :, :buffered].float(), g, int8, 0.125)
+        assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else TOL), int8
+    torch.library.opcheck(static_quant_decode, (q, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero,
+                                                qv.upper, qv.lower, qv.scale, qv.zero, tf, tq, g, True, 0.125),
+                          test_utils=("test_schema", "test_faketensor"))
+
+
 # ---------------------------------------------------------------- hierarchical quantized decode attention
 
 QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)

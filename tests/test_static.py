@@ -13,8 +13,8 @@ import torch
 from transformers import LogitsProcessorList, MinLengthLogitsProcessor
 
 import hf_sparsekv
-from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
-from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.generation.graph_loop import accepted_length
 
@@ -128,6 +128,43 @@ def test_static_caches_refuse_bad_use():
         StaticChunkBudgetCache(16, 1, H, D, 64, torch.float64, "cpu", per_kv_head=True)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prompt_len,gamma", [(5, 3), (40, 1), (97, 5), (130, 7)])
+def test_static_quant_store_equals_the_dynamic_store(dtype, prompt_len, gamma):
+    """Codes, scales and full-precision buffer of StaticQuantCache equal HierarchicalQuantCache's, bit for bit,
+    through a prefill, steps of up to γ+1 tokens that never cross a multiple of G, rollbacks and flushes."""
+    g_size, rng = 16, random.Random(prompt_len)
+    total = prompt_len + 120
+    keys, values = (x.to(dtype) for x in _states(total + gamma + 1, seed=prompt_len))
+    dynamic = HierarchicalQuantCache(group_size=g_size)
+    static = StaticQuantCache(g_size, total + gamma + 1, gamma + 1, 1, H, D, dtype, "cpu")
+    dynamic.update(keys[:, :, :prompt_len], values[:, :, :prompt_len], 0)
+    static.begin_prefill(prompt_len)
+    static.update(keys[:, :, :prompt_len], values[:, :, :prompt_len], 0)
+    static.end_prefill()
+    seen = prompt_len
+    while seen < total:
+        static.flush_to(seen)
+        n = min(rng.randint(1, gamma + 1), static.room(seen), dynamic.uniform_room())
+        assert static.room(seen) == dynamic.uniform_room()
+        block = slice(seen, seen + n)
+        dynamic.update(keys[:, :, block], values[:, :, block], 0)
+        static.begin_step(torch.arange(seen, seen + n))
+        static.update(keys[:, :, block], values[:, :, block], 0)
+        d, s = dynamic.layers[0], static.layers[0]
+        t = d.quantized_length
+        assert static.quantized == t == int(static.quant_length) and int(static.fp_length) == seen + n - t
+        if t:
+            for ours, theirs in ((s.qkeys, d.qkeys), (s.qvalues, d.qvalues)):
+                rows = t // g_size if ours is s.qkeys else t
+                assert torch.equal(ours.upper[:, :, :t], theirs.upper) and torch.equal(ours.lower[:, :, :t], theirs.lower)
+                assert torch.equal(ours.scale[:, :, :rows], theirs.scale) and torch.equal(ours.zero[:, :, :rows], theirs.zero)
+        assert torch.equal(s.keys[:, :, : seen + n - t], d.keys) and torch.equal(s.values[:, :, : seen + n - t], d.values)
+        keep = rng.randint(1, n)  # roll back the rejected part of the block
+        dynamic.crop(keep - n)
+        seen += keep
+
+
 def test_device_acceptance_equals_the_eager_rule():
     g = torch.Generator().manual_seed(0)
     for _ in range(500):
@@ -171,6 +208,23 @@ def test_static_loop_is_lossless(static_path, case):
     assert stats["new_tokens"] == reference.shape[1] - ids.shape[1]
     if case["copy_drafter"] and case["mode"] == "full" and stats["drafted"]:
         assert stats["acceptance_rate"] == 1.0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_static_int4_self_speculation_equals_ar_on_the_int8_view(static_path, arch):
+    """QuantSpec self-speculation on the static loop: the output is greedy AR on the INT8 view of the same store
+    (γ 1/3/8, prompts shorter than 2G and longer, rounds near group boundaries without drafts)."""
+    verifier = tiny_model(arch)
+    kwargs = dict(max_new_tokens=70, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for length, gamma in ((5, 3), (70, 8), (300, 1), (333, 3)):
+        ids = prompt(length, seed=length)
+        reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
+        out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
+                                num_assistant_tokens=gamma, return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, reference), (length, gamma)
+        engine = graph_loop.current_engine(verifier)
+        assert engine.spec.mode == "int4" and engine.spec.budget == 32 and engine.drafter_cache is engine.verifier_cache
+        assert out.spec_stats.drafted > 0
 
 
 def test_engine_is_reused_and_rebuilt_when_needed(static_path):
@@ -233,15 +287,21 @@ def compiled_steps(static_path, monkeypatch):
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
 
 
-@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5)])
+@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5),
+                                             ("qwen2", "int4", 3)])
 def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     for length in (5, 300):
         ids = prompt(length, seed=length + gamma)
-        out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 24,
-                                num_assistant_tokens=gamma, **kwargs)
-        assert torch.equal(out, verifier.generate(ids, **kwargs))
+        if mode == "int4":
+            reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
+            spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+        else:
+            reference = verifier.generate(ids, **kwargs)
+            spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 24)
+        out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
+        assert torch.equal(out, reference)
         engine = graph_loop.current_engine(verifier)
         assert engine.compiled and all(step.fn is not step.eager_fn for step in engine.steps.values())
 

@@ -26,6 +26,9 @@ The three layouts (``slot(p)``):
   ``window + max_rollback + 1`` slots: ``slot = sink + (p - sink) mod ring``. A query at p sees the sinks and
   positions ``p - window .. p``; the ring is long enough that rolling back up to ``max_rollback`` tokens never
   loses a position still in the window.
+* :class:`StaticQuantCache` (QuantSpec, self-speculation): positions below ``T_q`` as packed INT4/INT8 codes at
+  ``slot = p``, the rest in a full-precision buffer at ``slot = p - T_q``; ``T_q`` moves (quantization) only
+  between steps, on the host (``flush_to``).
 
 Mask positions: a chunk-budget slot j is given the position ``j + P - K`` (the stored tokens as if contiguous and
 ending at the last one), exactly the positions the dynamic cache's ``get_mask_sizes`` gives the standard mask; the
@@ -334,3 +337,137 @@ class StaticSinkWindowCache(PreallocatedCache):
         layer.values.index_copy_(2, slots, value_states[:, :, positions])
         if layer.layer_idx == 0:
             self.slot_positions.index_copy_(0, slots, positions)
+
+
+class StaticQuantCache(PreallocatedCache):
+    """QuantSpec's hierarchical INT4/INT8 store (see :class:`~hf_sparsekv.caches.HierarchicalQuantCache`) on
+    preallocated storage: one store, read in the ``"int8"`` view by verification and the ``"int4"`` view by the
+    self-speculative draft (``view``, fixed per captured step).
+
+    Positions ``0..T_q-1`` are quantized (codes at ``slot = position``, key scale/zero per group of G); later
+    positions sit in the full-precision buffer (the ``keys``/``values`` of each layer) at ``slot = p - T_q``. A step
+    whose first position is p sees ``T_q = G * max(0, p // G - 1)``, exactly the state of the dynamic cache fed one
+    token at a time; :meth:`flush_to` brings the store there (host side, outside any graph, when the host knows p).
+    A step must not cross a point where T_q moves (:meth:`room`), so that all its tokens see one state. ``quant_length``
+    ``[1]`` int32 holds T_q on the device for the kernel.
+
+    Args:
+        group_size: G (a multiple of 8).
+        max_tokens: positions the store must hold.
+        max_block: the longest step (γ + 1); the buffer holds 2G + max_block slots.
+    """
+
+    def __init__(self, group_size: int, max_tokens: int, max_block: int, num_layers, kv_heads, head_dim, dtype,
+                 device):
+        if group_size < 8 or group_size % 8:
+            raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim must be even to pack INT4 codes, got {head_dim}")
+        super().__init__(num_layers, kv_heads, head_dim, 2 * group_size + max_block, dtype, device)
+        self.group_size, self.view = group_size, "int8"
+        t = -(-max_tokens // group_size) * group_size
+        for layer in self.layers:
+            layer.qkeys, layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, t // group_size), self._codes(
+                kv_heads, t, head_dim, dtype, t)
+        self.offset = torch.zeros(1, dtype=torch.long, device=self.slot_positions.device)  # T_q
+        self.quant_length = torch.zeros(1, dtype=torch.int32, device=self.slot_positions.device)
+        self.quantized = 0  # T_q on the host
+
+    def _codes(self, heads, tokens, head_dim, dtype, groups):
+        from ..kernels.quant_reference import QuantizedTensor
+
+        device = self.slot_positions.device
+        last = head_dim if groups != tokens else 1  # keys: per channel per group; values: per token
+        return QuantizedTensor(
+            torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
+            torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
+            torch.ones(1, heads, groups, last, dtype=dtype, device=device),
+            torch.zeros(1, heads, groups, last, dtype=dtype, device=device),
+        )
+
+    def quantized_length(self, position: int) -> int:
+        """T_q seen by a step starting at ``position``."""
+        return self.group_size * max(0, position // self.group_size - 1)
+
+    def room(self, position: int) -> int:
+        """Tokens a step starting at ``position`` may carry with one quantization state (T_q first moves at 2G, then
+        at every multiple of G)."""
+        g = self.group_size
+        return 2 * g - position if position < 2 * g else g - position % g
+
+    def slots_of(self, positions):
+        return positions - self.offset
+
+    def _store_prefill(self, layer, key_states, value_states):
+        p = key_states.shape[-2]
+        t = self.quantized_length(p)
+        if t > layer.qkeys.upper.shape[-2]:
+            raise ValueError(f"prompt of {p} tokens exceeds the store's capacity {layer.qkeys.upper.shape[-2]}")
+        self._quantize_into(layer, key_states[:, :, :t], value_states[:, :, :t], 0)
+        layer.keys[:, :, : p - t].copy_(key_states[:, :, t:])
+        layer.values[:, :, : p - t].copy_(value_states[:, :, t:])
+        if layer.layer_idx == 0:
+            self._set_quantized(t)
+            self.slot_positions.fill_(-1)
+            self.slot_positions[: p - t] = torch.arange(t, p, device=self.offset.device)
+            self.fp_length.fill_(p - t)
+
+    def _quantize_into(self, layer, keys, values, start: int) -> None:
+        from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
+
+        n, g = keys.shape[-2], self.group_size
+        if n == 0:
+            return
+        for store, fresh, first, last in (
+            (layer.qkeys, quantize_keys_auto(keys, g), start // g, (start + n) // g),
+            (layer.qvalues, quantize_values_auto(values), start, start + n),
+        ):
+            store.upper[:, :, start : start + n].copy_(fresh.upper)
+            store.lower[:, :, start : start + n].copy_(fresh.lower)
+            store.scale[:, :, first:last].copy_(fresh.scale)
+            store.zero[:, :, first:last].copy_(fresh.zero)
+
+    def _set_quantized(self, t: int) -> None:
+        self.quantized = t
+        self.offset.fill_(t)
+        self.quant_length.fill_(t)
+
+    def flush_to(self, position: int) -> None:
+        """Before a step starting at ``position`` (positions ``< position`` are the stored sequence): quantize the
+        buffer's oldest tokens up to ``T_q(position)`` and move the rest to the front of the buffer. Eager, never
+        inside a captured step."""
+        target = self.quantized_length(position)
+        moved = target - self.quantized
+        if moved <= 0:
+            return
+        keep = position - target
+        for layer in self.layers:
+            self._quantize_into(layer, layer.keys[:, :, :moved], layer.values[:, :, :moved], self.quantized)
+            layer.keys[:, :, :keep] = layer.keys[:, :, moved : moved + keep].clone()
+            layer.values[:, :, :keep] = layer.values[:, :, moved : moved + keep].clone()
+        shifted = self.slot_positions[moved : moved + keep].clone()
+        self.slot_positions.fill_(-1)
+        self.slot_positions[:keep] = shifted
+        self._set_quantized(target)
+
+    def reference_attention_inputs(self, layer, sliding_window: int | None):
+        """Keys/values ``[1, Hkv, T + capacity, D]`` (the whole code store dequantized in the current view, then the
+        buffer) and the step's mask ``[1, 1, L, T + capacity]``: the PyTorch path (CPU, shapes the kernel does not
+        take), from device tensors only."""
+        from ..kernels.quant_reference import dequantize_keys, dequantize_values
+
+        int8, dtype = self.view == "int8", layer.keys.dtype
+        keys = torch.cat([dequantize_keys(layer.qkeys, self.group_size, int8, dtype), layer.keys], -2)
+        values = torch.cat([dequantize_values(layer.qvalues, int8, dtype), layer.values], -2)
+        code_positions = torch.arange(layer.qkeys.upper.shape[-2], device=keys.device)
+        qp = self.positions[:, None]
+        quant_seen = code_positions[None, :] < self.offset
+        if sliding_window is not None:
+            quant_seen = quant_seen & (code_positions[None, :] > qp - sliding_window)
+        mask = torch.cat([quant_seen.expand(qp.shape[0], -1), self.visible(self.positions, sliding_window)], -1)
+        return keys, values, mask[None, None]
+
+    def reset(self) -> None:
+        super().reset()
+        self._set_quantized(0)
+        self.view = "int8"

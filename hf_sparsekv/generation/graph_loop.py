@@ -12,6 +12,12 @@ verifier's cache holds positions ``0..n-2`` (all but the last token), and so doe
    ``v [γ+1]``; ``a`` = the number of leading drafts equal to ``v``; ``seq[n..n+γ] = v``; ``n += a + 1``;
 4. one transfer brings ``a`` and ``v`` to the host, which applies the stopping rules token by token.
 
+Self-speculation on the INT4 view (QuantSpec, mode ``"int4"``): the verifier drafts on the INT4 view of its own
+:class:`~hf_sparsekv.caches.static.StaticQuantCache` and verifies on its INT8 view; there is no catch-up (verification
+writes every token into the one store). Before each round the host quantizes the store up to the round's state
+(``flush_to``, outside the graphs); a round that would cross a point where that state moves runs one verifier step
+instead (no drafts), so every token of a block sees the state greedy AR on the INT8 view would see.
+
 Nothing is rolled back explicitly: the caches hold stale entries past the sequence, which the next steps overwrite
 and never read (see :mod:`hf_sparsekv.caches.static`). A round may compute tokens past ``max_length``; the host
 drops them, as it drops tokens after a stop (they cannot change the earlier ones). Greedy AR on the same engine
@@ -28,7 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
-from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+from ..caches import HierarchicalQuantCache
+from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
@@ -64,8 +71,8 @@ class EngineSpec:
     """What a set of static caches and captured graphs is built for; an engine is reused by calls with the same spec
     (same models with the same weight storage: a graph reads weights by address) and a capacity that suffices."""
 
-    mode: str  # "ar", "chunk", "window", "full"
-    budget: int | None
+    mode: str  # "ar", "chunk", "window", "full", "int4" (self-speculation on the verifier's quantized store)
+    budget: int | None  # chunk/window: the drafter's budget; int4: the group size G
     gamma: int
     dtype: torch.dtype
     device: torch.device
@@ -91,8 +98,13 @@ class StaticEngine:
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
         self.max_tokens = _round_up(max_tokens)
         self.max_new = _round_up(max_new)
-        self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device)
-        self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
+        if spec.mode == "int4":  # one store: the draft reads its INT4 view, verification its INT8 view
+            self.verifier_cache = StaticQuantCache(spec.budget, self.max_tokens + slack, gamma + 1,
+                                                   *_attention_shape(verifier), dtype, device)
+            self.drafter_cache = self.verifier_cache
+        else:
+            self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device)
+            self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
         self.seq = torch.zeros(self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         self.n = torch.zeros(1, dtype=torch.long, device=device)
         self.drafts = torch.zeros(gamma, dtype=torch.long, device=device)
@@ -134,11 +146,16 @@ class StaticEngine:
 
     # ---- device-only steps (captured on CUDA)
     def _draft(self) -> None:
+        quant = isinstance(self.drafter_cache, StaticQuantCache)
+        if quant:
+            self.drafter_cache.view = "int4"
         token = self.seq.index_select(0, self.n - 1)
         for i in range(self.spec.gamma):
             logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1)
             token = self.drafts[i : i + 1]
             token.copy_(logits.argmax(-1))
+        if quant:
+            self.drafter_cache.view = "int8"
 
     def _catch_up(self) -> None:
         static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1)
@@ -156,8 +173,11 @@ class StaticEngine:
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
                                 self.verifier_cache, 1)
-        self.seq.index_copy_(0, self.n, logits.argmax(-1))
+        token = logits.argmax(-1)
+        self.seq.index_copy_(0, self.n, token)
         self.n.add_(1)
+        self.report[:1].zero_()  # a round of no drafts: a = 0, v_0 = the token
+        self.report[1:2].copy_(token)
 
     def run_step(self, name: str) -> None:
         """Run (and on first use, capture) the step ``name``."""
@@ -194,7 +214,7 @@ class StaticEngine:
         p = prompt.shape[1]
         self.verifier_cache.reset()
         first = static_prefill(self.verifier, prompt, self.verifier_cache).argmax(-1)
-        if self.drafter_cache is not None:
+        if self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache:
             self.drafter_cache.reset()
             static_prefill(self.drafter, prompt, self.drafter_cache)
         self.seq[:p].copy_(prompt[0])
@@ -278,6 +298,7 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
     tokens = prompt[0].tolist()
     is_ar = engine.spec.mode == "ar"
     gamma = engine.spec.gamma
+    quant = engine.verifier_cache if isinstance(engine.verifier_cache, StaticQuantCache) else None
 
     def accept(new: list[int]) -> bool:
         for token in new:
@@ -309,21 +330,26 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
                 stats.rounds += k
                 done = accept(new)
                 continue
+            drafting = True
+            if quant is not None:  # self-speculation: quantize up to this round's state; a round stays in one group
+                quant.flush_to(n - 1)
+                drafting = quant.room(n - 1) > gamma
             timer.mark("draft", True)
             if catch_up:
                 engine.run_step("catch_up")
-            engine.run_step("draft")
+            if drafting:
+                engine.run_step("draft")
             timer.mark("draft", False)
             timer.mark("verify", True)
-            engine.run_step("verify")
+            engine.run_step("verify" if drafting else "ar_step")
             timer.mark("verify", False)
             report = engine.report.tolist()  # the round's one sync
             a = report[0]
             stats.rounds += 1
-            stats.drafted += gamma
+            stats.drafted += gamma if drafting else 0
             stats.accepted += a
             done = accept(report[1 : a + 2])
-            catch_up = a == gamma
+            catch_up = a == gamma and quant is None  # the shared store of self-speculation holds every token
     if device.type == "cuda":
         torch.cuda.synchronize()
     stats.draft_seconds = timer.seconds("draft")
@@ -346,11 +372,18 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         return None
     kind = draft_cache if isinstance(draft_cache, str) or draft_cache is None else None
     kind = "chunk" if draft_cache is None else kind
+    group_size = HierarchicalQuantCache().group_size
+    if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
+        kind, group_size = "int4", draft_cache.group_size
     reason = None
     if kind is None:
         reason = "a draft_cache instance was given"
-    elif kind == "int4" or drafter is model:
-        reason = "self-speculation is not on the static path yet"
+    elif kind == "int4" and drafter is not model:
+        reason = "a separate drafter on a quantized cache is not on the static path"
+    elif kind == "int4" and group_size % 16:
+        reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
+    elif drafter is model and kind != "int4":
+        reason = "self-drafting on a chunk-budget or window cache is not on the static path yet"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
     elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
@@ -366,7 +399,7 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if reason is not None:
         logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
         return None
-    budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None}[kind]
+    budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None, "int4": group_size}[kind]
     return kind, budget
 
 
