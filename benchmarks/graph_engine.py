@@ -8,7 +8,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   hf-assisted      verifier.generate(ids, assistant_model=drafter)                 stock assisted generation
   chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
-  int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours (eager loop: not on the graph path)
+  int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
 
 End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
@@ -36,13 +36,13 @@ import hf_sparsekv
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.zoo import eval_documents, load_pair
 
-SLOW = ("hf-eager-ar", "hf-assisted", "int4-self-g3")
+SLOW = ("hf-eager-ar", "hf-assisted")
 
 
 def methods(budgets, gammas) -> list[str]:
     names = ["hf-eager-ar", "hf-static-ar", "graph-ar", "hf-assisted"]
     names += [f"chunk-{b}-g{g}" for b in budgets for g in gammas]
-    names += [f"window-g{g}" for g in gammas] + ["int4-self-g3"]
+    names += [f"window-g{g}" for g in gammas] + [f"int4-self-g{g}" for g in gammas]
     return names
 
 

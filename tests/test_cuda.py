@@ -56,8 +56,17 @@ def uncompiled(monkeypatch):
     monkeypatch.setenv("HF_SPARSEKV_COMPILE", "0")
 
 
+def _reference_and_spec(verifier, drafter, mode, ids, kwargs):
+    """Greedy AR (on the INT8 view for int4) and the speculative arguments of ``mode``."""
+    if mode == "int4":
+        reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
+        return reference, dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+    spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64)
+    return verifier.generate(ids, **kwargs), spec
+
+
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("mode", ["chunk", "window", "full", "int4"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
     verifier = _on_cuda(arch)
@@ -66,44 +75,48 @@ def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
         ids = prompt(length, seed).cuda()
         for extra in ({}, NO_EOS):
             kwargs = dict(max_new_tokens=48, do_sample=False, **extra)
-            reference = verifier.generate(ids, **kwargs)
-            out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode,
-                                    kv_budget=None if mode == "full" else 64, num_assistant_tokens=gamma, **kwargs)
+            reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
+            out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
             assert torch.equal(out, reference), (length, extra)
     engine = graph_loop.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert {"draft", "verify"} <= set(engine.steps)
 
 
-@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 5), ("qwen2", "full", 1), ("mistral", "window", 3)])
+@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 5), ("qwen2", "full", 1), ("mistral", "window", 3),
+                                             ("llama", "int4", 3)])
 def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
     verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
     for seed, length in enumerate((7, 400)):
         ids = prompt(length, seed).cuda()
         kwargs = dict(max_new_tokens=48, do_sample=False, **NO_EOS)
-        reference = verifier.generate(ids, **kwargs)
-        out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode,
-                                kv_budget=None if mode == "full" else 64, num_assistant_tokens=gamma, **kwargs)
+        reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
+        out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
         assert torch.equal(out, reference), length
     engine = graph_loop.current_engine(verifier)
     assert engine.compiled and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("mode", ["chunk", "window", "full", "int4"])
 def test_graph_path_equals_eager_loop_bfloat16(arch, mode, uncompiled, monkeypatch):
     """Uncompiled captured steps run the eager loop's kernels, so in bfloat16 too they give the same tokens
     (Inductor's fused kernels round differently: the compiled path is held to float32 identity only)."""
     verifier, drafter = _on_cuda(arch, dtype=torch.bfloat16), _on_cuda(arch, "drafter", torch.bfloat16)
     for seed, length in enumerate((60, 333)):
         ids = prompt(length, seed).cuda()
-        spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64,
-                    num_assistant_tokens=4, max_new_tokens=48, do_sample=False, **NO_EOS)
+
+        def spec():
+            if mode == "int4":
+                return dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+            return dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64)
+        kwargs = dict(num_assistant_tokens=4, max_new_tokens=48, do_sample=False, **NO_EOS)
         monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
-        eager = verifier.generate(ids, **spec)
+        eager = verifier.generate(ids, **spec(), **kwargs)
         monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "auto")
-        graphed = verifier.generate(ids, **spec)
+        graphed = verifier.generate(ids, **spec(), **kwargs)
         assert torch.equal(graphed, eager)
+        assert graph_loop.current_engine(verifier).spec.mode == mode
 
 
 @pytest.mark.parametrize("arch", ARCHS)
