@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -101,6 +102,8 @@ def _load_models(args, device):
 
 
 def _commit() -> str:
+    if os.environ.get("GIT_COMMIT"):  # a copy of the tree without its history (the GPU machine)
+        return os.environ["GIT_COMMIT"]
     try:
         root = Path(__file__).resolve().parent.parent
         sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
