@@ -1,6 +1,7 @@
 """Losslessness on a CUDA GPU: the CUDA-graph path (the default there) and the eager loop (run on the GPU machine;
 skipped on CPU). Most graph-path cases capture the uncompiled steps (``HF_SPARSEKV_COMPILE=0``: compiling every
-tiny configuration would take minutes); a few cases run the default, torch.compile'd steps."""
+tiny configuration would take minutes); a few cases run the default, torch.compile'd steps. Cases marked ``slow``
+(``make test-cuda-slow``) complete the grids; ``make test-cuda`` keeps the default suite under 4 minutes."""
 
 from __future__ import annotations
 
@@ -65,9 +66,15 @@ def _reference_and_spec(verifier, drafter, mode, ids, kwargs):
     return verifier.generate(ids, **kwargs), spec
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["chunk", "window", "full", "int4"])
-@pytest.mark.parametrize("gamma", [1, 3, 8])
+def _graph_cases():
+    """arch × mode × γ; γ=3 (every draft accepted) in the default CUDA suite, γ 1 and 8 marked slow."""
+    return [
+        pytest.param(arch, mode, gamma, marks=() if gamma == 3 else pytest.mark.slow, id=f"{arch}-{mode}-g{gamma}")
+        for arch in ARCHS for mode in ("chunk", "window", "full", "int4") for gamma in (1, 3, 8)
+    ]
+
+
+@pytest.mark.parametrize("arch,mode,gamma", _graph_cases())
 def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
     verifier = _on_cuda(arch)
     drafter = _on_cuda(arch, "drafter") if gamma != 3 else copy.deepcopy(verifier)  # γ=3: every draft accepted
@@ -83,8 +90,10 @@ def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
     assert {"draft", "verify"} <= set(engine.steps)
 
 
-@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 5), ("qwen2", "full", 1), ("mistral", "window", 3),
-                                             ("llama", "int4", 3)])
+@pytest.mark.parametrize("arch,mode,gamma", [
+    ("llama", "chunk", 5), ("mistral", "window", 3),
+    pytest.param("qwen2", "full", 1, marks=pytest.mark.slow), pytest.param("llama", "int4", 3, marks=pytest.mark.slow),
+])
 def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
     verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
     for seed, length in enumerate((7, 400)):
