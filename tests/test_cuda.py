@@ -1,5 +1,5 @@
 """Losslessness on a CUDA GPU: the CUDA-graph path (the default there) and the eager loop (run on the GPU machine;
-skipped on CPU). Most graph-path cases capture the uncompiled steps (``HF_SPARSEKV_COMPILE=0``: compiling every
+skipped on CPU). Most graph-path cases capture the uncompiled steps (conftest sets ``HF_SPARSEKV_COMPILE=0`` unless a test is marked ``compiled``: compiling every
 tiny configuration would take minutes); a few cases run the default, torch.compile'd steps. Cases marked ``slow``
 (``make test-cuda-slow``) complete the grids; ``make test-cuda`` keeps the default suite under 4 minutes."""
 
@@ -52,11 +52,6 @@ def test_eager_loop_lossless_on_cuda_float32(arch, mode, gamma, monkeypatch):
         assert torch.equal(out, reference)
 
 
-@pytest.fixture
-def uncompiled(monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "0")
-
-
 def _reference_and_spec(verifier, drafter, mode, ids, kwargs):
     """Greedy AR (on the INT8 view for int4) and the speculative arguments of ``mode``."""
     if mode == "int4":
@@ -75,7 +70,7 @@ def _graph_cases():
 
 
 @pytest.mark.parametrize("arch,mode,gamma", _graph_cases())
-def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
+def test_graph_path_lossless_float32(arch, mode, gamma):
     verifier = _on_cuda(arch)
     drafter = _on_cuda(arch, "drafter") if gamma != 3 else copy.deepcopy(verifier)  # γ=3: every draft accepted
     for seed, length in enumerate((5, 140, 400)):
@@ -90,6 +85,7 @@ def test_graph_path_lossless_float32(arch, mode, gamma, uncompiled):
     assert {"draft", "verify"} <= set(engine.steps)
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("arch,mode,gamma", [
     ("llama", "chunk", 5), ("mistral", "window", 3),
     pytest.param("qwen2", "full", 1, marks=pytest.mark.slow), pytest.param("llama", "int4", 3, marks=pytest.mark.slow),
@@ -108,7 +104,7 @@ def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "full", "int4"])
-def test_graph_path_equals_eager_loop_bfloat16(arch, mode, uncompiled, monkeypatch):
+def test_graph_path_equals_eager_loop_bfloat16(arch, mode, monkeypatch):
     """Uncompiled captured steps run the eager loop's kernels, so in bfloat16 too they give the same tokens
     (Inductor's fused kernels round differently: the compiled path is held to float32 identity only)."""
     verifier, drafter = _on_cuda(arch, dtype=torch.bfloat16), _on_cuda(arch, "drafter", torch.bfloat16)
@@ -128,10 +124,8 @@ def test_graph_path_equals_eager_loop_bfloat16(arch, mode, uncompiled, monkeypat
         assert graph_loop.current_engine(verifier).spec.mode == mode
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_graph_greedy_ar_equals_generate(arch, monkeypatch):
-    if arch != "llama":
-        monkeypatch.setenv("HF_SPARSEKV_COMPILE", "0")  # llama: compiled (the default)
+@pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.compiled), "qwen2", "mistral"])
+def test_graph_greedy_ar_equals_generate(arch):
     verifier = _on_cuda(arch)
     for seed, length in enumerate((1, 200, 450)):
         ids = prompt(length, seed).cuda()

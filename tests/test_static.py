@@ -287,6 +287,7 @@ def compiled_steps(static_path, monkeypatch):
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
 
 
+@pytest.mark.compiled
 @pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5),
                                              ("qwen2", "int4", 3)])
 def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
