@@ -8,7 +8,8 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [1, Hq, L, D
 
 * **prefill** (eager, the cache is empty): causal attention over the prompt's own keys (PyTorch SDPA; with a
   sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
-  chunks from the prompt's queries here);
+  chunks from the prompt's queries here), and so does its ``companion`` if it has one (self-drafting: the model's
+  own compressed cache, built from the same prefill);
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding
   window, a shape the kernel takes: the Triton split-KV kernel reading its length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
@@ -121,8 +122,9 @@ def static_attention(
     if cache.prefilling:
         mask = _prefill_mask(query.shape[-2], sliding, query.device)
         out = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
-        if isinstance(cache, StaticChunkBudgetCache) and cache.needs_selection():
-            cache.select(layer, query, key, value, scale)
+        for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
+            if isinstance(target, StaticChunkBudgetCache) and target.needs_selection():
+                target.select(target.layers[layer.layer_idx], query, key, value, scale)
         return out
     if isinstance(cache, StaticQuantCache):
         return _quant_attention(module, query, layer, cache, scale, sliding)

@@ -483,6 +483,7 @@ def test_cuda_real_sizes(dtype, hq, hkv, d, length):
 
 
 @pytest.mark.cuda
+@pytest.mark.slow  # 12 Triton configurations compiled from cold: minutes on a fresh machine
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8), (8, 4)])
 @pytest.mark.parametrize("settings", [

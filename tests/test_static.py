@@ -319,3 +319,32 @@ def test_static_steps_trace_without_graph_breaks(static_path):
             for name in ("draft", "verify", "catch_up", "ar_step"):
                 explained = torch._dynamo.explain(getattr(engine, "_" + name))()
                 assert explained.graph_break_count == 0, (mode, name, explained.break_reasons)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window"])
+def test_static_self_drafting_is_lossless_with_one_prefill(static_path, arch, mode):
+    """assistant_model=model with a chunk-budget or window cache on the static loop: the drafter's cache is filled
+    from the model's own prefill (the same keys and chunk selection as a second prefill would give), and the output
+    is greedy AR."""
+    verifier = tiny_model(arch)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for length, gamma in ((9, 3), (250, 5)):
+        ids = prompt(length, seed=length + 7)
+        spec = dict(draft_cache=mode, kv_budget=32, num_assistant_tokens=gamma)
+        out = verifier.generate(ids, assistant_model=verifier, return_dict_in_generate=True, **spec, **kwargs)
+        assert torch.equal(out.sequences, verifier.generate(ids, **kwargs))
+        engine = graph_loop.current_engine(verifier)
+        assert engine.drafter is verifier and engine.spec.mode == mode and out.spec_stats.drafted > 0
+        twin = copy.deepcopy(verifier)  # the same weights as a separate drafter: its own prefill
+        with torch.no_grad(), graph_loop.static_attention_for(verifier, twin):
+            shared = graph_loop.engine_for(verifier, verifier, mode, 32, gamma, length + 64, 64, use_graphs=False)
+            shared.prefill(ids)
+            single = graph_loop.StaticEngine(verifier, twin, shared.spec, length + 64, 64, use_graphs=False)
+            single.prefill(ids)
+        stored = single.drafter_cache.slot_positions >= 0  # (the shared engine's other slots hold the last call's tokens)
+        assert torch.equal(shared.drafter_cache.slot_positions >= 0, stored) and stored.any()
+        assert torch.equal(shared.drafter_cache.slot_positions[stored], single.drafter_cache.slot_positions[stored])
+        for a, b in zip(shared.drafter_cache.layers, single.drafter_cache.layers):
+            assert torch.equal(a.keys[:, :, stored], b.keys[:, :, stored])
+            assert torch.equal(a.values[:, :, stored], b.values[:, :, stored])

@@ -124,6 +124,7 @@ class PreallocatedCache(Cache):
         self.positions: torch.Tensor | None = None  # the current step's positions [L]
         self.slots: torch.Tensor | None = None  # their slots [L]
         self.prefilling = False
+        self.companion: PreallocatedCache | None = None  # a cache filled from this one's prefill (self-drafting)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
         self._mask: torch.Tensor | None = None
@@ -161,6 +162,8 @@ class PreallocatedCache(Cache):
             if key_states.shape[-2] != self.prefill_length:
                 raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
             self._store_prefill(layer, key_states, value_states)
+            if self.companion is not None:
+                self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
             return key_states, value_states
         if self.slots is None or key_states.shape[-2] != self.slots.shape[0]:
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")

@@ -12,6 +12,10 @@ verifier's cache holds positions ``0..n-2`` (all but the last token), and so doe
    ``v [γ+1]``; ``a`` = the number of leading drafts equal to ``v``; ``seq[n..n+γ] = v``; ``n += a + 1``;
 4. one transfer brings ``a`` and ``v`` to the host, which applies the stopping rules token by token.
 
+Self-drafting on a chunk-budget or window cache (``drafter is verifier``, TriForce/MagicDec-style): the verifier's
+prefill fills the drafter's cache too (its ``companion``: one prefill, the chunk selection from the same queries);
+rounds are as above.
+
 Self-speculation on the INT4 view (QuantSpec, mode ``"int4"``): the verifier drafts on the INT4 view of its own
 :class:`~hf_sparsekv.caches.static.StaticQuantCache` and verifies on its INT8 view; there is no catch-up (verification
 writes every token into the one store). Before each round the host quantizes the store up to the round's state
@@ -213,9 +217,20 @@ class StaticEngine:
         """Reset the caches, feed ``prompt [1, P]`` to both models; returns the verifier's first token."""
         p = prompt.shape[1]
         self.verifier_cache.reset()
-        first = static_prefill(self.verifier, prompt, self.verifier_cache).argmax(-1)
-        if self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache:
+        separate = self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache
+        shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
+        if separate:
             self.drafter_cache.reset()
+        if shared_prefill:
+            self.drafter_cache.begin_prefill(p)
+            self.verifier_cache.companion = self.drafter_cache
+        try:
+            first = static_prefill(self.verifier, prompt, self.verifier_cache).argmax(-1)
+        finally:
+            self.verifier_cache.companion = None
+        if shared_prefill:
+            self.drafter_cache.end_prefill()
+        elif separate:
             static_prefill(self.drafter, prompt, self.drafter_cache)
         self.seq[:p].copy_(prompt[0])
         self.seq[p : p + 1].copy_(first)
@@ -382,8 +397,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "a separate drafter on a quantized cache is not on the static path"
     elif kind == "int4" and group_size % 16:
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
-    elif drafter is model and kind != "int4":
-        reason = "self-drafting on a chunk-budget or window cache is not on the static path yet"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
     elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
