@@ -85,6 +85,19 @@ def test_graph_path_lossless_float32(arch, mode, gamma):
     assert {"draft", "verify"} <= set(engine.steps)
 
 
+@pytest.mark.parametrize("mode", ["chunk", "window"])
+def test_graph_path_self_drafting_lossless_float32(mode):
+    verifier = _on_cuda("qwen2")
+    for seed, length in enumerate((9, 400)):
+        ids = prompt(length, seed).cuda()
+        kwargs = dict(max_new_tokens=48, do_sample=False, **NO_EOS)
+        out = verifier.generate(ids, assistant_model=verifier, draft_cache=mode, kv_budget=64, num_assistant_tokens=4,
+                                **kwargs)
+        assert torch.equal(out, verifier.generate(ids, **kwargs)), length
+    engine = graph_loop.current_engine(verifier)
+    assert engine.drafter is verifier and engine.use_graphs and engine.steps["draft"].graph is not None
+
+
 @pytest.mark.compiled
 @pytest.mark.parametrize("arch,mode,gamma", [
     ("llama", "chunk", 5), ("mistral", "window", 3),
