@@ -348,3 +348,20 @@ def test_static_self_drafting_is_lossless_with_one_prefill(static_path, arch, mo
         for a, b in zip(shared.drafter_cache.layers, single.drafter_cache.layers):
             assert torch.equal(a.keys[:, :, stored], b.keys[:, :, stored])
             assert torch.equal(a.values[:, :, stored], b.values[:, :, stored])
+
+
+@pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
+def test_static_loop_suppresses_eos_like_stock_min_length(static_path, mode):
+    """min_new_tokens / min_length on the static loop (EOS masked on the device below the floor): the same tokens
+    as stock greedy generate(), EOS included once the floor is passed."""
+    verifier = tiny_model("llama")
+    drafter = verifier if mode == "int4" else copy.deepcopy(verifier)
+    ids = prompt(30, seed=4)
+    free = verifier.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)[0, 30:]
+    for eos_at, floor in ((0, dict(min_new_tokens=5)), (2, dict(min_length=38)), (3, dict(min_new_tokens=2))):
+        kwargs = dict(max_new_tokens=15, do_sample=False, eos_token_id=int(free[eos_at]), pad_token_id=0, **floor)
+        reference = verifier.generate(ids, **kwargs)
+        spec = dict(draft_cache="int4") if mode == "int4" else dict(draft_cache=mode, kv_budget=16)
+        out = verifier.generate(ids, assistant_model=drafter, num_assistant_tokens=3, **spec, **kwargs)
+        assert torch.equal(out, reference), floor
+        assert graph_loop.current_engine(verifier).spec.mode == mode  # served by the static loop

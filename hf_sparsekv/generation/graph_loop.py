@@ -116,6 +116,9 @@ class StaticEngine:
         self.accepted = torch.zeros(1, dtype=torch.long, device=device)
         self.report = torch.zeros(gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ]: what the host reads
         self._block_offsets = torch.arange(gamma + 1, device=device)
+        vocab = verifier.get_output_embeddings().weight.shape[0]
+        self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
+        self.eos_floor = torch.zeros(1, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.steps: dict[str, CapturedStep] = {}
         self.compiled = spec.compiled
@@ -164,10 +167,24 @@ class StaticEngine:
     def _catch_up(self) -> None:
         static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1)
 
+    def set_min_length(self, floor: int, eos_token_ids: list[int]) -> None:
+        """Greedy generate()'s min_length/min_new_tokens: EOS cannot be the token at sequence index < ``floor``."""
+        self.eos_floor.fill_(floor if eos_token_ids else 0)
+        self.eos_mask.zero_()
+        if eos_token_ids:
+            self.eos_mask[[e for e in eos_token_ids if 0 <= e < self.eos_mask.numel()]] = True
+
+    def _greedy(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+        """Argmax of the verifier's ``logits [L, V]`` for the tokens at sequence indices ``first_index + 0..L-1``,
+        EOS masked below ``eos_floor`` (on the device: no host branch)."""
+        index = first_index + self._block_offsets[: logits.shape[0]]
+        early = (index < self.eos_floor)[:, None] & self.eos_mask[None, :]
+        return logits.masked_fill(early, float("-inf")).argmax(-1)
+
     def _verify(self) -> None:
         block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
         logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0)
-        verified = logits.argmax(-1)
+        verified = self._greedy(logits, self.n)
         accepted = accepted_length(self.drafts, verified)
         self.seq.index_copy_(0, self.n + self._block_offsets, verified)
         self.n.add_(accepted + 1)
@@ -177,7 +194,7 @@ class StaticEngine:
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
                                 self.verifier_cache, 1)
-        token = logits.argmax(-1)
+        token = self._greedy(logits, self.n)
         self.seq.index_copy_(0, self.n, token)
         self.n.add_(1)
         self.report[:1].zero_()  # a round of no drafts: a = 0, v_0 = the token
@@ -225,7 +242,8 @@ class StaticEngine:
             self.drafter_cache.begin_prefill(p)
             self.verifier_cache.companion = self.drafter_cache
         try:
-            first = static_prefill(self.verifier, prompt, self.verifier_cache).argmax(-1)
+            last = static_prefill(self.verifier, prompt, self.verifier_cache)
+            first = self._greedy(last[None], torch.full_like(self.n, p))
         finally:
             self.verifier_cache.companion = None
         if shared_prefill:
@@ -325,6 +343,7 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
                 return True
         return False
 
+    engine.set_min_length(max(rules.min_length, rules.prompt_length + rules.min_new_tokens), rules.eos_token_ids)
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
         first = engine.prefill(prompt)
@@ -407,8 +426,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "stopping_criteria may read the scores of every token"
     elif wants_outputs:
         reason = "output_scores/output_logits keep every token's scores"
-    elif rules.suppresses_eos():
-        reason = "min_length/min_new_tokens mask EOS at some steps"
     if reason is not None:
         logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
         return None

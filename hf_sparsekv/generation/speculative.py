@@ -41,12 +41,6 @@ class GreedyRules:
             logits = self.logits_processor(sequence, logits)
         return logits
 
-    def suppresses_eos(self) -> bool:
-        """Whether some step masks EOS (min_length / min_new_tokens not yet reached after the prompt)."""
-        return bool(self.eos_token_ids) and (
-            self.min_length > self.prompt_length or self.min_new_tokens > 0
-        )
-
     def stop_token(self, tokens: list[int]) -> bool:
         """``should_stop`` for a host-side sequence, without scores (the static loop; criteria that need scores
         take the eager loop)."""
