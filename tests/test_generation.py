@@ -261,7 +261,6 @@ def test_without_new_arguments_generate_is_stock():
     [
         (dict(kv_budget=16), ValueError, "assistant_model"),
         (dict(kv_budget=4, assistant_model="drafter"), ValueError, "kv_budget"),
-        (dict(kv_budget=16, assistant_model="drafter", do_sample=True), NotImplementedError, "do_sample"),
         (dict(kv_budget=16, assistant_model="drafter", num_beams=2), NotImplementedError, "num_beams"),
         (dict(draft_cache="sparse", assistant_model="drafter"), ValueError, "draft_cache"),
         (dict(draft_cache="chunk", assistant_model="drafter"), ValueError, "kv_budget"),
@@ -313,28 +312,29 @@ def test_without_a_length_follows_the_generation_config_like_stock():
         verifier.generate(prompt(30, 1), **spec)
 
 
-def test_do_sample_from_the_generation_config_says_where_it_came_from():
-    verifier = copy.deepcopy(tiny_model("llama"))
-    verifier.generation_config.do_sample = True
-    drafter = tiny_model("llama", role="drafter")
-    with pytest.raises(NotImplementedError, match=r"model's generation config.*do_sample=False"):
-        verifier.generate(prompt(10, 0), max_new_tokens=4, assistant_model=drafter, kv_budget=16)
-    with pytest.raises(NotImplementedError, match=r"passed to generate\(\).*do_sample=False"):
-        tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=True, assistant_model=drafter,
-                                     kv_budget=16)
-    out = verifier.generate(prompt(10, 0), max_new_tokens=4, do_sample=False, assistant_model=drafter, kv_budget=16)
-    assert torch.equal(out, tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=False))
-
-
-def test_pipeline_without_do_sample_explains_how_to_pass_it():
+def test_do_sample_from_the_generation_config_samples_as_stock_does():
+    """A generation config that samples (the model's, or the text-generation pipeline's default) samples here too,
+    reproducibly with a seed; do_sample=False in the call overrides it, as in stock generate()."""
     from transformers import pipeline
 
-    verifier = tiny_model("llama")
-    pipe = pipeline("text-generation", model=verifier, tokenizer=_word_tokenizer(),
-                    assistant_model=_copy_of(verifier), device="cpu")
+    verifier = copy.deepcopy(tiny_model("llama"))
+    verifier.generation_config.do_sample = True
+    verifier.generation_config.temperature = 5.0  # far from greedy
+    drafter = tiny_model("llama", role="drafter")
+    ids = prompt(10, 0)
+    greedy = tiny_model("llama").generate(ids, max_new_tokens=8, do_sample=False)
+    runs = []
+    for seed in (0, 0, 1):
+        torch.manual_seed(seed)
+        runs.append(verifier.generate(ids, max_new_tokens=8, assistant_model=drafter, kv_budget=16))
+    assert torch.equal(runs[0], runs[1]) and not all(torch.equal(r, greedy) for r in runs)
+    out = verifier.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter, kv_budget=16)
+    assert torch.equal(out, greedy)
+    pipe = pipeline("text-generation", model=tiny_model("llama"), tokenizer=_word_tokenizer(),
+                    assistant_model=_copy_of(tiny_model("llama")), device="cpu")
     text = " ".join(f"w{i}" for i in prompt(20, 3)[0].tolist())
-    with pytest.raises(NotImplementedError, match=r"pipeline.*do_sample=False"):
-        pipe(text, max_new_tokens=5, kv_budget=16)
+    generated = pipe(text, max_new_tokens=5, min_new_tokens=5, kv_budget=16)[0]["generated_text"]
+    assert generated.startswith(text) and len(generated[len(text) :].split()) == 5
 
 
 def test_stop_strings_with_tokenizer_like_stock():

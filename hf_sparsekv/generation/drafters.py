@@ -2,7 +2,8 @@
 built from its own prefill, or the verifier's INT4 view.
 
 Every drafter has ``sharing_prefill(verifier, verifier_cache)`` (a context around the verifier's prefill),
-``prefill(prompt)`` (after it), ``propose(sequence, n)`` and ``rollback(valid)``.
+``prefill(prompt)`` (after it), ``propose(sequence, n)`` (greedy), ``propose_sampled(sequence, n, sample)``
+(speculative sampling, :mod:`.sampling`) and ``rollback(valid)``.
 """
 
 from __future__ import annotations
@@ -62,15 +63,26 @@ class ModelDrafter:
 
     def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
         """Greedy drafts continuing ``sequence [1, N]``; the cache ends up holding N + n - 1 tokens."""
+        return self.propose_sampled(sequence, n, None)[0]
+
+    def propose_sampled(self, sequence: torch.Tensor, n: int, sample) -> tuple[list[int], list[torch.Tensor]]:
+        """Drafts continuing ``sequence [1, N]`` chosen by ``sample(prefix [1, N + i], logits [1, V']) -> (token,
+        probabilities [V])`` (None: greedy, no probabilities); returns the drafts and their probabilities."""
         drafts: list[int] = []
+        probs: list[torch.Tensor] = []
         tokens = self._inputs(sequence[:, self.fed :])
         for _ in range(n):
             logits = forward(self.model, tokens, self.cache, self.fed, 1)
             self.fed += tokens.shape[1]
-            token = int(logits[0, -1, : self.shared_vocab].argmax())
+            if sample is None:
+                token = int(logits[0, -1, : self.shared_vocab].argmax())
+            else:
+                prefix = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
+                token, q = sample(prefix, logits[0, -1:, : self.shared_vocab])
+                probs.append(q)
             drafts.append(token)
-            tokens = sequence.new_tensor([[token]])
-        return drafts
+            tokens = self._inputs(sequence.new_tensor([[token]]))
+        return drafts, probs
 
     def rollback(self, valid: int) -> None:
         """Keep only the first ``valid`` tokens of the current sequence."""
@@ -139,19 +151,30 @@ class SelfDrafter:
         pass
 
     def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
+        return self.propose_sampled(sequence, n, None)[0]
+
+    def propose_sampled(self, sequence: torch.Tensor, n: int, sample) -> tuple[list[int], list[torch.Tensor]]:
+        """As :meth:`ModelDrafter.propose_sampled`, on the INT4 view."""
         start = sequence.shape[1] - 1
         drafts: list[int] = []
+        probs: list[torch.Tensor] = []
         token = sequence[:, -1:]
         self.cache.set_view("int4")
         try:
             for i in range(n):
                 logits = forward(self.model, token, self.cache, start + i, 1)
-                drafts.append(int(logits[0, -1].argmax()))
+                if sample is None:
+                    drafts.append(int(logits[0, -1].argmax()))
+                else:
+                    prefix = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
+                    chosen, q = sample(prefix, logits[0, -1:])
+                    drafts.append(chosen)
+                    probs.append(q)
                 token = sequence.new_tensor([[drafts[-1]]])
         finally:
             self.cache.crop(-len(drafts))
             self.cache.set_view("int8")
-        return drafts
+        return drafts, probs
 
     def rollback(self, valid: int) -> None:
         pass

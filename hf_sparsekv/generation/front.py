@@ -15,6 +15,7 @@ from .. import attention
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from . import graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
+from .sampling import speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
 from .stats import SpecStats
 
@@ -255,7 +256,7 @@ def speculative_generate(
     draft_cache: str | Cache | None = None,
     **kwargs,
 ):
-    """The speculative path of ``generate()``; same arguments, greedy only, batch size 1."""
+    """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``), batch size 1."""
     if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
         raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
     for name, value in (
@@ -289,14 +290,6 @@ def speculative_generate(
     if unused:
         raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
 
-    if config.do_sample:
-        source = _refuse_source("do_sample", True, kwargs, generation_config, model)
-        raise NotImplementedError(
-            f"do_sample=True is not supported with kv_budget/draft_cache yet (greedy only): {source} (the "
-            "text-generation pipeline also passes it when the model's generation config does not set do_sample). "
-            "Pass do_sample=False, e.g. model.generate(ids, ..., do_sample=False) or "
-            "pipe(prompt, kv_budget=..., do_sample=False)"
-        )
     if not config.use_cache:
         raise ValueError(
             f"use_cache=False is not supported with kv_budget/draft_cache: speculative decoding works on KV caches "
@@ -354,7 +347,7 @@ def speculative_generate(
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria, rules=rules,
-        prefix_cache=past_key_values is not None,
+        prefix_cache=past_key_values is not None, sampling=bool(config.do_sample),
     )
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,
@@ -365,7 +358,12 @@ def speculative_generate(
         switched = _switch_attention(model, assistant_model, needs_scoring)
         try:
             with torch.no_grad():
-                result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
+                if config.do_sample:
+                    processors = stock_processors(model, config, prompt, logits_processor, rules.min_length)
+                    result = speculative_sample(model, verifier_cache, drafter, prompt, gamma, rules, processors,
+                                                streamer)
+                else:
+                    result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
         finally:
             for m, previous in switched:
                 m.set_attn_implementation(previous)

@@ -395,7 +395,7 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
 
 
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                rules, prefix_cache: bool = False) -> tuple[str, int | None] | None:
+                rules, prefix_cache: bool = False, sampling: bool = False) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why."""
     from .front import DEFAULT_WINDOW_BUDGET, _text_config
@@ -410,7 +410,9 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
     reason = None
-    if kind is None:
+    if sampling:
+        reason = "do_sample=True (speculative sampling is not on the graph path yet)"
+    elif kind is None:
         reason = "a draft_cache instance was given"
     elif kind == "int4" and drafter is not model:
         reason = "a separate drafter on a quantized cache is not on the static path"

@@ -1,0 +1,142 @@
+"""Speculative sampling (Leviathan et al. 2023, Chen et al. 2023): ``do_sample=True`` with a drafter, drawing every
+token from exactly the distribution stock sampling ``generate()`` draws it from.
+
+Both models' logits go through the same processors stock ``generate()`` builds from the generation config
+(temperature, top-k, top-p, min-p, repetition penalty, min-length EOS masking, the user's ``logits_processor``;
+see :func:`stock_processors`) and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
+``x_1..x_k`` from ``q``; draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
+rejection the token is drawn from ``norm(max(0, p_i - q_i))`` and the round ends; if every draft is accepted a
+bonus token is drawn from ``p_{k+1}`` (:func:`accept_or_resample`). Each emitted token is then distributed as
+``p`` given the tokens before it, whatever the drafter proposes.
+
+Random numbers come from torch's global generator in a fixed order, so ``torch.manual_seed(s)`` before a call makes
+it reproducible (on the same device and path; not the same tokens as stock sampling, which draws differently).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from transformers.generation import LogitsProcessorList
+
+from ..caches import HierarchicalQuantCache
+from .drafters import forward
+from .speculative import GreedyRules, SpeculativeResult
+from .stats import SpecStats
+
+
+def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int) -> LogitsProcessorList:
+    """The processors and warpers stock ``generate()`` applies to the next-token logits of ``model`` under
+    ``config``, for the (unpadded) ``prompt [1, P]`` and absolute ``min_length`` (the same ``GenerationMixin``
+    helpers stock ``generate()`` calls, identical in transformers 5.17-5.23)."""
+    config = copy.deepcopy(config)
+    config.min_length = min_length
+    model._prepare_special_tokens(config, True, device=prompt.device, batch_size=1)
+    return model._get_logits_processor(
+        generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
+        logits_processor=LogitsProcessorList(logits_processor or []), device=prompt.device,
+    )
+
+
+def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One speculative-sampling round over ``T`` independent trials (``T = 1`` in generation).
+
+    ``p [T, k+1, V]``: the verifier's probabilities after each prefix (``p[:, i]`` follows draft ``i - 1``);
+    ``q [T, k, V]``: the drafter's probabilities the drafts ``drafts [T, k]`` were drawn from.
+    Returns ``(accepted [T], token [T])``: the number of leading drafts accepted and the token drawn after them
+    (from the residual at the first rejection, from ``p[:, k]`` when all are accepted)."""
+    t, k = drafts.shape
+    if k:
+        p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
+        q_x = q.gather(-1, drafts[..., None])[..., 0]
+        rejected = torch.rand(t, k, device=p.device, dtype=p.dtype) * q_x >= p_x  # u >= p/q, without dividing
+        accepted = torch.where(rejected.any(-1), rejected.long().argmax(-1), torch.full_like(rejected[:, 0], k,
+                                                                                            dtype=torch.long))
+    else:
+        accepted = torch.zeros(t, dtype=torch.long, device=p.device)
+    rows = torch.arange(t, device=p.device)
+    target = p[rows, accepted]
+    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # no draft after the last: residual = p itself
+    residual = (target - q_pad[rows, accepted]).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), target)
+    return accepted, torch.multinomial(residual, 1)[:, 0]
+
+
+def _probabilities(processors, sequence: torch.Tensor, logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Processed scores ``[1, vocab]`` and probabilities ``[vocab]`` of float32 ``logits [1, V']`` after
+    ``sequence [1, N]``; a narrower ``V'`` (a drafter limited to shared ids) is padded with -inf."""
+    if logits.shape[-1] < vocab:
+        logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
+    scores = processors(sequence, logits[:, :vocab])
+    return scores, torch.softmax(scores, dim=-1)[0]
+
+
+def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, gamma: int, rules: GreedyRules,
+                       processors: LogitsProcessorList, streamer=None) -> SpeculativeResult:
+    """Sample from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens per round.
+    Same contract as :func:`.speculative.speculative_decode`; ``rules`` supplies the stopping rules only (the
+    processors carry min-length masking and the user's logits processors)."""
+    stats = SpecStats()
+    device = prompt.device
+    scores_out: list[torch.Tensor] = []
+    logits_out: list[torch.Tensor] = []
+    sequence = prompt
+    quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
+
+    def append(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
+        nonlocal sequence
+        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
+        logits_out.append(raw)
+        scores_out.append(scores)
+        stats.new_tokens += 1
+        if streamer is not None:
+            streamer.put(sequence[0, -1:].cpu())
+        return rules.should_stop(sequence, scores)
+
+    start = verifier_cache.get_seq_length()
+    with stats.timer("prefill_seconds", device):
+        with drafter.sharing_prefill(verifier, verifier_cache):
+            raw = forward(verifier, prompt[:, start:], verifier_cache, start, 1)[:, -1]
+        drafter.prefill(prompt)
+    vocab = raw.shape[-1]
+    scores, probs = _probabilities(processors, sequence, raw, vocab)
+    done = append(int(torch.multinomial(probs, 1)), raw, scores)
+
+    def draft_sampler(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
+        _, q = _probabilities(processors, prefix, logits, vocab)
+        return int(torch.multinomial(q, 1)), q
+
+    while not done:
+        n_seq = sequence.shape[1]
+        n_draft = min(gamma, rules.max_length - n_seq - 1)
+        if quant_store is not None:
+            n_draft = min(n_draft, quant_store.uniform_room() - 1)
+        drafts: list[int] = []
+        q_rows: list[torch.Tensor] = []
+        if n_draft > 0:
+            with stats.timer("draft_seconds", device):
+                drafts, q_rows = drafter.propose_sampled(sequence, n_draft, draft_sampler)
+        with stats.timer("verify_seconds", device):
+            block = torch.cat([sequence[:, -1:], sequence.new_tensor([drafts])], dim=1)
+            raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]
+            extended = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
+            processed = [_probabilities(processors, extended[:, : n_seq + i], raw_block[i : i + 1], vocab)
+                         for i in range(len(drafts) + 1)]
+            p = torch.stack([probs for _, probs in processed])[None]
+            q = torch.stack(q_rows)[None] if q_rows else p.new_zeros(1, 0, vocab)
+            accepted, token = accept_or_resample(p, q, extended.new_tensor([drafts]).reshape(1, -1))
+            a = int(accepted)
+        stats.rounds += 1
+        stats.drafted += len(drafts)
+        for i, t in enumerate(drafts[:a] + [int(token)]):
+            done = append(t, raw_block[i : i + 1], processed[i][0])
+            if done:
+                break
+        stats.accepted += min(a, sequence.shape[1] - n_seq - 1)  # (a draft that stops generation is not counted)
+        verifier_cache.crop(sequence.shape[1] - 1 - (n_seq + len(drafts)))
+        drafter.rollback(sequence.shape[1] - 1)
+    if streamer is not None:
+        streamer.end()
+    return SpeculativeResult(sequence, stats, scores_out, logits_out)
