@@ -71,9 +71,7 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 
 def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
-    """-> (drafter object, verifier cache, whether the drafter needs the 'sparsekv' attention).
-
-    The last is False for every cache now: a chunk-budget cache gets the prompt's queries through hooks under any
+    """-> (drafter object, verifier cache). A chunk-budget cache gets the prompt's queries through hooks under any
     attention implementation. With ``assistant_model=model``, a chunk-budget or sink+window cache is built from the
     verifier's own prefill (:class:`SharedPrefillDrafter`)."""
     if isinstance(draft_cache, Cache):
@@ -81,14 +79,14 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
             raise ValueError("draft_cache: a cache instance must be empty (fresh or reset())")
         if drafter is model:
             if isinstance(draft_cache, HierarchicalQuantCache):
-                return SelfDrafter(model, draft_cache), draft_cache, False
+                return SelfDrafter(model, draft_cache), draft_cache
             if isinstance(draft_cache, (ChunkBudgetCache, SinkWindowCache)):
-                return SharedPrefillDrafter(model, draft_cache), DynamicCache(), False
+                return SharedPrefillDrafter(model, draft_cache), DynamicCache()
             raise NotImplementedError(
                 "draft_cache: self-drafting (assistant_model is the model) needs a HierarchicalQuantCache, "
                 f"ChunkBudgetCache or SinkWindowCache, got {type(draft_cache).__name__}"
             )
-        return ModelDrafter(drafter, draft_cache), DynamicCache(), False
+        return ModelDrafter(drafter, draft_cache), DynamicCache()
     kind = draft_cache if draft_cache is not None else "chunk"
     if kind not in DRAFT_CACHES:
         raise ValueError(f"draft_cache must be one of {DRAFT_CACHES} or a Cache instance, got {draft_cache!r}")
@@ -99,21 +97,21 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
         if gamma >= store.group_size:
             raise ValueError(f"num_assistant_tokens must be < group_size ({store.group_size}) with draft_cache='int4'")
         if drafter is model:
-            return SelfDrafter(model, store), store, False
+            return SelfDrafter(model, store), store
         store.set_view("int4")
-        return ModelDrafter(drafter, store), DynamicCache(), False
+        return ModelDrafter(drafter, store), DynamicCache()
     drafter_class = SharedPrefillDrafter if drafter is model else ModelDrafter
     if kind == "chunk":
         if kv_budget is None:
             raise ValueError("draft_cache='chunk' needs kv_budget")
-        return drafter_class(drafter, ChunkBudgetCache(kv_budget)), DynamicCache(), False
+        return drafter_class(drafter, ChunkBudgetCache(kv_budget)), DynamicCache()
     if kind == "window":
         budget = DEFAULT_WINDOW_BUDGET if kv_budget is None else kv_budget
         if budget <= WINDOW_SINK:
             raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window'")
         cache = SinkWindowCache(sink=WINDOW_SINK, window=budget - WINDOW_SINK, max_rollback=gamma + 1)
-        return drafter_class(drafter, cache), DynamicCache(), False
-    return ModelDrafter(drafter, DynamicCache()), DynamicCache(), False
+        return drafter_class(drafter, cache), DynamicCache()
+    return ModelDrafter(drafter, DynamicCache()), DynamicCache()
 
 
 def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, padded: bool) -> Cache:
@@ -149,14 +147,13 @@ def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, 
     return past_key_values
 
 
-def _switch_attention(model, drafter, needs_scoring: bool) -> list:
-    """Route attention through ``"sparsekv"`` for the call: for a drafter with ``needs_scoring`` (none at present: chunk
-    scoring takes the prompt's queries through hooks), and on CUDA for models on plain SDPA, so that our caches use
+def _switch_attention(model, drafter) -> list:
+    """Route attention through ``"sparsekv"`` for the call on CUDA for models on plain SDPA, so that our caches use
     the Triton kernels. Returns ``[(model, previous)]``."""
     switched = []
     for m in {id(model): model, id(drafter): drafter}.values():
         previous = m.config._attn_implementation
-        wanted = (m is drafter and needs_scoring) or (m.device.type == "cuda" and previous == "sdpa")
+        wanted = m.device.type == "cuda" and previous == "sdpa"
         if wanted and previous != attention.NAME:
             m.set_attn_implementation(attention.NAME)
             switched.append((m, previous))
@@ -335,7 +332,7 @@ def speculative_generate(
         stopping_criteria=criteria,
     )
 
-    drafter, verifier_cache, needs_scoring = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
+    drafter, verifier_cache = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
     if past_key_values is not None:
         verifier_cache = _prefix_cache(
             past_key_values, verifier_cache, drafter, prompt.shape[1], prompt.shape[1] != input_ids.shape[1]
@@ -355,7 +352,7 @@ def speculative_generate(
         result = graph_loop.static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:
-        switched = _switch_attention(model, assistant_model, needs_scoring)
+        switched = _switch_attention(model, assistant_model)
         try:
             with torch.no_grad():
                 if config.do_sample:
