@@ -2,19 +2,18 @@
 
 Real weights cannot travel to the GPU machine, so this times models of exactly the shapes of
 Qwen2.5-Coder-1.5B-Instruct / -0.5B-Instruct (and Llama-3.1-8B / Llama-3.2-1B) with random bf16 weights, on the
-path `generate()` takes on CUDA today: the eager speculative loop (``hf_sparsekv.generation``) with both models on
-the ``"sparsekv"`` attention (Triton decode kernels for the chunk-budget, window and quantized caches, hybrid
-verification attention on the full cache). Each step is one model forward through the same helper the loop uses,
-on a cache prefilled with a real forward over ``L`` random tokens, undone by ``crop`` after each timing.
+path `generate()` takes on CUDA: the static engine of ``hf_sparsekv.generation.graph_loop`` (preallocated caches,
+steps captured as CUDA graphs; ``--compile`` compiles them first, as ``generate()`` does by default), prefilled with
+``L`` random tokens; every timed run starts again at the prompt's end.
 
-Steps per (pair, context L):
-    ar            verifier, 1 token, full DynamicCache of L tokens
-    verify        verifier, γ+1 tokens, full DynamicCache
-    draft-full    drafter, 1 token, full DynamicCache (full/full)
-    draft-chunk-B drafter, 1 token, ChunkBudgetCache(B) after its prefill scoring
-    draft-window  drafter, 1 token, SinkWindowCache(4, B-4)
-    int4-draft    verifier, 1 token, HierarchicalQuantCache INT4 view (self-speculation)
-    int4-verify   verifier, γ+1 tokens, HierarchicalQuantCache INT8 view
+Steps per (pair, context L), milliseconds per model step:
+    ar            verifier, 1 token (the captured AR step)
+    verify        verifier, γ+1 tokens, full static cache
+    draft-full    drafter, one draft round on a full static cache, divided by γ
+    draft-chunk-B drafter, one draft round on the chunk-budget cache (B) selected at the prefill, divided by γ
+    draft-window  drafter, one draft round on the sink (4) + window cache, divided by γ
+    int4-draft    verifier, one draft round on the INT4 view of its quantized store, divided by γ (self-speculation)
+    int4-verify   verifier, γ+1 tokens on the INT8 view
 
 Projection (labelled so; decode phase only, prefill excluded): a round drafts γ tokens and verifies once, and
 yields τ tokens on average (τ measured on the real pair on CPU, ``--acceptance runs/real/results.json``), so
@@ -30,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import json
+import os
 import statistics
 import subprocess
 import time
@@ -70,6 +70,9 @@ def add_cost_args(p) -> None:
     p.add_argument("--tiny", action="store_true",
                    help="tiny shapes, contexts 64/128, budgets 16/32, G=16, float32, CPU allowed: the same code path as a smoke test")
     p.add_argument("--device", default=None, help="default cuda (cpu only with --tiny)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the steps before capture, as generate() does by default (adds 10-60 s per "
+                        "configuration); default: captured uncompiled steps")
 
 
 def model_config(name: str, tiny: bool = False):
@@ -108,68 +111,60 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
-def time_step(model, cache, n_tokens: int, start: int, vocab: int, device, repeats: int, warmup: int) -> float:
-    """Median seconds of one forward of ``n_tokens`` at positions ``start..`` on ``cache``, undone by crop after each."""
-    from hf_sparsekv.generation.drafters import forward
-
-    tokens = torch.randint(0, vocab, (1, n_tokens), device=device)
+def time_graph_step(engine, name: str, device, repeats: int, warmup: int) -> float:
+    """Median seconds of one run of the engine's step ``name`` (captured as a CUDA graph on first use, which the
+    warm-up absorbs), the sequence length put back after each run so that every run starts at the prompt's end."""
+    n0, seq0 = engine.n.clone(), engine.seq.clone()
     times = []
-    for i in range(warmup + repeats):
+    for i in range(max(warmup, 1) + repeats):
         _sync(device)
         t0 = time.perf_counter()
-        forward(model, tokens, cache, start, 1)
+        engine.run_step(name)
         _sync(device)
-        if i >= warmup:
+        if i >= max(warmup, 1):
             times.append(time.perf_counter() - t0)
-        cache.crop(-n_tokens)
+        engine.n.copy_(n0)
+        engine.seq.copy_(seq0)
     return statistics.median(times)
 
 
-def _prefilled(model, cache, prompt):
-    from hf_sparsekv.generation.drafters import forward
-
-    with torch.no_grad():
-        forward(model, prompt, cache, 0, 1)
-    return cache
-
-
 def measure_pair(pair: str, args, device, dtype) -> list[dict]:
-    from transformers import DynamicCache
-
-    from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+    """Per-step seconds on the path ``generate()`` takes on CUDA: the static engine's steps (captured as CUDA graphs
+    on CUDA; on CPU run as they are). ``draft-*`` is one draft round divided by γ."""
+    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation.graph_steps import static_attention_for
 
     v_name, d_name = PAIRS[pair]
     verifier, drafter = build(v_name, device, dtype, args.tiny), build(d_name, device, dtype, args.tiny)
     vocab = verifier.config.vocab_size
     g = args.gamma
+    use_graphs = device.type == "cuda"
     rows = []
     for L in args.contexts:
         prompt = torch.randint(0, vocab, (1, L), device=device)
         steps = {}
-        with torch.no_grad():
-            cache = _prefilled(verifier, DynamicCache(), prompt)
-            steps["ar"] = time_step(verifier, cache, 1, L, vocab, device, args.repeats, args.warmup)
-            steps["verify"] = time_step(verifier, cache, g + 1, L, vocab, device, args.repeats, args.warmup)
-            del cache
-            store = _prefilled(verifier, HierarchicalQuantCache(group_size=args.group_size), prompt)
-            store.set_view("int4")
-            steps["int4-draft"] = time_step(verifier, store, 1, L, vocab, device, args.repeats, args.warmup)
-            store.set_view("int8")
-            steps["int4-verify"] = time_step(verifier, store, g + 1, L, vocab, device, args.repeats, args.warmup)
-            del store
-            cache = _prefilled(drafter, DynamicCache(), prompt)
-            steps["draft-full"] = time_step(drafter, cache, 1, L, vocab, device, args.repeats, args.warmup)
-            del cache
+
+        def timed(mode, budget, draft_model, *names):
+            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
+                                           use_graphs)
+            engine.prefill(prompt)
+            return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
+
+        with torch.no_grad(), static_attention_for(verifier, drafter):
+            (steps["ar"],) = timed("ar", None, None, "ar_step")
+            draft_round, steps["verify"] = timed("full", None, drafter, "draft", "verify")
+            steps["draft-full"] = draft_round / g
             for b in args.budgets:
-                cache = _prefilled(drafter, ChunkBudgetCache(b), prompt)
-                steps[f"draft-chunk-{b}"] = time_step(drafter, cache, 1, L, vocab, device, args.repeats, args.warmup)
-            b = args.window_budget
-            cache = _prefilled(drafter, SinkWindowCache(sink=4, window=b - 4, max_rollback=g + 1), prompt)
-            steps[f"draft-window-{b}"] = time_step(drafter, cache, 1, L, vocab, device, args.repeats, args.warmup)
-            del cache
+                (draft_round,) = timed("chunk", b, drafter, "draft")
+                steps[f"draft-chunk-{b}"] = draft_round / g
+            (draft_round,) = timed("window", args.window_budget, drafter, "draft")
+            steps[f"draft-window-{args.window_budget}"] = draft_round / g
+            draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
+            steps["int4-draft"] = draft_round / g
+        graph_loop.release_engines()
         rows.append({"pair": pair, "verifier": v_name, "drafter": d_name, "context": L, "seconds": steps})
         print(f"[{pair} {L}] " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in steps.items()), flush=True)
-    del verifier, drafter
+    verifier = drafter = None  # free the models before the next pair
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return rows
@@ -268,8 +263,13 @@ def run_cost(args) -> dict:
         raise ValueError("the cost benchmark times CUDA kernels: run it on a CUDA GPU (or pass --tiny for a CPU smoke test)")
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     rows = []
-    for pair in args.pairs:
-        rows += measure_pair(pair, args, device, dtype)
+    previous = os.environ.get("HF_SPARSEKV_COMPILE")
+    os.environ["HF_SPARSEKV_COMPILE"] = "1" if args.compile else "0"
+    try:
+        for pair in args.pairs:
+            rows += measure_pair(pair, args, device, dtype)
+    finally:
+        os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
     projection = project(rows, args.gamma, measured_acceptance(args.acceptance))
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -279,7 +279,8 @@ def run_cost(args) -> dict:
     result = {
         "settings": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma, "tiny": args.tiny,
-                     "path": "eager speculative loop, attn_implementation='sparsekv' (Triton kernels on CUDA)",
+                     "path": "static engine steps of generate()'s CUDA path (CUDA graphs on CUDA), "
+                             + ("compiled" if args.compile else "uncompiled"),
                      "group_size": args.group_size, "repeats": args.repeats, "warmup": args.warmup, "commit": commit,
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "acceptance_from": args.acceptance},

@@ -31,6 +31,7 @@ def test_cost_tiny_runs_every_step_and_writes_json(tmp_path):
     assert all(v > 0 for v in row["seconds"].values())
     saved = json.loads((tmp_path / "cost.json").read_text())
     assert saved["settings"]["tiny"] and saved["settings"]["group_size"] == 16
+    assert saved["settings"]["path"].startswith("static engine")  # the steps of generate()'s CUDA path
     assert "PROJECTION" in (tmp_path / "cost.md").read_text()
 
 
