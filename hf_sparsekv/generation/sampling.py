@@ -22,8 +22,7 @@ from transformers.generation import LogitsProcessorList
 
 from ..caches import HierarchicalQuantCache
 from .drafters import forward
-from .speculative import GreedyRules, SpeculativeResult
-from .stats import SpecStats
+from .speculative import GreedyRules, Output, SpeculativeResult, prefill
 
 
 def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int) -> LogitsProcessorList:
@@ -78,50 +77,30 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
     """Sample from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens per round.
     Same contract as :func:`.speculative.speculative_decode`; ``rules`` supplies the stopping rules only (the
     processors carry min-length masking and the user's logits processors)."""
-    stats = SpecStats()
-    device = prompt.device
-    scores_out: list[torch.Tensor] = []
-    logits_out: list[torch.Tensor] = []
-    sequence = prompt
+    out = Output(prompt, rules, streamer)
+    stats, device = out.stats, prompt.device
     quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
-
-    def append(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
-        nonlocal sequence
-        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
-        logits_out.append(raw)
-        scores_out.append(scores)
-        stats.new_tokens += 1
-        if streamer is not None:
-            streamer.put(sequence[0, -1:].cpu())
-        return rules.should_stop(sequence, scores)
-
-    start = verifier_cache.get_seq_length()
-    with stats.timer("prefill_seconds", device):
-        with drafter.sharing_prefill(verifier, verifier_cache):
-            raw = forward(verifier, prompt[:, start:], verifier_cache, start, 1)[:, -1]
-        drafter.prefill(prompt)
+    raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
     vocab = raw.shape[-1]
-    scores, probs = _probabilities(processors, sequence, raw, vocab)
-    done = append(int(torch.multinomial(probs, 1)), raw, scores)
+    scores, probs = _probabilities(processors, out.sequence, raw, vocab)
+    done = out.append(int(torch.multinomial(probs, 1)), raw, scores)
 
     def draft_sampler(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         _, q = _probabilities(processors, prefix, logits, vocab)
         return int(torch.multinomial(q, 1)), q
 
     while not done:
-        n_seq = sequence.shape[1]
-        n_draft = min(gamma, rules.max_length - n_seq - 1)
-        if quant_store is not None:
-            n_draft = min(n_draft, quant_store.uniform_room() - 1)
+        n_seq = out.sequence.shape[1]
+        n_draft = out.draft_length(gamma, quant_store)
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []
         if n_draft > 0:
             with stats.timer("draft_seconds", device):
-                drafts, q_rows = drafter.propose_sampled(sequence, n_draft, draft_sampler)
+                drafts, q_rows = drafter.propose_sampled(out.sequence, n_draft, draft_sampler)
         with stats.timer("verify_seconds", device):
-            block = torch.cat([sequence[:, -1:], sequence.new_tensor([drafts])], dim=1)
+            block = torch.cat([out.sequence[:, -1:], out.sequence.new_tensor([drafts])], dim=1)
             raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]
-            extended = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
+            extended = torch.cat([out.sequence, out.sequence.new_tensor([drafts])], dim=1)
             processed = [_probabilities(processors, extended[:, : n_seq + i], raw_block[i : i + 1], vocab)
                          for i in range(len(drafts) + 1)]
             p = torch.stack([probs for _, probs in processed])[None]
@@ -131,12 +110,10 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
         stats.rounds += 1
         stats.drafted += len(drafts)
         for i, t in enumerate(drafts[:a] + [int(token)]):
-            done = append(t, raw_block[i : i + 1], processed[i][0])
+            done = out.append(t, raw_block[i : i + 1], processed[i][0])
             if done:
                 break
-        stats.accepted += min(a, sequence.shape[1] - n_seq - 1)  # (a draft that stops generation is not counted)
-        verifier_cache.crop(sequence.shape[1] - 1 - (n_seq + len(drafts)))
-        drafter.rollback(sequence.shape[1] - 1)
-    if streamer is not None:
-        streamer.end()
-    return SpeculativeResult(sequence, stats, scores_out, logits_out)
+        stats.accepted += min(a, out.sequence.shape[1] - n_seq - 1)  # (a draft that stops generation is not counted)
+        verifier_cache.crop(out.sequence.shape[1] - 1 - (n_seq + len(drafts)))
+        drafter.rollback(out.sequence.shape[1] - 1)
+    return out.result()

@@ -62,6 +62,49 @@ class SpeculativeResult:
     logits: list[torch.Tensor]  # raw verifier logits per generated token
 
 
+class Output:
+    """The growing sequence ``[1, N]`` and what ``generate()`` returns with it (scores, logits, stats); ``append``
+    feeds the streamer and applies the stopping rules."""
+
+    def __init__(self, prompt: torch.Tensor, rules: GreedyRules, streamer=None):
+        self.sequence, self.rules, self.streamer = prompt, rules, streamer
+        self.stats = SpecStats()
+        self.scores: list[torch.Tensor] = []
+        self.logits: list[torch.Tensor] = []
+
+    def append(self, token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
+        """Add ``token`` (raw logits and processed scores ``[1, V]``); True when generation stops after it."""
+        self.sequence = torch.cat([self.sequence, self.sequence.new_tensor([[token]])], dim=1)
+        self.logits.append(raw)
+        self.scores.append(scores)
+        self.stats.new_tokens += 1
+        if self.streamer is not None:
+            self.streamer.put(self.sequence[0, -1:].cpu())
+        return self.rules.should_stop(self.sequence, scores)
+
+    def draft_length(self, gamma: int, quant_store: HierarchicalQuantCache | None) -> int:
+        """Drafts for the next round: at most γ, none past ``max_length``, and (self-speculation) no verification
+        block crossing a flush of the quantized store."""
+        n = min(gamma, self.rules.max_length - self.sequence.shape[1] - 1)
+        return n if quant_store is None else min(n, quant_store.uniform_room() - 1)
+
+    def result(self) -> SpeculativeResult:
+        if self.streamer is not None:
+            self.streamer.end()
+        return SpeculativeResult(self.sequence, self.stats, self.scores, self.logits)
+
+
+def prefill(verifier, verifier_cache: Cache, drafter, prompt: torch.Tensor, stats: SpecStats) -> torch.Tensor:
+    """Feed the prompt to the verifier (only what ``verifier_cache`` lacks: prompt caching) and the drafter; the
+    verifier's float32 logits ``[1, V]`` after the prompt."""
+    start = verifier_cache.get_seq_length()
+    with stats.timer("prefill_seconds", prompt.device):
+        with drafter.sharing_prefill(verifier, verifier_cache):
+            raw = forward(verifier, prompt[:, start:], verifier_cache, start, 1)[:, -1]
+        drafter.prefill(prompt)
+    return raw
+
+
 def speculative_decode(
     verifier,
     verifier_cache: Cache,
@@ -74,58 +117,36 @@ def speculative_decode(
     """Generate greedily from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens
     per round. ``verifier_cache`` is empty or holds the first n < P prompt tokens (prompt caching: only the rest is
     prefilled); it is left holding the sequence minus its last token."""
-    stats = SpecStats()
-    device = prompt.device
-    scores_out: list[torch.Tensor] = []
-    logits_out: list[torch.Tensor] = []
-    sequence = prompt
+    out = Output(prompt, rules, streamer)
+    stats, device = out.stats, prompt.device
     quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
-
-    def append(token: int, raw: torch.Tensor, scores: torch.Tensor) -> bool:
-        nonlocal sequence
-        sequence = torch.cat([sequence, sequence.new_tensor([[token]])], dim=1)
-        logits_out.append(raw)
-        scores_out.append(scores)
-        stats.new_tokens += 1
-        if streamer is not None:
-            streamer.put(sequence[0, -1:].cpu())
-        return rules.should_stop(sequence, scores)
-
-    start = verifier_cache.get_seq_length()  # prompt caching: the first `start` prompt tokens are already there
-    with stats.timer("prefill_seconds", device):
-        with drafter.sharing_prefill(verifier, verifier_cache):
-            raw = forward(verifier, prompt[:, start:], verifier_cache, start, 1)[:, -1]
-        drafter.prefill(prompt)
-    scores = rules.process(sequence, raw)
-    done = append(int(scores.argmax(-1)), raw, scores)
+    raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
+    scores = rules.process(out.sequence, raw)
+    done = out.append(int(scores.argmax(-1)), raw, scores)
 
     while not done:
-        n_seq = sequence.shape[1]
-        n_draft = min(gamma, rules.max_length - n_seq - 1)
-        if quant_store is not None:
-            n_draft = min(n_draft, quant_store.uniform_room() - 1)
+        n_seq = out.sequence.shape[1]
+        n_draft = out.draft_length(gamma, quant_store)
         drafts: list[int] = []
         if n_draft > 0:
             with stats.timer("draft_seconds", device):
-                drafts = drafter.propose(sequence, n_draft)
+                drafts = drafter.propose(out.sequence, n_draft)
         with stats.timer("verify_seconds", device):
-            block = torch.cat([sequence[:, -1:], sequence.new_tensor([drafts])], dim=1)
+            block = torch.cat([out.sequence[:, -1:], out.sequence.new_tensor([drafts])], dim=1)
             raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]
         stats.rounds += 1
         stats.drafted += len(drafts)
         accepted = 0
         for i in range(len(drafts) + 1):
-            scores = rules.process(sequence, raw_block[i : i + 1])
+            scores = rules.process(out.sequence, raw_block[i : i + 1])
             token = int(scores.argmax(-1))
             matches = i < len(drafts) and token == drafts[i]
-            done = append(token, raw_block[i : i + 1], scores)
+            done = out.append(token, raw_block[i : i + 1], scores)
             if not matches or done:
                 break
             accepted += 1
         stats.accepted += accepted
         # The verifier cache holds n_seq - 1 + len(drafts) + 1 tokens; keep those of the sequence minus its last.
-        verifier_cache.crop(sequence.shape[1] - 1 - (n_seq + len(drafts)))
-        drafter.rollback(sequence.shape[1] - 1)
-    if streamer is not None:
-        streamer.end()
-    return SpeculativeResult(sequence, stats, scores_out, logits_out)
+        verifier_cache.crop(out.sequence.shape[1] - 1 - (n_seq + len(drafts)))
+        drafter.rollback(out.sequence.shape[1] - 1)
+    return out.result()
