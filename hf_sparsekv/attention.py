@@ -104,13 +104,14 @@ def _kernels_apply(query, n_kv_heads, attention_mask, dropout, kwargs) -> bool:
     )
 
 
-def _quant_kernel_ok(layer: HierarchicalQuantLayer) -> bool:
-    return layer.group_size % 16 == 0 and layer.dtype in (torch.float16, torch.bfloat16, torch.float32)
+def quant_kernel_ok(group_size: int, dtype: torch.dtype) -> bool:
+    """Whether the quantized decode kernel takes a store of this group size and dtype."""
+    return group_size % 16 == 0 and dtype in (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _quantized_attention(module, query, layer, attention_mask, scaling, dropout, kwargs):
     """Attention over a quantized layer whose update returned placeholders."""
-    if _kernels_apply(query, layer.keys.shape[1], attention_mask, dropout, kwargs) and _quant_kernel_ok(layer):
+    if _kernels_apply(query, layer.keys.shape[1], attention_mask, dropout, kwargs) and quant_kernel_ok(layer.group_size, layer.dtype):
         from .kernels.quant_attention import quant_decode_attention
 
         out = quant_decode_attention(
@@ -159,7 +160,7 @@ def sparsekv_attention(
     if (
         isinstance(layer, HierarchicalQuantLayer)
         and runtime.enabled(query.device)
-        and _quant_kernel_ok(layer)
+        and quant_kernel_ok(layer.group_size, layer.dtype)
         and _kernel_heads_ok(query, key.shape[1])
     ):
         layer.kernel_attention = True  # from the next update on, the kernel reads the codes (no dequantized copy)

@@ -27,7 +27,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from .attention import _kernel_shape_ok
+from .attention import _kernel_shape_ok, quant_kernel_ok
 from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer, StaticQuantCache
 
 NAME = "sparsekv_static"
@@ -83,7 +83,7 @@ def _static_quant_decode_shape(query, *args):
 
 def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, sliding):
     if (cache.kernels and sliding is None and _kernel_shape_ok(query, layer.keys.shape[1])
-            and cache.group_size % 16 == 0):
+            and quant_kernel_ok(cache.group_size, layer.keys.dtype)):
         qk, qv = layer.qkeys, layer.qvalues
         out = static_quant_decode(query, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
                                   qv.lower, qv.scale, qv.zero, cache.fp_length, cache.quant_length, cache.group_size,

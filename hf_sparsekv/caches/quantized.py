@@ -34,6 +34,7 @@ from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
 from .base import CompressedCache, CompressedLayer, tensor_nbytes
 
 VIEWS = ("int4", "int8")
+DEFAULT_GROUP_SIZE = 128
 
 
 def _cat_quantized(a: QuantizedTensor | None, b: QuantizedTensor) -> QuantizedTensor:
@@ -143,7 +144,7 @@ class HierarchicalQuantCache(CompressedCache):
     views read the same store.
     """
 
-    def __init__(self, group_size: int = 128, view: str = "int8"):
+    def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, view: str = "int8"):
         if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
         self.group_size = group_size

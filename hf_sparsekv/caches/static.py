@@ -370,22 +370,23 @@ class StaticQuantCache(PreallocatedCache):
         self.group_size, self.view = group_size, "int8"
         t = -(-max_tokens // group_size) * group_size
         for layer in self.layers:
-            layer.qkeys, layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, t // group_size), self._codes(
-                kv_heads, t, head_dim, dtype, t)
+            # keys: scale/zero per channel per group of G tokens; values: per token
+            layer.qkeys = self._codes(kv_heads, t, head_dim, dtype, (t // group_size, head_dim))
+            layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, (t, 1))
         self.offset = torch.zeros(1, dtype=torch.long, device=self.slot_positions.device)  # T_q
         self.quant_length = torch.zeros(1, dtype=torch.int32, device=self.slot_positions.device)
         self.quantized = 0  # T_q on the host
 
-    def _codes(self, heads, tokens, head_dim, dtype, groups):
+    def _codes(self, heads, tokens, head_dim, dtype, param_shape: tuple[int, int]):
+        """Empty packed codes ``[1, H, tokens, D/2]`` and scale/zero ``[1, H, *param_shape]``."""
         from ..kernels.quant_reference import QuantizedTensor
 
         device = self.slot_positions.device
-        last = head_dim if groups != tokens else 1  # keys: per channel per group; values: per token
         return QuantizedTensor(
             torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
             torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
-            torch.ones(1, heads, groups, last, dtype=dtype, device=device),
-            torch.zeros(1, heads, groups, last, dtype=dtype, device=device),
+            torch.ones(1, heads, *param_shape, dtype=dtype, device=device),
+            torch.zeros(1, heads, *param_shape, dtype=dtype, device=device),
         )
 
     def quantized_length(self, position: int) -> int:

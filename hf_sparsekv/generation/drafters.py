@@ -27,6 +27,14 @@ def forward(model, tokens: torch.Tensor, cache: Cache, start: int, logits_to_kee
     return out.logits.float()
 
 
+def _next_draft(sample, sequence: torch.Tensor, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
+    """The draft after ``sequence [1, N]`` + ``drafts`` from ``logits [1, V']``: the argmax (``sample`` None), or
+    ``sample(prefix, logits) -> (token, probabilities [V])``."""
+    if sample is None:
+        return int(logits[0].argmax()), None
+    return sample(torch.cat([sequence, sequence.new_tensor([drafts])], dim=1), logits)
+
+
 class ModelDrafter:
     """A small model drafting on its own (possibly compressed) cache. Its cache lags the sequence; each round feeds
     it what it has not seen, and rollback keeps only tokens that are still part of the sequence."""
@@ -74,13 +82,10 @@ class ModelDrafter:
         for _ in range(n):
             logits = forward(self.model, tokens, self.cache, self.fed, 1)
             self.fed += tokens.shape[1]
-            if sample is None:
-                token = int(logits[0, -1, : self.shared_vocab].argmax())
-            else:
-                prefix = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
-                token, q = sample(prefix, logits[0, -1:, : self.shared_vocab])
-                probs.append(q)
+            token, q = _next_draft(sample, sequence, drafts, logits[0, -1:, : self.shared_vocab])
             drafts.append(token)
+            if q is not None:
+                probs.append(q)
             tokens = self._inputs(sequence.new_tensor([[token]]))
         return drafts, probs
 
@@ -163,12 +168,9 @@ class SelfDrafter:
         try:
             for i in range(n):
                 logits = forward(self.model, token, self.cache, start + i, 1)
-                if sample is None:
-                    drafts.append(int(logits[0, -1].argmax()))
-                else:
-                    prefix = torch.cat([sequence, sequence.new_tensor([drafts])], dim=1)
-                    chosen, q = sample(prefix, logits[0, -1:])
-                    drafts.append(chosen)
+                token_id, q = _next_draft(sample, sequence, drafts, logits[0, -1:])
+                drafts.append(token_id)
+                if q is not None:
                     probs.append(q)
                 token = sequence.new_tensor([[drafts[-1]]])
         finally:

@@ -39,6 +39,7 @@ import torch
 from transformers.utils import logging
 
 from ..caches import HierarchicalQuantCache
+from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
@@ -406,7 +407,7 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         return None
     kind = draft_cache if isinstance(draft_cache, str) or draft_cache is None else None
     kind = "chunk" if draft_cache is None else kind
-    group_size = HierarchicalQuantCache().group_size
+    group_size = DEFAULT_GROUP_SIZE
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
     reason = None

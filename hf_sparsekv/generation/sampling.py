@@ -20,7 +20,6 @@ import copy
 import torch
 from transformers.generation import LogitsProcessorList
 
-from ..caches import HierarchicalQuantCache
 from .drafters import forward
 from .speculative import GreedyRules, Output, SpeculativeResult, prefill
 
@@ -50,8 +49,7 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -
         p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
         q_x = q.gather(-1, drafts[..., None])[..., 0]
         rejected = torch.rand(t, k, device=p.device, dtype=p.dtype) * q_x >= p_x  # u >= p/q, without dividing
-        accepted = torch.where(rejected.any(-1), rejected.long().argmax(-1), torch.full_like(rejected[:, 0], k,
-                                                                                            dtype=torch.long))
+        accepted = torch.where(rejected.any(-1), rejected.long().argmax(-1), k)  # first rejection, else all k
     else:
         accepted = torch.zeros(t, dtype=torch.long, device=p.device)
     rows = torch.arange(t, device=p.device)
@@ -79,7 +77,6 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
     processors carry min-length masking and the user's logits processors)."""
     out = Output(prompt, rules, streamer)
     stats, device = out.stats, prompt.device
-    quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
     raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
     vocab = raw.shape[-1]
     scores, probs = _probabilities(processors, out.sequence, raw, vocab)
@@ -91,7 +88,7 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
 
     while not done:
         n_seq = out.sequence.shape[1]
-        n_draft = out.draft_length(gamma, quant_store)
+        n_draft = out.draft_length(gamma, verifier_cache)
         drafts: list[int] = []
         q_rows: list[torch.Tensor] = []
         if n_draft > 0:

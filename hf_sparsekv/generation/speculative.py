@@ -82,11 +82,13 @@ class Output:
             self.streamer.put(self.sequence[0, -1:].cpu())
         return self.rules.should_stop(self.sequence, scores)
 
-    def draft_length(self, gamma: int, quant_store: HierarchicalQuantCache | None) -> int:
-        """Drafts for the next round: at most γ, none past ``max_length``, and (self-speculation) no verification
-        block crossing a flush of the quantized store."""
+    def draft_length(self, gamma: int, verifier_cache: Cache) -> int:
+        """Drafts for the next round: at most γ, none past ``max_length``, and (self-speculation on a quantized
+        store) no verification block crossing a flush of the store."""
         n = min(gamma, self.rules.max_length - self.sequence.shape[1] - 1)
-        return n if quant_store is None else min(n, quant_store.uniform_room() - 1)
+        if isinstance(verifier_cache, HierarchicalQuantCache):
+            n = min(n, verifier_cache.uniform_room() - 1)
+        return n
 
     def result(self) -> SpeculativeResult:
         if self.streamer is not None:
@@ -119,14 +121,13 @@ def speculative_decode(
     prefilled); it is left holding the sequence minus its last token."""
     out = Output(prompt, rules, streamer)
     stats, device = out.stats, prompt.device
-    quant_store = verifier_cache if isinstance(verifier_cache, HierarchicalQuantCache) else None
     raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
     scores = rules.process(out.sequence, raw)
     done = out.append(int(scores.argmax(-1)), raw, scores)
 
     while not done:
         n_seq = out.sequence.shape[1]
-        n_draft = out.draft_length(gamma, quant_store)
+        n_draft = out.draft_length(gamma, verifier_cache)
         drafts: list[int] = []
         if n_draft > 0:
             with stats.timer("draft_seconds", device):
