@@ -11,6 +11,9 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
 
+``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
+speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
+
 End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
 (torch.compile and graph capture happen there; its duration is reported as ``first_call_s``), acceptance α and τ, peak memory, token identity against greedy AR.
 The slow stock baselines run ``--slow-repeats`` times. ``--steps`` also times one captured draft step and one
@@ -39,8 +42,8 @@ from hf_sparsekv.zoo import eval_documents, load_pair
 SLOW = ("hf-eager-ar", "hf-assisted")
 
 
-def methods(budgets, gammas) -> list[str]:
-    names = ["hf-eager-ar", "hf-static-ar", "graph-ar", "hf-assisted"]
+def methods(budgets, gammas, sampling: bool = False) -> list[str]:
+    names = ["hf-eager-ar", "hf-static-ar"] + ([] if sampling else ["graph-ar"]) + ["hf-assisted"]
     names += [f"chunk-{b}-g{g}" for b in budgets for g in gammas]
     names += [f"window-g{g}" for g in gammas] + [f"int4-self-g{g}" for g in gammas]
     return names
@@ -58,16 +61,19 @@ def _compile_env(value: str | None):
             os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
 
 
-def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
-    """A function running method ``name`` once -> (sequences, spec_stats or None)."""
+def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, temperature: float | None = None):
+    """A function running method ``name`` once -> (sequences, spec_stats or None); greedy, or sampled at
+    ``temperature``."""
     if name.endswith("-nocompile"):
-        inner = runner(name.removesuffix("-nocompile"), verifier, drafter, ids, new_tokens)
+        inner = runner(name.removesuffix("-nocompile"), verifier, drafter, ids, new_tokens, temperature)
 
         def uncompiled():
             with _compile_env("0"):
                 return inner()
         return uncompiled
     common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    if temperature is not None:
+        common.update(do_sample=True, temperature=temperature)
     if name == "hf-eager-ar":
         return lambda: (verifier.generate(ids, **common), None)
     if name == "hf-static-ar":
@@ -146,6 +152,7 @@ def main(argv=None) -> int:
     p.add_argument("--only", default="", help="comma-separated method names (default: all)")
     p.add_argument("--extra", default="", help="comma-separated methods added to the list (e.g. graph-ar-nocompile)")
     p.add_argument("--steps", action="store_true", help="also time captured vs eager draft/verify steps")
+    p.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     p.add_argument("--out", default="runs/graph-engine")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -153,7 +160,8 @@ def main(argv=None) -> int:
     graph_loop.MAX_ENGINES_PER_MODEL = 32  # every configuration keeps its captured graphs across the interleaved runs
     verifier, drafter, _ = load_pair(device="cuda")
     docs = eval_documents()
-    names = methods([int(b) for b in args.budgets.split(",")], [int(g) for g in args.gammas.split(",")])
+    sampling = args.temperature is not None
+    names = methods([int(b) for b in args.budgets.split(",")], [int(g) for g in args.gammas.split(",")], sampling)
     if args.only:
         names = [n for n in names if n in args.only.split(",")]
     names += [n for n in args.extra.split(",") if n]
@@ -164,14 +172,17 @@ def main(argv=None) -> int:
         prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
         references = {}
         for name in tqdm(names, desc=f"warm-up {context}"):
-            first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens))[0]
+            first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens,
+                                                           args.temperature))[0]
         for rep in range(args.repeats):
             for i, ids in enumerate(prompts):
                 for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
                     if name in SLOW and rep >= args.slow_repeats:
                         continue
-                    seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
-                    if name == "hf-eager-ar":
+                    torch.manual_seed(1000 * rep + i)
+                    seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens,
+                                                             args.temperature))
+                    if name == "hf-eager-ar" and not sampling:
                         references[i] = seq
                     ref = references.get(i)
                     records.append(dict(

@@ -4,7 +4,8 @@
   distributed as the verifier's ``p``; a wrong rule (accept every draft) fails the same test.
 * End to end on a 16-token vocabulary: the exact joint distribution of the first two tokens under stock sampling
   with temperature, top-k and top-p (computed from the model's logits and transformers' own warpers) against
-  speculative samples in each mode with a drafter that often disagrees.
+  speculative samples in each mode with a drafter that often disagrees, on the eager loop and on the static loop
+  (``HF_SPARSEKV_GRAPHS=1``: the device-side rounds the CUDA graphs capture, run uncaptured on CPU).
 
 Chi-square tests at significance 0.001 (critical values from the Wilson-Hilferty approximation); the seeds are
 fixed, so each test is deterministic, and 0.001 is its false-failure rate over seeds.
@@ -109,15 +110,26 @@ def _joint(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).flatten()
 
 
-@pytest.mark.parametrize("mode,gamma", [("chunk", 3), ("window", 1), ("int4", 5)])
-def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
+@pytest.mark.parametrize("path,mode,gamma", [
+    ("eager", "chunk", 3), ("eager", "window", 1), ("eager", "int4", 5),
+    ("static", "chunk", 3), ("static", "window", 5), ("static", "full", 1), ("static", "int4", 3),
+])
+def test_speculative_sampling_matches_the_exact_joint_distribution(path, mode, gamma, monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
+    graph_loop.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     drafter = _tiny(1, seed=1, width=16)
-    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    # int4: most of the prompt is quantized (G=8 eager; 16, what the static loop takes, on a longer prompt), so the
+    # INT4 drafts differ from p
+    group = 16 if path == "static" else 8
+    ids = torch.randint(3, VOCAB, (1, 64 if mode == "int4" and path == "static" else 40),
+                        generator=torch.Generator().manual_seed(5))
     joint = _joint(verifier, ids)
-    if mode == "int4":  # G=8: most of the 40-token prompt is quantized, so the INT4 drafts differ from p
-        spec = lambda: dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=8))  # noqa: E731
-        joint = _joint_on_int8_view(verifier, ids)  # int4 samples AR on the INT8 view
+    if mode == "int4":
+        spec = lambda: dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=group))  # noqa: E731
+        joint = _joint_on_int8_view(verifier, ids, group)  # int4 samples AR on the INT8 view
+    elif mode == "full":
+        spec = lambda: dict(assistant_model=drafter, draft_cache="full")  # noqa: E731
     else:
         spec = lambda: dict(assistant_model=drafter, draft_cache=mode, kv_budget=16)  # noqa: E731
     torch.manual_seed(123)
@@ -127,19 +139,20 @@ def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
                                 num_assistant_tokens=gamma, **WARPERS, **spec())
         samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
+    assert (graph_loop.current_engine(verifier) is not None) == (path == "static")
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 64 cells
 
 
-def _joint_on_int8_view(model, ids: torch.Tensor) -> torch.Tensor:
-    """The exact joint of two new tokens for AR on HierarchicalQuantCache(8): the first from the full-precision
-    prefill, the second from a step reading the quantized prompt in the INT8 view."""
+def _joint_on_int8_view(model, ids: torch.Tensor, group_size: int) -> torch.Tensor:
+    """The exact joint of two new tokens for AR on HierarchicalQuantCache(group_size): the first from the
+    full-precision prefill, the second from a step reading the quantized prompt in the INT8 view."""
     warpers = LogitsProcessorList([TemperatureLogitsWarper(WARPERS["temperature"]), TopKLogitsWarper(WARPERS["top_k"]),
                                    TopPLogitsWarper(WARPERS["top_p"])])
 
     def probs(prefix):
-        cache = HierarchicalQuantCache(group_size=8)
+        cache = HierarchicalQuantCache(group_size=group_size)
         with torch.no_grad():
             logits = model(prefix[:, : ids.shape[1]], past_key_values=cache).logits[:, -1]
             if prefix.shape[1] > ids.shape[1]:
@@ -150,7 +163,9 @@ def _joint_on_int8_view(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack([first[a] * probs(torch.cat([ids, torch.tensor([[a]])], 1)) for a in range(VOCAB)]).flatten()
 
 
-def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy():
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy(path, monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
     kwargs = dict(assistant_model=drafter, kv_budget=16, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
@@ -164,15 +179,84 @@ def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy(
     assert torch.equal(cold, greedy)
 
 
-def test_sampling_reports_acceptance_and_takes_the_eager_loop(monkeypatch):
+@pytest.mark.parametrize("output_scores", [False, True])
+def test_sampling_reports_acceptance_on_either_loop(output_scores, monkeypatch):
+    """A drafter equal to the verifier (p == q) has every draft accepted; scores need the eager loop, the rest takes
+    the static one."""
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(0)
     out = verifier.generate(ids, assistant_model=copy.deepcopy(verifier), kv_budget=64, do_sample=True,
-                            max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True, output_scores=True)
+                            max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True,
+                            output_scores=output_scores)
     stats = out.spec_stats
-    assert stats.new_tokens == 12 and stats.drafted > 0 and stats.acceptance_rate == 1.0  # p == q: every draft kept
-    assert len(out.scores) == 12
-    assert graph_loop.current_engine(verifier) is None  # sampling is served by the eager loop
+    assert stats.new_tokens == 12 and stats.drafted > 0 and stats.acceptance_rate == 1.0
+    assert out.sequences.shape[1] == 30 + 12
+    if output_scores:
+        assert len(out.scores) == 12
+    assert (graph_loop.current_engine(verifier) is None) == output_scores
+
+
+@pytest.mark.parametrize("path", ["eager", "static"])
+def test_sampling_never_ends_below_min_new_tokens(path, monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
+    graph_loop.release_engines()
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    kwargs = dict(assistant_model=drafter, kv_budget=16, do_sample=True, temperature=3.0, eos_token_id=2,
+                  pad_token_id=0, max_new_tokens=10, num_assistant_tokens=3)
+    torch.manual_seed(1)
+    free = [verifier.generate(ids, **kwargs).shape[1] - 20 for _ in range(40)]
+    floored = [verifier.generate(ids, min_new_tokens=10, **kwargs).shape[1] - 20 for _ in range(40)]
+    assert min(free) < 10  # EOS is likely at this temperature...
+    assert min(floored) == 10  # ...and never drawn below the floor
+
+
+def test_a_warper_the_static_loop_does_not_apply_takes_the_eager_loop(monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    graph_loop.release_engines()
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, do_sample=True, eta_cutoff=1e-3,
+                            max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
+    assert out.shape[1] == 26
+    assert graph_loop.current_engine(verifier) is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode,gamma", [
+    ("chunk", 3), pytest.param("window", 5, marks=pytest.mark.compiled), pytest.param("int4", 3, marks=pytest.mark.slow),
+])
+def test_graph_path_sampling_matches_the_exact_joint_distribution(mode, gamma):
+    """The captured draft and verify steps draw on the device (compiled: Inductor's random numbers): the same
+    distribution test at 1,500 samples, and the same tokens from the same seed."""
+    graph_loop.release_engines()
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    ids = torch.randint(3, VOCAB, (1, 64), generator=torch.Generator().manual_seed(5))
+    joint = _joint_on_int8_view(verifier, ids, 16) if mode == "int4" else _joint(verifier, ids)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    verifier, drafter, ids = verifier.cuda(), drafter.cuda(), ids.cuda()
+    if mode == "int4":
+        spec = lambda: dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16))  # noqa: E731
+    else:
+        spec = lambda: dict(assistant_model=drafter, draft_cache=mode, kv_budget=16)  # noqa: E731
+    kwargs = dict(do_sample=True, max_new_tokens=2, min_new_tokens=2, eos_token_id=None, num_assistant_tokens=gamma,
+                  **WARPERS)
+    torch.manual_seed(123)
+    samples = torch.tensor([int(out[0, -2]) * VOCAB + int(out[0, -1])
+                            for out in (verifier.generate(ids, **kwargs, **spec()) for _ in range(1500))])
+    engine = graph_loop.current_engine(verifier)
+    assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert engine.spec.sampling is not None
+    assert _consistent(samples, joint)
+    counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
+    assert float(0.5 * (counts - joint).abs().sum()) < 0.1
+    longer = dict(kwargs, max_new_tokens=24, min_new_tokens=24)
+    runs = []
+    for _ in range(2):
+        torch.manual_seed(9)
+        runs.append(verifier.generate(ids, **longer, **spec()))
+    assert torch.equal(runs[0], runs[1])
+    graph_loop.release_engines()

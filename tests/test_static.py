@@ -10,7 +10,14 @@ import random
 
 import pytest
 import torch
-from transformers import LogitsProcessorList, MinLengthLogitsProcessor
+from transformers import (
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import hf_sparsekv
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
@@ -312,13 +319,14 @@ def test_static_steps_trace_without_graph_breaks(static_path):
     import torch._dynamo
 
     verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
-    for mode in ("chunk", "window"):
-        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False)
+    sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
+    for mode, warpers in (("chunk", None), ("window", None), ("chunk", sampling)):
+        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers)
         with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
             engine.prefill(prompt(40, seed=2))
             for name in ("draft", "verify", "catch_up", "ar_step"):
                 explained = torch._dynamo.explain(getattr(engine, "_" + name))()
-                assert explained.graph_break_count == 0, (mode, name, explained.break_reasons)
+                assert explained.graph_break_count == 0, (mode, warpers, name, explained.break_reasons)
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -14,7 +14,7 @@ from .. import attention
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from . import graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
-from .sampling import speculative_sample, stock_processors
+from .sampling import device_warpers, speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
 from .stats import SpecStats
 
@@ -340,14 +340,19 @@ def speculative_generate(
         drafter.limit_vocabulary(shared_vocab, _text_config(assistant_model).vocab_size)
     if streamer is not None:
         streamer.put(input_ids.cpu())
+    processors = warpers = sampling_blocker = None
+    if config.do_sample:
+        processors = stock_processors(model, config, prompt, logits_processor, rules.min_length)
+        warpers, sampling_blocker = device_warpers(processors)
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria, rules=rules,
-        prefix_cache=past_key_values is not None, sampling=bool(config.do_sample),
+        prefix_cache=past_key_values is not None, sampling_blocker=sampling_blocker,
     )
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,
-                                       rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda")
+                                       rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
+                                       warpers=warpers)
         result = graph_loop.static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:
@@ -355,7 +360,6 @@ def speculative_generate(
         try:
             with torch.no_grad():
                 if config.do_sample:
-                    processors = stock_processors(model, config, prompt, logits_processor, rules.min_length)
                     result = speculative_sample(model, verifier_cache, drafter, prompt, gamma, rules, processors,
                                                 streamer)
                 else:

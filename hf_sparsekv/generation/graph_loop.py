@@ -22,6 +22,12 @@ writes every token into the one store). Before each round the host quantizes the
 (``flush_to``, outside the graphs); a round that would cross a point where that state moves runs one verifier step
 instead (no drafts), so every token of a block sees the state greedy AR on the INT8 view would see.
 
+Sampling (``do_sample=True``, :mod:`.sampling`): the same rounds with draws instead of argmaxes, all on the device.
+Both models' float32 logits get the EOS floor and the engine's warpers (temperature, top-k, top-p, ...); the draft
+step keeps the drafter's probabilities ``q [γ, V]`` of its drafts; the verify step runs
+:func:`~.sampling.accept_or_resample` and writes the accepted drafts and the drawn token. AR sampling draws each
+token from the verifier's processed distribution.
+
 Nothing is rolled back explicitly: the caches hold stale entries past the sequence, which the next steps overwrite
 and never read (see :mod:`hf_sparsekv.caches.static`). A round may compute tokens past ``max_length``; the host
 drops them, as it drops tokens after a stop (they cannot change the earlier ones). Greedy AR on the same engine
@@ -42,6 +48,7 @@ from ..caches import HierarchicalQuantCache
 from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
+from .sampling import accept_or_resample, draw
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
 
@@ -84,6 +91,15 @@ class EngineSpec:
     kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
     compiled: bool  # steps compiled with torch.compile before capture
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
+    sampling: tuple | None = None  # do_sample: the warpers (class, settings), baked into the steps; None: greedy
+
+
+def warpers_key(warpers) -> tuple | None:
+    """What identifies a list of warpers in an :class:`EngineSpec` (their settings are constants of the steps);
+    ``None`` (greedy) stays ``None``."""
+    if warpers is None:
+        return None
+    return tuple((type(w).__name__, repr(sorted(vars(w).items()))) for w in warpers)
 
 
 def _weights(*models) -> tuple:
@@ -93,7 +109,8 @@ def _weights(*models) -> tuple:
 class StaticEngine:
     """Static caches, token buffers and (captured) steps for one verifier/drafter pair. See the module docstring."""
 
-    def __init__(self, verifier, drafter, spec: EngineSpec, max_tokens: int, max_new: int, use_graphs: bool):
+    def __init__(self, verifier, drafter, spec: EngineSpec, max_tokens: int, max_new: int, use_graphs: bool,
+                 warpers: list | None = None):
         # weak references: the engine is kept in a WeakKeyDictionary keyed by the verifier
         self._verifier = weakref.ref(verifier)
         self._drafter = None if drafter is None else weakref.ref(drafter)
@@ -120,6 +137,9 @@ class StaticEngine:
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(1, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
+        self.warpers = warpers  # None: greedy
+        if warpers is not None:  # the drafter's probabilities of each draft
+            self.q = torch.zeros(gamma, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.steps: dict[str, CapturedStep] = {}
         self.compiled = spec.compiled
@@ -161,7 +181,12 @@ class StaticEngine:
         for i in range(self.spec.gamma):
             logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1)
             token = self.drafts[i : i + 1]
-            token.copy_(logits.argmax(-1))
+            if self.warpers is None:
+                token.copy_(logits.argmax(-1))
+            else:
+                q = self._probabilities(logits, self.n + i)
+                self.q[i : i + 1].copy_(q)
+                token.copy_(draw(q))
         if quant:
             self.drafter_cache.view = "int8"
 
@@ -175,18 +200,36 @@ class StaticEngine:
         if eos_token_ids:
             self.eos_mask[[e for e in eos_token_ids if 0 <= e < self.eos_mask.numel()]] = True
 
-    def _greedy(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
-        """Argmax of the verifier's ``logits [L, V]`` for the tokens at sequence indices ``first_index + 0..L-1``,
-        EOS masked below ``eos_floor`` (on the device: no host branch)."""
+    def _floored(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+        """``logits [L, V]`` for the tokens at sequence indices ``first_index + 0..L-1`` with EOS masked below
+        ``eos_floor`` (on the device: no host branch)."""
         index = first_index + self._block_offsets[: logits.shape[0]]
         early = (index < self.eos_floor)[:, None] & self.eos_mask[None, :]
-        return logits.masked_fill(early, float("-inf")).argmax(-1)
+        return logits.masked_fill(early, float("-inf"))
+
+    def _probabilities(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+        """Sampling: the processed distributions ``[L, V]`` (float32) of ``logits [L, V]`` (see :meth:`_floored`)."""
+        scores = self._floored(logits.float(), first_index)
+        for warper in self.warpers:
+            scores = warper(None, scores)  # the device warpers read only the scores
+        return torch.softmax(scores, -1)
+
+    def _next(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+        """The verifier's tokens ``[L]`` after ``logits [L, V]``: argmax, or a draw when sampling."""
+        if self.warpers is None:
+            return self._floored(logits, first_index).argmax(-1)
+        return draw(self._probabilities(logits, first_index))
 
     def _verify(self) -> None:
         block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
         logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0)
-        verified = self._greedy(logits, self.n)
-        accepted = accepted_length(self.drafts, verified)
+        if self.warpers is None:
+            verified = self._next(logits, self.n)
+            accepted = accepted_length(self.drafts, verified)
+        else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
+            p = self._probabilities(logits, self.n)
+            accepted, token = accept_or_resample(p[None], self.q[None], self.drafts[None])
+            verified = torch.where(self._block_offsets < accepted, torch.cat([self.drafts, token]), token)
         self.seq.index_copy_(0, self.n + self._block_offsets, verified)
         self.n.add_(accepted + 1)
         self.report[:1].copy_(accepted)
@@ -195,7 +238,7 @@ class StaticEngine:
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
                                 self.verifier_cache, 1)
-        token = self._greedy(logits, self.n)
+        token = self._next(logits, self.n)
         self.seq.index_copy_(0, self.n, token)
         self.n.add_(1)
         self.report[:1].zero_()  # a round of no drafts: a = 0, v_0 = the token
@@ -244,7 +287,7 @@ class StaticEngine:
             self.verifier_cache.companion = self.drafter_cache
         try:
             last = static_prefill(self.verifier, prompt, self.verifier_cache)
-            first = self._greedy(last[None], torch.full_like(self.n, p))
+            first = self._next(last[None], torch.full_like(self.n, p))
         finally:
             self.verifier_cache.companion = None
         if shared_prefill:
@@ -262,13 +305,14 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
-               use_graphs: bool) -> StaticEngine:
+               use_graphs: bool, warpers: list | None = None) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
-    transformers keeps its static cache), or a new one replacing it."""
+    transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
+    warpers (:func:`~.sampling.device_warpers`); ``None``: greedy."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter))
+                      _weights(verifier, drafter), warpers_key(warpers))
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
@@ -276,7 +320,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             kept.append(engine)
             return engine
     del kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]  # free before allocating
-    engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs)
+    engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
     kept.append(engine)
     return engine
 
@@ -396,9 +440,10 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
 
 
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                rules, prefix_cache: bool = False, sampling: bool = False) -> tuple[str, int | None] | None:
+                rules, prefix_cache: bool = False, sampling_blocker: str | None = None) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
-    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why."""
+    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``sampling_blocker``:
+    why do_sample's processors cannot run on the device (:func:`~.sampling.device_warpers`), if so."""
     from .front import DEFAULT_WINDOW_BUDGET, _text_config
     from .graph_steps import graphs_setting
 
@@ -411,8 +456,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
     reason = None
-    if sampling:
-        reason = "do_sample=True (speculative sampling is not on the graph path yet)"
+    if sampling_blocker is not None:
+        reason = f"do_sample=True with a processor the static loop does not apply ({sampling_blocker})"
     elif kind is None:
         reason = "a draft_cache instance was given"
     elif kind == "int4" and drafter is not model:

@@ -11,6 +11,7 @@ bonus token is drawn from ``p_{k+1}`` (:func:`accept_or_resample`). Each emitted
 
 Random numbers come from torch's global generator in a fixed order, so ``torch.manual_seed(s)`` before a call makes
 it reproducible (on the same device and path; not the same tokens as stock sampling, which draws differently).
+Every draw is :func:`draw` (an exponential race: no host sync, so the static loop runs it inside its CUDA graphs).
 """
 
 from __future__ import annotations
@@ -18,7 +19,17 @@ from __future__ import annotations
 import copy
 
 import torch
-from transformers.generation import LogitsProcessorList
+from transformers.generation import (
+    EpsilonLogitsWarper,
+    LogitsProcessorList,
+    MinLengthLogitsProcessor,
+    MinNewTokensLengthLogitsProcessor,
+    MinPLogitsWarper,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+    TypicalLogitsWarper,
+)
 
 from .drafters import forward
 from .speculative import GreedyRules, Output, SpeculativeResult, prefill
@@ -35,6 +46,34 @@ def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_
         generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
         logits_processor=LogitsProcessorList(logits_processor or []), device=prompt.device,
     )
+
+
+# Warpers that read only the scores (row by row, no host sync): the static loop applies them on the device.
+DEVICE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, MinPLogitsWarper, TypicalLogitsWarper,
+                  EpsilonLogitsWarper)
+# EOS masking below a minimum length: the static loop does it itself (its EOS floor).
+EOS_FLOOR_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
+
+
+def device_warpers(processors: LogitsProcessorList) -> tuple[list, str | None]:
+    """``(warpers, None)`` when the static loop can apply ``processors`` itself: the :data:`DEVICE_WARPERS` among them,
+    in order (min-length EOS masking is the loop's EOS floor); else ``([], name)`` of the first one it cannot."""
+    warpers = []
+    for proc in processors:
+        if isinstance(proc, EOS_FLOOR_PROCESSORS):
+            continue
+        if type(proc) not in DEVICE_WARPERS:
+            return [], type(proc).__name__
+        warpers.append(proc)
+    return warpers, None
+
+
+def draw(probs: torch.Tensor) -> torch.Tensor:
+    """One index per row of ``probs [..., V]`` (rows need not be normalized), drawn with probability proportional to
+    its entry: the argmax of ``probs / E`` with ``E`` i.i.d. Exp(1) (the smallest of independent exponential clocks
+    of rates ``probs``). A zero entry is never drawn. Returns ``[...]`` int64; no host sync."""
+    clocks = -torch.log(torch.rand_like(probs, dtype=torch.float32))  # u in [0, 1): clocks in (0, inf]
+    return (probs.float() / clocks).argmax(-1)
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,7 +97,7 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -
     residual = (target - q_pad[rows, accepted]).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), target)
-    return accepted, torch.multinomial(residual, 1)[:, 0]
+    return accepted, draw(residual)
 
 
 def _probabilities(processors, sequence: torch.Tensor, logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,11 +119,11 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
     raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
     vocab = raw.shape[-1]
     scores, probs = _probabilities(processors, out.sequence, raw, vocab)
-    done = out.append(int(torch.multinomial(probs, 1)), raw, scores)
+    done = out.append(int(draw(probs)), raw, scores)
 
     def draft_sampler(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
         _, q = _probabilities(processors, prefix, logits, vocab)
-        return int(torch.multinomial(q, 1)), q
+        return int(draw(q)), q
 
     while not done:
         n_seq = out.sequence.shape[1]
