@@ -192,15 +192,16 @@ def main(argv=None) -> int:
                         acceptance=None if stats is None else stats["acceptance_rate"],
                         tau=None if stats is None else stats["mean_accepted_length"],
                     ))
-    summary = summarize(records)
-    payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
-                   torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
-                   records=records)
+        summary = summarize(records)
+        payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
+                       torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
+                       records=records)
+        (out / "results.json").write_text(json.dumps(payload, indent=1))  # after each context: a cut run keeps it
+        print(table([r for r in summary if r["context"] == context]), flush=True)
     if args.steps:
         ids = docs[0][None, :16384].cuda()
         payload["steps_16k"] = step_times(verifier, drafter, ids, 64)
     (out / "results.json").write_text(json.dumps(payload, indent=1))
-    print(table(summary))
     print("first call (compile + capture + run), s:", json.dumps({k: round(v, 1) for k, v in first_call.items()}))
     if args.steps:
         print("per-forward ms at 16K (γ=3):", json.dumps(payload["steps_16k"]))

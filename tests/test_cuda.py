@@ -100,7 +100,7 @@ def test_graph_path_self_drafting_lossless_float32(mode):
 
 @pytest.mark.compiled
 @pytest.mark.parametrize("arch,mode,gamma", [
-    ("llama", "chunk", 5), ("mistral", "window", 3),
+    ("llama", "chunk", 5), pytest.param("mistral", "window", 3, marks=pytest.mark.slow),
     pytest.param("qwen2", "full", 1, marks=pytest.mark.slow), pytest.param("llama", "int4", 3, marks=pytest.mark.slow),
 ])
 def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
