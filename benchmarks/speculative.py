@@ -185,7 +185,8 @@ def aggregate(records: list[dict], args) -> list[dict]:
     for (m, c, b, g), rs in cells.items():
         ok = [r for r in rs if r["status"] == "ok"]
         cell = dict(method=m, context=c, budget=b, gamma=g, prompts=len(rs), ok=len(ok),
-                    errors=sorted({r["error"] for r in rs if r["status"] != "ok"}))
+                    skipped=sum(r["status"] == "skipped" for r in rs),  # --time-limit: not a failure, run again
+                    errors=sorted({r["error"] for r in rs if r["status"] not in ("ok", "skipped")}))
         if ok:
             seconds = sum(r["seconds"] for r in ok)
             tokens = sum(r["new_tokens"] for r in ok)
@@ -436,6 +437,9 @@ def main(argv=None) -> int:
         print("\n" + "!" * 100)
         print(f"!!! {len(payload['failures'])} FAILURE(S): see above and {out / 'results.json'} ('failures')")
         print("!" * 100)
+    skipped = sum(x.get("skipped", 0) for x in payload["cells"])
+    if skipped:
+        print(f"{skipped} job(s) skipped by --time-limit: the same command with --resume runs them")
     print(f"wrote {out}/ ({payload['seconds']:.0f} s)")
     return 1 if payload["failures"] else 0
 
