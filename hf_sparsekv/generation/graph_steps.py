@@ -13,6 +13,7 @@ is the recorded kernels alone, so dynamo's guards are never consulted again.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 
 import torch
@@ -81,6 +82,18 @@ class CapturedStep:
         self.fn = self.eager_fn
 
     def capture(self, restore: tuple[torch.Tensor, ...] = (), warmup: int = 2) -> None:
+        # Python's cycle collector must not run inside the capture: freeing an unreachable engine there destroys its
+        # CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real model sizes).
+        gc.collect()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            self._capture(restore, warmup)
+        finally:
+            if was_enabled:
+                gc.enable()
+
+    def _capture(self, restore: tuple[torch.Tensor, ...], warmup: int) -> None:
         saved = [t.clone() for t in restore]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
