@@ -66,7 +66,14 @@ test-cuda-slow: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/speculative.py --quick --profile --projection --out runs/speculative-quick
 
-# The full grid takes about 1.5 hours on an H100; interrupted, the same command goes on where it stopped.
+# The CUDA-graph path against every AR baseline (BENCHMARKS.md, issue 12), then sampled (issue 15): ~10 minutes each.
+bench-graph: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --contexts 16384,4096 --docs 3 --steps --out runs/graph-engine
+	for t in 0.7 1.0; do $(PY) benchmarks/graph_engine.py --temperature $$t --contexts 16384,4096 --docs 2 \
+		--only hf-static-ar,chunk-256-g3,window-g3,int4-self-g5 --budgets 256 --out runs/graph-engine-t$$t || exit 1; done
+
+# The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
+# skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)
 	$(PY) benchmarks/speculative.py --resume --profile --projection --out runs/speculative
 
