@@ -256,20 +256,20 @@ def main(argv=None) -> int:
     return 0
 
 
-SWEEP_CONFIGS = [  # tensor-core path: the current default (the fastest of the previous dot-only sweep)
+SWEEP_CONFIGS = [  # the previous default (tensor cores, 4 warps), then the register path for one row per KV head
     dict(path="dot", qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, min_split=1024, trans_load=True),
-] + [  # register path for <= vec_max_rows query rows per KV head (more rows: dot path with these block/warps/stages)
-    dict(path="vec", qblock=qb, num_warps=w, num_stages=st, programs_per_sm=pps, min_split=ms, prefetch=pf,
+] + [  # (more rows: the dot path with the same block/warps/stages). 2 warps leave registers for more programs per SM.
+    dict(path="vec", qblock=qb, num_warps=w, num_stages=st, programs_per_sm=pps, min_split=512, prefetch=pf,
          vec_max_rows=vr, trans_load=True)
-    for qb, w, st, pps, ms, pf, vr in (
-        (64, 4, 1, 16, 512, False, 4),
-        (64, 8, 1, 16, 512, False, 4),
-        (128, 8, 1, 16, 512, False, 4),
-        (128, 8, 1, 16, 512, True, 4),
-        (64, 4, 1, 16, 512, True, 4),
-        (32, 4, 1, 16, 256, False, 4),
-        (64, 4, 1, 32, 256, False, 4),
-        (64, 4, 1, 16, 512, False, 1),  # register path for 1 row only (Llama-3's 4 rows stay on tensor cores)
+    for qb, w, st, pps, pf, vr in (
+        (64, 2, 3, 16, False, 1),  # the default (decode_core.QUANT_CONFIG)
+        (64, 2, 2, 16, False, 1),
+        (32, 2, 3, 16, False, 1),
+        (32, 1, 2, 16, False, 1),
+        (64, 2, 2, 32, False, 1),
+        (64, 4, 2, 16, True, 1),
+        (64, 4, 1, 16, True, 1),
+        (64, 2, 2, 16, False, 4),  # the register path for Llama-3's 4 rows too
     )
 ]
 

@@ -243,7 +243,7 @@ def test_quant_config_override(tmp_path):
     from hf_sparsekv.kernels import decode_core
 
     before = dict(decode_core.QUANT_CONFIG)
-    assert before["path"] == "dot"  # the default stays the tensor-core path until a GPU run shows better
+    assert before["path"] == "vec" and before["vec_max_rows"] == 1  # register path for one row, else tensor cores
     with decode_core.quant_config(path="vec", qblock=64) as cfg:
         assert cfg["path"] == "vec" and cfg["qblock"] == 64
     assert decode_core.QUANT_CONFIG == before

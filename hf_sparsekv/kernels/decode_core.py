@@ -44,12 +44,15 @@ LOG2E = 1.4426950408889634
 # * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed.
-# Default: path "dot", the fastest of the H100 sweep of commit 57c1d63 (64K tokens, Llama-2/3 shapes, INT4 and INT8).
+# Default: the fastest of the H100 sweeps of 2026-11-24 (64K tokens, Llama-2/3 shapes, INT4 and INT8, q = 1): the
+# register path for one query row per KV head, tensor cores for more, both with 64-token blocks, 2 warps and 3
+# pipeline stages. Fewer warps per program matter most: at 4 warps the kernel needed 240-255 registers per thread,
+# leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    path="dot", qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, min_split=1024, trans_load=True,
-    prefetch=False, vec_max_rows=4,
+    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
+    prefetch=False, vec_max_rows=1,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
