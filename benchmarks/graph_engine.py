@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
@@ -38,6 +37,7 @@ import torch
 import hf_sparsekv
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.zoo import eval_documents, load_pair
+from provenance import commit
 
 SLOW = ("hf-eager-ar", "hf-assisted")
 
@@ -129,15 +129,6 @@ def step_times(verifier, drafter, ids, new_tokens, reps=50) -> dict:
             result[f"{name}_{label}_ms"] = statistics.median(times)
     result["gamma"] = 3
     return result
-
-
-def commit() -> str:
-    if os.environ.get("GIT_COMMIT"):  # a copy of the tree without its history (the GPU machine)
-        return os.environ["GIT_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        return "unknown"
 
 
 def main(argv=None) -> int:

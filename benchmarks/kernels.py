@@ -27,12 +27,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
-import subprocess
 import sys
 
 import torch
 import torch.nn.functional as F
+
+from provenance import commit
 
 SHAPES = {"llama2-7b": (32, 32, 128), "llama3-8b": (32, 8, 128)}  # (query heads, KV heads, head_dim)
 CONTEXTS = (16384, 65536, 131072)
@@ -150,14 +150,10 @@ def main(argv=None) -> int:
     if args.contexts:
         contexts = tuple(int(c) for c in args.contexts.split(","))
     dtype = torch.float16
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = "?"
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
-        "commit": commit or "?",
+        "commit": commit(),
         "torch": torch.__version__,
         "triton": triton.__version__,
         "dtype": "float16",

@@ -31,11 +31,12 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from provenance import commit
 
 # Published config.json shapes (hidden, intermediate, layers, q heads, kv heads, head_dim, vocab, rope theta, tied).
 SHAPES = {
@@ -271,17 +272,12 @@ def run_cost(args) -> dict:
     finally:
         os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
     projection = project(rows, args.gamma, measured_acceptance(args.acceptance))
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        commit = "unknown"
     result = {
         "settings": {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                      "dtype": str(dtype).removeprefix("torch."), "gamma": args.gamma, "tiny": args.tiny,
                      "path": "static engine steps of generate()'s CUDA path (CUDA graphs on CUDA), "
                              + ("compiled" if args.compile else "uncompiled"),
-                     "group_size": args.group_size, "repeats": args.repeats, "warmup": args.warmup, "commit": commit,
+                     "group_size": args.group_size, "repeats": args.repeats, "warmup": args.warmup, "commit": commit(),
                      "date": datetime.date.today().isoformat(), "torch": torch.__version__,
                      "acceptance_from": args.acceptance},
         "rows": rows,

@@ -22,11 +22,12 @@ import datetime
 import json
 import os
 import platform
-import subprocess
 import time
 from pathlib import Path
 
 import torch
+
+from provenance import commit
 
 METHOD_ORDER = ("full", "chunk", "window0", "window4", "int4")
 
@@ -152,14 +153,6 @@ def documents(tokenizer, n: int, min_tokens: int) -> list[tuple[str, torch.Tenso
     raise RuntimeError(f"only {len(out)} held-out documents with >= {min_tokens} tokens (asked for {n})")
 
 
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip()
-    except OSError:
-        return "unknown"
-
-
 def _save(path: Path, data: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=1))
@@ -195,7 +188,7 @@ def run_grid(args, models=None) -> dict:
         "verifier": getattr(verifier.config, "_name_or_path", ""), "drafter": getattr(drafter.config, "_name_or_path", ""),
         "dtype": "float32", "device": "cpu", "torch_threads": torch.get_num_threads(), "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(), "gamma": args.gamma, "new_tokens": args.new_tokens, "contexts": args.contexts,
-        "dataset": "hf_sparsekv.data python-source, eval split", "commit": _git_commit(),
+        "dataset": "hf_sparsekv.data python-source, eval split", "commit": commit(),
         "torch": torch.__version__, "date": datetime.date.today().isoformat(),
     }
     done = {(c["context"], c["doc"], c["method"]) for c in data["cells"]}

@@ -3,9 +3,6 @@ the bundled pair, one ``generate()`` call per method, timing a call, and the cel
 
 from __future__ import annotations
 
-import os
-import subprocess
-from pathlib import Path
 
 import torch
 
@@ -59,19 +56,6 @@ def _load_models(args, device):
         budgetdraft = None
         notes["budgetdraft"] = f"BudgetDraft drafter could not be loaded: {exc!r}"
     return {"verifier": verifier, "budgetdraft": budgetdraft, "base": base, "notes": notes}
-
-
-def _commit() -> str:
-    if os.environ.get("GIT_COMMIT"):  # a copy of the tree without its history (the GPU machine)
-        return os.environ["GIT_COMMIT"]
-    try:
-        root = Path(__file__).resolve().parent.parent
-        sha = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True).stdout
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True).stdout
-        return sha.strip() + ("-dirty" if dirty.strip() else "")
-    except Exception:  # noqa: BLE001
-        return "unknown"
 
 
 class _Stock:

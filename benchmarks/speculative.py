@@ -50,8 +50,9 @@ import torch
 from tqdm import tqdm
 
 from hf_sparsekv.zoo import PAIR_DIR, eval_documents
+from provenance import commit
 from spec_methods import (
-    ALL_METHODS, AR_METHODS, BUDGET_METHODS, DEFAULT_METHODS, GAMMA_METHODS, GB, QUICK_METHODS, _cell_gammas, _commit,
+    ALL_METHODS, AR_METHODS, BUDGET_METHODS, DEFAULT_METHODS, GAMMA_METHODS, GB, QUICK_METHODS, _cell_gammas,
     _first_mismatch, _generate_fn, _load_models, _measure,
 )
 from spec_projection import PROJECTION_SHAPES, profile, profile_text, projection, projection_tables
@@ -338,7 +339,7 @@ def main(argv=None) -> int:
     settings = {
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": _commit(), "torch": torch.__version__,
+        "commit": commit(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__,
         "models": "bundled pair (hf_sparsekv.zoo): 12-layer Llama verifier (16K), 2-layer 2K drafter; drafters "
                   "'base' (plain pretrained) and 'budgetdraft' (BudgetDraft-trained)",
