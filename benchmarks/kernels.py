@@ -216,7 +216,7 @@ def main(argv=None) -> int:
                        lambda int8=int8: quant_decode_attention(q1, qk, qv, bk, bv, GROUP, int8, scaling),
                        quant_bytes(hkv, t_q, d, BUFFER, int8), ("sdpa_flash_fp16 q=1", sdpa_ms))
             if args.quant_only:
-                del k, v, qk, qv, bk, bv
+                k = v = qk = qv = bk = bv = None  # free before the next context
                 torch.cuda.empty_cache()
                 continue
             q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
@@ -225,7 +225,7 @@ def main(argv=None) -> int:
             record(shape, ctx, f"  prefix only (dense) q={GAMMA1}",
                    lambda: dense_prefix_attention(q6, k[:, :, : ctx - GAMMA1], v[:, :, : ctx - GAMMA1], scaling),
                    2 * hkv * (ctx - GAMMA1) * d * 2)
-            del k, v, qk, qv, bk, bv
+            k = v = qk = qv = bk = bv = None
             torch.cuda.empty_cache()
         if args.quant_only:
             continue
@@ -294,7 +294,7 @@ def _sweep(ctx, timer):
         for int8 in (False, True):
             refs[shape, int8] = quant_decode_attention_reference(
                 q.float(), f32(qk), f32(qv), bk.float(), bv.float(), GROUP, int8, d**-0.5).float()
-        del k, v
+        k = v = None
     results = []
     print(f"# sweep: quantized attention at {ctx} tokens, q=1 (gpu_ms; speedup = SDPA-flash fp16 time / time)")
     print("# SDPA-flash fp16 q=1 gpu_ms: " + ", ".join(f"{s}={t:.4f}" for s, t in sdpa.items()))

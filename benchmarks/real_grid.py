@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hf_sparsekv.cache_keyword import cache_keyword, user_cache
 from provenance import commit
 
 METHOD_ORDER = ("full", "chunk", "window0", "window4", "int4")
@@ -60,13 +61,14 @@ class PrefilledVerifier:
     def __getattr__(self, name):
         return getattr(self._model, name)
 
-    def __call__(self, input_ids=None, past_key_values=None, **kwargs):
-        if (past_key_values is not None and past_key_values.get_seq_length() == 0
+    def __call__(self, input_ids=None, **kwargs):
+        cache = user_cache(kwargs)
+        if (cache is not None and cache.get_seq_length() == 0
                 and input_ids.shape == self._prompt.shape and torch.equal(input_ids, self._prompt)):
             for i, (k, v) in enumerate(self._layers):
-                past_key_values.update(k.clone(), v.clone(), i)
+                cache.update(k.clone(), v.clone(), i)
             return _Logits(self._logits.clone())
-        return self._model(input_ids=input_ids, past_key_values=past_key_values, **kwargs)
+        return self._model(input_ids=input_ids, **kwargs)
 
 
 class _Logits:
@@ -81,7 +83,7 @@ def prefill(model, prompt: torch.Tensor):
     cache = DynamicCache()
     t0 = time.perf_counter()
     with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(input_ids=prompt, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     seconds = time.perf_counter() - t0
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     return layers, out.logits.float(), seconds
@@ -100,8 +102,8 @@ def greedy_reference(model, cache, prompt_len: int, first_logits: torch.Tensor, 
             if len(tokens) == n or tokens[-1] in eos:
                 break
             pos = prompt_len + len(tokens) - 1
-            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache,
-                        position_ids=torch.tensor([[pos]]), use_cache=True)
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), position_ids=torch.tensor([[pos]]), use_cache=True,
+                        **{cache_keyword(model): cache})
             logits = out.logits[0, -1].float()
     return tokens, gaps, time.perf_counter() - t0
 

@@ -15,6 +15,7 @@ import torch
 from tqdm import tqdm
 
 import hf_sparsekv
+from hf_sparsekv.cache_keyword import cache_keyword
 from hf_sparsekv.zoo import eval_documents, load_pair
 
 
@@ -34,7 +35,7 @@ def main() -> None:
         ids = documents[i % len(documents)][None, : args.prompt_length].to(device)
         kwargs = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False)
         full = model.generate(ids, **kwargs)[0, args.prompt_length :]
-        int8 = model.generate(ids, past_key_values=hf_sparsekv.HierarchicalQuantCache(), **kwargs)[0, args.prompt_length :]
+        int8 = model.generate(ids, **{cache_keyword(model): hf_sparsekv.HierarchicalQuantCache()}, **kwargs)[0, args.prompt_length :]
         same = (full == int8).tolist()
         identical += all(same)
         matching_prefix.append(same.index(False) if False in same else len(same))

@@ -8,6 +8,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache, SinkWindowCache
+from hf_sparsekv.cache_keyword import cache_keyword
 from hf_sparsekv.generation.stats import SyncedTimer
 from hf_sparsekv.zoo import load_pair
 
@@ -101,7 +102,7 @@ def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, ar
                 return verifier.generate(ids, **common), None
         return run
     if method == "ar-int8":
-        return lambda: (verifier.generate(ids, past_key_values=HierarchicalQuantCache(), **common), None)
+        return lambda: (verifier.generate(ids, **{cache_keyword(verifier): HierarchicalQuantCache()}, **common), None)
     if method == "assisted-stock":
         drafter = models[args.stock_drafter]
         if drafter is None:

@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from hf_sparsekv.cache_keyword import cache_keyword
 from hf_sparsekv.generation.stats import SyncedTimer
 from spec_methods import PROJECTION_FORMULA, _generate_fn
 from spec_report import _ctx, _fixed_gamma, _fmt
@@ -98,12 +99,12 @@ def projection(args, cells: list[dict]) -> dict:
             def prefill():
                 holder.clear()  # free the previous cache first
                 holder["cache"] = DynamicCache()
-                verifier(input_ids=ids[:, :c], past_key_values=holder["cache"], use_cache=True, logits_to_keep=1)
+                verifier(input_ids=ids[:, :c], **{cache_keyword(verifier): holder["cache"]}, use_cache=True, logits_to_keep=1)
 
             row["verifier_prefill_s"] = _time(prefill, device, warmup=1, reps=1 if c >= 8192 else 2)
             for k in ks:
                 def step(k=k):
-                    verifier(input_ids=ids[:, c:c + k], past_key_values=holder["cache"], use_cache=True,
+                    verifier(input_ids=ids[:, c:c + k], **{cache_keyword(verifier): holder["cache"]}, use_cache=True,
                              logits_to_keep=k)
                     holder["cache"].crop(-k)
                 row[f"verifier_forward_{k}_s"] = _time(step, device)
@@ -121,7 +122,7 @@ def projection(args, cells: list[dict]) -> dict:
                 try:
                     cache = ChunkBudgetCache(b)
                     with SyncedTimer(device) as clock:
-                        drafter(input_ids=ids[:, :c], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        drafter(input_ids=ids[:, :c], **{cache_keyword(drafter): cache}, use_cache=True, logits_to_keep=1)
                     prompt = ids[:, :c]
                 except Exception as exc:  # noqa: BLE001 - time an equivalent B-token DynamicCache instead
                     result.setdefault("drafter_cache_fallbacks", []).append(
@@ -131,13 +132,13 @@ def projection(args, cells: list[dict]) -> dict:
                     cache = DynamicCache()
                     with SyncedTimer(device) as clock:
                         drafter(input_ids=ids[:, :c], use_cache=False, logits_to_keep=1)  # prefill cost of c tokens
-                        drafter(input_ids=ids[:, :b], past_key_values=cache, use_cache=True, logits_to_keep=1)
+                        drafter(input_ids=ids[:, :b], **{cache_keyword(drafter): cache}, use_cache=True, logits_to_keep=1)
                     prompt = ids[:, :b]
                     drafter.set_attn_implementation(attention.NAME)
                 start = prompt.shape[1]
 
                 def dstep(cache=cache, start=start):
-                    drafter(input_ids=ids[:, c:c + 1], past_key_values=cache, use_cache=True, logits_to_keep=1,
+                    drafter(input_ids=ids[:, c:c + 1], **{cache_keyword(drafter): cache}, use_cache=True, logits_to_keep=1,
                             position_ids=torch.tensor([[start]], device=device))
                     cache.crop(-1)
                 costs[str(c)][f"drafter_prefill_B{b}_s"] = clock.seconds

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from .cache_keyword import cache_keyword
 from .caches import HierarchicalQuantCache
 from .generation.stats import SyncedTimer
 
@@ -18,7 +19,7 @@ def timed_generate(model, ids, **kwargs):
 
 def greedy_reference(verifier, ids, max_new_tokens: int, mode="full"):
     """``(sequences, seconds)`` of plain greedy AR; for ``mode == "int4"`` on the INT8 view the self-speculation verifies."""
-    cache = {"past_key_values": HierarchicalQuantCache()} if mode == "int4" else {}
+    cache = {cache_keyword(verifier): HierarchicalQuantCache()} if mode == "int4" else {}
     return timed_generate(verifier, ids, max_new_tokens=max_new_tokens, **cache)
 
 

@@ -426,3 +426,28 @@ def test_padded_vocabulary_needs_a_tokenizer_within_the_shared_range():
         verifier.generate(prompt(10, 0), tokenizer=_word_tokenizer(VOCAB + 4), **kwargs)
     out = verifier.generate(prompt(10, 0), tokenizer=_word_tokenizer(), **kwargs)
     assert torch.equal(out, verifier.generate(prompt(10, 0), max_new_tokens=4, do_sample=False))
+
+
+@pytest.mark.parametrize("spec", [
+    dict(kv_budget=16), dict(draft_cache="window", kv_budget=16), dict(draft_cache="full"),
+    dict(draft_cache="int4", self=True), dict(kv_budget=16, do_sample=True, self=False),
+])
+def test_no_cache_keyword_deprecation_warnings(spec):
+    """Every internal forward hands the cache over under the keyword the model declares (``cache`` from
+    transformers 5.24 on, ``past_key_values`` before), so a speculative call raises no deprecation warning about it
+    on any supported version; the output still equals stock generate()."""
+    import warnings
+
+    spec = dict(spec)
+    verifier = tiny_model("llama")
+    drafter = verifier if spec.pop("self", False) else tiny_model("llama", role="drafter")
+    ids = prompt(70, seed=11)
+    sampled = spec.pop("do_sample", False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        out = verifier.generate(ids, max_new_tokens=10, do_sample=sampled, assistant_model=drafter, **spec)
+    about_cache = [str(w.message) for w in caught if "past_key_values" in str(w.message)]
+    assert not about_cache, about_cache
+    if not sampled:
+        assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))

@@ -176,3 +176,19 @@ def test_prefix_cache_misuse_raises_naming_past_key_values(case, error, match):
         kwargs["attention_mask"] = torch.cat([torch.zeros(1, 3, dtype=torch.long), torch.ones(1, 40, dtype=torch.long)], 1)
     with pytest.raises(error, match=match):
         model.generate(ids, past_key_values=cache, **kwargs)
+
+
+def test_prefix_cache_under_either_keyword():
+    """transformers 5.24 renamed generate()'s ``past_key_values`` to ``cache``: both names reach the same prompt
+    cache (on every supported version), giving the stock greedy output; both at once is a TypeError."""
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    ids = prompt(90, seed=3)
+    kwargs = dict(max_new_tokens=12, do_sample=False, assistant_model=drafter, kv_budget=16, num_assistant_tokens=3)
+    reference = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    cache = _prefix(verifier, ids, 50)
+    with _forward_lengths(verifier) as lengths:
+        out = verifier.generate(ids, cache=cache, return_dict_in_generate=True, **kwargs)
+    assert torch.equal(out.sequences, reference)
+    assert lengths[0] == 40 and out.past_key_values is cache
+    with pytest.raises(TypeError, match="both past_key_values and cache"):
+        verifier.generate(ids, cache=_prefix(verifier, ids, 50), past_key_values=_prefix(verifier, ids, 50), **kwargs)

@@ -84,10 +84,11 @@ def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings, 
 
 
 def _module_inputs(args: tuple, kwargs: dict):
-    """(hidden_states, position_embeddings, past_key_values) of an attention module call."""
+    """(hidden_states, position_embeddings, cache) of an attention module call. The cache keyword is ``cache`` from
+    transformers 5.24 on, ``past_key_values`` (``past_key_value`` in older files) before."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     position_embeddings = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-    cache = kwargs.get("past_key_values", kwargs.get("past_key_value"))
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None), None)
     return hidden, position_embeddings, cache
 
 

@@ -14,6 +14,7 @@ import functools
 import torch
 from transformers.cache_utils import Cache
 
+from ..cache_keyword import cache_keyword
 from ..caches import HierarchicalQuantCache, query_hooks
 
 
@@ -22,7 +23,8 @@ def forward(model, tokens: torch.Tensor, cache: Cache, start: int, logits_to_kee
     (float32 like stock generate(), so that argmax ties break the same way)."""
     positions = torch.arange(start, start + tokens.shape[1], device=tokens.device).unsqueeze(0)
     out = model(
-        input_ids=tokens, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep
+        input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep,
+        **{cache_keyword(model): cache},
     )
     return out.logits.float()
 

@@ -11,6 +11,7 @@ from transformers.generation import LogitsProcessorList, MaxTimeCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
+from ..cache_keyword import pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from . import graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
@@ -271,7 +272,7 @@ def speculative_generate(
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
     attention_mask = kwargs.pop("attention_mask", None)
-    past_key_values = kwargs.pop("past_key_values", None)
+    past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
     tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
     gamma_given = "num_assistant_tokens" in kwargs or (
         generation_config is not None and "num_assistant_tokens" in generation_config.to_diff_dict()

@@ -19,6 +19,7 @@ import os
 import torch
 
 from .. import static_attention
+from ..cache_keyword import cache_keyword
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
@@ -49,8 +50,8 @@ def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     (L' = logits_to_keep, 0 for all), in the model dtype."""
     cache.begin_step(positions)
     out = model(
-        input_ids=tokens, position_ids=positions[None], past_key_values=cache, use_cache=True,
-        logits_to_keep=logits_to_keep,
+        input_ids=tokens, position_ids=positions[None], use_cache=True, logits_to_keep=logits_to_keep,
+        **{cache_keyword(model): cache},
     )
     return out.logits[0]
 
@@ -59,7 +60,7 @@ def static_prefill(model, prompt: torch.Tensor, cache) -> torch.Tensor:
     """Feed ``prompt [1, P]`` to an empty static cache (eager); the last position's logits ``[V]``."""
     cache.begin_prefill(prompt.shape[1])
     positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
-    out = model(input_ids=prompt, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    out = model(input_ids=prompt, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     cache.end_prefill()
     return out.logits[0, -1]
 

@@ -3,7 +3,7 @@
 Why a patch: it is the only mechanism that makes the stock ``model.generate(...)`` of every causal LM (and
 ``pipeline("text-generation")``, which calls it) accept ``kv_budget``/``draft_cache`` after one import, without a
 wrapper class or a Hub ``custom_generate`` repository. The patch is narrow: a call without our arguments goes to
-the original method untouched (except that a ``past_key_values`` cache which selects from the prompt's queries gets
+the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
 them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call); it is guarded: installed only if ``generate`` still takes the arguments we forward,
 and :func:`unregister` puts the original back.
 """
@@ -16,6 +16,7 @@ import warnings
 
 from transformers.generation.utils import GenerationMixin
 
+from ..cache_keyword import user_cache
 from ..caches import query_hooks
 from .front import speculative_generate
 
@@ -44,7 +45,7 @@ def register() -> bool:
     def generate(self, *args, **kwargs):
         ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
         if all(value is None for value in ours.values()):
-            if query_hooks.needs_prompt_queries(kwargs.get("past_key_values")):
+            if query_hooks.needs_prompt_queries(user_cache(kwargs)):
                 with query_hooks.prompt_queries(self):  # e.g. ChunkBudgetCache under eager/SDPA/flash attention
                     return original(self, *args, **kwargs)
             return original(self, *args, **kwargs)

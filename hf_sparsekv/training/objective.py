@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicCache
 
+from ..cache_keyword import cache_keyword
 from .views import chunked_prefill
 
 
@@ -40,7 +41,7 @@ def teacher_targets(verifier, sequence: torch.Tensor, prefix_len: int, prefill_c
     continuation = sequence[:, prefix_len:]
     logits = verifier(
         input_ids=continuation,
-        past_key_values=cache,
+        **{cache_keyword(verifier): cache},
         position_ids=positions(prefix_len, continuation.shape[1], sequence.device),
         use_cache=True,
     ).logits
@@ -54,7 +55,7 @@ def continuation_logits(drafter, continuation: torch.Tensor, cache, prefix_len: 
         raise ValueError(f"the prefix view has seen {cache.get_seq_length()} tokens, expected {prefix_len}")
     out = drafter(
         input_ids=continuation,
-        past_key_values=cache,
+        **{cache_keyword(drafter): cache},
         position_ids=positions(prefix_len, continuation.shape[1], continuation.device),
         use_cache=True,
     )

@@ -24,6 +24,7 @@ import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
 from .. import attention
+from ..cache_keyword import cache_keyword
 from ..caches import scoring_hook
 from ..caches.base import CompressedCache, CompressedLayer, tensor_nbytes
 from ..caches.chunk_budget import ChunkBudgetLayer
@@ -154,7 +155,9 @@ def chunked_prefill(model, input_ids: torch.Tensor, chunk: int, cache) -> torch.
     for start in range(0, input_ids.shape[1], chunk):
         piece = input_ids[:, start : start + chunk]
         positions = torch.arange(start, start + piece.shape[1], device=input_ids.device).unsqueeze(0)
-        out = model(input_ids=piece, past_key_values=cache, position_ids=positions, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=piece, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache}
+        )
     return out.logits[:, -1]
 
 

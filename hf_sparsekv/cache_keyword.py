@@ -1,0 +1,41 @@
+"""The keyword under which a model's ``forward`` and ``generate`` take the KV cache.
+
+transformers renamed it from ``past_key_values`` to ``cache`` in 5.24 (the old name still works there, with a
+FutureWarning on every call, until its removal). We pass the cache under the name the model declares, so one
+code path runs warning-free on 5.17 through the newest 5.x; users may pass either name to ``generate()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+OLD, NEW = "past_key_values", "cache"
+
+
+@functools.lru_cache(maxsize=None)
+def _keyword_of(function) -> str:
+    params = inspect.signature(function).parameters  # follows the deprecation wrapper's __wrapped__
+    return NEW if NEW in params else OLD
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """``"cache"`` if ``model.forward`` declares a ``cache`` parameter, else ``"past_key_values"``."""
+    forward = model.forward
+    return _keyword_of(getattr(forward, "__func__", forward))
+
+
+def pop_user_cache(kwargs: dict):
+    """Remove and return the cache a caller passed to ``generate()`` as ``past_key_values=`` or ``cache=`` (None if
+    neither); TypeError if both carry one."""
+    old, new = kwargs.pop(OLD, None), kwargs.pop(NEW, None)
+    if old is not None and new is not None:
+        raise TypeError("generate() got both past_key_values and cache; pass the cache once")
+    return new if new is not None else old
+
+
+def user_cache(kwargs: dict):
+    """The cache in ``kwargs`` under either name, without removing it."""
+    return kwargs.get(NEW) if kwargs.get(NEW) is not None else kwargs.get(OLD)
