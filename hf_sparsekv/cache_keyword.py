@@ -21,6 +21,7 @@ def _keyword_of(function) -> str:
     return NEW if NEW in params else OLD
 
 
+@torch.compiler.assume_constant_result  # traced steps bake the name in instead of tracing inspect
 def cache_keyword(model: torch.nn.Module) -> str:
     """``"cache"`` if ``model.forward`` declares a ``cache`` parameter, else ``"past_key_values"``."""
     forward = model.forward
