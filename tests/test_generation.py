@@ -197,8 +197,8 @@ def test_spec_stats_is_a_dataclass_with_dict_access():
     assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
     assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
     assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, new_tokens=14, prefill_seconds=0.0,
-                                   draft_seconds=0.5, verify_seconds=0.0, acceptance_rate=0.75,
-                                   mean_accepted_length=3.25)
+                                   draft_seconds=0.5, verify_seconds=0.0, prompts=1, rows=[],
+                                   acceptance_rate=0.75, mean_accepted_length=3.25)
     text = repr(stats)
     assert text.startswith("SpecStats(acceptance_rate=0.750, mean_accepted_length=3.25, rounds=4")
     with pytest.raises(KeyError):
@@ -266,7 +266,8 @@ def test_without_new_arguments_generate_is_stock():
         (dict(draft_cache="chunk", assistant_model="drafter"), ValueError, "kv_budget"),
         (dict(kv_budget=16, assistant_model="other_vocab"), ValueError, "vocab"),
         (dict(kv_budget=16, assistant_model="meta"), ValueError, "assistant_model is on"),
-        (dict(kv_budget=16, assistant_model="drafter", batch=2), NotImplementedError, "batch size"),
+        (dict(kv_budget=16, assistant_model="drafter", batch=2, output_scores=True, return_dict_in_generate=True),
+         NotImplementedError, "output_scores"),
         (dict(kv_budget=16, assistant_model="drafter", repetition_penalty=1.3), NotImplementedError, "repetition_penalty"),
         (dict(draft_cache="int4", assistant_model="self", kv_budget=64), ValueError, "kv_budget"),
     ],

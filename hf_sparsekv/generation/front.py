@@ -13,7 +13,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .. import attention
 from ..cache_keyword import pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
-from . import graph_loop
+from . import batch_rows, graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .sampling import device_warpers, speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
@@ -253,7 +253,8 @@ def speculative_generate(
     draft_cache: str | Cache | None = None,
     **kwargs,
 ):
-    """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``), batch size 1."""
+    """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
+    than one (left-padded) prompt is decoded row by row (:mod:`.batch_rows`)."""
     if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
         raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
     for name, value in (
@@ -277,10 +278,24 @@ def speculative_generate(
     gamma_given = "num_assistant_tokens" in kwargs or (
         generation_config is not None and "num_assistant_tokens" in generation_config.to_diff_dict()
     )
+    if input_ids.dim() == 2 and input_ids.shape[0] > 1:
+        config, unused = _prepare_config(model, generation_config, dict(kwargs), input_ids)
+        if unused:
+            raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
+        batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
+                               prefix_cache=past_key_values is not None, max_time=config.max_time)
+
+        def one_row(ids, mask, cache):
+            return speculative_generate(
+                model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
+                kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
+                **{**kwargs, "return_dict_in_generate": True},
+            )
+
+        return batch_rows.generate_rows(one_row, input_ids, attention_mask, draft_cache, batch_rows.pad_value(config),
+                                        config.return_dict_in_generate)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise NotImplementedError(
-            f"input_ids must have batch size 1 with kv_budget/draft_cache, got shape {tuple(input_ids.shape)}"
-        )
+        raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty")
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 
@@ -41,12 +41,14 @@ class SpecStats:
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
       All seconds are wall-clock, CUDA-synchronized on a CUDA device.
+    - ``prompts``: how many prompts (batch rows) the counters add up; ``rows``: for a batch of more than one
+      prompt, each row's own ``SpecStats`` in batch order (empty for one prompt).
 
     Derived (read-only properties, also in :meth:`to_dict` and reachable by ``[...]``):
 
     - ``acceptance_rate`` α = accepted / drafted (0.0 if nothing was drafted).
-    - ``mean_accepted_length`` τ = tokens produced per verifier forward = (new_tokens - 1) / rounds: the accepted
-      drafts plus the verifier's own token, averaged over rounds (0.0 without rounds).
+    - ``mean_accepted_length`` τ = tokens produced per verifier forward = (new_tokens - prompts) / rounds: the
+      accepted drafts plus the verifier's own token, averaged over rounds (0.0 without rounds).
     """
 
     rounds: int = 0
@@ -56,6 +58,8 @@ class SpecStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    prompts: int = 1
+    rows: list = field(default_factory=list)
 
     DERIVED = ("acceptance_rate", "mean_accepted_length")
 
@@ -65,7 +69,7 @@ class SpecStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        produced = self.new_tokens - 1  # the first token comes from the prefill
+        produced = self.new_tokens - self.prompts  # each prompt's first token comes from its prefill
         return produced / self.rounds if self.rounds else 0.0
 
     def to_dict(self) -> dict:
@@ -95,6 +99,14 @@ class SpecStats:
             f"prefill_seconds={self.prefill_seconds:.3f}, draft_seconds={self.draft_seconds:.3f}, "
             f"verify_seconds={self.verify_seconds:.3f})"
         )
+
+    @classmethod
+    def of_rows(cls, rows: list["SpecStats"]) -> "SpecStats":
+        """Totals over the rows of a batch (counters and seconds summed), keeping each row's stats in ``rows``."""
+        total = cls(prompts=len(rows), rows=list(rows))
+        for name in ("rounds", "drafted", "accepted", "new_tokens", "prefill_seconds", "draft_seconds", "verify_seconds"):
+            setattr(total, name, sum(getattr(r, name) for r in rows))
+        return total
 
     @contextmanager
     def timer(self, field: str, device: torch.device):

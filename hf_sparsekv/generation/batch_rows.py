@@ -1,0 +1,84 @@
+"""Batch size > 1 on the speculative path: each row decoded on its own, the outputs assembled as stock
+``generate()`` assembles a batch.
+
+Contract (what a left-padded batch gets): row ``b`` of the output is exactly what ``generate()`` returns for
+``input_ids[b:b+1]`` with ``attention_mask[b:b+1]`` (its own padding, so ``max_length``/``min_length`` count it as
+stock does), followed by ``pad_token_id`` up to the longest row, as stock pads rows that stopped early (EOS, a stop
+string, a stopping criterion). ``spec_stats`` holds the totals and each row's own counters (``rows``).
+
+The rows run one after another through the batch-1 engine (graph path on CUDA, eager loop elsewhere): every mode
+works and no row's acceptance depends on another's, but the verifier's weights are read once per row, not once
+per batch, so throughput does not grow with the batch (a batched engine is future work).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+
+import torch
+from transformers.cache_utils import Cache
+
+from .stats import SpecStats
+
+
+def pad_value(config) -> int | None:
+    """The id stock ``generate()`` writes after a row has finished: ``pad_token_id``, else the first EOS id."""
+    if config.pad_token_id is not None:
+        return int(config.pad_token_id)
+    eos = config.eos_token_id
+    if eos is None:
+        return None
+    return int(eos) if isinstance(eos, int) else int(list(eos)[0])
+
+
+def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config, *, streamer, prefix_cache,
+                max_time) -> None:
+    """Refuse what the row-by-row batch cannot honour, before any row runs."""
+    if streamer is not None:
+        raise ValueError("streamer supports batch size 1 only (as in stock generate()), got a batch of "
+                         f"{input_ids.shape[0]}")
+    if prefix_cache:
+        raise NotImplementedError("past_key_values holding a prefix (prompt caching) is supported with batch size 1 only")
+    if max_time is not None:
+        raise NotImplementedError("max_time with batch size > 1 is not supported with kv_budget/draft_cache")
+    if config.output_scores or config.output_logits:
+        raise NotImplementedError(
+            "output_scores/output_logits with batch size > 1 are not supported with kv_budget/draft_cache"
+        )
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
+        )
+
+
+def generate_rows(
+    generate_one: Callable[[torch.Tensor, torch.Tensor | None, Cache | str | None], object],
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    draft_cache,
+    pad: int | None,
+    return_dict: bool,
+):
+    """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` (returning a dict-style output
+    with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
+    ``draft_cache`` instance is copied (empty) for each row."""
+    outputs = []
+    for b in range(input_ids.shape[0]):
+        mask = None if attention_mask is None else attention_mask[b : b + 1]
+        cache = copy.deepcopy(draft_cache) if isinstance(draft_cache, Cache) else draft_cache
+        outputs.append(generate_one(input_ids[b : b + 1], mask, cache))
+    longest = max(out.sequences.shape[1] for out in outputs)
+    if pad is None and any(out.sequences.shape[1] != longest for out in outputs):
+        raise ValueError(
+            "rows stopped at different lengths and there is neither pad_token_id nor eos_token_id to pad the "
+            "finished ones with: set generation_config.pad_token_id"
+        )
+    device = outputs[0].sequences.device
+    sequences = torch.full((len(outputs), longest), pad if pad is not None else 0, dtype=input_ids.dtype, device=device)
+    for b, out in enumerate(outputs):
+        sequences[b, : out.sequences.shape[1]] = out.sequences[0]
+    stats = SpecStats.of_rows([out.spec_stats for out in outputs])
+    if not return_dict:
+        return sequences
+    return type(outputs[0])(sequences=sequences, spec_stats=stats)

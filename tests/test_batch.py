@@ -1,0 +1,154 @@
+"""Batch size > 1 (left-padded prompts with an attention mask): each row of the speculative output is the stock greedy
+output of that prompt alone, followed by padding where the row stopped early; per-row statistics add up to the
+totals. Reference: stock greedy ``generate()`` on each unpadded prompt."""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+
+import hf_sparsekv
+
+from .conftest import ARCHS, prompt, tiny_model
+
+PAD = 0  # the tiny models' pad_token_id
+
+
+def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1] :] = p[0]
+        mask[b, width - p.shape[1] :] = 1
+    return ids, mask
+
+
+def _spec(mode: str, verifier, drafter) -> dict:
+    return {
+        "chunk": dict(assistant_model=drafter, kv_budget=16),
+        "window": dict(assistant_model=drafter, draft_cache="window", kv_budget=24),
+        "full": dict(assistant_model=drafter, draft_cache="full"),
+        "int4-self": dict(assistant_model=verifier, draft_cache="int4"),
+        "window-self": dict(assistant_model=verifier, draft_cache="window", kv_budget=24),
+    }[mode]
+
+
+def _reference(verifier, p: torch.Tensor, mode: str, **kwargs) -> torch.Tensor:
+    """Greedy AR of one unpadded prompt (int4: on the INT8 view, which self-speculation is lossless against)."""
+    if mode == "int4-self":
+        kwargs["past_key_values"] = hf_sparsekv.HierarchicalQuantCache()
+    return verifier.generate(p, do_sample=False, **kwargs)[0, p.shape[1] :]
+
+
+def _assert_rows(out: torch.Tensor, prompts, references, width: int) -> None:
+    assert out.shape[0] == len(prompts)
+    for b, (p, ref) in enumerate(zip(prompts, references)):
+        row = out[b]
+        assert torch.equal(row[width - p.shape[1] : width], p[0]), b  # the prompt, left-padded, unchanged
+        assert torch.equal(row[:width - p.shape[1]], torch.full((width - p.shape[1],), PAD)), b
+        assert torch.equal(row[width : width + ref.shape[0]], ref), b
+        assert bool((row[width + ref.shape[0] :] == PAD).all()), b  # padding after an early stop, as stock
+
+
+def _cases(n=15, seed=4):
+    rng = random.Random(seed)
+    modes = ["chunk", "window", "full", "int4-self", "window-self"]
+    cases = []
+    for i in range(n):
+        arch = ARCHS[i % len(ARCHS)]
+        lengths = [rng.choice([1, 2, 7, 33, 90, 170, 257, 400]) for _ in range(rng.randint(2, 5))]
+        cases.append((arch, modes[i % len(modes)], (1, 3, 5)[i % 3], tuple(lengths), rng.randint(0, 10**6)))
+    return cases
+
+
+@pytest.mark.parametrize("arch,mode,gamma,lengths,seed", _cases())
+def test_each_row_equals_its_prompt_alone(arch, mode, gamma, lengths, seed):
+    verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
+    prompts = [prompt(n, seed + i) for i, n in enumerate(lengths)]
+    ids, mask = _left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, max_new_tokens=12, num_assistant_tokens=gamma,
+                            return_dict_in_generate=True, **_spec(mode, verifier, drafter))
+    references = [_reference(verifier, p, mode, max_new_tokens=12) for p in prompts]
+    _assert_rows(out.sequences, prompts, references, ids.shape[1])
+    stats = out.spec_stats
+    assert stats.prompts == len(prompts) and len(stats.rows) == len(prompts)
+    assert [r.new_tokens for r in stats.rows] == [ref.shape[0] for ref in references]
+    assert stats.new_tokens == sum(ref.shape[0] for ref in references)
+    assert stats.accepted == sum(r.accepted for r in stats.rows) and stats.rounds == sum(r.rounds for r in stats.rows)
+    assert stats.mean_accepted_length == pytest.approx((stats.new_tokens - len(prompts)) / stats.rounds)
+
+
+def test_eos_in_one_row_while_the_others_go_on():
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    prompts = [prompt(n, 50 + n) for n in (40, 9, 120)]
+    free = [_reference(verifier, p, "chunk", max_new_tokens=20) for p in prompts]
+    # An EOS id that row 0 produces early and the other rows never produce within 20 tokens.
+    candidates = [int(t) for t in free[0][:8] if all(int(t) not in f.tolist() for f in free[1:])]
+    assert candidates, "pick other prompts: no token of row 0 is absent from the other rows"
+    eos = candidates[0]
+    ids, mask = _left_padded(prompts)
+    kwargs = dict(max_new_tokens=20, eos_token_id=eos)
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **kwargs)
+    references = [_reference(verifier, p, "chunk", **kwargs) for p in prompts]
+    assert references[0].shape[0] < 20 and references[0][-1] == eos
+    assert all(r.shape[0] == 20 for r in references[1:])
+    assert out.shape[1] == ids.shape[1] + 20
+    _assert_rows(out, prompts, references, ids.shape[1])
+
+
+def test_rejected_and_accepted_rows_side_by_side():
+    """One drafter that agrees with the verifier on every prompt without token 5 and is wrong wherever token 5
+    was seen (its embedding of 5 is scrambled): a row of all-rejected drafts beside a row of all-accepted ones."""
+    verifier = tiny_model("llama")
+    drafter = copy.deepcopy(verifier)
+    with torch.no_grad():
+        drafter.model.embed_tokens.weight[5] = -50.0 * drafter.model.embed_tokens.weight[5].flip(0)
+    clean = prompt(60, 3)
+    clean = clean[:, (clean[0] != 5)][:, :50]
+    poisoned = torch.full((1, 30), 5)
+    prompts = [clean, poisoned]
+    ids, mask = _left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache="full",
+                            max_new_tokens=16, num_assistant_tokens=3, return_dict_in_generate=True)
+    references = [_reference(verifier, p, "full", max_new_tokens=16) for p in prompts]
+    _assert_rows(out.sequences, prompts, references, ids.shape[1])
+    accepted_row, rejected_row = out.spec_stats.rows
+    assert 5 not in references[0].tolist()
+    assert accepted_row.acceptance_rate == 1.0
+    assert rejected_row.acceptance_rate < 0.35
+
+
+def test_a_draft_cache_instance_serves_every_row():
+    verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
+    prompts = [prompt(n, n) for n in (70, 20)]
+    ids, mask = _left_padded(prompts)
+    cache = hf_sparsekv.ChunkBudgetCache(16)
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache=cache, max_new_tokens=8)
+    _assert_rows(out, prompts, [_reference(verifier, p, "chunk", max_new_tokens=8) for p in prompts], ids.shape[1])
+    assert cache.get_seq_length() == 0  # the caller's instance is left as it was given
+
+
+@pytest.mark.parametrize("extra,error,match", [
+    (dict(streamer="streamer"), ValueError, "streamer"),
+    (dict(max_time=5.0), NotImplementedError, "max_time"),
+    (dict(output_logits=True, return_dict_in_generate=True), NotImplementedError, "output_logits"),
+    (dict(past_key_values="prefix"), NotImplementedError, "prompt caching"),
+    (dict(num_beams=2), NotImplementedError, "num_beams"),
+])
+def test_what_a_batch_refuses(extra, error, match):
+    from transformers import DynamicCache
+    from transformers.generation.streamers import BaseStreamer
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids, mask = _left_padded([prompt(12, 1), prompt(30, 2)])
+    extra = dict(extra)
+    if extra.get("streamer") == "streamer":
+        extra["streamer"] = BaseStreamer()
+    if extra.get("past_key_values") == "prefix":
+        extra["past_key_values"] = DynamicCache()
+    with pytest.raises(error, match=match):
+        verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=4, **extra)
