@@ -209,7 +209,7 @@ def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Ten
     model's ``generation_config`` over the library defaults, then ``max_length``/``min_length`` made absolute (the
     default length with the same warning stock gives). Returns ``(config, kwargs generate() would not use)``.
 
-    Uses the same ``GenerationMixin`` helpers stock ``generate()`` calls (identical in transformers 5.17-5.23)."""
+    Uses the same ``GenerationMixin`` helpers stock ``generate()`` calls (identical in transformers 5.17-5.24)."""
     has_default_max_length = (
         kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)

@@ -38,7 +38,7 @@ from .speculative import GreedyRules, Output, SpeculativeResult, prefill
 def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int) -> LogitsProcessorList:
     """The processors and warpers stock ``generate()`` applies to the next-token logits of ``model`` under
     ``config``, for the (unpadded) ``prompt [1, P]`` and absolute ``min_length`` (the same ``GenerationMixin``
-    helpers stock ``generate()`` calls, identical in transformers 5.17-5.23)."""
+    helpers stock ``generate()`` calls, identical in transformers 5.17-5.24)."""
     config = copy.deepcopy(config)
     config.min_length = min_length
     model._prepare_special_tokens(config, True, device=prompt.device, batch_size=1)
