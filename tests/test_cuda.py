@@ -147,3 +147,26 @@ def test_graph_greedy_ar_equals_generate(arch):
                            reference)
     engine = graph_loop.current_engine(verifier)
     assert engine.steps["ar_step"].graph is not None and engine.compiled == (arch == "llama")
+
+
+@pytest.mark.parametrize("mode", ["chunk", "window", "full", "int4"])
+def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
+    """A left-padded batch on the graph path: each row is the greedy output of its prompt alone (int4: on the INT8
+    view), padded after an early stop; the rows reuse one engine."""
+    verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
+    prompts = [prompt(n, 30 + n).cuda() for n in (300, 7, 120)]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
+    kwargs = dict(max_new_tokens=40, do_sample=False)
+    _, spec = _reference_and_spec(verifier, drafter, mode, prompts[0], kwargs)
+    out = verifier.generate(ids, attention_mask=mask, num_assistant_tokens=3, **spec, **kwargs)
+    for b, p in enumerate(prompts):
+        reference, _ = _reference_and_spec(verifier, drafter, mode, p, kwargs)
+        new = reference[0, p.shape[1] :]
+        row = out[b, width:]
+        assert torch.equal(row[: new.shape[0]], new) and bool((row[new.shape[0] :] == 0).all()), b
+    engine = graph_loop.current_engine(verifier)
+    assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
