@@ -21,9 +21,9 @@ def _keyword_of(function) -> str:
     return NEW if NEW in params else OLD
 
 
-@torch.compiler.assume_constant_result  # traced steps bake the name in instead of tracing inspect
 def cache_keyword(model: torch.nn.Module) -> str:
-    """``"cache"`` if ``model.forward`` declares a ``cache`` parameter, else ``"past_key_values"``."""
+    """``"cache"`` if ``model.forward`` declares a ``cache`` parameter, else ``"past_key_values"``. Call it outside
+    code that torch.compile traces (it inspects a signature) and pass the name in."""
     forward = model.forward
     return _keyword_of(getattr(forward, "__func__", forward))
 

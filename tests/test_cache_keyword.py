@@ -1,6 +1,6 @@
 """The cache keyword (``past_key_values`` up to transformers 5.23, ``cache`` from 5.24 on): the name
-:func:`cache_keyword` picks reaches the model's cache without a deprecation warning, eagerly and under
-torch.compile."""
+:func:`cache_keyword` picks reaches the model's cache without a deprecation warning. (Compiled steps take the
+name from their engine: tests/test_static.py and the CUDA suite's ``compiled`` tests.)"""
 
 from __future__ import annotations
 
@@ -30,17 +30,6 @@ def test_the_chosen_keyword_fills_the_cache_without_warnings(arch):
     assert cache.get_seq_length() == ids.shape[1]  # the model used our cache, not a fresh one of its own
     assert not [w for w in caught if "past_key_values" in str(w.message)]
     torch.testing.assert_close(logits, model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)
-
-
-def test_compiled_callers_take_the_keyword_as_a_constant():
-    model = tiny_model("llama")
-    ids = torch.arange(1, 8)[None]
-    compiled = torch.compile(lambda ids: _forward(model, ids, DynamicCache()), backend="eager", fullgraph=False)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        out = compiled(ids)
-    assert not [w for w in caught if "lru_cache" in str(w.message) or "past_key_values" in str(w.message)]
-    torch.testing.assert_close(out, _forward(model, ids, DynamicCache()), rtol=0, atol=0)
 
 
 def test_pop_user_cache_takes_either_name_and_refuses_both():

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 from transformers.utils import logging
 
+from ..cache_keyword import cache_keyword
 from ..caches import HierarchicalQuantCache
 from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
@@ -116,6 +117,8 @@ class StaticEngine:
         self._drafter = None if drafter is None else weakref.ref(drafter)
         self.spec = spec
         self.use_graphs = use_graphs
+        self.verifier_keyword = cache_keyword(verifier)
+        self.drafter_keyword = None if drafter is None else cache_keyword(drafter)
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
         self.max_tokens = _round_up(max_tokens)
@@ -179,7 +182,7 @@ class StaticEngine:
             self.drafter_cache.view = "int4"
         token = self.seq.index_select(0, self.n - 1)
         for i in range(self.spec.gamma):
-            logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1)
+            logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1, self.drafter_keyword)
             token = self.drafts[i : i + 1]
             if self.warpers is None:
                 token.copy_(logits.argmax(-1))
@@ -191,7 +194,8 @@ class StaticEngine:
             self.drafter_cache.view = "int8"
 
     def _catch_up(self) -> None:
-        static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1)
+        static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1,
+                       self.drafter_keyword)
 
     def set_min_length(self, floor: int, eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be the token at sequence index < ``floor``."""
@@ -222,7 +226,8 @@ class StaticEngine:
 
     def _verify(self) -> None:
         block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
-        logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0)
+        logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0,
+                                self.verifier_keyword)
         if self.warpers is None:
             verified = self._next(logits, self.n)
             accepted = accepted_length(self.drafts, verified)
@@ -237,7 +242,7 @@ class StaticEngine:
 
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
-                                self.verifier_cache, 1)
+                                self.verifier_cache, 1, self.verifier_keyword)
         token = self._next(logits, self.n)
         self.seq.index_copy_(0, self.n, token)
         self.n.add_(1)

@@ -45,13 +45,15 @@ def compile_setting(use_graphs: bool) -> bool:
     return value == "1" or (value == "auto" and use_graphs)
 
 
-def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int) -> torch.Tensor:
+def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int,
+                   keyword: str) -> torch.Tensor:
     """``model`` on ``tokens [1, L]`` at ``positions [L]`` (device int64) over a static cache; logits ``[L', V]``
-    (L' = logits_to_keep, 0 for all), in the model dtype."""
+    (L' = logits_to_keep, 0 for all), in the model dtype. ``keyword``: :func:`~hf_sparsekv.cache_keyword.cache_keyword`
+    of ``model``, resolved by the caller outside the traced step (torch.compile cannot take a module as a constant)."""
     cache.begin_step(positions)
     out = model(
         input_ids=tokens, position_ids=positions[None], use_cache=True, logits_to_keep=logits_to_keep,
-        **{cache_keyword(model): cache},
+        **{keyword: cache},
     )
     return out.logits[0]
 
