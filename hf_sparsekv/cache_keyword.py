@@ -7,6 +7,7 @@ code path runs warning-free on 5.17 through the newest 5.x; users may pass eithe
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 
@@ -26,6 +27,12 @@ def cache_keyword(model: torch.nn.Module) -> str:
     code that torch.compile traces (it inspects a signature) and pass the name in."""
     forward = model.forward
     return _keyword_of(getattr(forward, "__func__", forward))
+
+
+def output_field(output_class) -> str:
+    """The field of a ``generate()`` output dataclass that holds the cache (``cache`` from 5.24 on, where
+    ``past_key_values`` is a property that warns)."""
+    return NEW if NEW in {f.name for f in dataclasses.fields(output_class)} else OLD
 
 
 def pop_user_cache(kwargs: dict):

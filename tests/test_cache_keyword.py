@@ -40,3 +40,27 @@ def test_pop_user_cache_takes_either_name_and_refuses_both():
     assert pop_user_cache(kwargs) is a and kwargs == {"x": 1}
     with pytest.raises(TypeError, match="both"):
         pop_user_cache({"cache": a, "past_key_values": b})
+
+
+def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
+    """With return_dict_in_generate the verifier cache is stored under the output class's own field (``cache``
+    from transformers 5.24 on), so building the output logs no deprecation of ``past_key_values``."""
+    import logging
+
+    from transformers.utils import logging as hf_logging
+
+    from hf_sparsekv.cache_keyword import output_field
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = torch.arange(3, 40)[None]
+    logging.Logger.warning_once.cache_clear()  # transformers logs this deprecation once per process
+    hf_logging.enable_propagation()
+    try:
+        with caplog.at_level(logging.WARNING):
+            out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=6, do_sample=False,
+                                    return_dict_in_generate=True)
+    finally:
+        hf_logging.disable_propagation()
+    assert not [r for r in caplog.records if "past_key_values" in r.getMessage()]
+    cache = getattr(out, output_field(type(out)))
+    assert cache is not None and cache.get_seq_length() == out.sequences.shape[1] - 1

@@ -11,7 +11,7 @@ from transformers.generation import LogitsProcessorList, MaxTimeCriteria, Stoppi
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
-from ..cache_keyword import pop_user_cache
+from ..cache_keyword import output_field, pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from . import batch_rows, graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
@@ -391,6 +391,6 @@ def speculative_generate(
         sequences=sequences,
         scores=tuple(result.scores) if config.output_scores else None,
         logits=tuple(result.logits) if config.output_logits else None,
-        past_key_values=verifier_cache if config.use_cache else None,
+        **{output_field(SpeculativeGenerateOutput): verifier_cache if config.use_cache else None},
         spec_stats=result.stats,
     )
