@@ -1,0 +1,150 @@
+"""Throughput over a batch of long prompts: HF's batched static-cache AR against our speculative modes (issue 16).
+
+Methods, interleaved within each repeat, for each batch size B:
+
+  hf-static-ar     verifier.generate(batch, cache_implementation="static")     transformers' compiled AR, batched
+  chunk-256-g3     generate(batch, assistant_model=drafter, kv_budget=256, num_assistant_tokens=3)
+  window-g3        generate(batch, ..., draft_cache="window", kv_budget=1024, num_assistant_tokens=3)
+  int4-self-g5     generate(batch, assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5)
+
+Prompts: B windows of ``--context`` tokens cut from the held-out documents (different documents and offsets), so
+every row has the same length (no padding); rows repeat only once every window is taken. Reported: generated tokens per second over the whole batch (B ×
+new tokens / seconds, prefill included), median of ``--repeats`` after one warm-up per method and batch size
+(compilation and capture happen there), peak memory. Prints a table, writes ``results.json`` and a PNG plot.
+
+    python benchmarks/batch.py --context 16384 --batches 1,4,16,64 --new-tokens 128 --out runs/batch
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.zoo import eval_documents, load_pair
+from provenance import commit
+
+METHODS = ("hf-static-ar", "chunk-256-g3", "window-g3", "int4-self-g5")
+
+
+def prompts(context: int, n: int) -> torch.Tensor:
+    """``[n, context]`` token windows: each long-enough document in turn, at offsets stepping by 512 tokens."""
+    docs = [d for d in eval_documents() if d.numel() >= context]
+    if not docs:
+        raise SystemExit(f"no held-out document has {context} tokens")
+    rows, offset = [], 0
+    while len(rows) < n:
+        for d in docs:
+            if offset + context <= d.numel() and len(rows) < n:
+                rows.append(d[offset : offset + context])
+        offset += 512
+        if offset + context > max(d.numel() for d in docs):
+            offset = 0  # reuse windows once every offset is taken
+    return torch.stack(rows)
+
+
+def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
+    common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    if name == "hf-static-ar":
+        return lambda: verifier.generate(ids, cache_implementation="static", **common)
+    spec = {
+        "chunk-256-g3": dict(assistant_model=drafter, kv_budget=256, num_assistant_tokens=3),
+        "window-g3": dict(assistant_model=drafter, draft_cache="window", kv_budget=1024, num_assistant_tokens=3),
+        "int4-self-g5": dict(assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5),
+    }[name]
+    return lambda: verifier.generate(ids, attention_mask=torch.ones_like(ids), **spec, **common)
+
+
+def timed(fn) -> tuple[float, torch.Tensor, int]:
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    out = fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - start, out, torch.cuda.max_memory_allocated()
+
+
+def summarize(records: list[dict]) -> list[dict]:
+    rows = []
+    for b in sorted({r["batch"] for r in records}):
+        for name in METHODS:
+            rs = [r for r in records if r["batch"] == b and r["method"] == name]
+            if rs:
+                rows.append(dict(batch=b, method=name, tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
+                                 peak_gib=max(r["peak_bytes"] for r in rs) / 2**30, runs=len(rs)))
+    for row in rows:
+        base = next(r for r in rows if r["batch"] == row["batch"] and r["method"] == "hf-static-ar")
+        row["vs_hf_static"] = row["tokens_per_s"] / base["tokens_per_s"]
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| batch | method | tokens/s (batch) | × HF static AR | peak GiB | runs |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_hf_static']:.2f} | "
+              f"{r['peak_gib']:.2f} | {r['runs']} |" for r in rows]
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name in METHODS:
+        pts = [(r["batch"], r["tokens_per_s"]) for r in rows if r["method"] == name]
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=name)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("batch size")
+    ax.set_ylabel("generated tokens/s over the batch")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--context", type=int, default=16384)
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--only", default="", help="comma-separated methods (default: all)")
+    p.add_argument("--out", default="runs/batch")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    graph_loop.MAX_ENGINES_PER_MODEL = 32
+    verifier, drafter, _ = load_pair(device="cuda")
+    names = [n for n in METHODS if not args.only or n in args.only.split(",")]
+    records, first_call = [], {}
+    for batch in [int(b) for b in args.batches.split(",")]:
+        ids = prompts(args.context, batch).cuda()
+        for name in tqdm(names, desc=f"warm-up B={batch}"):
+            first_call[f"{name}@{batch}"] = timed(runner(name, verifier, drafter, ids, args.new_tokens))[0]
+        for rep in range(args.repeats):
+            for name in tqdm(names, desc=f"B={batch} rep {rep}", leave=False):
+                seconds, seq, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
+                generated = batch * (seq.shape[1] - ids.shape[1])
+                records.append(dict(batch=batch, rep=rep, method=name, seconds=seconds, tokens=generated,
+                                    tokens_per_s=generated / seconds, peak_bytes=peak))
+        summary = summarize(records)
+        payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
+                       torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
+                       records=records)
+        (out / "results.json").write_text(json.dumps(payload, indent=1))  # after each batch size
+        print(table([r for r in summary if r["batch"] == batch]), flush=True)
+    plot(summarize(records), out / "tokens_per_second.png")
+    print("first call (compile + capture + run), s:", json.dumps({k: round(v, 1) for k, v in first_call.items()}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
