@@ -1,0 +1,25 @@
+"""The examples run as written (on the bundled pair, on CPU), and the batch example's rows equal greedy generate()."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("script,expect", [
+    ("speculative_generate.py", "identical to greedy AR: True"),
+    ("batch_generate.py", "equals greedy generate() of the prompt alone: True"),
+])
+def test_example_runs_on_the_bundled_pair(script, expect):
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), "--pair", "--max-new-tokens", "16"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    if script == "batch_generate.py":
+        assert proc.stdout.count(expect) == 3 and "False" not in proc.stdout, proc.stdout
+    else:
+        assert expect in proc.stdout, proc.stdout
