@@ -1,6 +1,7 @@
-"""A batch of prompts through speculative generate(): left padding and the attention mask, as for stock generate().
+"""A batch of prompts through speculative generate(), on the bundled pair: left padding and the attention mask, as
+for stock generate().
 
-    python examples/batch_generate.py --pair --max-new-tokens 48
+    python examples/batch_generate.py --max-new-tokens 48
 
 Each row of the output is what the same call gives for that prompt alone (greedy: the verifier's greedy output),
 padded after it stops. The rows are decoded one after another (README, "Batches"); this prints each completion,
@@ -10,33 +11,19 @@ whether it equals stock greedy generate() of that prompt, and the per-row accept
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import hf_sparsekv  # noqa: F401  (teaches generate() kv_budget / draft_cache)
-from hf_sparsekv.zoo import PAIR_DIR
+from hf_sparsekv.zoo import load_pair
 
 parser = argparse.ArgumentParser(formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-parser.add_argument("--pair", action="store_true", help="use the bundled pair: sets --verifier, --drafter, --tokenizer")
-parser.add_argument("--verifier", help="path or Hub id")
-parser.add_argument("--drafter", help="path or Hub id (same tokenizer as the verifier)")
-parser.add_argument("--tokenizer", help="path or Hub id; unset: the verifier's")
 parser.add_argument("--budget", type=int, default=64, help="kv_budget of the drafter's chunk-budget cache")
 parser.add_argument("--max-new-tokens", type=int, default=48)
 args = parser.parse_args()
-if args.pair:
-    args.verifier = args.verifier or str(PAIR_DIR / "verifier")
-    args.drafter = args.drafter or str(PAIR_DIR / "drafter-budgetdraft")
-    args.tokenizer = args.tokenizer or str(PAIR_DIR / "tokenizer")
-if not (args.verifier and args.drafter):
-    parser.error("pass --verifier and --drafter (or --pair)")
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-dtype = torch.bfloat16 if device == "cuda" else torch.float32
-tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.verifier)
+verifier, drafter, tokenizer = load_pair(device=device)
 if tokenizer.pad_token is None:
     tokenizer.pad_token = tokenizer.eos_token
-verifier = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=dtype).to(device).eval()
-drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=dtype).to(device).eval()
 prompts = [
     "import os\n\n\ndef list_python_files(root):\n",
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
