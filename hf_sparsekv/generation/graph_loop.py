@@ -444,6 +444,11 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
     return SpeculativeResult(sequence, stats, [], [])
 
 
+def placed_on(model) -> set[str]:
+    """The devices of a model dispatched with ``device_map`` (its ``hf_device_map`` values), else an empty set."""
+    return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
+
+
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
                 rules, prefix_cache: bool = False, sampling_blocker: str | None = None) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
@@ -471,6 +476,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
+    elif any(len(placed_on(m)) > 1 for m in (model, drafter)):
+        reason = "a model is dispatched over several devices (device_map): the static caches live on one device"
     elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
         reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif logits_processor:
