@@ -18,8 +18,11 @@ from collections.abc import Callable
 
 import torch
 from transformers.cache_utils import Cache
+from transformers.utils import logging
 
 from .stats import SpecStats
+
+logger = logging.get_logger(__name__)
 
 
 def pad_value(config) -> int | None:
@@ -63,6 +66,11 @@ def generate_rows(
     """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` (returning a dict-style output
     with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
     ``draft_cache`` instance is copied (empty) for each row."""
+    logger.warning_once(
+        "hf_sparsekv: a batch is decoded one row after another (each row as if alone); throughput does not grow "
+        "with the batch size, and at large batches stock batched generate() without kv_budget/draft_cache can be "
+        "faster (BENCHMARKS.md, 'Batches of long prompts')"
+    )
     outputs = []
     for b in range(input_ids.shape[0]):
         mask = None if attention_mask is None else attention_mask[b : b + 1]
