@@ -148,7 +148,7 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
         def timed(mode, budget, draft_model, *names):
             engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
                                            use_graphs)
-            engine.prefill(prompt)
+            engine.prefill([prompt])
             return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
 
         with torch.no_grad(), static_attention_for(verifier, drafter):

@@ -4,18 +4,18 @@ graph.
 
 No mask function is registered under this name, so transformers builds no mask (``create_causal_mask`` returns
 None); what a query sees comes from the cache (``slot_positions``, ``fp_length``), whose layer ``update`` leaves
-in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [1, Hq, L, D]``):
+in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D]``, B rows of independent sequences):
 
 * **prefill** (eager, the cache is empty): causal attention over the prompt's own keys (PyTorch SDPA; with a
   sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
   chunks from the prompt's queries here), and so does its ``companion`` if it has one (self-drafting: the model's
   own compressed cache, built from the same prefill);
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding
-  window, a shape the kernel takes: the Triton split-KV kernel reading its length from ``fp_length`` on the device,
+  window, a shape the kernel takes: the Triton split-KV kernel reading each row's length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
   one graph;
 * decode / verify step on the quantized store (self-speculation): the same kernel reading the packed codes in the
-  cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``);
+  cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``; one row);
 * otherwise (CPU, sink+window ring, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
   buffer (for the quantized store: every code slot dequantized, then the buffer) with a boolean mask computed from
   device tensors (the reference the kernels are tested against).
@@ -44,8 +44,9 @@ def _prefill_mask(length: int, sliding_window: int | None, device) -> torch.Tens
 @torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
 def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                   scaling: float) -> torch.Tensor:
-    """The Triton decode kernel over preallocated buffers: ``query [1, Hq, L, D]``, ``key/value [1, Hkv, S, D]`` of
-    which the first ``length`` (int32 ``[1]``, on the device) slots are read -> ``[1, L, Hq, D]`` contiguous."""
+    """The Triton decode kernel over preallocated buffers: ``query [B, Hq, L, D]``, ``key/value [B, Hkv, S, D]`` of
+    which the first ``length[b]`` (int32 ``[B]``, on the device) slots of row b are read -> ``[B, L, Hq, D]``
+    contiguous."""
     from .kernels.chunk_attention import chunk_decode_attention
 
     return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length)
@@ -53,8 +54,8 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
 
 @static_decode.register_fake
 def _static_decode_shape(query, key, value, length, scaling):
-    _, heads, n, dim = query.shape
-    return query.new_empty(1, n, heads, dim)
+    batch, heads, n, dim = query.shape
+    return query.new_empty(batch, n, heads, dim)
 
 
 @torch.library.custom_op("hf_sparsekv::static_quant_decode", mutates_args=())
@@ -103,7 +104,8 @@ def static_attention(
     dropout: float = 0.0,
     **kwargs,
 ):
-    """query ``[1, Hq, L, D]``; key/value as the static cache's ``update`` returned -> ``([1, L, Hq, D], None)``."""
+    """query ``[B, Hq, L, D]`` (a prefill: ``[1, Hq, P, D]``); key/value as the static cache's ``update`` returned ->
+    ``([B, L, Hq, D], None)``."""
     layer = LAST_WRITTEN[0]
     LAST_WRITTEN[0] = None
     if not isinstance(layer, StaticLayer) or layer.layer_idx != getattr(module, "layer_idx", -1):

@@ -11,10 +11,29 @@ import pytest
 import torch
 
 import hf_sparsekv
+from hf_sparsekv.generation import graph_loop
 
 from .conftest import ARCHS, prompt, tiny_model
 
 PAD = 0  # the tiny models' pad_token_id
+
+
+@pytest.fixture(params=["eager", "static"])
+def path(request, monkeypatch):
+    """The eager loop (row by row), or the static engine forced on CPU (rows together, except int4 self-speculation,
+    which goes row by row there too)."""
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0" if request.param == "eager" else "1")
+    graph_loop.release_engines()
+    yield request.param
+    graph_loop.release_engines()
+
+
+def _check_path(path: str, verifier, mode: str, rows: int) -> None:
+    engine = graph_loop.current_engine(verifier)
+    if path == "eager":
+        assert engine is None
+    else:  # int4 self-speculation takes the batch-1 engine row by row; the other modes one engine of all rows
+        assert engine is not None and engine.spec.batch == (1 if mode == "int4-self" else rows)
 
 
 def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,12 +85,13 @@ def _cases(n=15, seed=4):
 
 
 @pytest.mark.parametrize("arch,mode,gamma,lengths,seed", _cases())
-def test_each_row_equals_its_prompt_alone(arch, mode, gamma, lengths, seed):
+def test_each_row_equals_its_prompt_alone(path, arch, mode, gamma, lengths, seed):
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     prompts = [prompt(n, seed + i) for i, n in enumerate(lengths)]
     ids, mask = _left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, max_new_tokens=12, num_assistant_tokens=gamma,
                             return_dict_in_generate=True, **_spec(mode, verifier, drafter))
+    _check_path(path, verifier, mode, len(prompts))
     references = [_reference(verifier, p, mode, max_new_tokens=12) for p in prompts]
     _assert_rows(out.sequences, prompts, references, ids.shape[1])
     stats = out.spec_stats
@@ -82,7 +102,7 @@ def test_each_row_equals_its_prompt_alone(arch, mode, gamma, lengths, seed):
     assert stats.mean_accepted_length == pytest.approx((stats.new_tokens - len(prompts)) / stats.rounds)
 
 
-def test_eos_in_one_row_while_the_others_go_on():
+def test_eos_in_one_row_while_the_others_go_on(path):
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     prompts = [prompt(n, 50 + n) for n in (40, 9, 120)]
     free = [_reference(verifier, p, "chunk", max_new_tokens=20) for p in prompts]
@@ -93,6 +113,7 @@ def test_eos_in_one_row_while_the_others_go_on():
     ids, mask = _left_padded(prompts)
     kwargs = dict(max_new_tokens=20, eos_token_id=eos)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **kwargs)
+    _check_path(path, verifier, "chunk", len(prompts))
     references = [_reference(verifier, p, "chunk", **kwargs) for p in prompts]
     assert references[0].shape[0] < 20 and references[0][-1] == eos
     assert all(r.shape[0] == 20 for r in references[1:])
@@ -100,7 +121,7 @@ def test_eos_in_one_row_while_the_others_go_on():
     _assert_rows(out, prompts, references, ids.shape[1])
 
 
-def test_rejected_and_accepted_rows_side_by_side():
+def test_rejected_and_accepted_rows_side_by_side(path):
     """One drafter that agrees with the verifier on every prompt without token 5 and is wrong wherever token 5
     was seen (its embedding of 5 is scrambled): a row of all-rejected drafts beside a row of all-accepted ones."""
     verifier = tiny_model("llama")
@@ -114,6 +135,7 @@ def test_rejected_and_accepted_rows_side_by_side():
     ids, mask = _left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache="full",
                             max_new_tokens=16, num_assistant_tokens=3, return_dict_in_generate=True)
+    _check_path(path, verifier, "full", len(prompts))
     references = [_reference(verifier, p, "full", max_new_tokens=16) for p in prompts]
     _assert_rows(out.sequences, prompts, references, ids.shape[1])
     accepted_row, rejected_row = out.spec_stats.rows

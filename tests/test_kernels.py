@@ -136,6 +136,26 @@ def test_chunk_attention_reads_its_length_from_the_device(dtype, hq, hkv, length
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length", [(4, 4, 1), (8, 2, 4), (16, 2, 3)])
+def test_batched_rows_read_their_own_lengths(dtype, hq, hkv, length):
+    """A batch of rows over preallocated ``[B, Hkv, S, D]`` buffers with one device length per row (the batched
+    static engine's launch): each row equals the reference on its own first ``lengths[b]`` tokens."""
+    lengths = [length, 300, 77, 512]
+    rows = [_qkv(hq, hkv, length, 64, 512, dtype, seed=10 + b) for b in range(len(lengths))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    for b, n in enumerate(lengths):
+        k[b, :, n:] = 1e4  # never read
+    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    out = chunk_decode_attention(q, k, v, 0.125, length=n)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
+    assert out.shape == (len(lengths), length, hq, 64)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else TOL)
+    n[1] = 31  # the same launch arguments, other lengths
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
+    assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
+
+
 def test_static_decode_operator_matches_the_kernel_and_its_fake():
     """``hf_sparsekv::static_decode`` (the kernel as torch.compile sees it): same result as the reference, and its
     registration (schema, shape function, no aliasing) passes ``torch.library.opcheck``."""
@@ -146,6 +166,9 @@ def test_static_decode_operator_matches_the_kernel_and_its_fake():
     ref = chunk_decode_attention_reference(q, k[:, :, :150], v[:, :, :150], 0.125)
     assert _rel(static_decode(q, k, v, n, 0.125), ref) < 1e-5
     torch.library.opcheck(static_decode, (q, k, v, n, 0.125), test_utils=("test_schema", "test_faketensor"))
+    q2, k2, v2 = (torch.cat([x, x.flip(2)]) for x in (q, k, v))  # two rows
+    n2 = torch.tensor([150, 90], dtype=torch.int32, device=k.device)
+    torch.library.opcheck(static_decode, (q2, k2, v2, n2, 0.125), test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)

@@ -91,7 +91,7 @@ def test_static_cache_stores_what_the_dynamic_cache_stores(kind, prompt_len, bud
         # one token appended (as a drafter step does), then now and then a rollback of up to gamma tokens
         k1, v1 = _states(1, seed=1000 + step)
         dynamic.update(k1, v1, 0)
-        static.begin_step(torch.tensor([seen]))
+        static.begin_step(torch.tensor([[seen]]))
         static.update(k1, v1, 0)
         seen += 1
         if rng.random() < 0.3:
@@ -101,6 +101,46 @@ def test_static_cache_stores_what_the_dynamic_cache_stores(kind, prompt_len, bud
                 seen -= back
 
 
+@pytest.mark.parametrize("kind", ["full", "chunk", "window"])
+def test_rows_of_a_batched_cache_are_independent(kind):
+    """Each row of a batch-3 static cache holds exactly what a batch-1 cache fed that row's prompt and steps holds,
+    while the rows advance and roll back by different amounts in the same steps."""
+    rng = random.Random(3)
+    budget, gamma, rows, lengths = 16, 3, 3, [5, 40, 23]
+
+    def make(batch):
+        if kind == "full":
+            return StaticFullCache(1, H, D, 128, torch.float64, "cpu", batch)
+        if kind == "chunk":
+            return StaticChunkBudgetCache(budget, 1, H, D, budget + 80, torch.float64, "cpu", batch=batch)
+        return StaticSinkWindowCache(4, budget - 4, gamma + 1, 1, H, D, torch.float64, "cpu", batch)
+
+    batched, singles = make(rows), [make(1) for _ in range(rows)]
+    for row, n in enumerate(lengths):
+        k, v = _states(n, seed=n)
+        query = torch.randn(1, 2 * H, n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+        for cache, r in ((batched, row), (singles[row], 0)):
+            cache.begin_prefill(n, r)
+            cache.update(k, v, 0)
+            if kind == "chunk" and cache.needs_selection():
+                cache.select(cache.layers[0], query, k, v, D**-0.5)
+            cache.end_prefill()
+    seen = list(lengths)
+    for step in range(30):
+        block = [torch.arange(m, m + gamma + 1) for m in seen]
+        states = [_states(gamma + 1, seed=100 * step + row) for row in range(rows)]
+        batched.begin_step(torch.stack(block))
+        batched.update(torch.cat([k for k, _ in states]), torch.cat([v for _, v in states]), 0)
+        for row in range(rows):
+            singles[row].begin_step(block[row][None])
+            singles[row].update(*states[row], 0)
+            seen[row] += rng.randint(1, gamma + 1)  # each row keeps its own share of the block
+            got = batched.stored(0, seen[row], row)
+            want = singles[row].stored(0, seen[row])
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (step, row)
+        assert batched.fp_length.tolist() == [int(c.fp_length) for c in singles]
+
+
 def test_static_full_cache_is_position_indexed():
     cache = StaticFullCache(1, H, D, 32, torch.float64, "cpu")
     k, v = _states(5, seed=0)
@@ -108,13 +148,13 @@ def test_static_full_cache_is_position_indexed():
     cache.update(k, v, 0)
     cache.end_prefill()
     k2, v2 = _states(3, seed=1)
-    cache.begin_step(torch.tensor([5, 6, 7]))
+    cache.begin_step(torch.tensor([[5, 6, 7]]))
     keys, values = cache.update(k2, v2, 0)
     assert int(cache.fp_length) == 8
     assert torch.equal(keys[:, :, :8], torch.cat([k, k2], dim=-2))
-    visible = cache.visible(torch.tensor([5, 6, 7]))
+    visible = cache.visible(torch.tensor([[5, 6, 7]]))[0]
     assert visible[:, :8].tolist() == [[j <= i + 5 for j in range(8)] for i in range(3)] and not visible[:, 8:].any()
-    cache.begin_step(torch.tensor([6]))  # rollback to 6 tokens: the next step overwrites position 6
+    cache.begin_step(torch.tensor([[6]]))  # rollback to 6 tokens: the next step overwrites position 6
     k3, v3 = _states(1, seed=2)
     keys, _ = cache.update(k3, v3, 0)
     assert int(cache.fp_length) == 7 and torch.equal(keys[:, :, 6], k3[:, :, 0])
@@ -156,7 +196,7 @@ def test_static_quant_store_equals_the_dynamic_store(dtype, prompt_len, gamma):
         assert static.room(seen) == dynamic.uniform_room()
         block = slice(seen, seen + n)
         dynamic.update(keys[:, :, block], values[:, :, block], 0)
-        static.begin_step(torch.arange(seen, seen + n))
+        static.begin_step(torch.arange(seen, seen + n)[None])
         static.update(keys[:, :, block], values[:, :, block], 0)
         d, s = dynamic.layers[0], static.layers[0]
         t = d.quantized_length
@@ -174,14 +214,17 @@ def test_static_quant_store_equals_the_dynamic_store(dtype, prompt_len, gamma):
 
 def test_device_acceptance_equals_the_eager_rule():
     g = torch.Generator().manual_seed(0)
-    for _ in range(500):
-        gamma = int(torch.randint(1, 9, (1,), generator=g))
-        drafts = torch.randint(0, 3, (gamma,), generator=g)
-        verified = torch.randint(0, 3, (gamma + 1,), generator=g)
-        expected = 0
-        while expected < gamma and int(drafts[expected]) == int(verified[expected]):
-            expected += 1
-        assert accepted_length(drafts, verified).tolist() == [expected]
+    for _ in range(200):
+        gamma, rows = (int(torch.randint(1, 9, (1,), generator=g)) for _ in range(2))
+        drafts = torch.randint(0, 3, (rows, gamma), generator=g)
+        verified = torch.randint(0, 3, (rows, gamma + 1), generator=g)
+        expected = []
+        for d, v in zip(drafts.tolist(), verified.tolist()):
+            a = 0
+            while a < gamma and d[a] == v[a]:
+                a += 1
+            expected.append(a)
+        assert accepted_length(drafts, verified).tolist() == expected
 
 
 def _static_cases(seed=0):
@@ -320,10 +363,12 @@ def test_static_steps_trace_without_graph_breaks(static_path):
 
     verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
     sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
-    for mode, warpers in (("chunk", None), ("window", None), ("chunk", sampling)):
-        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers)
+    for mode, warpers, batch in (("chunk", None, 1), ("window", None, 1), ("chunk", sampling, 1), ("chunk", None, 3),
+                                 ("full", None, 2)):
+        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers,
+                                       batch=batch)
         with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
-            engine.prefill(prompt(40, seed=2))
+            engine.prefill([prompt(40 - 9 * row, seed=2 + row) for row in range(batch)])
             for name in ("draft", "verify", "catch_up", "ar_step"):
                 explained = torch._dynamo.explain(getattr(engine, "_" + name))()
                 assert explained.graph_break_count == 0, (mode, warpers, name, explained.break_reasons)
@@ -347,12 +392,12 @@ def test_static_self_drafting_is_lossless_with_one_prefill(static_path, arch, mo
         twin = copy.deepcopy(verifier)  # the same weights as a separate drafter: its own prefill
         with torch.no_grad(), graph_loop.static_attention_for(verifier, twin):
             shared = graph_loop.engine_for(verifier, verifier, mode, 32, gamma, length + 64, 64, use_graphs=False)
-            shared.prefill(ids)
+            shared.prefill([ids])
             single = graph_loop.StaticEngine(verifier, twin, shared.spec, length + 64, 64, use_graphs=False)
-            single.prefill(ids)
-        stored = single.drafter_cache.slot_positions >= 0  # (the shared engine's other slots hold the last call's tokens)
-        assert torch.equal(shared.drafter_cache.slot_positions >= 0, stored) and stored.any()
-        assert torch.equal(shared.drafter_cache.slot_positions[stored], single.drafter_cache.slot_positions[stored])
+            single.prefill([ids])
+        stored = single.drafter_cache.slot_positions[0] >= 0  # (the shared engine's other slots: the last call's tokens)
+        assert torch.equal(shared.drafter_cache.slot_positions[0] >= 0, stored) and stored.any()
+        assert torch.equal(shared.drafter_cache.slot_positions[0, stored], single.drafter_cache.slot_positions[0, stored])
         for a, b in zip(shared.drafter_cache.layers, single.drafter_cache.layers):
             assert torch.equal(a.keys[:, :, stored], b.keys[:, :, stored])
             assert torch.equal(a.values[:, :, stored], b.values[:, :, stored])

@@ -6,11 +6,15 @@ no cache memory, reads no length on the host, and can be captured as a CUDA grap
 
 Per cache (shared by its layers):
 
-* ``slot_positions [capacity]`` int64: the logical position held by each slot, -1 where nothing was written.
-  A query at position p sees slot j iff ``0 <= slot_positions[j] <= p`` and the cache's own rule (window, sink).
-* ``fp_length [1]`` int32: for the caches whose slots are in position order (full, chunk budget), the number of
-  slots the step's last query sees (``slot(last position) + 1``); the Triton decode kernel reads this length
-  from the device, so its launch is captured once and stays right as the sequence grows or rolls back.
+* ``slot_positions [B, capacity]`` int64: the logical position held by each slot of each row, -1 where nothing was
+  written. A query of row b at position p sees slot j iff ``0 <= slot_positions[b, j] <= p`` and the cache's own
+  rule (window, sink).
+* ``fp_length [B]`` int32: for the caches whose slots are in position order (full, chunk budget), the number of
+  slots the step's last query of each row sees (``slot(last position) + 1``); the Triton decode kernel reads these
+  lengths from the device, so its launch is captured once and stays right as the sequences grow or roll back.
+
+Rows (batch size B) are independent sequences: each has its own positions, slots, lengths and (chunk budget) its
+own kept chunks, so rows may advance and roll back by different amounts in the same step.
 
 Rollback moves nothing: the next step writes at the slots of its own positions, and slots holding positions
 beyond the current one are masked out (``slot_positions > p``) or lie past ``fp_length``. Keys are stored after
@@ -35,9 +39,10 @@ ending at the last one), exactly the positions the dynamic cache's ``get_mask_si
 other layouts use real positions.
 
 Driving a step (what :mod:`hf_sparsekv.generation.graph_steps` does): ``begin_step(positions)`` with the step's
-positions ``[L]`` (a device tensor), then the model forward (its attention must be the ``"sparsekv_static"``
-implementation, :mod:`hf_sparsekv.static_attention`). A prompt is fed with ``begin_prefill(length)`` instead
-(eager, never captured): it attends to the prompt itself and then stores what the layout keeps. Batch size 1.
+positions ``[B, L]`` (a device tensor), then the model forward (its attention must be the ``"sparsekv_static"``
+implementation, :mod:`hf_sparsekv.static_attention`). A prompt is fed to one row with ``begin_prefill(length,
+row)`` instead (eager, never captured, a batch-1 forward): it attends to the prompt itself and then stores what the
+layout keeps in that row. The quantized store has one row.
 """
 
 from __future__ import annotations
@@ -56,7 +61,7 @@ LAST_WRITTEN: list = [None]
 
 
 class StaticLayer(CacheLayerMixin):
-    """Key/value buffers ``[1, Hkv, capacity, D]`` of one layer; the slot arithmetic lives in the owning cache."""
+    """Key/value buffers ``[B, Hkv, capacity, D]`` of one layer; the slot arithmetic lives in the owning cache."""
 
     is_compileable = True
     is_sliding = False
@@ -99,8 +104,9 @@ class PreallocatedCache(Cache):
 
     Args:
         num_layers, kv_heads, head_dim: the model's attention shape.
-        capacity: slots per layer.
+        capacity: slots per layer and row.
         dtype, device: of the key/value buffers.
+        batch: rows (independent sequences).
 
     Whether decode steps run the Triton kernel is decided once, at construction (:func:`runtime.enabled`), so that
     nothing host-side is asked during a step.
@@ -108,22 +114,26 @@ class PreallocatedCache(Cache):
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1):
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
-        self.capacity = capacity
+        if batch < 1:
+            raise ValueError(f"batch must be positive, got {batch}")
+        self.capacity, self.batch = capacity, batch
         device = torch.device(device)
-        shape = (1, kv_heads, capacity, head_dim)
+        shape = (batch, kv_heads, capacity, head_dim)
         layers = [
             StaticLayer(self, i, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
             for i in range(num_layers)
         ]
         super().__init__(layers=layers)
-        self.slot_positions = torch.full((capacity,), -1, dtype=torch.long, device=device)
-        self.fp_length = torch.zeros(1, dtype=torch.int32, device=device)
-        self.positions: torch.Tensor | None = None  # the current step's positions [L]
-        self.slots: torch.Tensor | None = None  # their slots [L]
+        self.slot_positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
+        self.fp_length = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.positions: torch.Tensor | None = None  # the current step's positions [B, L]
+        self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
+        self.prefill_row = 0
+        self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
         self.companion: PreallocatedCache | None = None  # a cache filled from this one's prefill (self-drafting)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
@@ -134,30 +144,34 @@ class PreallocatedCache(Cache):
         raise NotImplementedError
 
     def begin_step(self, positions: torch.Tensor) -> None:
-        """Prepare a decode/verify step whose tokens are at ``positions [L]`` (int64, on the device, ascending)."""
+        """Prepare a decode/verify step whose tokens are at ``positions [B, L]`` (int64, on the device, ascending
+        along L)."""
         self.prefilling = False
         self.positions = positions
         self.slots = self.slots_of(positions)
-        self.slot_positions.index_copy_(0, self.slots, positions)
+        self.slot_positions.scatter_(1, self.slots, positions)
         if self.contiguous:
-            self.fp_length.copy_(self.slots[-1:] + 1)
+            self.fp_length.copy_(self.slots[:, -1] + 1)
         self._mask = None
 
-    def begin_prefill(self, length: int) -> None:
-        """The next forward feeds a prompt of ``length`` tokens to this empty cache (eager)."""
-        if self.seen:
-            raise ValueError(f"{type(self).__name__}.begin_prefill: the cache already holds {self.seen} tokens (reset())")
+    def begin_prefill(self, length: int, row: int = 0) -> None:
+        """The next forward (batch 1) feeds a prompt of ``length`` tokens to the empty row ``row`` (eager)."""
+        if not 0 <= row < self.batch:
+            raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
+        if row in self.filled_rows:
+            raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} already holds a prompt (reset())")
         self.prefilling = True
-        self.prefill_length = length
+        self.prefill_length, self.prefill_row = length, row
         self._mask = None
 
     def end_prefill(self) -> None:
         self.prefilling = False
+        self.filled_rows.add(self.prefill_row)
         self.seen = self.prefill_length
 
     def write(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor):
-        """Store a step's keys/values ``[1, Hkv, L, D]``; returns what the attention reads (the buffers, or the prompt's
-        own keys/values during a prefill)."""
+        """Store a step's keys/values ``[B, Hkv, L, D]`` (a prefill: ``[1, Hkv, P, D]`` of one row); returns what the
+        attention reads (the buffers, or the prompt's own keys/values during a prefill)."""
         if self.prefilling:
             if key_states.shape[-2] != self.prefill_length:
                 raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
@@ -165,10 +179,11 @@ class PreallocatedCache(Cache):
             if self.companion is not None:
                 self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
             return key_states, value_states
-        if self.slots is None or key_states.shape[-2] != self.slots.shape[0]:
+        if self.slots is None or tuple(key_states.shape[::2]) != tuple(self.slots.shape):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
-        layer.keys.index_copy_(2, self.slots, key_states)
-        layer.values.index_copy_(2, self.slots, value_states)
+        index = self.slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
+        layer.keys.scatter_(2, index, key_states)
+        layer.values.scatter_(2, index, value_states)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -182,10 +197,10 @@ class PreallocatedCache(Cache):
 
     # ---- what a query sees
     def visible(self, query_positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-        """Boolean ``[L, capacity]``: query i (at ``query_positions[i]``) sees slot j. ``sliding_window`` as in
-        transformers' sliding masks (key position > query position - sliding_window)."""
-        sp = self.slot_positions[None, :]
-        qp = query_positions[:, None]
+        """Boolean ``[B, L, capacity]``: query i of row b (at ``query_positions[b, i]``) sees slot j of that row.
+        ``sliding_window`` as in transformers' sliding masks (key position > query position - sliding_window)."""
+        sp = self.slot_positions[:, None, :]
+        qp = query_positions[:, :, None]
         seen = (sp >= 0) & (sp <= qp) & self._rule(sp, qp)
         if sliding_window is not None:
             seen &= sp > qp - sliding_window
@@ -195,9 +210,9 @@ class PreallocatedCache(Cache):
         return torch.ones_like(slot_pos, dtype=torch.bool)
 
     def step_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The current step's mask ``[1, 1, L, capacity]``, computed once per step and shared by the layers."""
+        """The current step's mask ``[B, 1, L, capacity]``, computed once per step and shared by the layers."""
         if self._mask is None or self._mask[0] != sliding_window:
-            self._mask = (sliding_window, self.visible(self.positions, sliding_window)[None, None])
+            self._mask = (sliding_window, self.visible(self.positions, sliding_window)[:, None])
         return self._mask[1]
 
     # ---- host-side bookkeeping
@@ -222,21 +237,23 @@ class PreallocatedCache(Cache):
         self.fp_length.zero_()
         self.seen = 0
         self.prefilling = False
+        self.filled_rows.clear()
         self._mask = None
 
     def nbytes(self) -> int:
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
 
-    def stored(self, layer_idx: int, position: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """What a query at ``position`` would see in layer ``layer_idx`` besides its own token, in position order:
-        keys/values ``[1, Hkv, n, D]`` and their mask positions ``[n]`` (for tests and inspection)."""
-        seen = self.visible(torch.tensor([position], device=self.slot_positions.device))[0]
-        seen &= self.slot_positions < position
+    def stored(self, layer_idx: int, position: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """What a query of row ``row`` at ``position`` would see in layer ``layer_idx`` besides its own token, in
+        position order: keys/values ``[1, Hkv, n, D]`` and their mask positions ``[n]`` (for tests and inspection)."""
+        query = torch.full((self.batch, 1), position, device=self.slot_positions.device)
+        seen = self.visible(query)[row, 0] & (self.slot_positions[row] < position)
         slots = seen.nonzero().flatten()
-        order = self.slot_positions[slots].argsort()
+        order = self.slot_positions[row, slots].argsort()
         slots = slots[order]
         layer = self.layers[layer_idx]
-        return layer.keys[:, :, slots], layer.values[:, :, slots], self.slot_positions[slots]
+        return (layer.keys[row : row + 1, :, slots], layer.values[row : row + 1, :, slots],
+                self.slot_positions[row, slots])
 
 
 class StaticFullCache(PreallocatedCache):
@@ -249,11 +266,13 @@ class StaticFullCache(PreallocatedCache):
         n = key_states.shape[-2]
         if n > self.capacity:
             raise ValueError(f"prompt of {n} tokens exceeds the cache capacity {self.capacity}")
-        layer.keys[:, :, :n].copy_(key_states)
-        layer.values[:, :, :n].copy_(value_states)
+        r = self.prefill_row
+        layer.keys[r, :, :n].copy_(key_states[0])
+        layer.values[r, :, :n].copy_(value_states[0])
         if layer.layer_idx == 0:
-            self.slot_positions[:n] = torch.arange(n, device=self.slot_positions.device)
-            self.fp_length.fill_(n)
+            self.slot_positions[r].fill_(-1)
+            self.slot_positions[r, :n] = torch.arange(n, device=self.slot_positions.device)
+            self.fp_length[r] = n
 
 
 class StaticChunkBudgetCache(PreallocatedCache):
@@ -262,18 +281,18 @@ class StaticChunkBudgetCache(PreallocatedCache):
     and every token appended later."""
 
     def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
-                 per_kv_head: bool = False, score_window: int | None = None):
+                 per_kv_head: bool = False, score_window: int | None = None, batch: int = 1):
         if budget < chunk_size:
             raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
         if per_kv_head:
             raise NotImplementedError("per_kv_head selection is not supported on static storage")
-        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device)
+        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch)
         self.budget, self.chunk_size, self.score_window = budget, chunk_size, score_window
-        self.offset = torch.zeros(1, dtype=torch.long, device=self.slot_positions.device)  # P - K
-        self.kept = 0
+        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
+        self.kept = [0] * batch
 
     def slots_of(self, positions):
-        return positions - self.offset
+        return positions - self.offset[:, None]
 
     def _store_prefill(self, layer, key_states, value_states):
         p = key_states.shape[-2]
@@ -282,8 +301,8 @@ class StaticChunkBudgetCache(PreallocatedCache):
 
     def select(self, layer: StaticLayer, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float) -> None:
-        """Keep the top chunks of the prompt given its queries ``[1, Hq, P, D]`` (called by the attention during a
-        prefill longer than the budget)."""
+        """Keep the top chunks of the prompt given its queries ``[1, Hq, P, D]`` in the row being prefilled (called by
+        the attention during a prefill longer than the budget)."""
         scores = cumulative_attention(query, key_states, scaling, self.score_window).sum(1, keepdim=True)
         kept = top_chunk_indices(scores, self.budget, self.chunk_size)
         self._keep(layer, select_tokens(key_states, kept), select_tokens(value_states, kept))
@@ -292,13 +311,16 @@ class StaticChunkBudgetCache(PreallocatedCache):
         k = keys.shape[-2]
         if k + 1 > self.capacity:
             raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
-        layer.keys[:, :, :k].copy_(keys)
-        layer.values[:, :, :k].copy_(values)
+        r = self.prefill_row
+        layer.keys[r, :, :k].copy_(keys[0])
+        layer.values[r, :, :k].copy_(values[0])
         if layer.layer_idx == 0:
-            self.kept = k
-            self.offset.fill_(self.prefill_length - k)
-            self.slot_positions[:k] = torch.arange(self.prefill_length - k, self.prefill_length, device=self.offset.device)
-            self.fp_length.fill_(k)
+            self.kept[r] = k
+            self.offset[r] = self.prefill_length - k
+            self.slot_positions[r].fill_(-1)
+            self.slot_positions[r, :k] = torch.arange(self.prefill_length - k, self.prefill_length,
+                                                      device=self.offset.device)
+            self.fp_length[r] = k
 
     def needs_selection(self) -> bool:
         return self.prefilling and self.prefill_length > self.budget
@@ -306,7 +328,7 @@ class StaticChunkBudgetCache(PreallocatedCache):
     def reset(self) -> None:
         super().reset()
         self.offset.zero_()
-        self.kept = 0
+        self.kept = [0] * self.batch
 
 
 class StaticSinkWindowCache(PreallocatedCache):
@@ -316,11 +338,12 @@ class StaticSinkWindowCache(PreallocatedCache):
 
     contiguous = False
 
-    def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device):
+    def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
+                 batch: int = 1):
         if sink < 0 or window < 1 or max_rollback < 0:
             raise ValueError(f"need sink >= 0, window >= 1, max_rollback >= 0; got {sink}, {window}, {max_rollback}")
         self.sink, self.window, self.ring = sink, window, window + max_rollback + 1
-        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device)
+        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device, batch)
 
     def slots_of(self, positions):
         return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
@@ -335,11 +358,13 @@ class StaticSinkWindowCache(PreallocatedCache):
             torch.arange(min(self.sink, p), device=device),
             torch.arange(min(p, max(self.sink, p - self.ring)), p, device=device),
         ])
-        slots = self.slots_of(positions)
-        layer.keys.index_copy_(2, slots, key_states[:, :, positions])
-        layer.values.index_copy_(2, slots, value_states[:, :, positions])
+        slots = self.slots_of(positions[None])[0]
+        r = self.prefill_row
+        layer.keys[r].index_copy_(1, slots, key_states[0, :, positions])
+        layer.values[r].index_copy_(1, slots, value_states[0, :, positions])
         if layer.layer_idx == 0:
-            self.slot_positions.index_copy_(0, slots, positions)
+            self.slot_positions[r].fill_(-1)
+            self.slot_positions[r].index_copy_(0, slots, positions)
 
 
 class StaticQuantCache(PreallocatedCache):
@@ -413,7 +438,7 @@ class StaticQuantCache(PreallocatedCache):
         if layer.layer_idx == 0:
             self._set_quantized(t)
             self.slot_positions.fill_(-1)
-            self.slot_positions[: p - t] = torch.arange(t, p, device=self.offset.device)
+            self.slot_positions[0, : p - t] = torch.arange(t, p, device=self.offset.device)
             self.fp_length.fill_(p - t)
 
     def _quantize_into(self, layer, keys, values, start: int) -> None:
@@ -449,9 +474,9 @@ class StaticQuantCache(PreallocatedCache):
             self._quantize_into(layer, layer.keys[:, :, :moved], layer.values[:, :, :moved], self.quantized)
             layer.keys[:, :, :keep] = layer.keys[:, :, moved : moved + keep].clone()
             layer.values[:, :, :keep] = layer.values[:, :, moved : moved + keep].clone()
-        shifted = self.slot_positions[moved : moved + keep].clone()
+        shifted = self.slot_positions[0, moved : moved + keep].clone()
         self.slot_positions.fill_(-1)
-        self.slot_positions[:keep] = shifted
+        self.slot_positions[0, :keep] = shifted
         self._set_quantized(target)
 
     def reference_attention_inputs(self, layer, sliding_window: int | None):
@@ -464,11 +489,11 @@ class StaticQuantCache(PreallocatedCache):
         keys = torch.cat([dequantize_keys(layer.qkeys, self.group_size, int8, dtype), layer.keys], -2)
         values = torch.cat([dequantize_values(layer.qvalues, int8, dtype), layer.values], -2)
         code_positions = torch.arange(layer.qkeys.upper.shape[-2], device=keys.device)
-        qp = self.positions[:, None]
+        qp = self.positions[0][:, None]
         quant_seen = code_positions[None, :] < self.offset
         if sliding_window is not None:
             quant_seen = quant_seen & (code_positions[None, :] > qp - sliding_window)
-        mask = torch.cat([quant_seen.expand(qp.shape[0], -1), self.visible(self.positions, sliding_window)], -1)
+        mask = torch.cat([quant_seen.expand(qp.shape[0], -1), self.visible(self.positions, sliding_window)[0]], -1)
         return keys, values, mask[None, None]
 
     def reset(self) -> None:

@@ -6,9 +6,12 @@ Contract (what a left-padded batch gets): row ``b`` of the output is exactly wha
 stock does), followed by ``pad_token_id`` up to the longest row, as stock pads rows that stopped early (EOS, a stop
 string, a stopping criterion). ``spec_stats`` holds the totals and each row's own counters (``rows``).
 
-The rows run one after another through the batch-1 engine (graph path on CUDA, eager loop elsewhere): every mode
-works and no row's acceptance depends on another's, but the verifier's weights are read once per row, not once
-per batch, so throughput does not grow with the batch (a batched engine is future work).
+Two ways to get there. Greedy decoding that takes the static path with a chunk, window or full drafter runs all
+rows together on one engine (:func:`~.graph_loop.static_decode_rows`: one captured step per batch, each row with
+its own length, positions, chunk selection and accepted count). Everything else (int4 self-speculation, sampling,
+the eager loop) runs the rows one after another through the batch-1 path (:func:`generate_rows`): every mode works
+and no row's acceptance depends on another's, but the verifier's weights are read once per row, so throughput does
+not grow with the batch.
 """
 
 from __future__ import annotations
@@ -76,17 +79,30 @@ def generate_rows(
         mask = None if attention_mask is None else attention_mask[b : b + 1]
         cache = copy.deepcopy(draft_cache) if isinstance(draft_cache, Cache) else draft_cache
         outputs.append(generate_one(input_ids[b : b + 1], mask, cache))
-    longest = max(out.sequences.shape[1] for out in outputs)
-    if pad is None and any(out.sequences.shape[1] != longest for out in outputs):
+    return assemble([out.sequences for out in outputs], [out.spec_stats for out in outputs], pad, return_dict,
+                    type(outputs[0]))
+
+
+def assemble(sequences: list[torch.Tensor], stats: list[SpecStats], pad: int | None, return_dict: bool, output_cls,
+             shared_seconds: bool = False):
+    """Rows ``sequences[b] [1, L_b]`` (each its padded prompt and new tokens) -> ``[B, max L_b]``, rows that stopped
+    early padded with ``pad`` after their end as stock does; with ``return_dict``, ``output_cls(sequences=...,
+    spec_stats=...)`` with the totals and each row's stats. ``shared_seconds``: the rows ran together and the first
+    row's seconds are the batch's (counters are still summed)."""
+    longest = max(seq.shape[1] for seq in sequences)
+    if pad is None and any(seq.shape[1] != longest for seq in sequences):
         raise ValueError(
             "rows stopped at different lengths and there is neither pad_token_id nor eos_token_id to pad the "
             "finished ones with: set generation_config.pad_token_id"
         )
-    device = outputs[0].sequences.device
-    sequences = torch.full((len(outputs), longest), pad if pad is not None else 0, dtype=input_ids.dtype, device=device)
-    for b, out in enumerate(outputs):
-        sequences[b, : out.sequences.shape[1]] = out.sequences[0]
-    stats = SpecStats.of_rows([out.spec_stats for out in outputs])
+    out = torch.full((len(sequences), longest), pad if pad is not None else 0, dtype=sequences[0].dtype,
+                     device=sequences[0].device)
+    for b, seq in enumerate(sequences):
+        out[b, : seq.shape[1]] = seq[0]
+    total = SpecStats.of_rows(stats)
+    if shared_seconds:
+        for name in ("prefill_seconds", "draft_seconds", "verify_seconds"):
+            setattr(total, name, getattr(stats[0], name))
     if not return_dict:
-        return sequences
-    return type(outputs[0])(sequences=sequences, spec_stats=stats)
+        return out
+    return output_cls(sequences=out, spec_stats=total)

@@ -70,6 +70,33 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     return input_ids[:, first:]
 
 
+def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_criteria, logits_processor,
+               tokenizer) -> tuple[torch.Tensor, GreedyRules]:
+    """The unpadded prompt ``[1, P]`` (on the model's device) of one row ``input_ids [1, L]`` and the stopping rules
+    stock ``generate()`` applies to it alone (``max_length``/``min_length`` count its own left padding, as stock
+    does)."""
+    prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
+    eos = config.eos_token_id
+    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
+    criteria = StoppingCriteriaList(stopping_criteria or [])
+    if config.max_time is not None:
+        criteria.append(MaxTimeCriteria(config.max_time))
+    if config.stop_strings:
+        if tokenizer is None:
+            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=tok to generate() (as stock generate())")
+        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
+    return prompt, GreedyRules(
+        prompt_length=prompt.shape[1],
+        max_length=config.max_length - pad,  # absolute (prompt included), as stock generate() sets it
+        eos_token_ids=eos_ids,
+        min_length=max((config.min_length or 0) - pad, 0),
+        min_new_tokens=config.min_new_tokens or 0,
+        logits_processor=LogitsProcessorList(logits_processor or []),
+        stopping_criteria=criteria,
+    )
+
+
 def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
     """-> (drafter object, verifier cache). A chunk-budget cache gets the prompt's queries through hooks under any
     attention implementation. With ``assistant_model=model``, a chunk-budget or sink+window cache is built from the
@@ -254,7 +281,9 @@ def speculative_generate(
     **kwargs,
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
-    than one (left-padded) prompt is decoded row by row (:mod:`.batch_rows`)."""
+    than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
+    the static path with a chunk, window or full drafter, else row by row (:mod:`.batch_rows`); either way each row
+    is what its prompt alone gives."""
     if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
         raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
     for name, value in (
@@ -278,26 +307,12 @@ def speculative_generate(
     gamma_given = "num_assistant_tokens" in kwargs or (
         generation_config is not None and "num_assistant_tokens" in generation_config.to_diff_dict()
     )
-    if input_ids.dim() == 2 and input_ids.shape[0] > 1:
-        config, unused = _prepare_config(model, generation_config, dict(kwargs), input_ids)
-        if unused:
-            raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
-        batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
-                               prefix_cache=past_key_values is not None, max_time=config.max_time)
-
-        def one_row(ids, mask, cache):
-            return speculative_generate(
-                model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
-                **{**kwargs, "return_dict_in_generate": True},
-            )
-
-        return batch_rows.generate_rows(one_row, input_ids, attention_mask, draft_cache, batch_rows.pad_value(config),
-                                        config.return_dict_in_generate)
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
         raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty")
+    batch = input_ids.shape[0]
+    row_kwargs = dict(kwargs)  # what each row gets when a batch is decoded row by row
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
     if unused:
         raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
@@ -324,28 +339,42 @@ def speculative_generate(
     if not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
     shared_vocab = _check_models(model, assistant_model, tokenizer)
+    if batch > 1:
+        batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
+                               prefix_cache=past_key_values is not None, max_time=config.max_time)
+        static = None if config.do_sample else graph_loop.static_mode(
+            model, assistant_model, draft_cache, kv_budget, wants_outputs=False, logits_processor=logits_processor,
+            stopping_criteria=stopping_criteria, rules=None)
+        pad = batch_rows.pad_value(config)
+        if static is not None and static[0] != "int4":
+            rows = [
+                _row_rules(model, config, input_ids[b : b + 1],
+                           None if attention_mask is None else attention_mask[b : b + 1], stopping_criteria,
+                           logits_processor, tokenizer)
+                for b in range(batch)
+            ]
+            prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
+            engine = graph_loop.engine_for(
+                model, assistant_model, *static, gamma, max(r.max_length for r in rules),
+                max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch)
+            results = graph_loop.static_decode_rows(engine, prompts, rules)
+            sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
+                         for b, res in enumerate(results)]
+            return batch_rows.assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
+                                       SpeculativeGenerateOutput, shared_seconds=True)
 
-    prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
-    eos = config.eos_token_id
-    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
-    max_length = config.max_length  # absolute (prompt included), as stock generate() sets it
-    pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
-    criteria = StoppingCriteriaList(stopping_criteria or [])
-    if config.max_time is not None:
-        criteria.append(MaxTimeCriteria(config.max_time))
-    if config.stop_strings:
-        if tokenizer is None:
-            raise ValueError("stop_strings needs the tokenizer: pass tokenizer=tok to generate() (as stock generate())")
-        criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
-    rules = GreedyRules(
-        prompt_length=prompt.shape[1],
-        max_length=max_length - pad,
-        eos_token_ids=eos_ids,
-        min_length=max((config.min_length or 0) - pad, 0),
-        min_new_tokens=config.min_new_tokens or 0,
-        logits_processor=LogitsProcessorList(logits_processor or []),
-        stopping_criteria=criteria,
-    )
+        def one_row(ids, mask, cache):
+            return speculative_generate(
+                model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
+                kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
+                **{**row_kwargs, "return_dict_in_generate": True},
+            )
+
+        return batch_rows.generate_rows(one_row, input_ids, attention_mask, draft_cache, pad,
+                                        config.return_dict_in_generate)
+
+    prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
+                               tokenizer)
 
     drafter, verifier_cache = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
     if past_key_values is not None:

@@ -70,9 +70,9 @@ def _attention_shape(model) -> tuple[int, int, int]:
 
 
 def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
-    """Greedy acceptance on the device: the number of leading ``drafts [γ]`` equal to the verifier's argmaxes
-    ``verified [γ+1]`` (``verified[i]`` is the verifier's token after draft i-1), as a ``[1]`` int64 tensor."""
-    return (verified[: drafts.shape[0]] == drafts).long().cumprod(0).sum(0, keepdim=True)
+    """Greedy acceptance on the device, per row: the number of leading ``drafts [B, γ]`` equal to the verifier's
+    argmaxes ``verified [B, γ+1]`` (``verified[:, i]`` is the verifier's token after draft i-1), ``[B]`` int64."""
+    return (verified[:, : drafts.shape[1]] == drafts).long().cumprod(1).sum(1)
 
 
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
@@ -89,6 +89,7 @@ class EngineSpec:
     gamma: int
     dtype: torch.dtype
     device: torch.device
+    batch: int  # rows decoded together (independent sequences)
     kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
     compiled: bool  # steps compiled with torch.compile before capture
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
@@ -121,28 +122,33 @@ class StaticEngine:
         self.drafter_keyword = None if drafter is None else cache_keyword(drafter)
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
+        if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
+            slack += AR_STEPS_PER_SYNC
         self.max_tokens = _round_up(max_tokens)
         self.max_new = _round_up(max_new)
         if spec.mode == "int4":  # one store: the draft reads its INT4 view, verification its INT8 view
+            if spec.batch != 1:
+                raise NotImplementedError("int4 self-speculation runs one row at a time")
             self.verifier_cache = StaticQuantCache(spec.budget, self.max_tokens + slack, gamma + 1,
                                                    *_attention_shape(verifier), dtype, device)
             self.drafter_cache = self.verifier_cache
         else:
-            self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device)
+            self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
+                                                  spec.batch)
             self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
-        self.seq = torch.zeros(self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
-        self.n = torch.zeros(1, dtype=torch.long, device=device)
-        self.drafts = torch.zeros(gamma, dtype=torch.long, device=device)
-        self.verified = torch.zeros(gamma + 1, dtype=torch.long, device=device)
-        self.accepted = torch.zeros(1, dtype=torch.long, device=device)
-        self.report = torch.zeros(gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ]: what the host reads
+        rows = spec.batch
+        self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
+        self.n = torch.zeros(rows, dtype=torch.long, device=device)
+        self.live = torch.ones(rows, dtype=torch.long, device=device)  # 0: the row has finished, its n stays
+        self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
+        self.report = torch.zeros(rows, gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ] per row: what the host reads
         self._block_offsets = torch.arange(gamma + 1, device=device)
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
-        self.eos_floor = torch.zeros(1, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
+        self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
         self.warpers = warpers  # None: greedy
         if warpers is not None:  # the drafter's probabilities of each draft
-            self.q = torch.zeros(gamma, vocab, dtype=torch.float32, device=device)
+            self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         self.steps: dict[str, CapturedStep] = {}
         self.compiled = spec.compiled
@@ -151,14 +157,15 @@ class StaticEngine:
         shape = _attention_shape(self.drafter)
         mode, spec = self.spec.mode, self.spec
         if mode == "chunk":
-            return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype, spec.device)
+            return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
+                                          spec.device, batch=spec.batch)
         if mode == "window":
             from .front import WINDOW_SINK
 
             return StaticSinkWindowCache(WINDOW_SINK, spec.budget - WINDOW_SINK, spec.gamma + 1, *shape, spec.dtype,
-                                         spec.device)
+                                         spec.device, spec.batch)
         if mode == "full":
-            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device)
+            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch)
         raise ValueError(f"unknown static drafter mode {mode!r}")
 
     @property
@@ -175,79 +182,89 @@ class StaticEngine:
             and max_tokens <= self.max_tokens and max_new <= self.max_new
         )
 
-    # ---- device-only steps (captured on CUDA)
+    # ---- device-only steps (captured on CUDA); every tensor has one row per sequence
+    def _last(self, back: int) -> torch.Tensor:
+        """``seq[b, n[b] - back]`` of every row, ``[B, 1]``."""
+        return self.seq.gather(1, (self.n - back)[:, None])
+
     def _draft(self) -> None:
         quant = isinstance(self.drafter_cache, StaticQuantCache)
         if quant:
             self.drafter_cache.view = "int4"
-        token = self.seq.index_select(0, self.n - 1)
+        token = self._last(1)
         for i in range(self.spec.gamma):
-            logits = static_forward(self.drafter, token[None], self.n - 1 + i, self.drafter_cache, 1, self.drafter_keyword)
-            token = self.drafts[i : i + 1]
+            logits = static_forward(self.drafter, token, (self.n - 1 + i)[:, None], self.drafter_cache, 1,
+                                    self.drafter_keyword)[:, 0]
+            token = self.drafts[:, i : i + 1]
             if self.warpers is None:
-                token.copy_(logits.argmax(-1))
+                token.copy_(logits.argmax(-1)[:, None])
             else:
-                q = self._probabilities(logits, self.n + i)
-                self.q[i : i + 1].copy_(q)
-                token.copy_(draw(q))
+                q = self._probabilities(logits[:, None], self.n + i)[:, 0]
+                self.q[:, i].copy_(q)
+                token.copy_(draw(q)[:, None])
         if quant:
             self.drafter_cache.view = "int8"
 
     def _catch_up(self) -> None:
-        static_forward(self.drafter, self.seq.index_select(0, self.n - 2)[None], self.n - 2, self.drafter_cache, 1,
-                       self.drafter_keyword)
+        static_forward(self.drafter, self._last(2), (self.n - 2)[:, None], self.drafter_cache, 1, self.drafter_keyword)
 
-    def set_min_length(self, floor: int, eos_token_ids: list[int]) -> None:
-        """Greedy generate()'s min_length/min_new_tokens: EOS cannot be the token at sequence index < ``floor``."""
-        self.eos_floor.fill_(floor if eos_token_ids else 0)
+    def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
+        """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
+        ``floors[b]``."""
+        self.eos_floor.copy_(torch.tensor(floors if eos_token_ids else [0] * len(floors)))
         self.eos_mask.zero_()
         if eos_token_ids:
             self.eos_mask[[e for e in eos_token_ids if 0 <= e < self.eos_mask.numel()]] = True
 
     def _floored(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
-        """``logits [L, V]`` for the tokens at sequence indices ``first_index + 0..L-1`` with EOS masked below
+        """``logits [B, L, V]`` for the tokens at sequence indices ``first_index[b] + 0..L-1`` with EOS masked below
         ``eos_floor`` (on the device: no host branch)."""
-        index = first_index + self._block_offsets[: logits.shape[0]]
-        early = (index < self.eos_floor)[:, None] & self.eos_mask[None, :]
+        index = first_index[:, None] + self._block_offsets[: logits.shape[1]]
+        early = (index < self.eos_floor[:, None])[..., None] & self.eos_mask
         return logits.masked_fill(early, float("-inf"))
 
     def _probabilities(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
-        """Sampling: the processed distributions ``[L, V]`` (float32) of ``logits [L, V]`` (see :meth:`_floored`)."""
+        """Sampling: the processed distributions ``[B, L, V]`` (float32) of ``logits [B, L, V]`` (see
+        :meth:`_floored`)."""
         scores = self._floored(logits.float(), first_index)
+        flat = scores.flatten(0, 1)
         for warper in self.warpers:
-            scores = warper(None, scores)  # the device warpers read only the scores
-        return torch.softmax(scores, -1)
+            flat = warper(None, flat)  # the device warpers read only the scores, row by row
+        return torch.softmax(flat, -1).view_as(scores)
 
     def _next(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
-        """The verifier's tokens ``[L]`` after ``logits [L, V]``: argmax, or a draw when sampling."""
+        """The verifier's tokens ``[B, L]`` after ``logits [B, L, V]``: argmax, or a draw when sampling."""
         if self.warpers is None:
             return self._floored(logits, first_index).argmax(-1)
         return draw(self._probabilities(logits, first_index))
 
+    def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
+        """Write ``tokens [B, L]`` at ``seq[b, n[b]..]``, move the live rows' ``n`` past ``accepted + 1`` of them and
+        leave ``[a, tokens]`` in the report."""
+        self.seq.scatter_(1, self.n[:, None] + self._block_offsets[: tokens.shape[1]], tokens)
+        self.n.add_((accepted + 1) * self.live)
+        self.report[:, :1].copy_(accepted[:, None])
+        self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
+
     def _verify(self) -> None:
-        block = torch.cat([self.seq.index_select(0, self.n - 1), self.drafts])
-        logits = static_forward(self.verifier, block[None], self.n - 1 + self._block_offsets, self.verifier_cache, 0,
-                                self.verifier_keyword)
+        block = torch.cat([self._last(1), self.drafts], 1)
+        positions = (self.n - 1)[:, None] + self._block_offsets
+        logits = static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
         if self.warpers is None:
             verified = self._next(logits, self.n)
             accepted = accepted_length(self.drafts, verified)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
             p = self._probabilities(logits, self.n)
-            accepted, token = accept_or_resample(p[None], self.q[None], self.drafts[None])
-            verified = torch.where(self._block_offsets < accepted, torch.cat([self.drafts, token]), token)
-        self.seq.index_copy_(0, self.n + self._block_offsets, verified)
-        self.n.add_(accepted + 1)
-        self.report[:1].copy_(accepted)
-        self.report[1:].copy_(verified)
+            accepted, token = accept_or_resample(p, self.q, self.drafts)
+            verified = torch.where(self._block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
+                                   token[:, None])
+        self._advance(verified, accepted)
 
     def _ar_step(self) -> None:
-        logits = static_forward(self.verifier, self.seq.index_select(0, self.n - 1)[None], self.n - 1,
-                                self.verifier_cache, 1, self.verifier_keyword)
+        logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
+                                self.verifier_keyword)
         token = self._next(logits, self.n)
-        self.seq.index_copy_(0, self.n, token)
-        self.n.add_(1)
-        self.report[:1].zero_()  # a round of no drafts: a = 0, v_0 = the token
-        self.report[1:2].copy_(token)
+        self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
     def run_step(self, name: str) -> None:
         """Run (and on first use, capture) the step ``name``."""
@@ -279,30 +296,37 @@ class StaticEngine:
             torch.cuda.synchronize()
 
     # ---- prefill
-    def prefill(self, prompt: torch.Tensor) -> int:
-        """Reset the caches, feed ``prompt [1, P]`` to both models; returns the verifier's first token."""
-        p = prompt.shape[1]
+    def prefill(self, prompts: list[torch.Tensor]) -> list[int]:
+        """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
+        row and model); returns each row's first token from the verifier."""
+        if len(prompts) != self.spec.batch:
+            raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
         separate = self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache
         shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
         if separate:
             self.drafter_cache.reset()
-        if shared_prefill:
-            self.drafter_cache.begin_prefill(p)
-            self.verifier_cache.companion = self.drafter_cache
-        try:
-            last = static_prefill(self.verifier, prompt, self.verifier_cache)
-            first = self._next(last[None], torch.full_like(self.n, p))
-        finally:
-            self.verifier_cache.companion = None
-        if shared_prefill:
-            self.drafter_cache.end_prefill()
-        elif separate:
-            static_prefill(self.drafter, prompt, self.drafter_cache)
-        self.seq[:p].copy_(prompt[0])
-        self.seq[p : p + 1].copy_(first)
-        self.n.fill_(p + 1)
-        return int(first)
+        last = []
+        for row, prompt in enumerate(prompts):
+            p = prompt.shape[1]
+            if shared_prefill:
+                self.drafter_cache.begin_prefill(p, row)
+                self.verifier_cache.companion = self.drafter_cache
+            try:
+                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row))
+            finally:
+                self.verifier_cache.companion = None
+            if shared_prefill:
+                self.drafter_cache.end_prefill()
+            elif separate:
+                static_prefill(self.drafter, prompt, self.drafter_cache, row)
+            self.seq[row, :p].copy_(prompt[0])
+            self.n[row] = p
+        first = self._next(torch.stack(last)[:, None], self.n)[:, 0]
+        self.seq.scatter_(1, self.n[:, None], first[:, None])
+        self.n.add_(1)
+        self.live.fill_(1)
+        return first.tolist()
 
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last
@@ -310,13 +334,14 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
-               use_graphs: bool, warpers: list | None = None) -> StaticEngine:
+               use_graphs: bool, warpers: list | None = None, batch: int = 1) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
-    warpers (:func:`~.sampling.device_warpers`); ``None``: greedy."""
+    warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
+    bounds every row's length."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
-    spec = EngineSpec(mode, budget, gamma, dtype, device, runtime.enabled(device), compile_setting(use_graphs),
+    spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
                       _weights(verifier, drafter), warpers_key(warpers))
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
@@ -373,49 +398,74 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
     """Greedy speculative decoding on ``engine`` from ``prompt [1, P]``; same contract and result type as
     :func:`hf_sparsekv.generation.speculative.speculative_decode` (scores/logits lists stay empty: the caller routes
     requests for them to the eager loop)."""
+    result, = static_decode_rows(engine, [prompt], [rules], streamer)
+    return result
+
+
+def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None) -> list:
+    """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
+    len(prompts)``); one :class:`~.speculative.SpeculativeResult` per row, each what that prompt alone would give.
+
+    Every round runs all rows (one captured step for the batch) and brings ``[a, v]`` of every row to the host in one
+    transfer; a row that has stopped keeps its length (``live``) and its tokens are dropped. Per-row stats count the
+    row's own rounds while it ran; the seconds are the batch's and are reported by the first row only."""
     from .speculative import SpeculativeResult
 
-    stats = SpecStats()
-    device = prompt.device
+    rows = len(prompts)
+    device = prompts[0].device
     timer = _EventTimer(device.type == "cuda")
-    tokens = prompt[0].tolist()
+    tokens = [prompt[0].tolist() for prompt in prompts]
+    stats = [SpecStats() for _ in range(rows)]
+    done = [False] * rows
     is_ar = engine.spec.mode == "ar"
     gamma = engine.spec.gamma
     quant = engine.verifier_cache if isinstance(engine.verifier_cache, StaticQuantCache) else None
+    if quant is not None and rows != 1:
+        raise NotImplementedError("int4 self-speculation runs one row at a time")
 
-    def accept(new: list[int]) -> bool:
+    def accept(row: int, new: list[int]) -> None:
         for token in new:
-            tokens.append(token)
-            stats.new_tokens += 1
+            tokens[row].append(token)
+            stats[row].new_tokens += 1
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
-            if rules.stop_token(tokens):
-                return True
-        return False
+            if rules[row].stop_token(tokens[row]):
+                done[row] = True
+                return
 
-    engine.set_min_length(max(rules.min_length, rules.prompt_length + rules.min_new_tokens), rules.eos_token_ids)
+    def retire_finished() -> None:
+        engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
+
+    engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
+                          sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
-        first = engine.prefill(prompt)
+        firsts = engine.prefill(prompts)
         if device.type == "cuda":
             torch.cuda.synchronize()
-        stats.prefill_seconds = time.perf_counter() - t0
-        done = accept([first])
+        stats[0].prefill_seconds = time.perf_counter() - t0
+        for row, first in enumerate(firsts):
+            accept(row, [first])
+        retire_finished()
         catch_up = False
-        while not done:
-            n = len(tokens)
+        while not all(done):
             if is_ar:
-                k = min(AR_STEPS_PER_SYNC, rules.max_length - n)
+                n = [len(t) for t in tokens]
+                k = min(AR_STEPS_PER_SYNC, max(r.max_length - m for r, m, d in zip(rules, n, done) if not d))
                 timer.mark("verify", True)
                 for _ in range(k):
                     engine.run_step("ar_step")
                 timer.mark("verify", False)
-                new = engine.seq[n : n + k].tolist()
-                stats.rounds += k
-                done = accept(new)
+                new = engine.seq.tolist()
+                for row in range(rows):
+                    if not done[row]:
+                        stats[row].rounds += min(k, rules[row].max_length - n[row])
+                        accept(row, new[row][n[row] : n[row] + k])
+                retire_finished()
                 continue
             drafting = True
             if quant is not None:  # self-speculation: quantize up to this round's state; a round stays in one group
+                n = len(tokens[0])
                 quant.flush_to(n - 1)
                 drafting = quant.room(n - 1) > gamma
             timer.mark("draft", True)
@@ -428,20 +478,27 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
             engine.run_step("verify" if drafting else "ar_step")
             timer.mark("verify", False)
             report = engine.report.tolist()  # the round's one sync
-            a = report[0]
-            stats.rounds += 1
-            stats.drafted += gamma if drafting else 0
-            stats.accepted += a
-            done = accept(report[1 : a + 2])
-            catch_up = a == gamma and quant is None  # the shared store of self-speculation holds every token
+            catch_up = False
+            for row in range(rows):
+                if done[row]:
+                    continue
+                a = report[row][0]
+                stats[row].rounds += 1
+                stats[row].drafted += gamma if drafting else 0
+                stats[row].accepted += a
+                accept(row, report[row][1 : a + 2])
+                # the drafter never read the last draft of a round that accepted every draft (the shared store of
+                # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
+                catch_up |= a == gamma and quant is None and not done[row]
+            retire_finished()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    stats.draft_seconds = timer.seconds("draft")
-    stats.verify_seconds = timer.seconds("verify")
+    stats[0].draft_seconds = timer.seconds("draft")
+    stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:
         streamer.end()
-    sequence = torch.tensor([tokens], dtype=prompt.dtype, device=device)
-    return SpeculativeResult(sequence, stats, [], [])
+    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, [], [])
+            for t, st in zip(tokens, stats)]
 
 
 def placed_on(model) -> set[str]:

@@ -47,20 +47,20 @@ def compile_setting(use_graphs: bool) -> bool:
 
 def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int,
                    keyword: str) -> torch.Tensor:
-    """``model`` on ``tokens [1, L]`` at ``positions [L]`` (device int64) over a static cache; logits ``[L', V]``
-    (L' = logits_to_keep, 0 for all), in the model dtype. ``keyword``: :func:`~hf_sparsekv.cache_keyword.cache_keyword`
-    of ``model``, resolved by the caller outside the traced step (torch.compile cannot take a module as a constant)."""
+    """``model`` on ``tokens [B, L]`` at ``positions [B, L]`` (device int64) over a static cache of B rows; logits
+    ``[B, L', V]`` (L' = logits_to_keep, 0 for all), in the model dtype. ``keyword``:
+    :func:`~hf_sparsekv.cache_keyword.cache_keyword` of ``model``, resolved by the caller outside the traced step
+    (torch.compile cannot take a module as a constant)."""
     cache.begin_step(positions)
     out = model(
-        input_ids=tokens, position_ids=positions[None], use_cache=True, logits_to_keep=logits_to_keep,
-        **{keyword: cache},
+        input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep, **{keyword: cache},
     )
-    return out.logits[0]
+    return out.logits
 
 
-def static_prefill(model, prompt: torch.Tensor, cache) -> torch.Tensor:
-    """Feed ``prompt [1, P]`` to an empty static cache (eager); the last position's logits ``[V]``."""
-    cache.begin_prefill(prompt.shape[1])
+def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0) -> torch.Tensor:
+    """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (eager); the last position's logits ``[V]``."""
+    cache.begin_prefill(prompt.shape[1], row)
     positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
     out = model(input_ids=prompt, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
     cache.end_prefill()

@@ -427,7 +427,7 @@ def decode_split_kernel(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn, T_Q,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
-    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR,
+    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
@@ -435,10 +435,11 @@ def decode_split_kernel(
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
-    if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here
-        S_FP = tl.load(S_PTR)
+    if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
+        row = kvh // ROW_HEADS  # batch row (a batch is laid out as ROW_HEADS KV heads per row)
+        S_FP = tl.load(S_PTR + row)
         if HAS_QUANT:
-            T_Q = tl.load(T_PTR)
+            T_Q = tl.load(T_PTR + row)
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * L
     qi = rows % L

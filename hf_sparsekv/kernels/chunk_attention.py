@@ -20,9 +20,9 @@ from .reference import masked_attention_reference
 def chunk_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Triton split-KV kernel; see the module docstring. With ``length`` (int32 ``[1]`` on the device), ``key/value``
-    are preallocated buffers and only their first ``length`` tokens are stored ones (CUDA-graph capture: nothing is
-    read on the host)."""
+    """Triton split-KV kernel; see the module docstring. With ``length`` (int32 ``[B]`` on the device), ``key/value``
+    are preallocated buffers ``[B, Hkv, S, D]`` and only the first ``length[b]`` tokens of row b are stored ones
+    (CUDA-graph capture: nothing is read on the host). Without it, batch 1."""
     runtime.check_attention_inputs(query, key, value)
     if key.shape[-2] < query.shape[-2] or value.shape[-2] != key.shape[-2]:
         raise ValueError(
@@ -35,8 +35,10 @@ def chunk_decode_attention(
 def chunk_decode_attention_reference(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """PyTorch reference (float32 math)."""
-    if length is not None:
-        n = int(length)
-        key, value = key[:, :, :n], value[:, :, :n]
-    return masked_attention_reference(query, key, value, scaling)
+    """PyTorch reference (float32 math), row by row."""
+    if length is None:
+        return masked_attention_reference(query, key, value, scaling)
+    return torch.cat([
+        masked_attention_reference(query[b : b + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], scaling)
+        for b, n in enumerate(length.tolist())
+    ])

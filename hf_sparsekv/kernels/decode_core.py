@@ -156,17 +156,22 @@ def launch_decode(
     fp_length: torch.Tensor | None = None,
     quant_length: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Launch the split-KV kernel(s). ``q [1, Hq, L, D]``; ``k/v [1, Hkv, S, D]`` (last dim contiguous), the
+    """Launch the split-KV kernel(s). ``q [B, Hq, L, D]``; ``k/v [B, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
-    None. Returns ``[1, L, Hq, D]`` in ``q.dtype``. Callers validate shapes (see runtime.check_attention_inputs).
+    None. Returns ``[B, L, Hq, D]`` in ``q.dtype``. Callers validate shapes (see runtime.check_attention_inputs).
 
-    Lengths on the device (CUDA-graph capture): with ``fp_length`` (an int32 tensor of one element) ``k/v`` are
-    preallocated buffers of capacity S and only their first ``fp_length`` tokens are read (the last L of those are
-    the queries' own); ``quant_length`` likewise for the code buffers of ``quant``. The grid is sized from the
-    capacities and nothing is read on the host, so the launch can be captured and replayed as lengths change."""
+    Lengths on the device (CUDA-graph capture): with ``fp_length`` (int32 ``[B]``, one length per row) ``k/v`` are
+    preallocated buffers of capacity S and only the first ``fp_length[b]`` tokens of row b are read (the last L of
+    those are the queries' own); ``quant_length`` likewise for the code buffers of ``quant``. The grid is sized from
+    the capacities and nothing is read on the host, so the launch can be captured and replayed as lengths change.
+    B > 1 needs lengths on the device, no ``quant``, and ``k/v`` whose rows are laid out one after another (the
+    preallocated buffers): rows are run as extra KV heads."""
     if quant is not None and (fp_length is None) != (quant_length is None):
         raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
     runtime.require(q, k, v)
+    batch = q.shape[0]
+    if batch > 1:
+        return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -208,6 +213,7 @@ def launch_decode(
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
+    row_heads = hkv // max(1, fp_length.numel()) if on_device else hkv
     t_ptr = quant_length if quant_length is not None else s_ptr
     decode_split_kernel[(n_splits, hkv)](
         q, q.stride(1), q.stride(2),
@@ -216,7 +222,7 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr,
+        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
@@ -230,3 +236,22 @@ def launch_decode(
             GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
         )
     return out.unsqueeze(0)
+
+
+def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant) -> torch.Tensor:
+    """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` with ``fp_length [B]``: the rows become
+    B·Hkv KV heads of one launch (each reads its row's length) -> ``[B, L, Hq, D]``."""
+    batch, hq, length, d = q.shape
+    hkv, s = k.shape[1], k.shape[2]
+    if quant is not None:
+        raise NotImplementedError("the quantized decode kernel takes one row (batch 1)")
+    if fp_length is None or fp_length.numel() != batch:
+        raise ValueError(f"a batch of {batch} rows needs fp_length with one length per row on the device")
+    for t in (k, v):
+        if t.shape[0] != batch or t.stride(0) != hkv * t.stride(1):
+            raise ValueError("batched key/value must be [B, Hkv, S, D] buffers whose rows follow one another")
+    folded = launch_decode(
+        q.reshape(1, batch * hq, length, d), scaling, k.reshape(1, batch * hkv, s, d), v.reshape(1, batch * hkv, s, d),
+        fp_min_split=fp_min_split, fp_length=fp_length,
+    )
+    return folded.view(length, batch, hq, d).transpose(0, 1).contiguous()

@@ -102,13 +102,14 @@ def require(*tensors: torch.Tensor) -> None:
 
 
 def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) -> tuple[int, int, int, int, int]:
-    """Validate ``q [1, Hq, L, D]`` and ``kv`` tensors ``[1, Hkv, *, D]`` for the decode kernels.
+    """Validate ``q [B, Hq, L, D]`` and ``kv`` tensors ``[B, Hkv, *, D]`` for the decode kernels (B > 1 only over
+    preallocated buffers with lengths on the device, see decode_core.launch_decode).
 
     Returns ``(Hq, Hkv, L, D, group)``. Raises ValueError/NotImplementedError naming what is unsupported.
     """
-    if q.dim() != 4 or q.shape[0] != 1:
-        raise NotImplementedError(f"query must be [1, Hq, L, D] (batch size 1), got shape {tuple(q.shape)}")
-    _, hq, length, d = q.shape
+    if q.dim() != 4:
+        raise NotImplementedError(f"query must be [B, Hq, L, D], got shape {tuple(q.shape)}")
+    batch, hq, length, d = q.shape
     if q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         raise NotImplementedError(f"dtype {q.dtype} is not supported (float16, bfloat16, float32)")
     if d not in (32, 64, 128):
@@ -122,8 +123,8 @@ def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) 
     if group * length > 128:
         raise NotImplementedError(f"query heads per KV head x query length = {group * length} > 128 is not supported")
     for t in kv:
-        if t.shape[0] != 1 or t.shape[1] != hkv:
-            raise ValueError(f"key/value tensors must be [1, {hkv}, *, *], got shape {tuple(t.shape)}")
+        if t.shape[0] != batch or t.shape[1] != hkv:
+            raise ValueError(f"key/value tensors must be [{batch}, {hkv}, *, *], got shape {tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"all tensors must be on {q.device}, got one on {t.device}")
         if t.dtype.is_floating_point and t.dtype != q.dtype:
