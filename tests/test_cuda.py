@@ -170,3 +170,4 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
         assert torch.equal(row[: new.shape[0]], new) and bool((row[new.shape[0] :] == 0).all()), b
     engine = graph_loop.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert engine.spec.batch == (1 if mode == "int4" else len(prompts))  # int4 goes row by row, the others together
