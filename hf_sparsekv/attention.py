@@ -73,11 +73,11 @@ def _standard_mask(mask) -> bool:
 
 
 def _kernel_heads_ok(query: torch.Tensor, n_kv_heads: int) -> bool:
-    """Batch, dtype, head_dim and GQA ratio the kernels take (any query length)."""
+    """Dtype, head_dim and GQA ratio the kernels take (any query length, any number of rows: a caller over a cache of
+    one row checks the batch itself)."""
     _, hq, _, d = query.shape
     return (
-        query.shape[0] == 1
-        and query.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        query.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and d in (32, 64, 128)
         and hq % n_kv_heads == 0
         and hq // n_kv_heads <= 128
@@ -97,6 +97,7 @@ def _kernel_shape_ok(query: torch.Tensor, n_kv_heads: int) -> bool:
 def _kernels_apply(query, n_kv_heads, attention_mask, dropout, kwargs) -> bool:
     return (
         runtime.enabled(query.device)
+        and query.shape[0] == 1  # the eager caches hold one row
         and dropout == 0.0
         and not any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS)
         and _kernel_shape_ok(query, n_kv_heads)
@@ -161,6 +162,7 @@ def sparsekv_attention(
         isinstance(layer, HierarchicalQuantLayer)
         and runtime.enabled(query.device)
         and quant_kernel_ok(layer.group_size, layer.dtype)
+        and query.shape[0] == 1
         and _kernel_heads_ok(query, key.shape[1])
     ):
         layer.kernel_attention = True  # from the next update on, the kernel reads the codes (no dequantized copy)

@@ -484,6 +484,41 @@ def test_dense_cache_verify_step_uses_hybrid_attention(monkeypatch):
     assert _rel(got, want) < TOL
 
 
+@torch.no_grad()
+def test_batched_static_steps_use_the_kernel(monkeypatch):
+    """A left-padded batch on the static path: every decode/verify step of both rows goes through the Triton kernel
+    (no fallback to SDPA over the whole buffer), and each row equals its prompt's greedy generate() alone."""
+    import hf_sparsekv.static_attention as sa
+    from hf_sparsekv.generation import graph_loop
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    model = _tiny_llama()
+    gen = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (90, 71)]
+    with runtime.use_kernels(False):
+        want = [model.generate(p, max_new_tokens=9, do_sample=False) for p in prompts]
+    ids = torch.zeros(2, 90, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, 90 - p.shape[1]:], mask[row, 90 - p.shape[1]:] = p[0], 1
+    kernel = _Counter(monkeypatch, sa, "static_decode")
+    steps_on_sdpa = []
+    sdpa = sa.sdpa_attention_forward
+
+    def fallback(module, query, *args, **kwargs):
+        if query.shape[-2] <= 8:
+            steps_on_sdpa.append(tuple(query.shape))
+        return sdpa(module, query, *args, **kwargs)
+
+    monkeypatch.setattr(sa, "sdpa_attention_forward", fallback)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, assistant_model=model,
+                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0)
+    assert graph_loop.current_engine(model).spec.batch == 2
+    for row, p in enumerate(prompts):
+        assert torch.equal(out[row, 90 - p.shape[1]:], want[row][0])
+    assert kernel.calls > 0 and steps_on_sdpa == []
+
+
 # ---------------------------------------------------------------- real sizes on the GPU
 
 def _real_size_cases():
