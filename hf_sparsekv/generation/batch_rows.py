@@ -70,9 +70,10 @@ def generate_rows(
     with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
     ``draft_cache`` instance is copied (empty) for each row."""
     logger.warning_once(
-        "hf_sparsekv: a batch is decoded one row after another (each row as if alone); throughput does not grow "
-        "with the batch size, and at large batches stock batched generate() without kv_budget/draft_cache can be "
-        "faster (BENCHMARKS.md, 'Batches of long prompts')"
+        "hf_sparsekv: this batch is decoded one row after another (each row as if alone; only greedy chunk/window/"
+        "full drafting on the CUDA graph path decodes rows together); throughput does not grow with the batch size, "
+        "and at large batches stock batched generate() without kv_budget/draft_cache can be faster (BENCHMARKS.md, "
+        "'Batches of long prompts')"
     )
     outputs = []
     for b in range(input_ids.shape[0]):
