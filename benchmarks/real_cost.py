@@ -4,9 +4,10 @@ Real weights cannot travel to the GPU machine, so this times models of exactly t
 Qwen2.5-Coder-1.5B-Instruct / -0.5B-Instruct (and Llama-3.1-8B / Llama-3.2-1B) with random bf16 weights, on the
 path `generate()` takes on CUDA: the static engine of ``hf_sparsekv.generation.graph_loop`` (preallocated caches,
 steps captured as CUDA graphs; ``--compile`` compiles them first, as ``generate()`` does by default), prefilled with
-``L`` random tokens; every timed run starts again at the prompt's end.
+``L`` random tokens in each of ``B`` rows (``--batches``: the batched engine of a left-padded batch; int4
+self-speculation runs one row at a time and is timed at B = 1 only); every timed run starts again at the prompt's end.
 
-Steps per (pair, context L), milliseconds per model step:
+Steps per (pair, context L, batch B), milliseconds per step of all B rows:
     ar            verifier, 1 token (the captured AR step)
     verify        verifier, γ+1 tokens, full static cache
     draft-full    drafter, one draft round on a full static cache, divided by γ
@@ -61,6 +62,7 @@ def add_cost_args(p) -> None:
     p.add_argument("--out", default="runs/real-cost")
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    p.add_argument("--batches", type=int, nargs="+", default=[1], help="rows decoded together (int4: B = 1 only)")
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--window-budget", type=int, default=1024)
@@ -141,14 +143,14 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
     g = args.gamma
     use_graphs = device.type == "cuda"
     rows = []
-    for L in args.contexts:
-        prompt = torch.randint(0, vocab, (1, L), device=device)
+    for L, batch in ((L, B) for L in args.contexts for B in args.batches):
+        prompts = [torch.randint(0, vocab, (1, L), device=device)] * batch
         steps = {}
 
         def timed(mode, budget, draft_model, *names):
             engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
-                                           use_graphs)
-            engine.prefill([prompt])
+                                           use_graphs, batch=1 if mode == "int4" else batch)
+            engine.prefill(prompts[:1] if mode == "int4" else prompts)
             return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
 
         with torch.no_grad(), static_attention_for(verifier, drafter):
@@ -160,11 +162,13 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
                 steps[f"draft-chunk-{b}"] = draft_round / g
             (draft_round,) = timed("window", args.window_budget, drafter, "draft")
             steps[f"draft-window-{args.window_budget}"] = draft_round / g
-            draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
-            steps["int4-draft"] = draft_round / g
+            if batch == 1:
+                draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
+                steps["int4-draft"] = draft_round / g
         graph_loop.release_engines()
-        rows.append({"pair": pair, "verifier": v_name, "drafter": d_name, "context": L, "seconds": steps})
-        print(f"[{pair} {L}] " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in steps.items()), flush=True)
+        rows.append({"pair": pair, "verifier": v_name, "drafter": d_name, "context": L, "batch": batch,
+                     "seconds": steps})
+        print(f"[{pair} {L} B={batch}] " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in steps.items()), flush=True)
     verifier = drafter = None  # free the models before the next pair
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -179,7 +183,8 @@ def modes(steps: dict) -> dict[str, tuple[float, float]]:
             out[f"sparse/full B={k.rsplit('-', 1)[1]}"] = (v, steps["verify"])
         elif k.startswith("draft-window-"):
             out[f"window/full B={k.rsplit('-', 1)[1]}"] = (v, steps["verify"])
-    out["int4 self-spec"] = (steps["int4-draft"], steps["int4-verify"])
+    if "int4-draft" in steps:
+        out["int4 self-spec"] = (steps["int4-draft"], steps["int4-verify"])
     return out
 
 
@@ -221,7 +226,8 @@ def project(rows: list[dict], gamma: int, measured: dict) -> list[dict]:
         t_ar = row["seconds"]["ar"]
         for mode, (t_draft, t_verify) in modes(row["seconds"]).items():
             round_cost = gamma * t_draft + t_verify
-            entry = {"pair": row["pair"], "context": row["context"], "mode": mode, "break_even_tau": round_cost / t_ar}
+            entry = {"pair": row["pair"], "context": row["context"], "batch": row.get("batch", 1), "mode": mode,
+                     "break_even_tau": round_cost / t_ar}
             found = measured.get((_grid_method(mode), row["context"])) if row["pair"] == "qwen2.5-coder" else None
             if found is not None:
                 alpha, tau = found
@@ -233,19 +239,21 @@ def project(rows: list[dict], gamma: int, measured: dict) -> list[dict]:
 
 def markdown(rows: list[dict], projection: list[dict], gamma: int) -> str:
     lines = [f"Per-forward milliseconds (median), γ = {gamma}:", ""]
-    keys = list(rows[0]["seconds"]) if rows else []
-    lines += ["| pair | context | " + " | ".join(keys) + " |", "| --- | --- |" + " --- |" * len(keys)]
+    keys = list(dict.fromkeys(k for r in rows for k in r["seconds"]))
+    lines += ["| pair | context | batch | " + " | ".join(keys) + " |", "| --- | --- | --- |" + " --- |" * len(keys)]
     for r in rows:
-        lines.append(f"| {r['pair']} | {r['context']} | " + " | ".join(f"{r['seconds'][k] * 1e3:.2f}" for k in keys) + " |")
+        cells = (f"{r['seconds'][k] * 1e3:.2f}" if k in r["seconds"] else "—" for k in keys)
+        lines.append(f"| {r['pair']} | {r['context']} | {r.get('batch', 1)} | " + " | ".join(cells) + " |")
     lines += ["", "PROJECTION (not a measurement): speedup ≈ τ · T_ar / (γ · T_draft + T_verify); "
               "break-even τ* = (γ · T_draft + T_verify) / T_ar", "",
-              "| pair | context | mode | break-even τ* | measured α / τ (CPU, real weights) | projected speedup (τ) | "
-              "projected speedup (α, i.i.d.) |", "| --- | --- | --- | --- | --- | --- | --- |"]
+              "| pair | context | batch | mode | break-even τ* | measured α / τ (CPU, real weights) | "
+              "projected speedup (τ) | projected speedup (α, i.i.d.) |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for p in projection:
         at = f"{p['measured_alpha']:.3f} / {p['measured_tau']:.2f}" if "measured_tau" in p else "—"
         sp = f"{p['projected_speedup']:.2f}×" if "projected_speedup" in p else "—"
         spa = f"{p['projected_speedup_from_alpha']:.2f}×" if "projected_speedup_from_alpha" in p else "—"
-        lines.append(f"| {p['pair']} | {p['context']} | {p['mode']} | {p['break_even_tau']:.2f} | {at} | {sp} | {spa} |")
+        lines.append(f"| {p['pair']} | {p['context']} | {p['batch']} | {p['mode']} | {p['break_even_tau']:.2f} | {at} | "
+                     f"{sp} | {spa} |")
     return "\n".join(lines)
 
 

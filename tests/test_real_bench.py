@@ -21,14 +21,16 @@ import real_models  # noqa: E402
 
 
 def test_cost_tiny_runs_every_step_and_writes_json(tmp_path):
-    args = real_models.parse_args(["cost", "--tiny", "--pairs", "qwen2.5-coder", "--contexts", "40", "--repeats", "1",
-                                   "--warmup", "0", "--out", str(tmp_path), "--device", "cpu"])
+    args = real_models.parse_args(["cost", "--tiny", "--pairs", "qwen2.5-coder", "--contexts", "40", "--batches", "1", "3",
+                                   "--repeats", "1", "--warmup", "0", "--out", str(tmp_path), "--device", "cpu"])
     result = real_cost.run_cost(args)
-    (row,) = result["rows"]
-    assert row["context"] == 40 and row["verifier"] == "qwen2.5-coder-1.5b"
+    row, batched = result["rows"]
+    assert row["context"] == 40 and row["verifier"] == "qwen2.5-coder-1.5b" and row["batch"] == 1
     assert set(row["seconds"]) == {"ar", "verify", "int4-draft", "int4-verify", "draft-full", "draft-chunk-16",
                                    "draft-chunk-32", "draft-window-32"}
-    assert all(v > 0 for v in row["seconds"].values())
+    assert batched["batch"] == 3 and set(batched["seconds"]) == set(row["seconds"]) - {"int4-draft", "int4-verify"}
+    assert all(v > 0 for r in (row, batched) for v in r["seconds"].values())
+    assert {p["batch"] for p in result["projection"]} == {1, 3}
     saved = json.loads((tmp_path / "cost.json").read_text())
     assert saved["settings"]["tiny"] and saved["settings"]["group_size"] == 16
     assert saved["settings"]["path"].startswith("static engine")  # the steps of generate()'s CUDA path
