@@ -29,6 +29,7 @@ the break-even τ* = (γ · T_draft + T_verify) / T_ar is printed for every mode
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -148,6 +149,10 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
         steps = {}
 
         def timed(mode, budget, draft_model, *names):
+            graph_loop.release_engines()  # free the previous configuration's caches (they hold the whole batch)
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
             engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
                                            use_graphs, batch=1 if mode == "int4" else batch)
             engine.prefill(prompts[:1] if mode == "int4" else prompts)
