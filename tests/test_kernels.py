@@ -519,6 +519,37 @@ def test_batched_static_steps_use_the_kernel(monkeypatch):
     assert kernel.calls > 0 and steps_on_sdpa == []
 
 
+def test_a_finished_row_stops_reading_its_cache(monkeypatch):
+    """Row 0 stops at an EOS while row 1 goes on: after that, the kernel reads only the step's own slots of row 0
+    (its length in both caches is the step's query count) and row 1 still equals its prompt's greedy output."""
+    from hf_sparsekv.generation import graph_loop
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    model = _tiny_llama()
+    gen = torch.Generator().manual_seed(11)
+    prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (80, 64)]
+    with runtime.use_kernels(False):
+        free = [model.generate(p, max_new_tokens=12, do_sample=False)[0, p.shape[1]:] for p in prompts]
+    eos = next(int(t) for t in free[0][:4] if int(t) not in free[1].tolist())
+    with runtime.use_kernels(False):
+        want = [model.generate(p, max_new_tokens=12, do_sample=False, eos_token_id=eos) for p in prompts]
+    assert want[0].shape[1] < prompts[0].shape[1] + 8 and want[1].shape[1] == prompts[1].shape[1] + 12
+    ids = torch.zeros(2, 80, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, 80 - p.shape[1]:], mask[row, 80 - p.shape[1]:] = p[0], 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=model,
+                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0, eos_token_id=eos)
+    for row, p in enumerate(prompts):
+        got = out[row, 80 - p.shape[1]:]
+        assert torch.equal(got[: want[row].shape[1]], want[row][0]) and not got[want[row].shape[1]:].any()
+    engine = graph_loop.current_engine(model)
+    assert engine.spec.batch == 2 and engine.live.tolist() == [0, 0]
+    # the last round drafted 3 tokens one by one and verified 4: row 0 had finished, row 1 read its whole sequence
+    assert engine.drafter_cache.fp_length[0].item() == 1 and engine.verifier_cache.fp_length[0].item() == 4
+    assert engine.drafter_cache.fp_length[1].item() > 32 and engine.verifier_cache.fp_length[1].item() > 64
+
+
 # ---------------------------------------------------------------- real sizes on the GPU
 
 def _real_size_cases():

@@ -141,6 +141,35 @@ def test_rows_of_a_batched_cache_are_independent(kind):
         assert batched.fp_length.tolist() == [int(c.fp_length) for c in singles]
 
 
+@pytest.mark.parametrize("kind", ["full", "chunk"])
+def test_a_finished_row_reads_only_its_step(kind):
+    """With ``live`` set, a finished row's kernel length is the step's query count while the other rows keep theirs
+    (the rows go on independently: the live rows' lengths equal those of a cache without ``live``)."""
+    def make():
+        if kind == "full":
+            return StaticFullCache(1, H, D, 256, torch.float64, "cpu", 3)
+        return StaticChunkBudgetCache(16, 1, H, D, 256, torch.float64, "cpu", batch=3)
+
+    gated, plain = make(), make()
+    for cache in (gated, plain):
+        for row, n in enumerate((5, 40, 23)):
+            k, v = _states(n, seed=n)
+            cache.begin_prefill(n, row)
+            cache.update(k, v, 0)
+            if kind == "chunk" and cache.needs_selection():
+                q = torch.randn(1, 2 * H, n, D, dtype=torch.float64, generator=torch.Generator().manual_seed(n))
+                cache.select(cache.layers[0], q, k, v, D**-0.5)
+            cache.end_prefill()
+    gated.live = torch.tensor([1, 0, 1])
+    positions = torch.tensor([[5, 6, 7, 8], [40, 41, 42, 43], [23, 24, 25, 26]])
+    for cache in (gated, plain):
+        cache.begin_step(positions)
+        states = [_states(4, seed=20 + row) for row in range(3)]
+        cache.update(torch.cat([k for k, _ in states]), torch.cat([v for _, v in states]), 0)
+    want = plain.fp_length.tolist()
+    assert gated.fp_length.tolist() == [want[0], 4, want[2]] and want[1] > 4
+
+
 def test_static_full_cache_is_position_indexed():
     cache = StaticFullCache(1, H, D, 32, torch.float64, "cpu")
     k, v = _states(5, seed=0)

@@ -12,6 +12,9 @@ Per cache (shared by its layers):
 * ``fp_length [B]`` int32: for the caches whose slots are in position order (full, chunk budget), the number of
   slots the step's last query of each row sees (``slot(last position) + 1``); the Triton decode kernel reads these
   lengths from the device, so its launch is captured once and stays right as the sequences grow or roll back.
+* ``live [B]`` int64 (optional, set by the engine that drives the cache): 0 marks a row whose sequence has
+  finished. Its steps still run (the batch's graph is fixed) but its ``fp_length`` is only the step's query count,
+  so the kernel reads almost none of its keys/values; what such a row computes is garbage and must be dropped.
 
 Rows (batch size B) are independent sequences: each has its own positions, slots, lengths and (chunk budget) its
 own kept chunks, so rows may advance and roll back by different amounts in the same step.
@@ -135,6 +138,7 @@ class PreallocatedCache(Cache):
         self.prefill_row = 0
         self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
         self.companion: PreallocatedCache | None = None  # a cache filled from this one's prefill (self-drafting)
+        self.live: torch.Tensor | None = None  # [B] int64 on the device, 0 for a finished row (None: every row runs)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
         self._mask: torch.Tensor | None = None
@@ -151,7 +155,10 @@ class PreallocatedCache(Cache):
         self.slots = self.slots_of(positions)
         self.slot_positions.scatter_(1, self.slots, positions)
         if self.contiguous:
-            self.fp_length.copy_(self.slots[:, -1] + 1)
+            ends = self.slots[:, -1] + 1
+            if self.live is not None:  # a finished row reads only as many slots as it has queries
+                ends = torch.where(self.live > 0, ends, positions.shape[1])
+            self.fp_length.copy_(ends)
         self._mask = None
 
     def begin_prefill(self, length: int, row: int = 0) -> None:

@@ -140,6 +140,8 @@ class StaticEngine:
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
         self.live = torch.ones(rows, dtype=torch.long, device=device)  # 0: the row has finished, its n stays
+        for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
+            cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
         self.report = torch.zeros(rows, gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ] per row: what the host reads
         self._block_offsets = torch.arange(gamma + 1, device=device)
@@ -407,8 +409,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     len(prompts)``); one :class:`~.speculative.SpeculativeResult` per row, each what that prompt alone would give.
 
     Every round runs all rows (one captured step for the batch) and brings ``[a, v]`` of every row to the host in one
-    transfer; a row that has stopped keeps its length (``live``) and its tokens are dropped. Per-row stats count the
-    row's own rounds while it ran; the seconds are the batch's and are reported by the first row only."""
+    transfer; a row that has stopped keeps its length (``live``), its tokens are dropped and its steps read only the
+    step's own slots of its caches (at long context it costs little more than its share of the weight reads). Per-row
+    stats count the row's own rounds while it ran; the seconds are the batch's and are reported by the first row
+    only."""
     from .speculative import SpeculativeResult
 
     rows = len(prompts)
