@@ -3,6 +3,7 @@
 Methods, interleaved within each repeat, for each batch size B:
 
   hf-static-ar     verifier.generate(batch, cache_implementation="static")     transformers' compiled AR, batched
+  graph-ar         hf_sparsekv.graph_greedy_generate(verifier, batch)          our AR on the batched static engine
   chunk-256-g3     generate(batch, assistant_model=drafter, kv_budget=256, num_assistant_tokens=3)
   window-g3        generate(batch, ..., draft_cache="window", kv_budget=1024, num_assistant_tokens=3)
   int4-self-g5     generate(batch, assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5)
@@ -13,6 +14,10 @@ new tokens / seconds, prefill included), median of ``--repeats`` after one warm-
 (compilation and capture happen there), peak memory. Prints a table, writes ``results.json`` and a PNG plot.
 
     python benchmarks/batch.py --context 16384 --batches 1,4,16,64 --new-tokens 128 --out runs/batch
+
+``--finished``: also time one captured round (draft + verify) of the chunk and window engines with every row live
+against only row 0 live (the others finished), median of 20 replays between CUDA events: what a finished row still
+costs the batch.
 """
 
 from __future__ import annotations
@@ -26,11 +31,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import hf_sparsekv
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
-METHODS = ("hf-static-ar", "chunk-256-g3", "window-g3", "int4-self-g5")
+METHODS = ("hf-static-ar", "graph-ar", "chunk-256-g3", "window-g3", "int4-self-g5")
 
 
 def prompts(context: int, n: int) -> torch.Tensor:
@@ -53,6 +59,8 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if name == "hf-static-ar":
         return lambda: verifier.generate(ids, cache_implementation="static", **common)
+    if name == "graph-ar":  # no EOS: every row runs new_tokens, as min_new_tokens makes the others do
+        return lambda: hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[])
     spec = {
         "chunk-256-g3": dict(assistant_model=drafter, kv_budget=256, num_assistant_tokens=3),
         "window-g3": dict(assistant_model=drafter, draft_cache="window", kv_budget=1024, num_assistant_tokens=3),
@@ -70,6 +78,34 @@ def timed(fn) -> tuple[float, torch.Tensor, int]:
     return time.perf_counter() - start, out, torch.cuda.max_memory_allocated()
 
 
+def finished_rows_cost(verifier, drafter, ids: torch.Tensor, new_tokens: int, repeats: int = 20) -> list[dict]:
+    """ms per captured round with all rows live and with only row 0 live, for each greedy drafter mode."""
+    out = []
+    for name in ("chunk-256-g3", "window-g3"):
+        runner(name, verifier, drafter, ids, new_tokens)()  # this configuration's engine becomes the current one
+        engine = graph_loop.current_engine(verifier)
+        n0 = engine.n.clone()
+        ms = {}
+        for label, live in (("all live", [1] * ids.shape[0]), ("row 0 live", [1] + [0] * (ids.shape[0] - 1))):
+            engine.live.copy_(torch.tensor(live))
+            times = []
+            for _ in range(repeats):
+                engine.n.copy_(n0)  # every replay starts from the same lengths
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.run_step("draft")
+                engine.run_step("verify")
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end))
+            ms[label] = statistics.median(times)
+        engine.live.zero_()
+        out.append(dict(batch=ids.shape[0], method=name, all_live_ms=ms["all live"], one_live_ms=ms["row 0 live"]))
+        print(f"B={ids.shape[0]} {name}: round {ms['all live']:.3f} ms with every row live, "
+              f"{ms['row 0 live']:.3f} ms with only row 0 live", flush=True)
+    return out
+
+
 def summarize(records: list[dict]) -> list[dict]:
     rows = []
     for b in sorted({r["batch"] for r in records}):
@@ -79,15 +115,20 @@ def summarize(records: list[dict]) -> list[dict]:
                 rows.append(dict(batch=b, method=name, tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
                                  peak_gib=max(r["peak_bytes"] for r in rs) / 2**30, runs=len(rs)))
     for row in rows:
-        base = next(r for r in rows if r["batch"] == row["batch"] and r["method"] == "hf-static-ar")
-        row["vs_hf_static"] = row["tokens_per_s"] / base["tokens_per_s"]
+        for base_name, key in (("hf-static-ar", "vs_hf_static"), ("graph-ar", "vs_graph_ar")):
+            base = [r for r in rows if r["batch"] == row["batch"] and r["method"] == base_name]
+            row[key] = row["tokens_per_s"] / base[0]["tokens_per_s"] if base else None
     return rows
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| batch | method | tokens/s (batch) | × HF static AR | peak GiB | runs |", "| --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.0f} | {r['vs_hf_static']:.2f} | "
-              f"{r['peak_gib']:.2f} | {r['runs']} |" for r in rows]
+    def ratio(x):
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["| batch | method | tokens/s (batch) | × HF static AR | × our graph AR | peak GiB | runs |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.0f} | {ratio(r['vs_hf_static'])} | "
+              f"{ratio(r['vs_graph_ar'])} | {r['peak_gib']:.2f} | {r['runs']} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -117,6 +158,7 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--only", default="", help="comma-separated methods (default: all)")
+    p.add_argument("--finished", action="store_true", help="also time a round with finished rows (see above)")
     p.add_argument("--out", default="runs/batch")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -124,7 +166,7 @@ def main(argv=None) -> int:
     graph_loop.MAX_ENGINES_PER_MODEL = 32
     verifier, drafter, _ = load_pair(device="cuda")
     names = [n for n in METHODS if not args.only or n in args.only.split(",")]
-    records, first_call = [], {}
+    records, first_call, finished = [], {}, []
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = prompts(args.context, batch).cuda()
         for name in tqdm(names, desc=f"warm-up B={batch}"):
@@ -135,10 +177,12 @@ def main(argv=None) -> int:
                 generated = batch * (seq.shape[1] - ids.shape[1])
                 records.append(dict(batch=batch, rep=rep, method=name, seconds=seconds, tokens=generated,
                                     tokens_per_s=generated / seconds, peak_bytes=peak))
+        if args.finished and batch > 1:
+            finished += finished_rows_cost(verifier, drafter, ids, args.new_tokens)
         summary = summarize(records)
         payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
                        torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
-                       records=records)
+                       finished_rows=finished, records=records)
         (out / "results.json").write_text(json.dumps(payload, indent=1))  # after each batch size
         print(table([r for r in summary if r["batch"] == batch]), flush=True)
     plot(summarize(records), out / "tokens_per_second.png")

@@ -584,6 +584,26 @@ def test_cuda_real_sizes(dtype, hq, hkv, d, length):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("batch", [1, 5, 64])
+def test_cuda_batched_rows_at_real_size(batch):
+    """The batched engine's launch at Llama-3-8B's attention shape (32 q / 8 KV heads of 128), bf16, a verify block
+    of 4 queries: B rows over ``[B, 8, 4096, 128]`` buffers, each with its own device length (some rows finished:
+    length 4, the step's own queries), each equal to the float32 reference on its own tokens."""
+    g = torch.Generator().manual_seed(batch)
+    lengths = torch.randint(4, 4097, (batch,), generator=g)
+    lengths[::3] = 4  # finished rows read only the step's own slots
+    lengths[-1] = 4096
+    q = torch.randn(batch, 4, 32, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
+    k = (torch.randn(batch, 8, 4096, 128, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    v = torch.randn(batch, 8, 4096, 128, generator=g).to("cuda", torch.bfloat16)
+    n = lengths.to("cuda", torch.int32)
+    out = chunk_decode_attention(q, k, v, 128**-0.5, length=n)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, length=n)
+    assert out.shape == (batch, 4, 32, 128)
+    assert max(_rel(out[b], ref[b]) for b in range(batch)) < TOL
+
+
+@pytest.mark.cuda
 @pytest.mark.slow  # 12 Triton configurations compiled from cold: minutes on a fresh machine
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8), (8, 4)])

@@ -332,6 +332,34 @@ def test_graph_greedy_generate_equals_generate(arch):
             assert torch.equal(out, reference)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_graph_greedy_generate_on_a_left_padded_batch(arch):
+    """Rows of very different lengths decode together (one engine of 4 rows); each row is its prompt's greedy
+    generate() alone, then padding where it stopped before the longest row."""
+    verifier = tiny_model(arch)
+    prompts = [prompt(n, seed=n) for n in (1, 77, 300, 40)]
+    free = [verifier.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)[0, p.shape[1]:]
+            for p in prompts]
+    eos = int(free[1][5])  # row 1 stops early; the others stop there too if they produce it
+    references = [verifier.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
+                  for p in prompts]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=24, eos_token_id=eos,
+                                            attention_mask=mask, pad_token_id=0)
+    assert graph_loop.current_engine(verifier).spec.batch == len(prompts)
+    assert out.shape[0] == len(prompts) and references[1].shape[1] < prompts[1].shape[1] + 24
+    for b, (p, ref) in enumerate(zip(prompts, references)):
+        row = out[b, width - p.shape[1]:]
+        assert torch.equal(row[: ref.shape[1]], ref[0]) and not row[ref.shape[1]:].any(), b
+        assert torch.equal(out[b, : width - p.shape[1]], ids[b, : width - p.shape[1]]), b
+    with pytest.raises(ValueError, match="attention_mask has shape"):
+        hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=4, attention_mask=mask[:, 1:])
+
+
 def test_requests_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     ids = prompt(40, seed=3)

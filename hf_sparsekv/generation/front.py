@@ -65,7 +65,8 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
     first = int(mask.int().argmax())
     if not bool(mask[first:].all()) or first == mask.shape[0]:
         raise NotImplementedError(
-            "attention_mask: only left padding is supported with kv_budget/draft_cache (batch size 1)"
+            "attention_mask: only left padding is supported (each row's ones contiguous, reaching the last column, "
+            "at least one)"
         )
     return input_ids[:, first:]
 

@@ -49,6 +49,7 @@ from ..caches import HierarchicalQuantCache
 from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
+from . import batch_rows
 from .sampling import accept_or_resample, draw
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
@@ -554,21 +555,40 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     return kind, budget
 
 
-def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                          attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
-    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [1, P]`` -> ``[1, P + n]`` (stops at EOS or after ``max_new_tokens``),
-    token-identical to ``model.generate(input_ids, do_sample=False, max_new_tokens=...)``."""
+    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
+    ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
+    ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
+    ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
+    run together, one engine row each."""
+    from .front import _strip_left_padding
     from .speculative import GreedyRules
 
-    if input_ids.dim() != 2 or input_ids.shape[0] != 1:
-        raise NotImplementedError(f"input_ids must be [1, P], got shape {tuple(input_ids.shape)}")
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                         f"{tuple(input_ids.shape)}")
     if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
     if eos_token_id is None:
         eos_token_id = model.generation_config.eos_token_id
     eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    prompt = input_ids.to(model.device)
-    rules = GreedyRules(prompt_length=prompt.shape[1], max_length=prompt.shape[1] + max_new_tokens, eos_token_ids=eos)
-    engine = engine_for(model, None, "ar", None, 1, rules.max_length, max_new_tokens,
-                        use_graphs=model.device.type == "cuda")
-    return static_speculative_decode(engine, prompt, rules).sequence
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]
+    prompts = [
+        _strip_left_padding(input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1])
+        .to(model.device) for b in range(input_ids.shape[0])
+    ]
+    rules = [GreedyRules(prompt_length=p.shape[1], max_length=p.shape[1] + max_new_tokens, eos_token_ids=eos)
+             for p in prompts]
+    engine = engine_for(model, None, "ar", None, 1, max(r.max_length for r in rules), max_new_tokens,
+                        use_graphs=model.device.type == "cuda", batch=len(prompts))
+    results = static_decode_rows(engine, prompts, rules)
+    sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, p.shape[1] :]], 1)
+                 for b, (p, res) in enumerate(zip(prompts, results))]
+    return batch_rows.assemble(sequences, [res.stats for res in results], pad_token_id, False, None)
