@@ -14,9 +14,12 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D
   window, a shape the kernel takes: the Triton split-KV kernel reading each row's length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
   one graph;
+* decode / verify step on the sink+window ring (CUDA, no sliding window, a shape the kernel takes): the same kernel
+  reading the whole ring and deciding what each query sees from the positions the slots hold
+  (``hf_sparsekv::static_window_decode``);
 * decode / verify step on the quantized store (self-speculation): the same kernel reading the packed codes in the
   cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``; one row);
-* otherwise (CPU, sink+window ring, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
+* otherwise (CPU, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
   buffer (for the quantized store: every code slot dequantized, then the buffer) with a boolean mask computed from
   device tensors (the reference the kernels are tested against).
 """
@@ -28,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import _kernel_shape_ok, quant_kernel_ok
-from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer, StaticQuantCache
+from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer, StaticQuantCache, StaticSinkWindowCache
 
 NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -54,6 +57,25 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
 
 @static_decode.register_fake
 def _static_decode_shape(query, key, value, length, scaling):
+    batch, heads, n, dim = query.shape
+    return query.new_empty(batch, n, heads, dim)
+
+
+@torch.library.custom_op("hf_sparsekv::static_window_decode", mutates_args=())
+def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
+                         slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,
+                         scaling: float) -> torch.Tensor:
+    """The Triton decode kernel over a sink+window ring: ``query [B, Hq, L, D]`` at ``query_positions [B, L]``,
+    ``key/value [B, Hkv, S, D]`` holding ``slot_positions [B, S]`` (see :mod:`hf_sparsekv.kernels.window_attention`)
+    -> ``[B, L, Hq, D]`` contiguous."""
+    from .kernels.window_attention import window_decode_attention
+
+    return window_decode_attention(query.contiguous(), key, value, scaling, length, slot_positions,
+                                   query_positions.contiguous(), sink, window)
+
+
+@static_window_decode.register_fake
+def _static_window_decode_shape(query, *args):
     batch, heads, n, dim = query.shape
     return query.new_empty(batch, n, heads, dim)
 
@@ -130,8 +152,12 @@ def static_attention(
         return out
     if isinstance(cache, StaticQuantCache):
         return _quant_attention(module, query, layer, cache, scale, sliding)
-    if cache.kernels and cache.contiguous and sliding is None and _kernel_shape_ok(query, key.shape[1]):
-        return static_decode(query, key, value, cache.fp_length, scale), None
+    if cache.kernels and sliding is None and _kernel_shape_ok(query, key.shape[1]):
+        if cache.contiguous:
+            return static_decode(query, key, value, cache.fp_length, scale), None
+        if isinstance(cache, StaticSinkWindowCache):
+            return static_window_decode(query, key, value, cache.fp_length, cache.slot_positions, cache.positions,
+                                        cache.sink, cache.window, scale), None
     return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding), scaling=scale, is_causal=False)
 
 

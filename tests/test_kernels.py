@@ -35,6 +35,7 @@ from hf_sparsekv.kernels.quantize import (  # noqa: E402
     quantize_values,
     quantize_values_reference,
 )
+from hf_sparsekv.kernels.reference import masked_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
 
 from .conftest import CHILD_SUMMARY  # noqa: E402
@@ -154,6 +155,50 @@ def test_batched_rows_read_their_own_lengths(dtype, hq, hkv, length):
     n[1] = 31  # the same launch arguments, other lengths
     ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
+
+
+def _ring_rows(ends, length, sink, ring, overshoot):
+    """Slot positions of sink+window rings (capacity sink + ring) whose rows wrote positions 0..ends[b] +
+    overshoot[b] (later positions overwrite earlier ones; the overshoot is what a rollback leaves behind), and the
+    queries' positions ``ends[b] - length + 1 .. ends[b]``."""
+    slots = torch.full((len(ends), sink + ring), -1, dtype=torch.long)
+    for b, (end, extra) in enumerate(zip(ends, overshoot)):
+        last = end + extra  # the sinks, then the ring's last `ring` positions (each in a slot of its own)
+        kept = torch.cat([torch.arange(min(sink, last + 1)), torch.arange(max(sink, last - ring + 1), last + 1)])
+        slots[b, torch.where(kept < sink, kept, sink + (kept - sink) % ring)] = kept
+    queries = torch.stack([torch.arange(end - length + 1, end + 1) for end in ends])
+    return slots.to(DEVICE), queries.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length,sink,window", [(4, 2, 1, 4, 40), (8, 2, 4, 4, 100), (4, 4, 3, 0, 60)])
+def test_window_attention_reads_slots_by_position(dtype, hq, hkv, length, sink, window):
+    """Sink+window rings as the static cache leaves them (wrapped, partly empty, stale positions past a rollback),
+    batch of 4 with one finished row whose length is cut to the query count: equal to the reference, and the
+    reference agrees with the cache's own mask rule (attention over exactly the visible slots, in float32)."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    ring = window + 8  # room for the overshoot and the step's own queries, as max_rollback leaves in the cache
+    capacity = sink + ring
+    ends = [length + 2, 3 * capacity + 5, capacity + 1, 2 * capacity]
+    slots, queries = _ring_rows(ends, length, sink, ring, overshoot=[0, 3, 0, 1])
+    rows = [_qkv(hq, hkv, length, 64, capacity, dtype, seed=30 + b) for b in range(len(ends))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.tensor([capacity, capacity, capacity, length], dtype=torch.int32, device=DEVICE)
+    out = window_decode_attention(q, k, v, 0.125, n, slots, queries, sink, window)
+    ref = window_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, n, slots, queries, sink, window)
+    assert out.shape == (4, length, hq, 64)
+    assert _rel(out[:3], ref[:3]) < (1e-5 if dtype == torch.float32 else TOL)
+    assert torch.isfinite(out[3]).all()  # the finished row: whatever it reads, never NaN
+    for b in range(3):  # the reference against the visible slots gathered by hand, query by query
+        for i in range(length):
+            p = int(queries[b, i])
+            seen = [j for j in range(capacity) if 0 <= slots[b, j] <= p and (slots[b, j] < sink or slots[b, j] >= p - window)]
+            assert len(seen) == min(p + 1, sink + window + 1) if p >= sink else len(seen) == p + 1
+            idx = torch.tensor(seen, device=DEVICE)
+            want = masked_attention_reference(q[b : b + 1, :, i : i + 1].float(), k[b : b + 1, :, idx].float(),
+                                              v[b : b + 1, :, idx].float(), 0.125, spec_mask=torch.ones(1, 1))
+            assert _rel(ref[b, i], want[0, 0]) < 1e-5
 
 
 def test_static_decode_operator_matches_the_kernel_and_its_fake():
@@ -485,9 +530,11 @@ def test_dense_cache_verify_step_uses_hybrid_attention(monkeypatch):
 
 
 @torch.no_grad()
-def test_batched_static_steps_use_the_kernel(monkeypatch):
+@pytest.mark.parametrize("draft_cache", ["chunk", "window"])
+def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
     """A left-padded batch on the static path: every decode/verify step of both rows goes through the Triton kernel
-    (no fallback to SDPA over the whole buffer), and each row equals its prompt's greedy generate() alone."""
+    (no fallback to SDPA over the whole buffer; the window drafter's ring through its by-position launch), and each
+    row equals its prompt's greedy generate() alone."""
     import hf_sparsekv.static_attention as sa
     from hf_sparsekv.generation import graph_loop
 
@@ -502,6 +549,7 @@ def test_batched_static_steps_use_the_kernel(monkeypatch):
     for row, p in enumerate(prompts):
         ids[row, 90 - p.shape[1]:], mask[row, 90 - p.shape[1]:] = p[0], 1
     kernel = _Counter(monkeypatch, sa, "static_decode")
+    ring_kernel = _Counter(monkeypatch, sa, "static_window_decode")
     steps_on_sdpa = []
     sdpa = sa.sdpa_attention_forward
 
@@ -512,14 +560,16 @@ def test_batched_static_steps_use_the_kernel(monkeypatch):
 
     monkeypatch.setattr(sa, "sdpa_attention_forward", fallback)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, assistant_model=model,
-                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0)
+                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0, draft_cache=draft_cache)
     assert graph_loop.current_engine(model).spec.batch == 2
     for row, p in enumerate(prompts):
         assert torch.equal(out[row, 90 - p.shape[1]:], want[row][0])
     assert kernel.calls > 0 and steps_on_sdpa == []
+    assert (ring_kernel.calls > 0) == (draft_cache == "window")
 
 
-def test_a_finished_row_stops_reading_its_cache(monkeypatch):
+@pytest.mark.parametrize("draft_cache", ["chunk", "window"])
+def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     """Row 0 stops at an EOS while row 1 goes on: after that, the kernel reads only the step's own slots of row 0
     (its length in both caches is the step's query count) and row 1 still equals its prompt's greedy output."""
     from hf_sparsekv.generation import graph_loop
@@ -539,7 +589,8 @@ def test_a_finished_row_stops_reading_its_cache(monkeypatch):
     for row, p in enumerate(prompts):
         ids[row, 80 - p.shape[1]:], mask[row, 80 - p.shape[1]:] = p[0], 1
     out = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, assistant_model=model,
-                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0, eos_token_id=eos)
+                         kv_budget=32, num_assistant_tokens=3, pad_token_id=0, eos_token_id=eos,
+                         draft_cache=draft_cache)
     for row, p in enumerate(prompts):
         got = out[row, 80 - p.shape[1]:]
         assert torch.equal(got[: want[row].shape[1]], want[row][0]) and not got[want[row].shape[1]:].any()
@@ -601,6 +652,27 @@ def test_cuda_batched_rows_at_real_size(batch):
     ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, length=n)
     assert out.shape == (batch, 4, 32, 128)
     assert max(_rel(out[b], ref[b]) for b in range(batch)) < TOL
+
+
+@pytest.mark.cuda
+def test_cuda_window_rows_at_real_size():
+    """The window drafter's ring launch at Llama-3-8B's attention shape, bf16, 4 queries: 16 rings of sink 4 +
+    window 1024 (+ 8 slots of rollback room), wrapped many times, partly empty or finished, against the reference."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    sink, window, ring, batch = 4, 1024, 1032, 16
+    g = torch.Generator().manual_seed(7)
+    ends = [int(e) for e in torch.randint(3, 20000, (batch,), generator=g)]
+    ends[0] = 600  # not yet wrapped: empty slots
+    slots, queries = _ring_rows(ends, 4, sink, ring, overshoot=[b % 4 for b in range(batch)])
+    q = torch.randn(batch, 4, 32, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
+    k = (torch.randn(batch, 8, sink + ring, 128, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    v = torch.randn(batch, 8, sink + ring, 128, generator=g).to("cuda", torch.bfloat16)
+    n = torch.full((batch,), sink + ring, dtype=torch.int32, device="cuda")
+    n[5] = 4  # a finished row
+    out = window_decode_attention(q, k, v, 128**-0.5, n, slots, queries, sink, window)
+    ref = window_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, n, slots, queries, sink, window)
+    assert max(_rel(out[b], ref[b]) for b in range(batch) if b != 5) < TOL and torch.isfinite(out).all()
 
 
 @pytest.mark.cuda

@@ -9,9 +9,10 @@ Per cache (shared by its layers):
 * ``slot_positions [B, capacity]`` int64: the logical position held by each slot of each row, -1 where nothing was
   written. A query of row b at position p sees slot j iff ``0 <= slot_positions[b, j] <= p`` and the cache's own
   rule (window, sink).
-* ``fp_length [B]`` int32: for the caches whose slots are in position order (full, chunk budget), the number of
-  slots the step's last query of each row sees (``slot(last position) + 1``); the Triton decode kernel reads these
-  lengths from the device, so its launch is captured once and stays right as the sequences grow or roll back.
+* ``fp_length [B]`` int32: how many leading slots of each row the Triton decode kernel reads (from the device, so
+  its launch is captured once and stays right as the sequences grow or roll back): for the caches whose slots are
+  in position order (full, chunk budget), the slots the step's last query sees (``slot(last position) + 1``); for
+  the sink+window ring, the whole buffer (the kernel then masks by ``slot_positions``).
 * ``live [B]`` int64 (optional, set by the engine that drives the cache): 0 marks a row whose sequence has
   finished. Its steps still run (the batch's graph is fixed) but its ``fp_length`` is only the step's query count,
   so the kernel reads almost none of its keys/values; what such a row computes is garbage and must be dropped.
@@ -154,11 +155,11 @@ class PreallocatedCache(Cache):
         self.positions = positions
         self.slots = self.slots_of(positions)
         self.slot_positions.scatter_(1, self.slots, positions)
-        if self.contiguous:
-            ends = self.slots[:, -1] + 1
-            if self.live is not None:  # a finished row reads only as many slots as it has queries
-                ends = torch.where(self.live > 0, ends, positions.shape[1])
-            self.fp_length.copy_(ends)
+        # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
+        ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.capacity)
+        if self.live is not None:  # a finished row reads only as many slots as it has queries
+            ends = torch.where(self.live > 0, ends, positions.shape[1])
+        self.fp_length.copy_(ends)
         self._mask = None
 
     def begin_prefill(self, length: int, row: int = 0) -> None:

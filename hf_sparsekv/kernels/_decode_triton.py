@@ -30,13 +30,18 @@ def _fp_part(
     Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
     scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
+    SP, QP, SINK, WINDOW,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, BY_POSITION: tl.constexpr,
 ):
     dt = DOT_DTYPE
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None], other=0.0).to(dt)
-    limit = S_FP - L + qi  # key n is visible to row r iff n <= limit[r]
+    if BY_POSITION:  # slots in any order: visibility from the positions they hold (SP) and the queries' (QP)
+        q_pos = tl.load(QP + qi, mask=row_ok, other=-1)
+        low = q_pos - WINDOW  # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low)
+    else:
+        limit = S_FP - L + qi  # key n is visible to row r iff n <= limit[r]
     start = fsplit * FSPLIT_TOKENS
     end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -49,7 +54,11 @@ def _fp_part(
         n_ok = offs_n < end
         k = tl.load(k_base + offs_n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
-        visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
+        if BY_POSITION:
+            sp = tl.load(SP + offs_n, mask=n_ok, other=-1)[None, :]
+            visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
+        else:
+            visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -428,10 +437,11 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
-    VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr,
+    VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -440,6 +450,9 @@ def decode_split_kernel(
         S_FP = tl.load(S_PTR + row)
         if HAS_QUANT:
             T_Q = tl.load(T_PTR + row)
+        if BY_POSITION:  # this row's slot positions [S] and query positions [L]
+            SP += row * stride_spb
+            QP += row * stride_qpb
     rows = tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * L
     qi = rows % L
@@ -469,12 +482,12 @@ def decode_split_kernel(
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                      OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE)
+                     SP, QP, SINK, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION)
     else:
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                 HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE)
+                 SP, QP, SINK, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION)
 
 @triton.jit
 def combine_kernel(
@@ -490,7 +503,9 @@ def combine_kernel(
     lse_base = LP + kvh * stride_lph + row
     lse = tl.load(lse_base + s_all * stride_lps, mask=s_all < NS, other=float("-inf"))
     m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
     denom = tl.sum(tl.exp2(lse - m), 0)
+    denom = tl.where(denom > 0, denom, 1.0)
     acc = tl.zeros([HEAD_DIM], tl.float32)
     for c0 in range(0, NS, CHUNK_S):
         sc = c0 + tl.arange(0, CHUNK_S)

@@ -14,7 +14,9 @@ query tokens, packed as the rows of one tile) over two segments:
   "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
   registers (broadcast multiply + sum), codes turned into float32 with one mask|OR + one subtraction (no int->float
   convert); with one row the value sums stay per token with lazy rescaling (one FMA per code).
-* a **full-precision segment** of ``S`` tokens whose last ``L`` are the queries' own tokens (causal among them).
+* a **full-precision segment** of ``S`` tokens whose last ``L`` are the queries' own tokens (causal among them);
+  or, with ``positions`` (a ring buffer, slots in any order), the slots each query sees are decided by the logical
+  positions the slots hold: ``0 <= s <= q`` and (``s < sink`` or ``s >= q - window``).
 
 The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
 base-2 log-sum-exp, and a second small kernel merges the splits. With a single split the first kernel writes the
@@ -155,6 +157,7 @@ def launch_decode(
     q_min_split: int | None = None,
     fp_length: torch.Tensor | None = None,
     quant_length: torch.Tensor | None = None,
+    positions: tuple | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [B, Hq, L, D]``; ``k/v [B, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
@@ -165,13 +168,20 @@ def launch_decode(
     those are the queries' own); ``quant_length`` likewise for the code buffers of ``quant``. The grid is sized from
     the capacities and nothing is read on the host, so the launch can be captured and replayed as lengths change.
     B > 1 needs lengths on the device, no ``quant``, and ``k/v`` whose rows are laid out one after another (the
-    preallocated buffers): rows are run as extra KV heads."""
+    preallocated buffers): rows are run as extra KV heads.
+
+    ``positions = (slot_positions [B, S], query_positions [B, L], sink, window)`` (int64 on the device; needs
+    ``fp_length``, no ``quant``): of the first ``fp_length[b]`` slots of row b, query i sees the slots whose
+    position s has ``0 <= s <= query_positions[b, i]`` and ``s < sink or s >= query_positions[b, i] - window``
+    (a sink+window ring buffer; a slot holding -1 is empty)."""
     if quant is not None and (fp_length is None) != (quant_length is None):
         raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
+    if positions is not None and (fp_length is None or quant is not None):
+        raise ValueError("positions need fp_length (lengths on the device) and no quantized segment")
     runtime.require(q, k, v)
     batch = q.shape[0]
     if batch > 1:
-        return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant)
+        return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant, positions)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -215,6 +225,11 @@ def launch_decode(
     s_ptr = fp_length if on_device else out
     row_heads = hkv // max(1, fp_length.numel()) if on_device else hkv
     t_ptr = quant_length if quant_length is not None else s_ptr
+    if positions is not None:
+        slot_pos, query_pos, sink, window = positions
+        pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
+    else:
+        pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
     decode_split_kernel[(n_splits, hkv)](
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
@@ -222,11 +237,11 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads,
+        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
-        LENGTHS_ON_DEVICE=on_device,
+        LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
@@ -238,9 +253,9 @@ def launch_decode(
     return out.unsqueeze(0)
 
 
-def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant) -> torch.Tensor:
+def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant, positions) -> torch.Tensor:
     """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` with ``fp_length [B]``: the rows become
-    B·Hkv KV heads of one launch (each reads its row's length) -> ``[B, L, Hq, D]``."""
+    B·Hkv KV heads of one launch (each reads its row's length, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
     batch, hq, length, d = q.shape
     hkv, s = k.shape[1], k.shape[2]
     if quant is not None:
@@ -252,6 +267,6 @@ def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant) -> torch.Tens
             raise ValueError("batched key/value must be [B, Hkv, S, D] buffers whose rows follow one another")
     folded = launch_decode(
         q.reshape(1, batch * hq, length, d), scaling, k.reshape(1, batch * hkv, s, d), v.reshape(1, batch * hkv, s, d),
-        fp_min_split=fp_min_split, fp_length=fp_length,
+        fp_min_split=fp_min_split, fp_length=fp_length, positions=positions,
     )
     return folded.view(length, batch, hq, d).transpose(0, 1).contiguous()

@@ -1,0 +1,59 @@
+"""Decode attention over a sink + window ring buffer (the static sink+window cache): Triton kernel and its PyTorch
+reference, same signature.
+
+``query [B, Hq, L, D]`` (L = 1..16 new tokens, already written to the buffer) against preallocated
+``key/value [B, Hkv, S, D]`` whose slots are in no particular order: ``slot_positions [B, S]`` (int64) holds the
+logical position stored in each slot, -1 where nothing was written, and ``query_positions [B, L]`` (int64) the
+queries' positions. Query i of row b sees the slots among the first ``length[b]`` (int32 ``[B]``) whose position s
+has ``0 <= s <= query_positions[b, i]`` and ``s < sink`` or ``s >= query_positions[b, i] - window``. A query that
+sees no slot returns zeros (a finished row of a batch, whose length is cut short). Every tensor is read on the
+device, so the launch can be captured in a CUDA graph. Returns ``[B, L, Hq, D]`` contiguous.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import runtime
+from .decode_core import launch_decode
+
+
+def _check_positions(query, key, length, slot_positions, query_positions) -> None:
+    batch, _, n, _ = query.shape
+    if tuple(slot_positions.shape) != (batch, key.shape[-2]) or tuple(query_positions.shape) != (batch, n):
+        raise ValueError(
+            f"slot_positions must be [{batch}, {key.shape[-2]}] and query_positions [{batch}, {n}], got "
+            f"{tuple(slot_positions.shape)} and {tuple(query_positions.shape)}"
+        )
+    if length.shape != (batch,):
+        raise ValueError(f"length must hold one length per row ([{batch}]), got shape {tuple(length.shape)}")
+
+
+def window_decode_attention(query, key, value, scaling: float, length, slot_positions, query_positions,
+                            sink: int, window: int) -> torch.Tensor:
+    """Triton split-KV kernel; see the module docstring."""
+    runtime.check_attention_inputs(query, key, value)
+    _check_positions(query, key, length, slot_positions, query_positions)
+    if slot_positions.dtype != torch.long or query_positions.dtype != torch.long:
+        raise ValueError("slot_positions and query_positions must be int64")
+    if slot_positions.stride(-1) != 1 or query_positions.stride(-1) != 1:
+        raise ValueError("slot_positions and query_positions must be contiguous in their last dimension")
+    return launch_decode(query, scaling, key, value, fp_length=length,
+                         positions=(slot_positions, query_positions, sink, window))
+
+
+def window_decode_attention_reference(query, key, value, scaling: float, length, slot_positions, query_positions,
+                                      sink: int, window: int) -> torch.Tensor:
+    """PyTorch reference (float32 math)."""
+    _check_positions(query, key, length, slot_positions, query_positions)
+    batch, hq, n, _ = query.shape
+    group = hq // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)
+    v = value.float().repeat_interleave(group, dim=1)
+    s = slot_positions[:, None, None, :]
+    q = query_positions[:, None, :, None]
+    read = torch.arange(key.shape[-2], device=key.device) < length.to(key.device)[:, None]
+    visible = (s >= 0) & (s <= q) & ((s < sink) | (s >= q - window)) & read[:, None, None, :]
+    logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scaling
+    weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
+    return torch.matmul(weights, v).transpose(1, 2).to(query.dtype).contiguous()
