@@ -18,7 +18,7 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D
   reading the whole ring and deciding what each query sees from the positions the slots hold
   (``hf_sparsekv::static_window_decode``);
 * decode / verify step on the quantized store (self-speculation): the same kernel reading the packed codes in the
-  cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``; one row);
+  cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``);
 * otherwise (CPU, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
   buffer (for the quantized store: every code slot dequantized, then the buffer) with a boolean mask computed from
   device tensors (the reference the kernels are tested against).
@@ -87,8 +87,8 @@ def static_quant_decode(
     value_scale: torch.Tensor, value_zero: torch.Tensor, fp_length: torch.Tensor, quant_length: torch.Tensor,
     group_size: int, int8: bool, scaling: float,
 ) -> torch.Tensor:
-    """The Triton decode kernel over a :class:`StaticQuantCache` layer: the first ``quant_length`` code slots (in the
-    INT8 or INT4 view) then the first ``fp_length`` buffer slots -> ``[1, L, Hq, D]`` contiguous."""
+    """The Triton decode kernel over a :class:`StaticQuantCache` layer: per row b, the first ``quant_length[b]`` code
+    slots (in the INT8 or INT4 view) then the first ``fp_length[b]`` buffer slots -> ``[B, L, Hq, D]`` contiguous."""
     from .kernels.decode_core import launch_decode
     from .kernels.quant_reference import QuantizedTensor
 
@@ -100,8 +100,8 @@ def static_quant_decode(
 
 @static_quant_decode.register_fake
 def _static_quant_decode_shape(query, *args):
-    _, heads, n, dim = query.shape
-    return query.new_empty(1, n, heads, dim)
+    batch, heads, n, dim = query.shape
+    return query.new_empty(batch, n, heads, dim)
 
 
 def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, sliding):

@@ -20,8 +20,7 @@ PAD = 0  # the tiny models' pad_token_id
 
 @pytest.fixture(params=["eager", "static"])
 def path(request, monkeypatch):
-    """The eager loop (row by row), or the static engine forced on CPU (rows together, except int4 self-speculation,
-    which goes row by row there too)."""
+    """The eager loop (row by row), or the static engine forced on CPU (rows together)."""
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0" if request.param == "eager" else "1")
     graph_loop.release_engines()
     yield request.param
@@ -32,8 +31,8 @@ def _check_path(path: str, verifier, mode: str, rows: int) -> None:
     engine = graph_loop.current_engine(verifier)
     if path == "eager":
         assert engine is None
-    else:  # int4 self-speculation takes the batch-1 engine row by row; the other modes one engine of all rows
-        assert engine is not None and engine.spec.batch == (1 if mode == "int4-self" else rows)
+    else:  # every mode: one engine of all rows
+        assert engine is not None and engine.spec.batch == rows
 
 
 def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -142,6 +141,32 @@ def test_rejected_and_accepted_rows_side_by_side(path):
     assert 5 not in references[0].tolist()
     assert accepted_row.acceptance_rate == 1.0
     assert rejected_row.acceptance_rate < 0.35
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_int4_rows_cross_quantization_points_at_their_own_rounds(path, arch, monkeypatch):
+    """Self-speculation with G = 16 and γ = 5 on rows whose lengths put them at different phases of their groups:
+    the quantization state moves every 16 tokens, so in many rounds one row may keep only part of its block (its
+    cap) while the others draft in full. Each row equals greedy AR of its prompt alone on the INT8 view."""
+    verifier = tiny_model(arch)
+    prompts = [prompt(n, 7 * n) for n in (20, 31, 47, 90)]
+    ids, mask = _left_padded(prompts)
+    caps = []
+    if path == "static":
+        verify = graph_loop.StaticEngine._verify
+        monkeypatch.setattr(graph_loop.StaticEngine, "_verify",
+                            lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=verifier, num_assistant_tokens=5,
+                            draft_cache=hf_sparsekv.HierarchicalQuantCache(group_size=16), max_new_tokens=40)
+    _check_path(path, verifier, "int4-self", len(prompts))
+    references = [
+        verifier.generate(p, do_sample=False, max_new_tokens=40,
+                          past_key_values=hf_sparsekv.HierarchicalQuantCache(group_size=16))[0, p.shape[1] :]
+        for p in prompts
+    ]
+    _assert_rows(out, prompts, references, ids.shape[1])
+    if path == "static":  # rounds in which one row's cap cut its block while another drafted in full
+        assert any(min(c) < 5 and max(c) == 5 for c in caps)
 
 
 def test_a_draft_cache_instance_serves_every_row():

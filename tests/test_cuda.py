@@ -170,22 +170,24 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
         assert torch.equal(row[: new.shape[0]], new) and bool((row[new.shape[0] :] == 0).all()), b
     engine = graph_loop.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
-    assert engine.spec.batch == (1 if mode == "int4" else len(prompts))  # int4 goes row by row, the others together
+    assert engine.spec.batch == len(prompts)  # every mode: one engine of all rows
 
 
-@pytest.mark.parametrize("mode", ["chunk", "window", "ar"])
+@pytest.mark.parametrize("mode", ["chunk", "window", "int4", "ar"])
 def test_graph_path_batch_of_64_rows(mode):
     """64 left-padded prompts of 1-400 tokens on the graph path (one engine of 64 rows; rows stop at EOS at
-    different rounds): each row is its prompt's greedy generate() alone, padded after its stop."""
+    different rounds; int4 with G = 32, so rows cross quantization points at their own rounds): each row is its
+    prompt's greedy generate() alone (int4: on the INT8 view), padded after its stop."""
     verifier, drafter = _on_cuda("llama"), _on_cuda("llama", "drafter")
     g = torch.Generator().manual_seed(64)
     lengths = [1, 400] + torch.randint(1, 401, (62,), generator=g).tolist()
     prompts = [prompt(n, 1000 + b).cuda() for b, n in enumerate(lengths)]
-    free = [verifier.generate(p, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)[0, p.shape[1]:]
-            for p in prompts]
+    store = (lambda: dict(past_key_values=HierarchicalQuantCache(group_size=32))) if mode == "int4" else dict
+    free = [verifier.generate(p, max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0,
+                              **store())[0, p.shape[1]:] for p in prompts]
     eos = int(torch.cat([f[:12] for f in free]).mode().values)  # the commonest early token: some rows stop on it
     kwargs = dict(max_new_tokens=16, do_sample=False, pad_token_id=0, eos_token_id=eos)
-    references = [verifier.generate(p, **kwargs)[0, p.shape[1]:] for p in prompts]
+    references = [verifier.generate(p, **kwargs, **store())[0, p.shape[1]:] for p in prompts]
     assert 1 < sum(r.shape[0] < 16 for r in references) < 63
     width = max(lengths)
     ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
@@ -195,7 +197,8 @@ def test_graph_path_batch_of_64_rows(mode):
     if mode == "ar":
         out = hf_sparsekv.graph_greedy_generate(verifier, ids, 16, eos_token_id=eos, attention_mask=mask, pad_token_id=0)
     else:
-        spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
+        spec = (dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32)) if mode == "int4"
+                else dict(assistant_model=drafter, draft_cache=mode, kv_budget=64))
         out = verifier.generate(ids, attention_mask=mask, num_assistant_tokens=3, **spec, **kwargs)
     for b, ref in enumerate(references):
         row = out[b, width:]

@@ -67,7 +67,7 @@ def test_kernels_in_triton_interpreter(request):
     root = Path(__file__).resolve().parent.parent
     env = dict(os.environ, TRITON_INTERPRET="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-q", "-x", "-p", "no:cacheprovider"],
+        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-x", "-p", "no:cacheprovider"],
         cwd=root, env=env, capture_output=True, text=True, timeout=900,
     )
     lines = proc.stdout.strip().splitlines()
@@ -229,7 +229,7 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
     q, k, v = _qkv(8, 2, length, 64, 128 + 96, dtype, seed=quantized + buffered)
     store = StaticQuantCache(g, 128, 32, 1, 2, 64, dtype, k.device)
     layer = store.layers[0]
-    store._quantize_into(layer, k[:, :, :128], v[:, :, :128], 0)
+    store._quantize_into(layer, 0, k[:, :, :128], v[:, :, :128], 0)
     layer.keys.copy_(k[:, :, 128:])
     layer.values.copy_(v[:, :, 128:])
     tq = torch.tensor([quantized], dtype=torch.int32, device=k.device)
@@ -246,6 +246,54 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
     torch.library.opcheck(static_quant_decode, (q, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero,
                                                 qv.upper, qv.lower, qv.scale, qv.zero, tf, tq, g, True, 0.125),
                           test_utils=("test_schema", "test_faketensor"))
+
+
+@pytest.mark.parametrize("path,dtype,hq,hkv,length", [
+    ("dot", torch.bfloat16, 8, 2, 4), ("dot", torch.float32, 8, 1, 1), ("vec", torch.float16, 4, 4, 1),
+    ("vec", torch.float32, 8, 2, 1),
+], ids=str)
+def test_static_quant_decode_batched_rows(path, dtype, hq, hkv, length):
+    """A batch of 4 rows of a StaticQuantCache (the batched int4 engine's launch), each with its own quantized and
+    buffered lengths on the device (row 3 as a finished row leaves it: no codes, only the step's own slots): every
+    row equals the reference on its own codes and buffer, in both views."""
+    from hf_sparsekv.caches.static import StaticQuantCache
+    from hf_sparsekv.kernels import decode_core
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+    from hf_sparsekv.static_attention import static_quant_decode
+
+    g, cap, quantized, buffered = 32, 128, [64, 128, 0, 0], [37, 12, length + 50, length]
+    store = StaticQuantCache(g, cap, 32, 1, hkv, 64, dtype, DEVICE, batch=4)
+    layer = store.layers[0]
+    qs = []
+    for b in range(4):
+        q, k, v = _qkv(hq, hkv, length, 64, cap + 96, dtype, seed=40 + b)
+        store._quantize_into(layer, b, k[:, :, :cap], v[:, :, :cap], 0)
+        layer.keys[b].copy_(k[0, :, cap:])
+        layer.values[b].copy_(v[0, :, cap:])
+        qs.append(q)
+    q = torch.cat(qs)
+    tq = torch.tensor(quantized, dtype=torch.int32, device=DEVICE)
+    tf = torch.tensor(buffered, dtype=torch.int32, device=DEVICE)
+    qk, qv = layer.qkeys, layer.qvalues
+    args = (layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper, qv.lower, qv.scale, qv.zero,
+            tf, tq, g)
+
+    def row(x, b, n, groups):
+        return QuantizedTensor(x.upper[b : b + 1, :, :n], x.lower[b : b + 1, :, :n], x.scale[b : b + 1, :, :groups],
+                               x.zero[b : b + 1, :, :groups]) if n else None
+
+    settings = dict(path=path, vec_max_rows=4, min_split=32) if path == "vec" else dict(path=path)
+    for int8 in (True, False):
+        with decode_core.quant_config(**settings):
+            out = static_quant_decode(q, *args, int8, 0.125)
+        assert out.shape == (4, length, hq, 64)
+        for b in range(4):
+            n, m = quantized[b], buffered[b]
+            ref = quant_decode_attention_reference(
+                q[b : b + 1].float(), _f32(row(qk, b, n, n // g)), _f32(row(qv, b, n, n)),
+                layer.keys[b : b + 1, :, :m].float(), layer.values[b : b + 1, :, :m].float(), g, int8, 0.125)
+            assert _rel(out[b : b + 1], ref) < (1e-4 if dtype == torch.float32 else TOL), (int8, b)
+    torch.library.opcheck(static_quant_decode, (q, *args, True, 0.125), test_utils=("test_schema", "test_faketensor"))
 
 
 # ---------------------------------------------------------------- hierarchical quantized decode attention

@@ -229,7 +229,7 @@ def test_static_quant_store_equals_the_dynamic_store(dtype, prompt_len, gamma):
         static.update(keys[:, :, block], values[:, :, block], 0)
         d, s = dynamic.layers[0], static.layers[0]
         t = d.quantized_length
-        assert static.quantized == t == int(static.quant_length) and int(static.fp_length) == seen + n - t
+        assert static.quantized == [t] and int(static.quant_length) == t and int(static.fp_length) == seen + n - t
         if t:
             for ours, theirs in ((s.qkeys, d.qkeys), (s.qvalues, d.qvalues)):
                 rows = t // g_size if ours is s.qkeys else t
@@ -239,6 +239,46 @@ def test_static_quant_store_equals_the_dynamic_store(dtype, prompt_len, gamma):
         keep = rng.randint(1, n)  # roll back the rejected part of the block
         dynamic.crop(keep - n)
         seen += keep
+
+
+def test_rows_of_a_batched_quant_store_are_independent():
+    """Each row of a batch-3 StaticQuantCache holds, bit for bit, what a HierarchicalQuantCache fed that row's
+    prompt and kept tokens holds, while the rows flush at their own points and every step writes the whole block
+    (γ + 1 tokens) into every row, also past where a row may keep tokens."""
+    g_size, gamma, rng = 16, 3, random.Random(11)
+    lengths, total = [5, 40, 97], 200
+    states = [_states(2 * total, seed=n) for n in lengths]
+    dynamic = [HierarchicalQuantCache(group_size=g_size) for _ in lengths]
+    static = StaticQuantCache(g_size, 2 * total, gamma + 1, 1, H, D, torch.float64, "cpu", batch=3)
+    for row, n in enumerate(lengths):
+        keys, values = states[row]
+        dynamic[row].update(keys[:, :, :n], values[:, :, :n], 0)
+        static.begin_prefill(n, row)
+        static.update(keys[:, :, :n], values[:, :, :n], 0)
+        static.end_prefill()
+    seen = list(lengths)
+    while min(seen) < total - gamma - 1:
+        for row in range(3):
+            static.flush_to(seen[row], row)
+        static.begin_step(torch.stack([torch.arange(m, m + gamma + 1) for m in seen]))
+        static.update(torch.cat([k[:, :, m : m + gamma + 1] for (k, _), m in zip(states, seen)]),
+                      torch.cat([v[:, :, m : m + gamma + 1] for (_, v), m in zip(states, seen)]), 0)
+        for row in range(3):
+            keep = min(rng.randint(1, gamma + 1), static.room(seen[row]))
+            keys, values = states[row]
+            dynamic[row].update(keys[:, :, seen[row] : seen[row] + keep], values[:, :, seen[row] : seen[row] + keep], 0)
+            seen[row] += keep
+            d, s, t = dynamic[row].layers[0], static.layers[0], dynamic[row].layers[0].quantized_length
+            assert static.quantized[row] == t == int(static.quant_length[row])
+            for ours, theirs in ((s.qkeys, d.qkeys), (s.qvalues, d.qvalues)) if t else ():
+                n = t // g_size if ours is s.qkeys else t
+                assert torch.equal(ours.upper[row : row + 1, :, :t], theirs.upper)
+                assert torch.equal(ours.lower[row : row + 1, :, :t], theirs.lower)
+                assert torch.equal(ours.scale[row : row + 1, :, :n], theirs.scale)
+                assert torch.equal(ours.zero[row : row + 1, :, :n], theirs.zero)
+            fp = seen[row] - t
+            assert torch.equal(s.keys[row : row + 1, :, :fp], d.keys[:, :, :fp]), row
+            assert torch.equal(s.values[row : row + 1, :, :fp], d.values[:, :, :fp]), row
 
 
 def test_device_acceptance_equals_the_eager_rule():

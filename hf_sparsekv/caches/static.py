@@ -46,7 +46,7 @@ Driving a step (what :mod:`hf_sparsekv.generation.graph_steps` does): ``begin_st
 positions ``[B, L]`` (a device tensor), then the model forward (its attention must be the ``"sparsekv_static"``
 implementation, :mod:`hf_sparsekv.static_attention`). A prompt is fed to one row with ``begin_prefill(length,
 row)`` instead (eager, never captured, a batch-1 forward): it attends to the prompt itself and then stores what the
-layout keeps in that row. The quantized store has one row.
+layout keeps in that row.
 """
 
 from __future__ import annotations
@@ -380,46 +380,48 @@ class StaticQuantCache(PreallocatedCache):
     preallocated storage: one store, read in the ``"int8"`` view by verification and the ``"int4"`` view by the
     self-speculative draft (``view``, fixed per captured step).
 
-    Positions ``0..T_q-1`` are quantized (codes at ``slot = position``, key scale/zero per group of G); later
-    positions sit in the full-precision buffer (the ``keys``/``values`` of each layer) at ``slot = p - T_q``. A step
-    whose first position is p sees ``T_q = G * max(0, p // G - 1)``, exactly the state of the dynamic cache fed one
-    token at a time; :meth:`flush_to` brings the store there (host side, outside any graph, when the host knows p).
-    A step must not cross a point where T_q moves (:meth:`room`), so that all its tokens see one state. ``quant_length``
-    ``[1]`` int32 holds T_q on the device for the kernel.
+    Per row, positions ``0..T_q-1`` are quantized (codes at ``slot = position``, key scale/zero per group of G);
+    later positions sit in the full-precision buffer (the ``keys``/``values`` of each layer) at ``slot = p - T_q``.
+    A step whose first position is p sees ``T_q = G * max(0, p // G - 1)``, exactly the state of the dynamic cache
+    fed one token at a time; :meth:`flush_to` brings a row there (host side, outside any graph, when the host knows
+    p). Of a step's tokens, only the first :meth:`room` see that one state; the driver keeps no later ones.
+    ``quant_length [B]`` int32 holds each row's T_q on the device for the kernel (0 for a finished row, see ``live``).
 
     Args:
         group_size: G (a multiple of 8).
-        max_tokens: positions the store must hold.
+        max_tokens: positions each row must hold.
         max_block: the longest step (γ + 1); the buffer holds 2G + max_block slots.
+        batch: rows.
     """
 
     def __init__(self, group_size: int, max_tokens: int, max_block: int, num_layers, kv_heads, head_dim, dtype,
-                 device):
+                 device, batch: int = 1):
         if group_size < 8 or group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
         if head_dim % 2:
             raise ValueError(f"head_dim must be even to pack INT4 codes, got {head_dim}")
-        super().__init__(num_layers, kv_heads, head_dim, 2 * group_size + max_block, dtype, device)
+        super().__init__(num_layers, kv_heads, head_dim, 2 * group_size + max_block, dtype, device, batch)
         self.group_size, self.view = group_size, "int8"
         t = -(-max_tokens // group_size) * group_size
         for layer in self.layers:
             # keys: scale/zero per channel per group of G tokens; values: per token
             layer.qkeys = self._codes(kv_heads, t, head_dim, dtype, (t // group_size, head_dim))
             layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, (t, 1))
-        self.offset = torch.zeros(1, dtype=torch.long, device=self.slot_positions.device)  # T_q
-        self.quant_length = torch.zeros(1, dtype=torch.int32, device=self.slot_positions.device)
-        self.quantized = 0  # T_q on the host
+        device = self.slot_positions.device
+        self.offset = torch.zeros(batch, dtype=torch.long, device=device)  # T_q of each row
+        self.quant_length = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.quantized = [0] * batch  # T_q of each row on the host
 
     def _codes(self, heads, tokens, head_dim, dtype, param_shape: tuple[int, int]):
-        """Empty packed codes ``[1, H, tokens, D/2]`` and scale/zero ``[1, H, *param_shape]``."""
+        """Empty packed codes ``[B, H, tokens, D/2]`` and scale/zero ``[B, H, *param_shape]``."""
         from ..kernels.quant_reference import QuantizedTensor
 
-        device = self.slot_positions.device
+        device, b = self.slot_positions.device, self.batch
         return QuantizedTensor(
-            torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
-            torch.zeros(1, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
-            torch.ones(1, heads, *param_shape, dtype=dtype, device=device),
-            torch.zeros(1, heads, *param_shape, dtype=dtype, device=device),
+            torch.zeros(b, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
+            torch.zeros(b, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
+            torch.ones(b, heads, *param_shape, dtype=dtype, device=device),
+            torch.zeros(b, heads, *param_shape, dtype=dtype, device=device),
         )
 
     def quantized_length(self, position: int) -> int:
@@ -433,23 +435,29 @@ class StaticQuantCache(PreallocatedCache):
         return 2 * g - position if position < 2 * g else g - position % g
 
     def slots_of(self, positions):
-        return positions - self.offset
+        return positions - self.offset[:, None]
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        super().begin_step(positions)
+        quant = self.offset if self.live is None else self.offset * (self.live > 0)  # a finished row reads no codes
+        self.quant_length.copy_(quant)
 
     def _store_prefill(self, layer, key_states, value_states):
-        p = key_states.shape[-2]
+        p, r = key_states.shape[-2], self.prefill_row
         t = self.quantized_length(p)
         if t > layer.qkeys.upper.shape[-2]:
             raise ValueError(f"prompt of {p} tokens exceeds the store's capacity {layer.qkeys.upper.shape[-2]}")
-        self._quantize_into(layer, key_states[:, :, :t], value_states[:, :, :t], 0)
-        layer.keys[:, :, : p - t].copy_(key_states[:, :, t:])
-        layer.values[:, :, : p - t].copy_(value_states[:, :, t:])
+        self._quantize_into(layer, r, key_states[:, :, :t], value_states[:, :, :t], 0)
+        layer.keys[r, :, : p - t].copy_(key_states[0, :, t:])
+        layer.values[r, :, : p - t].copy_(value_states[0, :, t:])
         if layer.layer_idx == 0:
-            self._set_quantized(t)
-            self.slot_positions.fill_(-1)
-            self.slot_positions[0, : p - t] = torch.arange(t, p, device=self.offset.device)
-            self.fp_length.fill_(p - t)
+            self._set_quantized(r, t)
+            self.slot_positions[r].fill_(-1)
+            self.slot_positions[r, : p - t] = torch.arange(t, p, device=self.offset.device)
+            self.fp_length[r] = p - t
 
-    def _quantize_into(self, layer, keys, values, start: int) -> None:
+    def _quantize_into(self, layer, row: int, keys, values, start: int) -> None:
+        """Quantize ``keys/values [1, H, n, D]`` into row ``row``'s codes at positions ``start..start+n-1``."""
         from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
 
         n, g = keys.shape[-2], self.group_size
@@ -459,37 +467,38 @@ class StaticQuantCache(PreallocatedCache):
             (layer.qkeys, quantize_keys_auto(keys, g), start // g, (start + n) // g),
             (layer.qvalues, quantize_values_auto(values), start, start + n),
         ):
-            store.upper[:, :, start : start + n].copy_(fresh.upper)
-            store.lower[:, :, start : start + n].copy_(fresh.lower)
-            store.scale[:, :, first:last].copy_(fresh.scale)
-            store.zero[:, :, first:last].copy_(fresh.zero)
+            store.upper[row, :, start : start + n].copy_(fresh.upper[0])
+            store.lower[row, :, start : start + n].copy_(fresh.lower[0])
+            store.scale[row, :, first:last].copy_(fresh.scale[0])
+            store.zero[row, :, first:last].copy_(fresh.zero[0])
 
-    def _set_quantized(self, t: int) -> None:
-        self.quantized = t
-        self.offset.fill_(t)
-        self.quant_length.fill_(t)
+    def _set_quantized(self, row: int, t: int) -> None:
+        self.quantized[row] = t
+        self.offset[row] = t
+        self.quant_length[row] = t
 
-    def flush_to(self, position: int) -> None:
-        """Before a step starting at ``position`` (positions ``< position`` are the stored sequence): quantize the
-        buffer's oldest tokens up to ``T_q(position)`` and move the rest to the front of the buffer. Eager, never
-        inside a captured step."""
+    def flush_to(self, position: int, row: int = 0) -> None:
+        """Before a step whose tokens of row ``row`` start at ``position`` (positions ``< position`` are the row's
+        stored sequence): quantize the row's oldest buffered tokens up to ``T_q(position)`` and move the rest to the
+        front of its buffer. Eager, never inside a captured step."""
         target = self.quantized_length(position)
-        moved = target - self.quantized
+        moved = target - self.quantized[row]
         if moved <= 0:
             return
         keep = position - target
         for layer in self.layers:
-            self._quantize_into(layer, layer.keys[:, :, :moved], layer.values[:, :, :moved], self.quantized)
-            layer.keys[:, :, :keep] = layer.keys[:, :, moved : moved + keep].clone()
-            layer.values[:, :, :keep] = layer.values[:, :, moved : moved + keep].clone()
-        shifted = self.slot_positions[0, moved : moved + keep].clone()
-        self.slot_positions.fill_(-1)
-        self.slot_positions[0, :keep] = shifted
-        self._set_quantized(target)
+            self._quantize_into(layer, row, layer.keys[row : row + 1, :, :moved], layer.values[row : row + 1, :, :moved],
+                                self.quantized[row])
+            layer.keys[row, :, :keep] = layer.keys[row, :, moved : moved + keep].clone()
+            layer.values[row, :, :keep] = layer.values[row, :, moved : moved + keep].clone()
+        shifted = self.slot_positions[row, moved : moved + keep].clone()
+        self.slot_positions[row].fill_(-1)
+        self.slot_positions[row, :keep] = shifted
+        self._set_quantized(row, target)
 
     def reference_attention_inputs(self, layer, sliding_window: int | None):
-        """Keys/values ``[1, Hkv, T + capacity, D]`` (the whole code store dequantized in the current view, then the
-        buffer) and the step's mask ``[1, 1, L, T + capacity]``: the PyTorch path (CPU, shapes the kernel does not
+        """Keys/values ``[B, Hkv, T + capacity, D]`` (the whole code store dequantized in the current view, then the
+        buffer) and the step's mask ``[B, 1, L, T + capacity]``: the PyTorch path (CPU, shapes the kernel does not
         take), from device tensors only."""
         from ..kernels.quant_reference import dequantize_keys, dequantize_values
 
@@ -497,14 +506,15 @@ class StaticQuantCache(PreallocatedCache):
         keys = torch.cat([dequantize_keys(layer.qkeys, self.group_size, int8, dtype), layer.keys], -2)
         values = torch.cat([dequantize_values(layer.qvalues, int8, dtype), layer.values], -2)
         code_positions = torch.arange(layer.qkeys.upper.shape[-2], device=keys.device)
-        qp = self.positions[0][:, None]
-        quant_seen = code_positions[None, :] < self.offset
+        qp = self.positions[:, :, None]  # [B, L, 1]
+        quant_seen = code_positions < self.offset[:, None, None]
         if sliding_window is not None:
-            quant_seen = quant_seen & (code_positions[None, :] > qp - sliding_window)
-        mask = torch.cat([quant_seen.expand(qp.shape[0], -1), self.visible(self.positions, sliding_window)[0]], -1)
-        return keys, values, mask[None, None]
+            quant_seen = quant_seen & (code_positions > qp - sliding_window)
+        mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(self.positions, sliding_window)], -1)
+        return keys, values, mask[:, None]
 
     def reset(self) -> None:
         super().reset()
-        self._set_quantized(0)
+        for row in range(self.batch):
+            self._set_quantized(row, 0)
         self.view = "int8"

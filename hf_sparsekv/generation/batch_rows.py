@@ -6,12 +6,12 @@ Contract (what a left-padded batch gets): row ``b`` of the output is exactly wha
 stock does), followed by ``pad_token_id`` up to the longest row, as stock pads rows that stopped early (EOS, a stop
 string, a stopping criterion). ``spec_stats`` holds the totals and each row's own counters (``rows``).
 
-Two ways to get there. Greedy decoding that takes the static path with a chunk, window or full drafter runs all
-rows together on one engine (:func:`~.graph_loop.static_decode_rows`: one captured step per batch, each row with
-its own length, positions, chunk selection and accepted count). Everything else (int4 self-speculation, sampling,
-the eager loop) runs the rows one after another through the batch-1 path (:func:`generate_rows`): every mode works
-and no row's acceptance depends on another's, but the verifier's weights are read once per row, so throughput does
-not grow with the batch.
+Two ways to get there. Greedy decoding that takes the static path (chunk, window, full or int4 self-speculation)
+runs all rows together on one engine (:func:`~.graph_loop.static_decode_rows`: one captured step per batch, each
+row with its own length, positions, chunk selection or quantization state, and accepted count). Everything else
+(sampling, the eager loop) runs the rows one after another through the batch-1 path (:func:`generate_rows`): every
+mode works and no row's acceptance depends on another's, but the verifier's weights are read once per row, so
+throughput does not grow with the batch.
 """
 
 from __future__ import annotations
@@ -70,8 +70,8 @@ def generate_rows(
     with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
     ``draft_cache`` instance is copied (empty) for each row."""
     logger.warning_once(
-        "hf_sparsekv: this batch is decoded one row after another (each row as if alone; only greedy chunk/window/"
-        "full drafting on the CUDA graph path decodes rows together); throughput does not grow with the batch size, "
+        "hf_sparsekv: this batch is decoded one row after another (each row as if alone; only greedy decoding on "
+        "the CUDA graph path decodes rows together); throughput does not grow with the batch size, "
         "and at large batches stock batched generate() without kv_budget/draft_cache can be faster (BENCHMARKS.md, "
         "'Batches of long prompts')"
     )

@@ -283,8 +283,7 @@ def speculative_generate(
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
     than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
-    the static path with a chunk, window or full drafter, else row by row (:mod:`.batch_rows`); either way each row
-    is what its prompt alone gives."""
+    the static path, else row by row (:mod:`.batch_rows`); either way each row is what its prompt alone gives."""
     if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
         raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
     for name, value in (
@@ -347,7 +346,7 @@ def speculative_generate(
             model, assistant_model, draft_cache, kv_budget, wants_outputs=False, logits_processor=logits_processor,
             stopping_criteria=stopping_criteria, rules=None)
         pad = batch_rows.pad_value(config)
-        if static is not None and static[0] != "int4":
+        if static is not None:
             rows = [
                 _row_rules(model, config, input_ids[b : b + 1],
                            None if attention_mask is None else attention_mask[b : b + 1], stopping_criteria,

@@ -18,9 +18,10 @@ rounds are as above.
 
 Self-speculation on the INT4 view (QuantSpec, mode ``"int4"``): the verifier drafts on the INT4 view of its own
 :class:`~hf_sparsekv.caches.static.StaticQuantCache` and verifies on its INT8 view; there is no catch-up (verification
-writes every token into the one store). Before each round the host quantizes the store up to the round's state
-(``flush_to``, outside the graphs); a round that would cross a point where that state moves runs one verifier step
-instead (no drafts), so every token of a block sees the state greedy AR on the INT8 view would see.
+writes every token into the one store). Before each round the host quantizes each row of the store up to the
+round's state (``flush_to``, outside the graphs); a row keeps no token of the block past the point where that state
+would move (``cap``), and a round in which no row could keep all its drafts runs one verifier step instead (no
+drafts), so every kept token sees the state greedy AR on the INT8 view would see.
 
 Sampling (``do_sample=True``, :mod:`.sampling`): the same rounds with draws instead of argmaxes, all on the device.
 Both models' float32 logits get the EOS floor and the engine's warpers (temperature, top-k, top-p, ...); the draft
@@ -127,12 +128,12 @@ class StaticEngine:
             slack += AR_STEPS_PER_SYNC
         self.max_tokens = _round_up(max_tokens)
         self.max_new = _round_up(max_new)
+        self.cap = None  # int4: the most drafts each row may keep this round (its quantization state must not move)
         if spec.mode == "int4":  # one store: the draft reads its INT4 view, verification its INT8 view
-            if spec.batch != 1:
-                raise NotImplementedError("int4 self-speculation runs one row at a time")
             self.verifier_cache = StaticQuantCache(spec.budget, self.max_tokens + slack, gamma + 1,
-                                                   *_attention_shape(verifier), dtype, device)
+                                                   *_attention_shape(verifier), dtype, device, spec.batch)
             self.drafter_cache = self.verifier_cache
+            self.cap = torch.full((spec.batch,), gamma, dtype=torch.long, device=device)
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch)
@@ -256,9 +257,16 @@ class StaticEngine:
         if self.warpers is None:
             verified = self._next(logits, self.n)
             accepted = accepted_length(self.drafts, verified)
+            if self.cap is not None:  # v_0..v_cap saw the row's one quantization state: keep no later token
+                accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
             p = self._probabilities(logits, self.n)
             accepted, token = accept_or_resample(p, self.q, self.drafts)
+            if self.cap is not None:  # cut at the cap: an accepted draft there is itself a draw from p
+                capped = accepted > self.cap
+                accepted = torch.minimum(accepted, self.cap)
+                kept = self.drafts.gather(1, accepted.clamp(max=self.spec.gamma - 1)[:, None])[:, 0]
+                token = torch.where(capped, kept, token)
             verified = torch.where(self._block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
                                    token[:, None])
         self._advance(verified, accepted)
@@ -425,8 +433,6 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     is_ar = engine.spec.mode == "ar"
     gamma = engine.spec.gamma
     quant = engine.verifier_cache if isinstance(engine.verifier_cache, StaticQuantCache) else None
-    if quant is not None and rows != 1:
-        raise NotImplementedError("int4 self-speculation runs one row at a time")
 
     def accept(row: int, new: list[int]) -> None:
         for token in new:
@@ -469,10 +475,15 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 retire_finished()
                 continue
             drafting = True
-            if quant is not None:  # self-speculation: quantize up to this round's state; a round stays in one group
-                n = len(tokens[0])
-                quant.flush_to(n - 1)
-                drafting = quant.room(n - 1) > gamma
+            if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
+                rooms = []  # that would see another state; a round in which no row can keep every draft runs one
+                for row in range(rows):  # verifier step instead
+                    if not done[row]:
+                        quant.flush_to(len(tokens[row]) - 1, row)
+                    rooms.append(quant.room(len(tokens[row]) - 1))
+                drafting = any(r > gamma for r, d in zip(rooms, done) if not d)
+                if drafting:
+                    engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
             if catch_up:
                 engine.run_step("catch_up")

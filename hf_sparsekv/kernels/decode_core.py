@@ -167,8 +167,8 @@ def launch_decode(
     preallocated buffers of capacity S and only the first ``fp_length[b]`` tokens of row b are read (the last L of
     those are the queries' own); ``quant_length`` likewise for the code buffers of ``quant``. The grid is sized from
     the capacities and nothing is read on the host, so the launch can be captured and replayed as lengths change.
-    B > 1 needs lengths on the device, no ``quant``, and ``k/v`` whose rows are laid out one after another (the
-    preallocated buffers): rows are run as extra KV heads.
+    B > 1 needs lengths on the device and ``k/v`` (and the code buffers of ``quant``) whose rows are laid out one
+    after another (the preallocated buffers): rows are run as extra KV heads.
 
     ``positions = (slot_positions [B, S], query_positions [B, L], sink, window)`` (int64 on the device; needs
     ``fp_length``, no ``quant``): of the first ``fp_length[b]`` slots of row b, query i sees the slots whose
@@ -181,7 +181,8 @@ def launch_decode(
     runtime.require(q, k, v)
     batch = q.shape[0]
     if batch > 1:
-        return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant, positions)
+        return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8,
+                            q_min_split, quant_length)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -253,20 +254,30 @@ def launch_decode(
     return out.unsqueeze(0)
 
 
-def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, quant, positions) -> torch.Tensor:
-    """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` with ``fp_length [B]``: the rows become
-    B·Hkv KV heads of one launch (each reads its row's length, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
+def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8, q_min_split,
+                 quant_length) -> torch.Tensor:
+    """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` (and code buffers ``[B, Hkv, ...]``) with
+    ``fp_length [B]`` (and ``quant_length [B]``): the rows become B·Hkv KV heads of one launch (each reads its row's
+    lengths, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
+    from .quant_reference import QuantizedTensor
+
     batch, hq, length, d = q.shape
-    hkv, s = k.shape[1], k.shape[2]
-    if quant is not None:
-        raise NotImplementedError("the quantized decode kernel takes one row (batch 1)")
+    hkv = k.shape[1]
     if fp_length is None or fp_length.numel() != batch:
         raise ValueError(f"a batch of {batch} rows needs fp_length with one length per row on the device")
-    for t in (k, v):
-        if t.shape[0] != batch or t.stride(0) != hkv * t.stride(1):
-            raise ValueError("batched key/value must be [B, Hkv, S, D] buffers whose rows follow one another")
-    folded = launch_decode(
-        q.reshape(1, batch * hq, length, d), scaling, k.reshape(1, batch * hkv, s, d), v.reshape(1, batch * hkv, s, d),
-        fp_min_split=fp_min_split, fp_length=fp_length, positions=positions,
+    if quant is not None and quant_length.numel() != batch:
+        raise ValueError(f"a batch of {batch} rows needs quant_length with one length per row on the device")
+
+    def folded(t: torch.Tensor) -> torch.Tensor:  # [B, Hkv, ...] -> [1, B·Hkv, ...] without a copy
+        if t.shape[0] != batch or t.shape[1] != hkv or t.stride(0) != hkv * t.stride(1):
+            raise ValueError("batched key/value and code buffers must be [B, Hkv, ...] with rows one after another")
+        return t.reshape(1, batch * hkv, *t.shape[2:])
+
+    if quant is not None:
+        quant = tuple(QuantizedTensor(*(folded(t) for t in (x.upper, x.lower, x.scale, x.zero))) for x in quant)
+    out = launch_decode(
+        q.reshape(1, batch * hq, length, d), scaling, folded(k), folded(v), quant=quant, group_size=group_size,
+        int8=int8, fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length, quant_length=quant_length,
+        positions=positions,
     )
-    return folded.view(length, batch, hq, d).transpose(0, 1).contiguous()
+    return out.view(length, batch, hq, d).transpose(0, 1).contiguous()
