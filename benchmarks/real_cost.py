@@ -4,8 +4,8 @@ Real weights cannot travel to the GPU machine, so this times models of exactly t
 Qwen2.5-Coder-1.5B-Instruct / -0.5B-Instruct (and Llama-3.1-8B / Llama-3.2-1B) with random bf16 weights, on the
 path `generate()` takes on CUDA: the static engine of ``hf_sparsekv.generation.graph_loop`` (preallocated caches,
 steps captured as CUDA graphs; ``--compile`` compiles them first, as ``generate()`` does by default), prefilled with
-``L`` random tokens in each of ``B`` rows (``--batches``: the batched engine of a left-padded batch; int4
-self-speculation runs one row at a time and is timed at B = 1 only); every timed run starts again at the prompt's end.
+``L`` random tokens in each of ``B`` rows (``--batches``: the batched engine of a left-padded batch, every mode);
+every timed run starts again at the prompt's end.
 
 Steps per (pair, context L, batch B), milliseconds per step of all B rows:
     ar            verifier, 1 token (the captured AR step)
@@ -63,7 +63,7 @@ def add_cost_args(p) -> None:
     p.add_argument("--out", default="runs/real-cost")
     p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
-    p.add_argument("--batches", type=int, nargs="+", default=[1], help="rows decoded together (int4: B = 1 only)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1], help="rows decoded together")
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 1024, 2048])
     p.add_argument("--window-budget", type=int, default=1024)
@@ -154,8 +154,8 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
-                                           use_graphs, batch=1 if mode == "int4" else batch)
-            engine.prefill(prompts[:1] if mode == "int4" else prompts)
+                                           use_graphs, batch=batch)
+            engine.prefill(prompts)
             return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
 
         with torch.no_grad(), static_attention_for(verifier, drafter):
@@ -167,9 +167,8 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
                 steps[f"draft-chunk-{b}"] = draft_round / g
             (draft_round,) = timed("window", args.window_budget, drafter, "draft")
             steps[f"draft-window-{args.window_budget}"] = draft_round / g
-            if batch == 1:
-                draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
-                steps["int4-draft"] = draft_round / g
+            draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
+            steps["int4-draft"] = draft_round / g
         graph_loop.release_engines()
         rows.append({"pair": pair, "verifier": v_name, "drafter": d_name, "context": L, "batch": batch,
                      "seconds": steps})
