@@ -227,7 +227,7 @@ def test_a_warper_the_static_loop_does_not_apply_takes_the_eager_loop(monkeypatc
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode,gamma", [
-    ("chunk", 3), pytest.param("window", 5, marks=pytest.mark.compiled), pytest.param("int4", 3, marks=pytest.mark.slow),
+    ("chunk", 3), pytest.param("window", 5, marks=[pytest.mark.compiled, pytest.mark.slow]), pytest.param("int4", 3, marks=pytest.mark.slow),
 ])
 def test_graph_path_sampling_matches_the_exact_joint_distribution(mode, gamma):
     """The captured draft and verify steps draw on the device (compiled: Inductor's random numbers): the same
