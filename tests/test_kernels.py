@@ -703,6 +703,47 @@ def test_cuda_batched_rows_at_real_size(batch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("length", [1, 6])
+def test_cuda_quant_rows_at_real_size(length):
+    """The batched int4 engine's launch at Llama-3-8B's attention shape, bf16, G = 128: 8 rows of a StaticQuantCache
+    with their own quantized (0-8192) and buffered lengths, one finished row (no codes, only the step's slots), both
+    views, against the float32 reference row by row."""
+    from hf_sparsekv.caches.static import StaticQuantCache
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+    from hf_sparsekv.static_attention import static_quant_decode
+
+    batch, g, cap = 8, 128, 8192
+    gen = torch.Generator().manual_seed(length)
+    quantized = [int(x) * g for x in torch.randint(0, cap // g + 1, (batch,), generator=gen)]
+    quantized[3] = 0
+    buffered = [int(x) for x in torch.randint(length, 2 * g + length, (batch,), generator=gen)]
+    buffered[3] = length  # the finished row
+    store = StaticQuantCache(g, cap, length, 1, 8, 128, torch.bfloat16, "cuda", batch=batch)
+    layer = store.layers[0]
+    keys = (torch.randn(batch, 8, cap, 128, generator=gen) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    values = torch.randn(batch, 8, cap, 128, generator=gen).to("cuda", torch.bfloat16)
+    for b in range(batch):
+        store._quantize_into(layer, b, keys[b : b + 1], values[b : b + 1], 0)
+    layer.keys.copy_(torch.randn(layer.keys.shape, generator=gen).to("cuda", torch.bfloat16))
+    layer.values.copy_(torch.randn(layer.values.shape, generator=gen).to("cuda", torch.bfloat16))
+    q = torch.randn(batch, length, 32, 128, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
+    tq = torch.tensor(quantized, dtype=torch.int32, device="cuda")
+    tf = torch.tensor(buffered, dtype=torch.int32, device="cuda")
+    qk, qv = layer.qkeys, layer.qvalues
+    for int8 in (False, True):
+        out = static_quant_decode(q, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
+                                  qv.lower, qv.scale, qv.zero, tf, tq, g, int8, 128**-0.5)
+        for b in range(batch):
+            n, m = quantized[b], buffered[b]
+            part = lambda x, rows: QuantizedTensor(x.upper[b : b + 1, :, :n], x.lower[b : b + 1, :, :n],  # noqa: E731
+                                                   x.scale[b : b + 1, :, :rows].float(), x.zero[b : b + 1, :, :rows].float())
+            ref = quant_decode_attention_reference(
+                q[b : b + 1].float(), part(qk, n // g) if n else None, part(qv, n) if n else None,
+                layer.keys[b : b + 1, :, :m].float(), layer.values[b : b + 1, :, :m].float(), g, int8, 128**-0.5)
+            assert _rel(out[b : b + 1], ref) < TOL, (int8, b, n, m)
+
+
+@pytest.mark.cuda
 def test_cuda_window_rows_at_real_size():
     """The window drafter's ring launch at Llama-3-8B's attention shape, bf16, 4 queries: 16 rings of sink 4 +
     window 1024 (+ 8 slots of rollback room), wrapped many times, partly empty or finished, against the reference."""
