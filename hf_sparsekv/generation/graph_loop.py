@@ -130,6 +130,8 @@ class StaticEngine:
         self.max_new = _round_up(max_new)
         self.cap = None  # int4: the most drafts each row may keep this round (its quantization state must not move)
         if spec.mode == "int4":  # one store: the draft reads its INT4 view, verification its INT8 view
+            if warpers is not None and spec.batch > 1:  # a row's cap would have to cut a sampled block
+                raise NotImplementedError("sampled int4 self-speculation runs one row at a time")
             self.verifier_cache = StaticQuantCache(spec.budget, self.max_tokens + slack, gamma + 1,
                                                    *_attention_shape(verifier), dtype, device, spec.batch)
             self.drafter_cache = self.verifier_cache
@@ -261,12 +263,7 @@ class StaticEngine:
                 accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
             p = self._probabilities(logits, self.n)
-            accepted, token = accept_or_resample(p, self.q, self.drafts)
-            if self.cap is not None:  # cut at the cap: an accepted draft there is itself a draw from p
-                capped = accepted > self.cap
-                accepted = torch.minimum(accepted, self.cap)
-                kept = self.drafts.gather(1, accepted.clamp(max=self.spec.gamma - 1)[:, None])[:, 0]
-                token = torch.where(capped, kept, token)
+            accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled batch runs row by row: no cap)
             verified = torch.where(self._block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
                                    token[:, None])
         self._advance(verified, accepted)
