@@ -6,6 +6,7 @@ Methods, interleaved within each repeat, for each batch size B:
   graph-ar         hf_sparsekv.graph_greedy_generate(verifier, batch)          our AR on the batched static engine
   chunk-256-g3     generate(batch, assistant_model=drafter, kv_budget=256, num_assistant_tokens=3)
   window-g3        generate(batch, ..., draft_cache="window", kv_budget=1024, num_assistant_tokens=3)
+  full-g3          generate(batch, assistant_model=drafter, draft_cache="full", num_assistant_tokens=3)
   int4-self-g5     generate(batch, assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5)
 
 Prompts: B windows of ``--context`` tokens cut from the held-out documents (different documents and offsets), so
@@ -36,7 +37,7 @@ from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
-METHODS = ("hf-static-ar", "graph-ar", "chunk-256-g3", "window-g3", "int4-self-g5")
+METHODS = ("hf-static-ar", "graph-ar", "chunk-256-g3", "window-g3", "full-g3", "int4-self-g5")
 
 
 def prompts(context: int, n: int) -> torch.Tensor:
@@ -64,6 +65,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
     spec = {
         "chunk-256-g3": dict(assistant_model=drafter, kv_budget=256, num_assistant_tokens=3),
         "window-g3": dict(assistant_model=drafter, draft_cache="window", kv_budget=1024, num_assistant_tokens=3),
+        "full-g3": dict(assistant_model=drafter, draft_cache="full", num_assistant_tokens=3),
         "int4-self-g5": dict(assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5),
     }[name]
     return lambda: verifier.generate(ids, attention_mask=torch.ones_like(ids), **spec, **common)

@@ -96,24 +96,11 @@ def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
     return ks_e, ks_o, kz_e, kz_o
 
 @triton.jit
-def _code_pairs(bu, bl, INT8: tl.constexpr):
-    """Packed code bytes -> integer codes of the even and odd channels: the upper nibbles for INT4; for INT8 the
-    upper ``u`` and stored lower ``l`` (offset 8) combined as ``C = 14·u + l`` (0..225, exact in fp16/bf16), so the
-    INT8 view takes one dot per half as INT4 does (value = ``z - 8s/14 + (s/14)·C``)."""
-    if INT8:
-        ce = 14 * (bu & 15).to(tl.int32) + (bl & 15).to(tl.int32)
-        co = 14 * (bu >> 4).to(tl.int32) + (bl >> 4).to(tl.int32)
-    else:
-        ce = bu & 15
-        co = bu >> 4
-    return ce, co
-
-@triton.jit
 def _quant_part(
     Q, stride_qh, stride_ql,
     KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
-    T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+    T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
     INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -146,7 +133,7 @@ def _quant_part(
         g = n0 // KEY_GROUP
         ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
         qs_e = (q_e * (ks_e * CF)[None, :]).to(dt)
-        qs_o = (q_o * (ks_o * CF)[None, :]).to(dt)
+        qs_o = (q_o * (ks_o * (CF / 16.0))[None, :]).to(dt)  # odd codes arrive as 16·code (see _codes_f32)
         kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e)[None, :], 1) + tl.sum(q_o * (kz_o + ZOFF * ks_o)[None, :], 1)
         if TRANS_LOAD:  # codes loaded as [HALF, N]: the dot's right operand as is
             code_ptrs = offs_n[None, :] * stride_kun + half[:, None]
@@ -159,7 +146,7 @@ def _quant_part(
             kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
         else:
             kl = ku
-        ke, ko = _code_pairs(ku, kl, INT8)
+        ke, ko = _codes_f32(ku.to(tl.int32), kl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float convert
         ke = ke.to(dt)
         ko = ko.to(dt)
         if not TRANS_LOAD:
@@ -184,12 +171,12 @@ def _quant_part(
             vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
         else:
             vl = vu
-        ve, vo = _code_pairs(vu, vl, INT8)
+        ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
         acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
         acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo.to(dt), input_precision=DOT_PREC)
         m_i = m_new
     acc_e += vbias[:, None]
-    acc_o += vbias[:, None]
+    acc_o = acc_o * (1.0 / 16.0) + vbias[:, None]
     _write_rows(acc_e, m_i, l_i, even, rows, row_ok, q_head, qi, pid_s, kvh,
                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                 FINAL, True)
@@ -295,12 +282,12 @@ def _quant_part_vec1(
                                                   stride_vsn, INT8)
         g = n0 // KEY_GROUP
         ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
-        qs_e = q_e * (ks_e * CF)
-        qs_o = q_o * (ks_o * (CF / 16.0))
-        kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o), 0)
+        qs_e = q_e * (ks_e * (CF * scale_log2))
+        qs_o = q_o * (ks_o * (CF / 16.0 * scale_log2))
+        # the zero points' term q·(z + ZOFF·s) rides in the channel sum (no block-wide reduction for it)
+        qz = (q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o)) * scale_log2
         fe, fo = _codes_f32(ku_c.to(tl.int32), kl_c.to(tl.int32), MAGIC, INT8)
-        s = tl.sum(fe * qs_e[None, :] + fo * qs_o[None, :], 1)
-        s = (s + kbias) * scale_log2
+        s = tl.sum(fe * qs_e[None, :] + (fo * qs_o[None, :] + qz[None, :]), 1)
         s = tl.where(n_ok, s, float("-inf"))
         m_blk = tl.max(s, 0)
         if m_blk > m_i + 8.0:  # rare after the first block: raise the running maximum, rescale
@@ -474,7 +461,7 @@ def decode_split_kernel(
             else:
                 _quant_part(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
                             VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
-                            T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                            T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
                             OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
                             stride_oh, HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
                             TRANS_LOAD)
