@@ -252,20 +252,20 @@ def main(argv=None) -> int:
     return 0
 
 
-SWEEP_CONFIGS = [  # the previous default (tensor cores, 4 warps), then the register path for one row per KV head
-    dict(path="dot", qblock=128, num_warps=4, num_stages=3, programs_per_sm=16, min_split=1024, trans_load=True),
-] + [  # (more rows: the dot path with the same block/warps/stages). 2 warps leave registers for more programs per SM.
-    dict(path="vec", qblock=qb, num_warps=w, num_stages=st, programs_per_sm=pps, min_split=512, prefetch=pf,
-         vec_max_rows=vr, trans_load=True)
-    for qb, w, st, pps, pf, vr in (
-        (64, 2, 3, 16, False, 1),  # the default (decode_core.QUANT_CONFIG)
-        (64, 2, 2, 16, False, 1),
-        (32, 2, 3, 16, False, 1),
-        (32, 1, 2, 16, False, 1),
-        (64, 2, 2, 32, False, 1),
-        (64, 4, 2, 16, True, 1),
-        (64, 4, 1, 16, True, 1),
-        (64, 2, 2, 16, False, 4),  # the register path for Llama-3's 4 rows too
+SWEEP_CONFIGS = [  # (block, warps, stages): the register path for one row per KV head (MHA), tensor cores for more
+    dict(path="vec", qblock=qb, num_warps=w, num_stages=st, programs_per_sm=pps, min_split=512, prefetch=False,
+         vec_max_rows=1, trans_load=tl_)
+    for qb, w, st, pps, tl_ in (
+        (64, 2, 3, 16, True),  # the default (decode_core.QUANT_CONFIG)
+        (64, 4, 3, 16, True),
+        (64, 4, 1, 16, True),
+        (32, 4, 3, 16, True),
+        (64, 8, 3, 16, True),
+        (128, 8, 3, 16, True),
+        (32, 2, 3, 16, True),
+        (64, 4, 3, 32, True),
+        (64, 4, 2, 16, False),
+        (128, 4, 3, 8, True),
     )
 ]
 
