@@ -282,12 +282,12 @@ def _quant_part_vec1(
                                                   stride_vsn, INT8)
         g = n0 // KEY_GROUP
         ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
-        qs_e = q_e * (ks_e * (CF * scale_log2))
-        qs_o = q_o * (ks_o * (CF / 16.0 * scale_log2))
-        # the zero points' term q·(z + ZOFF·s) rides in the channel sum (no block-wide reduction for it)
-        qz = (q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o)) * scale_log2
+        qs_e = q_e * (ks_e * CF)
+        qs_o = q_o * (ks_o * (CF / 16.0))
+        kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e) + q_o * (kz_o + ZOFF * ks_o), 0)
         fe, fo = _codes_f32(ku_c.to(tl.int32), kl_c.to(tl.int32), MAGIC, INT8)
-        s = tl.sum(fe * qs_e[None, :] + (fo * qs_o[None, :] + qz[None, :]), 1)
+        s = tl.sum(fe * qs_e[None, :] + fo * qs_o[None, :], 1)
+        s = (s + kbias) * scale_log2
         s = tl.where(n_ok, s, float("-inf"))
         m_blk = tl.max(s, 0)
         if m_blk > m_i + 8.0:  # rare after the first block: raise the running maximum, rescale

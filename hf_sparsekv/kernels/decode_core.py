@@ -10,7 +10,7 @@ query tokens, packed as the rows of one tile) over two segments:
   ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Both implementations combine the INT8 view's upper and
   lower codes as integers first (``C = 14·u + l``, 0..225, exact in fp16/bf16; the lower codes' offset of 8 goes
   into the zero-point term), so INT8 takes as many dots/conversions per block as INT4. ``QUANT_CONFIG["path"]``:
-  "dot": codes enter tensor-core dots directly (query rows padded to 16);
+  "dot": codes enter tensor-core dots (query rows padded to 16), turned into floats as on the register path below;
   "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
   registers (broadcast multiply + sum), codes turned into float32 with one mask|OR + one subtraction (no int->float
   convert); with one row the value sums stay per token with lazy rescaling (one FMA per code).
