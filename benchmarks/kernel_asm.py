@@ -40,8 +40,12 @@ class _Recorder:
 def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024, group: int = 128):
     """The decode kernel's arguments for one step of ``shape`` over ``tokens`` quantized tokens (CPU tensors; only
     their dtypes and strides matter)."""
-    os.environ.setdefault("TRITON_INTERPRET", "0")
-    from hf_sparsekv.kernels import _decode_triton, decode_core
+    saved_env = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"  # the kernels are decorated as compiled kernels when first imported
+    try:
+        from hf_sparsekv.kernels import _decode_triton, decode_core
+    finally:
+        _restore_interpret(saved_env)
     from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
     hq, hkv, d = SHAPES[shape]
@@ -53,15 +57,22 @@ def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, to
                          torch.zeros(1, hkv, tokens, 1, dtype=dtype))
     q = torch.zeros(1, hq, queries, d, dtype=dtype)
     buf = torch.zeros(1, hkv, group, d, dtype=dtype)
-    saved_kernels, saved_env = decode_core._kernels, os.environ.get("TRITON_INTERPRET")
+    saved_kernels = decode_core._kernels
     decode_core._kernels = lambda: (split, combine)
     os.environ["TRITON_INTERPRET"] = "1"  # lets runtime.require accept CPU tensors; nothing runs
     try:
         decode_core.launch_decode(q, 0.1, buf, buf, quant=(qk, qv), group_size=group, int8=view == "int8")
     finally:
         decode_core._kernels = saved_kernels
-        os.environ["TRITON_INTERPRET"] = saved_env or "0"
+        _restore_interpret(saved_env)
     return split.fn, split.calls[0]
+
+
+def _restore_interpret(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("TRITON_INTERPRET", None)
+    else:
+        os.environ["TRITON_INTERPRET"] = value
 
 
 def compile_for(fn, call, arch: int):
@@ -69,6 +80,10 @@ def compile_for(fn, call, arch: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    if not isinstance(fn, JITFunction):
+        raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1 in this process: run in a fresh one")
 
     from triton._C.libtriton import native_specialize_impl
     from triton.backends.compiler import BaseBackend
