@@ -12,8 +12,8 @@ Two timings per kernel, both with L2 flushed before every call:
 Targets use ``gpu_ms``; ``eager_ms`` is printed beside it.
 
 ``--sweep`` first times launch configurations of the quantized-attention kernel at the longest context (64K at most):
-the tensor-core path ("dot": block, warps, split count, transposed code loads) and the register path ("vec": block,
-warps, split count, prefetch, rows it serves). Each config is first checked against the float32 reference (relative
+blocks, warps, pipeline stages and split counts, for the register path (one query row per KV head, Llama-2) and the
+tensor-core path (more rows, Llama-3) together. Each config is first checked against the float32 reference (relative
 error < 1e-2 on both shapes and both views); a config that fails or does not compile is reported and skipped. The
 fastest correct config (sum of the four times) is used for the table and written to ``quant_config.json`` beside
 ``--out``; ``HF_SPARSEKV_QUANT_CONFIG=<that file>`` makes it the runtime default (see kernels/decode_core.py).

@@ -199,3 +199,13 @@ def test_what_a_batch_refuses(extra, error, match):
         extra["past_key_values"] = DynamicCache()
     with pytest.raises(error, match=match):
         verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=4, **extra)
+
+
+def test_a_sampled_int4_engine_takes_one_row():
+    """A sampled batch is decoded row by row (front); an int4 engine asked for sampled rows together refuses rather
+    than cut a sampled block at a row's quantization cap."""
+    verifier = tiny_model("llama")
+    with pytest.raises(NotImplementedError, match="one row at a time"):
+        graph_loop.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
+    graph_loop.release_engines()
+
