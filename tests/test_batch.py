@@ -79,7 +79,9 @@ def _cases(n=15, seed=4):
     for i in range(n):
         arch = ARCHS[i % len(ARCHS)]
         lengths = [rng.choice([1, 2, 7, 33, 90, 170, 257, 400]) for _ in range(rng.randint(2, 5))]
-        cases.append((arch, modes[i % len(modes)], (1, 3, 5)[i % 3], tuple(lengths), rng.randint(0, 10**6)))
+        # γ changes every len(modes) cases, so every (mode, γ) and every (architecture, γ) pair is covered
+        cases.append((arch, modes[i % len(modes)], (1, 3, 5)[(i // len(modes)) % 3], tuple(lengths),
+                      rng.randint(0, 10**6)))
     return cases
 
 
