@@ -267,6 +267,10 @@ SWEEP_CONFIGS = [  # (block, warps, stages): the register path for one row per K
         (64, 4, 2, 16, False),
         (128, 4, 3, 8, True),
     )
+] + [  # the register path with its value accumulators folded (decode_core: fold): fewer registers, same work
+    dict(path="vec", qblock=qb, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, prefetch=False,
+         vec_max_rows=1, trans_load=True, fold=True)
+    for qb in (64, 128)
 ]
 
 

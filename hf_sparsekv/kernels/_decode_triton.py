@@ -235,13 +235,16 @@ def _quant_part_vec1(
     T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
     HEAD_DIM: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, INT8: tl.constexpr,
-    FINAL: tl.constexpr, PREFETCH: tl.constexpr,
+    FINAL: tl.constexpr, PREFETCH: tl.constexpr, ACC_ROWS: tl.constexpr,
 ):
     """:func:`_quant_part_vec` for one query row per KV head (no GQA, one query token): vectors and scalars only,
     so every tensor of a block shares the code tile's layout (no layout conversions in the loop). The value sums stay
-    per token (``[QBLOCK_N, D/2]`` accumulators, reduced over tokens once at the end: one FMA per code, no
-    cross-thread reduction per block), with lazy rescaling: probabilities are taken against a running maximum that
-    is raised (and the accumulators rescaled) only when a block's maximum exceeds it by more than 2^8, so p <= 2^8."""
+    per token slot (``[ACC_ROWS, D/2]`` accumulators, reduced over slots once at the end, no cross-thread reduction
+    per block): with ``ACC_ROWS == QBLOCK_N`` one FMA per code; with fewer, block rows ``r`` and ``r + ACC_ROWS``
+    share a slot, which the launcher chooses so that they sit in one thread's registers (``ACC_ROWS`` = the rows one
+    repetition of the code tile's layout covers) and the fold costs no data movement, only fewer accumulator
+    registers. Lazy rescaling: probabilities are taken against a running maximum that is raised (and the
+    accumulators rescaled) only when a block's maximum exceeds it by more than 2^8, so p <= 2^8."""
     HALF: tl.constexpr = HEAD_DIM // 2
     if INT8:
         CF: tl.constexpr = 1.0 / 14.0
@@ -257,8 +260,8 @@ def _quant_part_vec1(
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.max(tl.full([2], -1.0e30, tl.float32), 0)
-    acc_e = tl.zeros([QBLOCK_N, HALF], tl.float32)
-    acc_o = tl.zeros([QBLOCK_N, HALF], tl.float32)
+    acc_e = tl.zeros([ACC_ROWS, HALF], tl.float32)
+    acc_o = tl.zeros([ACC_ROWS, HALF], tl.float32)
     pv = tl.zeros([QBLOCK_N], tl.float32)  # per token slot: Σ p (the denominator) and Σ p·(z + ZOFF·s)
     pz = tl.zeros([QBLOCK_N], tl.float32)
     ku_base, kl_base, vu_base, vl_base, ks_base, kz_base, vs_base, vz_base = _head_bases(
@@ -303,8 +306,12 @@ def _quant_part_vec1(
         pv += p
         pz += p * (vz_c.to(tl.float32) + ZOFF * vsf)
         fe, fo = _codes_f32(vu_c.to(tl.int32), vl_c.to(tl.int32), MAGIC, INT8)
-        acc_e += ps[:, None] * fe
-        acc_o += ps[:, None] * fo
+        if ACC_ROWS == QBLOCK_N:
+            acc_e += ps[:, None] * fe
+            acc_o += ps[:, None] * fo
+        else:
+            acc_e += tl.sum(tl.reshape(ps[:, None] * fe, [QBLOCK_N // ACC_ROWS, ACC_ROWS, HALF]), 0)
+            acc_o += tl.sum(tl.reshape(ps[:, None] * fo, [QBLOCK_N // ACC_ROWS, ACC_ROWS, HALF]), 0)
     l_i = tl.sum(pv, 0)
     vbias = tl.sum(pz, 0)
     has = l_i > 0
@@ -429,6 +436,7 @@ def decode_split_kernel(
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
+    ACC_ROWS: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -451,7 +459,7 @@ def decode_split_kernel(
                                  VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
                                  T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
                                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
-                                 HEAD_DIM, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH)
+                                 HEAD_DIM, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH, ACC_ROWS)
             elif VEC_M > 0:  # constexpr: only one of the two quantized paths is compiled into a kernel
                 _quant_part_vec(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh,
                                 stride_ksg, VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,

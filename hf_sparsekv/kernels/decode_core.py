@@ -45,7 +45,10 @@ LOG2E = 1.4426950408889634
 # * qblock: tokens per block (the largest of these dividing the group size); num_warps; num_stages (pipelining);
 # * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
-# * prefetch ("vec"): the next block's codes are loaded before the current one is computed.
+# * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
+# * fold ("vec", one row per KV head): the per-token value accumulators are folded to the rows one thread's registers
+#   cover (:func:`_fold_rows`), not one per block token: fewer registers (sm_90, Llama-2 INT4, 2 warps, 64-token
+#   blocks: 168 instead of 254 per thread, benchmarks/kernel_asm.py), same instructions. Not yet timed on a GPU.
 # Default: the fastest of the H100 sweeps of 2026-11-24 (64K tokens, Llama-2/3 shapes, INT4 and INT8, q = 1): the
 # register path for one query row per KV head, tensor cores for more, both with 64-token blocks, 2 warps and 3
 # pipeline stages. Fewer warps per program matter most: at 4 warps the kernel needed 240-255 registers per thread,
@@ -54,7 +57,7 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
-    prefetch=False, vec_max_rows=1,
+    prefetch=False, vec_max_rows=1, fold=False,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
@@ -135,6 +138,16 @@ def _split_tokens(
     splits = max(1, min(want, tokens // min_tokens))
     per = math.ceil(tokens / splits)
     return math.ceil(per / block) * block
+
+
+def _fold_rows(qblock: int, head_dim: int, num_warps: int, fold: bool) -> int:
+    """Rows of the register path's value accumulators: ``qblock`` unfolded; folded, the block rows one repetition of
+    the code tile's layout covers (16-byte vectors: ``D/32`` threads per row of ``D/2`` code bytes, so ``32·32/D``
+    rows per warp), so that the rows folded together are registers of one thread."""
+    if not fold:
+        return qblock
+    rows_per_warp = max(1, 32 // max(1, head_dim // 32))
+    return min(qblock, rows_per_warp * num_warps)
 
 
 def _block_m(rows: int) -> int:
@@ -243,6 +256,7 @@ def launch_decode(
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"], bool(qcfg["fold"])),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
