@@ -267,10 +267,11 @@ SWEEP_CONFIGS = [  # (block, warps, stages): the register path for one row per K
         (64, 4, 2, 16, False),
         (128, 4, 3, 8, True),
     )
-] + [  # the register path with its value accumulators folded (decode_core: fold): fewer registers, same work
-    dict(path="vec", qblock=qb, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, prefetch=False,
-         vec_max_rows=1, trans_load=True, fold=True)
-    for qb in (64, 128)
+] + [  # folded value accumulators on the register path, float16 codes in the dot's operand layout on the tensor-core
+    # path (decode_core: fold, f16_codes): fewer registers, fewer shared-memory round trips
+    dict(path="vec", qblock=qb, num_warps=w, num_stages=3, programs_per_sm=16, min_split=512, prefetch=False,
+         vec_max_rows=1, trans_load=True, fold=True, f16_codes=True)
+    for qb, w in ((64, 2), (128, 2), (64, 4))
 ]
 
 

@@ -36,3 +36,19 @@ def test_quantized_kernel_compiles_for_hopper_without_int_to_float_converts(kern
     ops = dict(mix)
     assert "HMMA" in ops and "LDGSTS" in ops
     assert "I2F" not in ops
+
+
+def test_float16_codes_are_converted_in_the_dot_operand_layout(kernel_asm):
+    """With ``f16_codes`` the code bytes go from shared memory straight into the tensor-core operand layout and are
+    converted there; without it the converted tile is written back to shared memory first."""
+    import re
+
+    from hf_sparsekv.kernels import decode_core
+
+    byte_operand = re.compile(r"local_load .*-> tensor<64x64xi8, #ttg\.dot_op")
+    found = {}
+    for on in (False, True):
+        with decode_core.quant_config(f16_codes=on):
+            fn, call = kernel_asm.recorded_launch("llama3-8b", "int4", 1)
+        found[on] = len(byte_operand.findall(kernel_asm.compile_for(fn, call, 90).asm["ttgir"]))
+    assert found == {False: 0, True: 2}  # keys and values

@@ -315,6 +315,7 @@ QUANT_PATHS = {  # launch settings the quantized-attention tests run under (deco
     "vec": dict(path="vec", qblock=128, min_split=32),
     "vec-prefetch-b16": dict(path="vec", qblock=16, prefetch=True, min_split=32),
     "vec-fold": dict(path="vec", qblock=128, min_split=32, fold=True),  # value accumulators folded to fewer rows
+    "dot-f16codes": dict(path="dot", f16_codes=True),  # float16: codes converted in the dot's operand layout
 }
 
 
@@ -772,10 +773,11 @@ def test_cuda_window_rows_at_real_size():
 @pytest.mark.parametrize("settings", [
     dict(path="vec", qblock=64, num_warps=4, num_stages=1),
     dict(path="vec", qblock=128, num_warps=8, num_stages=1, prefetch=True),
-    dict(path="vec", qblock=128, num_warps=2, num_stages=3, fold=True),
-], ids=["vec-b64", "vec-b128-prefetch", "vec-b128-fold"])
+    dict(path="vec", qblock=128, num_warps=2, num_stages=3, fold=True, f16_codes=True),
+], ids=["vec-b64", "vec-b128-prefetch", "vec-b128-fold-f16codes"])
 def test_cuda_quant_vec_path_real_sizes(dtype, hq, hkv, settings):
-    """The register path at real sizes (q = 1: 1, 4 and 2 rows per KV head), both views."""
+    """The register path at real sizes (q = 1: 1, 4 and 2 rows per KV head; with vec_max_rows 1, the 4- and 2-row
+    cases take the tensor-core path), both views."""
     from hf_sparsekv.kernels import decode_core
 
     d, t_q, g = 128, 16384, 128

@@ -96,6 +96,21 @@ def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
     return ks_e, ks_o, kz_e, kz_o
 
 @triton.jit
+def _codes_f16(bu, bl, INT8: tl.constexpr):
+    """Packed code bytes -> float16 ``(even, odd)`` channel codes, exact, with no int->float convert: each code ORed
+    into the mantissa of 1024.0 (0x6400) reads as ``1024 + c`` (c < 1024; INT8's ``C = 14·u + l`` <= 225), and one
+    half-precision subtraction leaves ``c``. Every step is elementwise from the byte tile with constant operands, so
+    before a dot the compiler loads the bytes from shared memory straight into the dot's operand layout and converts
+    there (no converted tile goes back through shared memory)."""
+    if INT8:
+        ce = 14 * (bu & 15).to(tl.int16) + (bl & 15).to(tl.int16)
+        co = 14 * (bu >> 4).to(tl.int16) + (bl >> 4).to(tl.int16)
+    else:
+        ce = (bu & 15).to(tl.int16)
+        co = (bu >> 4).to(tl.int16)
+    return (ce | 0x6400).to(tl.float16, bitcast=True) - 1024.0, (co | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+@triton.jit
 def _quant_part(
     Q, stride_qh, stride_ql,
     KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
@@ -104,7 +119,7 @@ def _quant_part(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
     INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TRANS_LOAD: tl.constexpr,
+    TRANS_LOAD: tl.constexpr, F16_CODES: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     if INT8:
@@ -114,6 +129,8 @@ def _quant_part(
         CF: tl.constexpr = 1.0
         ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
+    # odd channel codes come as ODD·c: plain from _codes_f16 (F16_CODES, float16 operands), 16·c from _codes_f32
+    ODD: tl.constexpr = 1.0 if F16_CODES and DOT_DTYPE == tl.float16 else 16.0
     half = tl.arange(0, HALF)
     even = 2 * half
     q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
@@ -133,7 +150,7 @@ def _quant_part(
         g = n0 // KEY_GROUP
         ks_e, ks_o, kz_e, kz_o = _key_group_scales(ks_base, kz_base, g, stride_ksg, even)
         qs_e = (q_e * (ks_e * CF)[None, :]).to(dt)
-        qs_o = (q_o * (ks_o * (CF / 16.0))[None, :]).to(dt)  # odd codes arrive as 16·code (see _codes_f32)
+        qs_o = (q_o * (ks_o * (CF / ODD))[None, :]).to(dt)
         kbias = tl.sum(q_e * (kz_e + ZOFF * ks_e)[None, :], 1) + tl.sum(q_o * (kz_o + ZOFF * ks_o)[None, :], 1)
         if TRANS_LOAD:  # codes loaded as [HALF, N]: the dot's right operand as is
             code_ptrs = offs_n[None, :] * stride_kun + half[:, None]
@@ -146,9 +163,12 @@ def _quant_part(
             kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
         else:
             kl = ku
-        ke, ko = _codes_f32(ku.to(tl.int32), kl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float convert
-        ke = ke.to(dt)
-        ko = ko.to(dt)
+        if ODD == 1.0:
+            ke, ko = _codes_f16(ku, kl, INT8)
+        else:
+            ke, ko = _codes_f32(ku.to(tl.int32), kl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float
+            ke = ke.to(dt)
+            ko = ko.to(dt)
         if not TRANS_LOAD:
             ke = tl.trans(ke)
             ko = tl.trans(ko)
@@ -171,12 +191,15 @@ def _quant_part(
             vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
         else:
             vl = vu
-        ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
+        if ODD == 1.0:
+            ve, vo = _codes_f16(vu, vl, INT8)
+        else:
+            ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
         acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
         acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo.to(dt), input_precision=DOT_PREC)
         m_i = m_new
     acc_e += vbias[:, None]
-    acc_o = acc_o * (1.0 / 16.0) + vbias[:, None]
+    acc_o = acc_o * (1.0 / ODD) + vbias[:, None]
     _write_rows(acc_e, m_i, l_i, even, rows, row_ok, q_head, qi, pid_s, kvh,
                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                 FINAL, True)
@@ -436,7 +459,7 @@ def decode_split_kernel(
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
-    ACC_ROWS: tl.constexpr,
+    ACC_ROWS: tl.constexpr, F16_CODES: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -472,7 +495,7 @@ def decode_split_kernel(
                             T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
                             OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
                             stride_oh, HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
-                            TRANS_LOAD)
+                            TRANS_LOAD, F16_CODES)
         else:
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,

@@ -48,7 +48,11 @@ LOG2E = 1.4426950408889634
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
 # * fold ("vec", one row per KV head): the per-token value accumulators are folded to the rows one thread's registers
 #   cover (:func:`_fold_rows`), not one per block token: fewer registers (sm_90, Llama-2 INT4, 2 warps, 64-token
-#   blocks: 168 instead of 254 per thread, benchmarks/kernel_asm.py), same instructions. Not yet timed on a GPU.
+#   blocks: 168 instead of 254 per thread, benchmarks/kernel_asm.py), same instructions. Not yet timed on a GPU;
+# * f16_codes ("dot", float16): codes become float16 operands by the 0x6400 mantissa trick, which the compiler applies
+#   after loading the bytes from shared memory in the dot's operand layout: the converted tiles no longer go back
+#   through shared memory (Llama-3 INT4: 79 instead of 111 shared stores, 128 instead of 384 FADD in the loop,
+#   kernel_asm.py). Not yet timed on a GPU.
 # Default: the fastest of the H100 sweeps of 2026-11-24 (64K tokens, Llama-2/3 shapes, INT4 and INT8, q = 1): the
 # register path for one query row per KV head, tensor cores for more, both with 64-token blocks, 2 warps and 3
 # pipeline stages. Fewer warps per program matter most: at 4 warps the kernel needed 240-255 registers per thread,
@@ -57,7 +61,7 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
-    prefetch=False, vec_max_rows=1, fold=False,
+    prefetch=False, vec_max_rows=1, fold=False, f16_codes=False,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
@@ -256,7 +260,7 @@ def launch_decode(
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"], bool(qcfg["fold"])),
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"], bool(qcfg["fold"])), F16_CODES=bool(qcfg["f16_codes"]),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
