@@ -46,8 +46,8 @@ LOG2E = 1.4426950408889634
 # * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
-# * fold ("vec", one row per KV head): the per-token value accumulators are folded to the rows one thread's registers
-#   cover (:func:`_fold_rows`), not one per block token: fewer registers (sm_90, Llama-2 INT4, 2 warps, 64-token
+# * fold ("vec", one row per KV head): the per-token value accumulators are folded to the rows one repetition of the
+#   code tile's layout covers (:func:`_fold_rows`), not one per block token: fewer registers (sm_90, Llama-2 INT4, 2 warps, 64-token
 #   blocks: 168 instead of 254 per thread, benchmarks/kernel_asm.py), same instructions. Not yet timed on a GPU;
 # * f16_codes ("dot", float16): codes become float16 operands by the 0x6400 mantissa trick, which the compiler applies
 #   after loading the bytes from shared memory in the dot's operand layout: the converted tiles no longer go back
