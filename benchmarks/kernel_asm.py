@@ -6,7 +6,7 @@ The launch arguments are those :func:`hf_sparsekv.kernels.decode_core.launch_dec
 model shape (recorded from a call on small CPU tensors, then compiled with Triton's own ``ptxas`` for ``--arch``).
 
 Usage: ``python benchmarks/kernel_asm.py [--shape llama2-7b|llama3-8b] [--view int4|int8] [--queries 1]
-[--config '{"path": "vec", ...}'] [--arch 90] [--sass out.sass]`` (no GPU needed).
+[--dtype float16|bfloat16] [--config '{"path": "vec", ...}'] [--arch 90] [--sass out.sass]`` (no GPU needed).
 """
 
 from __future__ import annotations
@@ -38,41 +38,37 @@ class _Recorder:
 
 
 def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024, group: int = 128):
-    """The decode kernel's arguments for one step of ``shape`` over ``tokens`` quantized tokens (CPU tensors; only
-    their dtypes and strides matter)."""
+    """The decode kernel's arguments for one step of ``shape`` over ``tokens`` quantized tokens, as a GPU launch
+    would pass them (CPU tensors; only their dtypes and strides matter). ``TRITON_INTERPRET`` is left as found."""
     saved_env = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"  # the kernels are decorated as compiled kernels when first imported
+    # unset: the kernels are decorated as compiled kernels at first import, and dot_config picks a GPU's settings
+    os.environ["TRITON_INTERPRET"] = "0"
     try:
         from hf_sparsekv.kernels import _decode_triton, decode_core
-    finally:
-        _restore_interpret(saved_env)
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+        from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
-    hq, hkv, d = SHAPES[shape]
-    split, combine = _Recorder(_decode_triton.decode_split_kernel), _Recorder(_decode_triton.combine_kernel)
-    codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
-    qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
-                         torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
-    qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
-                         torch.zeros(1, hkv, tokens, 1, dtype=dtype))
-    q = torch.zeros(1, hq, queries, d, dtype=dtype)
-    buf = torch.zeros(1, hkv, group, d, dtype=dtype)
-    saved_kernels = decode_core._kernels
-    decode_core._kernels = lambda: (split, combine)
-    os.environ["TRITON_INTERPRET"] = "1"  # lets runtime.require accept CPU tensors; nothing runs
-    try:
-        decode_core.launch_decode(q, 0.1, buf, buf, quant=(qk, qv), group_size=group, int8=view == "int8")
+        hq, hkv, d = SHAPES[shape]
+        split, combine = _Recorder(_decode_triton.decode_split_kernel), _Recorder(_decode_triton.combine_kernel)
+        codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
+        qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
+                             torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
+        qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
+                             torch.zeros(1, hkv, tokens, 1, dtype=dtype))
+        q = torch.zeros(1, hq, queries, d, dtype=dtype)
+        buf = torch.zeros(1, hkv, group, d, dtype=dtype)
+        saved = decode_core._kernels, decode_core.runtime.require
+        decode_core._kernels = lambda: (split, combine)
+        decode_core.runtime.require = lambda *tensors: None  # CPU tensors are fine: nothing runs
+        try:
+            decode_core.launch_decode(q, 0.1, buf, buf, quant=(qk, qv), group_size=group, int8=view == "int8")
+        finally:
+            decode_core._kernels, decode_core.runtime.require = saved
     finally:
-        decode_core._kernels = saved_kernels
-        _restore_interpret(saved_env)
+        if saved_env is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = saved_env
     return split.fn, split.calls[0]
-
-
-def _restore_interpret(value: str | None) -> None:
-    if value is None:
-        os.environ.pop("TRITON_INTERPRET", None)
-    else:
-        os.environ["TRITON_INTERPRET"] = value
 
 
 def compile_for(fn, call, arch: int):
@@ -146,6 +142,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama2-7b")
     ap.add_argument("--view", choices=("int4", "int8"), default="int4")
     ap.add_argument("--queries", type=int, default=1)
+    ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     ap.add_argument("--config", default=None, help="quantized launch settings (JSON), as HF_SPARSEKV_QUANT_CONFIG")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", default=None, help="write the disassembly here")
@@ -155,18 +152,18 @@ def main(argv=None) -> int:
 
     settings = decode_core.load_quant_config(args.config) if args.config else {}
     with decode_core.quant_config(**settings):
-        fn, call = recorded_launch(args.shape, args.view, args.queries)
+        fn, call = recorded_launch(args.shape, args.view, args.queries, getattr(torch, args.dtype))
     kernel = compile_for(fn, call, args.arch)
     res = resources(kernel)
     mix, text = sass_mix(kernel)
     if args.sass:
         open(args.sass, "w").write(text)
-    row = dict(shape=args.shape, view=args.view, queries=args.queries, config={**decode_core.QUANT_CONFIG, **settings},
+    row = dict(shape=args.shape, view=args.view, queries=args.queries, dtype=args.dtype, config={**decode_core.QUANT_CONFIG, **settings},
                **res, sass_top=mix)
     if args.json:
         print(json.dumps(row))
     else:
-        print(f"{args.shape} {args.view} q={args.queries}: {res['registers']} registers, local (spill) "
+        print(f"{args.shape} {args.view} {args.dtype} q={args.queries}: {res['registers']} registers, local (spill) "
               f"{res['local']} B per thread, shared {res['shared']} B")
         print("  " + ", ".join(f"{op} {n}" for op, n in mix))
     return 0
