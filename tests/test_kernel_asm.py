@@ -32,7 +32,7 @@ def test_quantized_kernel_compiles_for_hopper_without_int_to_float_converts(kern
     kernel = kernel_asm.compile_for(fn, call, 90)
     res = kernel_asm.resources(kernel)
     assert 16 <= res["registers"] <= 255 and res["local"] is not None
-    mix, sass = kernel_asm.sass_mix(kernel, top=200)
+    mix, _ = kernel_asm.sass_mix(kernel, top=200)
     ops = dict(mix)
     assert "HMMA" in ops and "LDGSTS" in ops
     assert "I2F" not in ops
