@@ -1,7 +1,7 @@
 """Kernel benchmark: the Triton attention/quantize kernels against PyTorch SDPA (flash) in one run, on one GPU.
 
 Shapes: Llama-2-7B attention (32 query heads, 32 KV heads, head_dim 128) and Llama-3-8B (32 query heads, 8 KV heads),
-batch 1, float16, contexts 16K / 64K / 128K. For each kernel: time (median), bytes it must read/write, achieved GB/s
+batch 1, float16 (or --dtype bfloat16), contexts 16K / 64K / 128K. For each kernel: time (median), bytes it must read/write, achieved GB/s
 and that as a fraction of a device-to-device copy bandwidth measured in the same run, and the targets as ratios.
 
 Two timings per kernel, both with L2 flushed before every call:
@@ -133,6 +133,8 @@ def main(argv=None) -> int:
     parser.add_argument("--sweep", action="store_true", help="tune the quantized-attention launch config first")
     parser.add_argument("--contexts", default="", help="comma-separated context lengths (overrides --quick's 16K)")
     parser.add_argument("--quant-only", action="store_true", help="table: SDPA and the quantized attention only")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
+                        help="operands of the table's kernels, SDPA's included (the sweep runs float16)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -149,14 +151,15 @@ def main(argv=None) -> int:
     contexts = (16384,) if args.quick else CONTEXTS
     if args.contexts:
         contexts = tuple(int(c) for c in args.contexts.split(","))
-    dtype = torch.float16
+    dtype = getattr(torch, args.dtype)
+    sdpa_name = f"sdpa_flash_{'fp16' if dtype == torch.float16 else 'bf16'} q=1"
     meta = {
         "gpu": torch.cuda.get_device_name(),
         "date": datetime.date.today().isoformat(),
         "commit": commit(),
         "torch": torch.__version__,
         "triton": triton.__version__,
-        "dtype": "float16",
+        "dtype": args.dtype,
         "group_size": GROUP,
         "timing": "gpu_ms: CUDA-graph replay, L2 flushed per call; eager_ms: triton do_bench median",
     }
@@ -203,7 +206,7 @@ def main(argv=None) -> int:
             v = torch.randn(1, hkv, ctx, d, device="cuda", dtype=dtype)
             q1 = torch.randn(1, hq, 1, d, device="cuda", dtype=dtype)
             kv_bytes = 2 * hkv * ctx * d * 2
-            sdpa_ms = record(shape, ctx, "sdpa_flash_fp16 q=1", lambda: sdpa_flash(q1, k, v, scaling), kv_bytes)
+            sdpa_ms = record(shape, ctx, sdpa_name, lambda: sdpa_flash(q1, k, v, scaling), kv_bytes)
             t_q = ctx - BUFFER
             if not args.quant_only:
                 record(shape, ctx, "quantize prefill (K+V)", lambda: (quantize_keys(k[:, :, :t_q], GROUP),
@@ -214,14 +217,14 @@ def main(argv=None) -> int:
             for int8, name in ((False, "int4"), (True, "int8")):
                 record(shape, ctx, f"quant_{name} q=1",
                        lambda int8=int8: quant_decode_attention(q1, qk, qv, bk, bv, GROUP, int8, scaling),
-                       quant_bytes(hkv, t_q, d, BUFFER, int8), ("sdpa_flash_fp16 q=1", sdpa_ms))
+                       quant_bytes(hkv, t_q, d, BUFFER, int8), (sdpa_name, sdpa_ms))
             if args.quant_only:
                 k = v = qk = qv = bk = bv = None  # free before the next context
                 torch.cuda.empty_cache()
                 continue
             q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
             record(shape, ctx, f"verify_hybrid q={GAMMA1}", lambda: verify_attention(q6, k, v, scaling), kv_bytes,
-                   ("sdpa_flash_fp16 q=1", sdpa_ms))
+                   (sdpa_name, sdpa_ms))
             record(shape, ctx, f"  prefix only (dense) q={GAMMA1}",
                    lambda: dense_prefix_attention(q6, k[:, :, : ctx - GAMMA1], v[:, :, : ctx - GAMMA1], scaling),
                    2 * hkv * (ctx - GAMMA1) * d * 2)
@@ -234,12 +237,12 @@ def main(argv=None) -> int:
         vb = torch.randn(1, hkv, BUDGET, d, device="cuda", dtype=dtype)
         q1 = torch.randn(1, hq, 1, d, device="cuda", dtype=dtype)
         b_bytes = 2 * hkv * BUDGET * d * 2
-        sdpa_b = record(shape, BUDGET, "sdpa_flash_fp16 q=1 (B tok)", lambda: sdpa_flash(q1, kb, vb, scaling), b_bytes)
+        sdpa_b = record(shape, BUDGET, sdpa_name + " (B tok)", lambda: sdpa_flash(q1, kb, vb, scaling), b_bytes)
         record(shape, BUDGET, "chunk_budget q=1", lambda: chunk_decode_attention(q1, kb, vb, scaling), b_bytes,
-               ("sdpa_flash_fp16 q=1 (B tok)", sdpa_b))
+               (sdpa_name + " (B tok)", sdpa_b))
         q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
         record(shape, BUDGET, f"chunk_budget q={GAMMA1}", lambda: chunk_decode_attention(q6, kb, vb, scaling), b_bytes,
-               ("sdpa_flash_fp16 q=1 (B tok)", sdpa_b))
+               (sdpa_name + " (B tok)", sdpa_b))
 
     meta["sdpa_gqa"] = _GQA_MODE.get("mode", "n/a")
     targets = _targets(rows)
@@ -252,24 +255,18 @@ def main(argv=None) -> int:
     return 0
 
 
-SWEEP_CONFIGS = [  # the register path for one row per KV head (MHA), tensor cores for more. ``new``: folded value
-    # accumulators on the register path and float16 codes in the dot's operand layout on the tensor-core path
-    # (decode_core: fold, f16_codes): fewer registers, fewer shared-memory round trips. ``vmr`` (vec_max_rows) 0:
-    # MHA on the tensor-core path too. Configurations that lost every sweep since 2026-11-24 (8 warps, 1 or 2 stages,
-    # untransposed code tiles, 32 programs per SM) are left out; their results are in benchmarks/results.
+SWEEP_CONFIGS = [  # the register path for one row per KV head (MHA), tensor cores for more; ``vmr`` (vec_max_rows)
+    # 0: MHA on the tensor-core path too. Configurations that lost every sweep since 2026-11-24 (8 warps, 1 or 2
+    # stages, untransposed code tiles, 32 programs per SM) are left out; their results are in benchmarks/results.
     dict(path="vec", qblock=qb, num_warps=w, num_stages=3, programs_per_sm=16, min_split=512, prefetch=False,
-         vec_max_rows=vmr, trans_load=True, fold=new, f16_codes=new)
-    for qb, w, vmr, new in (
-        (64, 2, 1, False),  # the default (decode_core.QUANT_CONFIG)
-        (64, 4, 1, False),
-        (32, 2, 1, False),
-        (64, 2, 1, True),
-        (128, 2, 1, True),
-        (32, 2, 1, True),
-        (64, 4, 1, True),
-        (128, 4, 1, True),
-        (64, 2, 0, True),
-        (128, 4, 0, True),
+         vec_max_rows=vmr, trans_load=True)
+    for qb, w, vmr in (
+        (64, 2, 1),  # the default (decode_core.QUANT_CONFIG)
+        (32, 2, 1),
+        (128, 2, 1),
+        (64, 4, 1),
+        (128, 4, 1),
+        (64, 2, 0),
     )
 ]
 
@@ -359,7 +356,7 @@ def _targets(rows):
             for name, want in (("int4", 3.0), ("int8", 1.6)):
                 r = find(shape, ctx, f"quant_{name} q=1")
                 if r:
-                    out.append(dict(target=f"{shape} {ctx // 1024}K {name} >= {want}x faster than SDPA-flash fp16",
+                    out.append(dict(target=f"{shape} {ctx // 1024}K {name} >= {want}x faster than SDPA-flash",
                                     measured=r["speedup"], met=r["speedup"] >= want))
         r = find(shape, BUDGET, "chunk_budget q=1")
         if r:

@@ -39,16 +39,18 @@ def test_quantized_kernel_compiles_for_hopper_without_int_to_float_converts(kern
 
 
 def test_float16_codes_are_converted_in_the_dot_operand_layout(kernel_asm):
-    """With ``f16_codes`` the code bytes go from shared memory straight into the tensor-core operand layout and are
-    converted there; without it the converted tile is written back to shared memory first."""
+    """float16 codes and bfloat16 INT4 codes (mantissa tricks) go from shared memory straight into the tensor-core
+    operand layout as bytes and are converted there; bfloat16 INT8's float32 route writes the converted tile back to
+    shared memory first."""
     import re
 
-    from hf_sparsekv.kernels import decode_core
+    import torch
 
     byte_operand = re.compile(r"local_load .*-> tensor<64x64xi8, #ttg\.dot_op")
     found = {}
-    for on in (False, True):
-        with decode_core.quant_config(f16_codes=on):
-            fn, call = kernel_asm.recorded_launch("llama3-8b", "int4", 1)
-        found[on] = len(byte_operand.findall(kernel_asm.compile_for(fn, call, 90).asm["ttgir"]))
-    assert found == {False: 0, True: 2}  # keys and values
+    for dtype, view in ((torch.float16, "int4"), (torch.float16, "int8"), (torch.bfloat16, "int4"),
+                        (torch.bfloat16, "int8")):
+        fn, call = kernel_asm.recorded_launch("llama3-8b", view, 1, dtype=dtype)
+        found[str(dtype)[6:], view] = len(byte_operand.findall(kernel_asm.compile_for(fn, call, 90).asm["ttgir"]))
+    # keys and values (INT8: upper and lower bytes of each)
+    assert found == {("float16", "int4"): 2, ("float16", "int8"): 4, ("bfloat16", "int4"): 2, ("bfloat16", "int8"): 0}

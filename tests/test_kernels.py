@@ -313,9 +313,9 @@ QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)
 QUANT_PATHS = {  # launch settings the quantized-attention tests run under (decode_core.quant_config)
     "dot": dict(path="dot"),
     "vec": dict(path="vec", qblock=128, min_split=32),
+    # 16-token blocks: one repetition of the code tile's layout covers the block, so the 1-row path's value
+    # accumulators stay one per block token; with 128 (above) they are folded onto fewer rows (decode_core._fold_rows)
     "vec-prefetch-b16": dict(path="vec", qblock=16, prefetch=True, min_split=32),
-    "vec-fold": dict(path="vec", qblock=128, min_split=32, fold=True),  # value accumulators folded to fewer rows
-    "dot-f16codes": dict(path="dot", f16_codes=True),  # float16: codes converted in the dot's operand layout
 }
 
 
@@ -349,10 +349,11 @@ def test_quant_vec_path_large_logit_range():
     q, k, v = _qkv(4, 4, 1, 64, 300, torch.float16, seed=11)
     k = k * torch.linspace(0.1, 6.0, 300, dtype=torch.float16).view(1, 1, -1, 1)
     qk, qv = quantize_keys_reference(k[:, :, :256], 32), quantize_values_reference(v[:, :, :256])
-    for int8, fold in ((False, False), (True, False), (False, True), (True, True)):
+    assert decode_core._fold_rows(32, 64, 1) == 16 and decode_core._fold_rows(32, 64, 2) == 32  # folded / not
+    for int8, warps in ((False, 1), (True, 1), (False, 2), (True, 2)):
         ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, 256:].float(),
                                                v[:, :, 256:].float(), 32, int8, 0.125)
-        with decode_core.quant_config(path="vec", qblock=32, min_split=64, num_warps=1, fold=fold):
+        with decode_core.quant_config(path="vec", qblock=32, min_split=64, num_warps=warps):
             out = quant_decode_attention(q, qk, qv, k[:, :, 256:], v[:, :, 256:], 32, int8, 0.125)
         assert _rel(out, ref) < TOL
 
@@ -773,8 +774,8 @@ def test_cuda_window_rows_at_real_size():
 @pytest.mark.parametrize("settings", [
     dict(path="vec", qblock=64, num_warps=4, num_stages=1),
     dict(path="vec", qblock=128, num_warps=8, num_stages=1, prefetch=True),
-    dict(path="vec", qblock=128, num_warps=2, num_stages=3, fold=True, f16_codes=True),
-], ids=["vec-b64", "vec-b128-prefetch", "vec-b128-fold-f16codes"])
+    dict(path="vec", qblock=128, num_warps=2, num_stages=3),
+], ids=["vec-b64", "vec-b128-prefetch", "vec-b128-w2"])
 def test_cuda_quant_vec_path_real_sizes(dtype, hq, hkv, settings):
     """The register path at real sizes (q = 1: 1, 4 and 2 rows per KV head; with vec_max_rows 1, the 4- and 2-row
     cases take the tensor-core path), both views."""

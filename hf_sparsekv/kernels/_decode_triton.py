@@ -96,9 +96,10 @@ def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
     return ks_e, ks_o, kz_e, kz_o
 
 @triton.jit
-def _codes_f16(bu, bl, INT8: tl.constexpr):
-    """Packed code bytes -> float16 ``(even, odd)`` channel codes, exact, with no int->float convert: each code ORed
-    into the mantissa of 1024.0 (0x6400) reads as ``1024 + c`` (c < 1024; INT8's ``C = 14·u + l`` <= 225), and one
+def _codes_half(bu, bl, INT8: tl.constexpr, DT: tl.constexpr):
+    """Packed code bytes -> ``DT`` (float16, or bfloat16 for INT4) ``(even, odd)`` channel codes, exact, with no
+    int->float convert: a code ORed into the mantissa of 1024.0 (float16 0x6400, c < 1024; INT8's ``C = 14·u + l``
+    <= 225) or of 128.0 (bfloat16 0x4300, c < 128: INT4 only) reads as ``1024 + c`` / ``128 + c``, and one
     half-precision subtraction leaves ``c``. Every step is elementwise from the byte tile with constant operands, so
     before a dot the compiler loads the bytes from shared memory straight into the dot's operand layout and converts
     there (no converted tile goes back through shared memory)."""
@@ -108,7 +109,9 @@ def _codes_f16(bu, bl, INT8: tl.constexpr):
     else:
         ce = (bu & 15).to(tl.int16)
         co = (bu >> 4).to(tl.int16)
-    return (ce | 0x6400).to(tl.float16, bitcast=True) - 1024.0, (co | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+    MAGIC: tl.constexpr = 0x6400 if DT == tl.float16 else 0x4300
+    BASE: tl.constexpr = 1024.0 if DT == tl.float16 else 128.0
+    return (ce | MAGIC).to(DT, bitcast=True) - BASE, (co | MAGIC).to(DT, bitcast=True) - BASE
 
 @triton.jit
 def _quant_part(
@@ -119,7 +122,7 @@ def _quant_part(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
     INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TRANS_LOAD: tl.constexpr, F16_CODES: tl.constexpr,
+    TRANS_LOAD: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     if INT8:
@@ -129,8 +132,10 @@ def _quant_part(
         CF: tl.constexpr = 1.0
         ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
-    # odd channel codes come as ODD·c: plain from _codes_f16 (F16_CODES, float16 operands), 16·c from _codes_f32
-    ODD: tl.constexpr = 1.0 if F16_CODES and DOT_DTYPE == tl.float16 else 16.0
+    # odd channel codes come as ODD·c: plain from _codes_half (float16 operands; bfloat16 for INT4 — its 7-bit
+    # mantissa cannot hold INT8's combined codes up to 225), 16·c from _codes_f32 (float32 operands, bfloat16 INT8)
+    HALF_CODES: tl.constexpr = DOT_DTYPE == tl.float16 or (DOT_DTYPE == tl.bfloat16 and not INT8)
+    ODD: tl.constexpr = 1.0 if HALF_CODES else 16.0
     half = tl.arange(0, HALF)
     even = 2 * half
     q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
@@ -164,7 +169,7 @@ def _quant_part(
         else:
             kl = ku
         if ODD == 1.0:
-            ke, ko = _codes_f16(ku, kl, INT8)
+            ke, ko = _codes_half(ku, kl, INT8, DOT_DTYPE)
         else:
             ke, ko = _codes_f32(ku.to(tl.int32), kl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float
             ke = ke.to(dt)
@@ -192,7 +197,7 @@ def _quant_part(
         else:
             vl = vu
         if ODD == 1.0:
-            ve, vo = _codes_f16(vu, vl, INT8)
+            ve, vo = _codes_half(vu, vl, INT8, DOT_DTYPE)
         else:
             ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
         acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
@@ -459,7 +464,7 @@ def decode_split_kernel(
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
-    ACC_ROWS: tl.constexpr, F16_CODES: tl.constexpr,
+    ACC_ROWS: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -495,7 +500,7 @@ def decode_split_kernel(
                             T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
                             OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
                             stride_oh, HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
-                            TRANS_LOAD, F16_CODES)
+                            TRANS_LOAD)
         else:
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,

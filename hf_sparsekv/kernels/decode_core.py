@@ -10,7 +10,8 @@ query tokens, packed as the rows of one tile) over two segments:
   ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Both implementations combine the INT8 view's upper and
   lower codes as integers first (``C = 14·u + l``, 0..225, exact in fp16/bf16; the lower codes' offset of 8 goes
   into the zero-point term), so INT8 takes as many dots/conversions per block as INT4. ``QUANT_CONFIG["path"]``:
-  "dot": codes enter tensor-core dots (query rows padded to 16), turned into floats as on the register path below;
+  "dot": codes enter tensor-core dots (query rows padded to 16), turned into float16 (or bfloat16, INT4 view) by a
+  mantissa trick in the dot's operand layout; bfloat16 INT8 codes as on the register path below;
   "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
   registers (broadcast multiply + sum), codes turned into float32 with one mask|OR + one subtraction (no int->float
   convert); with one row the value sums stay per token with lazy rescaling (one FMA per code).
@@ -46,22 +47,20 @@ LOG2E = 1.4426950408889634
 # * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
-# * fold ("vec", one row per KV head): the per-token value accumulators are folded to the rows one repetition of the
-#   code tile's layout covers (:func:`_fold_rows`), not one per block token: fewer registers (sm_90, Llama-2 INT4, 2 warps, 64-token
-#   blocks: 168 instead of 254 per thread, benchmarks/kernel_asm.py), same instructions. Not yet timed on a GPU;
-# * f16_codes ("dot", float16): codes become float16 operands by the 0x6400 mantissa trick, which the compiler applies
-#   after loading the bytes from shared memory in the dot's operand layout: the converted tiles no longer go back
-#   through shared memory (Llama-3 INT4: 79 instead of 111 shared stores, 128 instead of 384 FADD in the loop,
-#   kernel_asm.py). Not yet timed on a GPU.
-# Default: the fastest of the H100 sweeps of 2026-11-24 (64K tokens, Llama-2/3 shapes, INT4 and INT8, q = 1): the
-# register path for one query row per KV head, tensor cores for more, both with 64-token blocks, 2 warps and 3
-# pipeline stages. Fewer warps per program matter most: at 4 warps the kernel needed 240-255 registers per thread,
-# leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
+# Value accumulators of the register path for one row per KV head are always folded to the rows one repetition of
+# the code tile's layout covers (:func:`_fold_rows`); float16 codes (and bfloat16 INT4 codes) enter the tensor-core
+# dots through a mantissa trick, converted in the dot's operand layout (bfloat16 INT8 keeps the float32 route). The
+# fold and the float16 codes won the H100 sweep of
+# 2026-11-25 (64K tokens, q = 1): Llama-2 INT4 / INT8 0.160 -> 0.146 / 0.310 -> 0.274 ms, Llama-3 INT4 0.106 -> 0.096
+# ms, Llama-3 INT8 unchanged (benchmarks/results/kernels-quant-h100-2026-11-25/sweep2/).
+# Default: the fastest of that sweep: the register path for one query row per KV head, tensor cores for more, both
+# with 64-token blocks, 2 warps and 3 pipeline stages. Fewer warps per program matter most: at 4 warps the kernel
+# needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
-    prefetch=False, vec_max_rows=1, fold=False, f16_codes=False,
+    prefetch=False, vec_max_rows=1,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
@@ -144,12 +143,10 @@ def _split_tokens(
     return math.ceil(per / block) * block
 
 
-def _fold_rows(qblock: int, head_dim: int, num_warps: int, fold: bool) -> int:
-    """Rows of the register path's value accumulators: ``qblock`` unfolded; folded, the block rows one repetition of
-    the code tile's layout covers (16-byte vectors: ``D/32`` threads per row of ``D/2`` code bytes, so ``32·32/D``
-    rows per warp), so that the rows folded together are registers of one thread."""
-    if not fold:
-        return qblock
+def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
+    """Rows of the register path's value accumulators: the block rows one repetition of the code tile's layout covers
+    (16-byte vectors: ``D/32`` threads per row of ``D/2`` code bytes, so ``32·32/D`` rows per warp), at most
+    ``qblock``; block rows folded onto one accumulator row are registers of one thread (no data movement)."""
     rows_per_warp = max(1, 32 // max(1, head_dim // 32))
     return min(qblock, rows_per_warp * num_warps)
 
@@ -260,7 +257,7 @@ def launch_decode(
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"], bool(qcfg["fold"])), F16_CODES=bool(qcfg["f16_codes"]),
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
