@@ -60,7 +60,7 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
-    prefetch=False, vec_max_rows=1,
+    prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
@@ -257,7 +257,7 @@ def launch_decode(
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]), ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
