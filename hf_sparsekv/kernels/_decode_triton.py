@@ -204,7 +204,10 @@ def _quant_part(
     dt = DOT_DTYPE
     # odd channel codes come as ODD·c: plain from _codes_half (float16 operands; bfloat16 for INT4 — its 7-bit
     # mantissa cannot hold INT8's combined codes up to 225), 16·c from _codes_f32 (float32 operands, bfloat16 INT8)
-    HALF_CODES: tl.constexpr = DOT_DTYPE == tl.float16 or (DOT_DTYPE == tl.bfloat16 and not INT8)
+    # SPLIT8 (compiled, bfloat16 INT8): upper and lower codes enter separate dots (each < 16 fits bfloat16's trick),
+    # the upper ones against q⊙s, the lower ones against q⊙s/14: twice the dots, every conversion in bfloat16
+    SPLIT8: tl.constexpr = ASM_CODES and INT8 and DOT_DTYPE == tl.bfloat16
+    HALF_CODES: tl.constexpr = DOT_DTYPE == tl.float16 or (DOT_DTYPE == tl.bfloat16 and not INT8) or SPLIT8
     ODD: tl.constexpr = 1.0 if HALF_CODES else 16.0
     half = tl.arange(0, HALF)
     even = 2 * half
@@ -238,7 +241,9 @@ def _quant_part(
             kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
         else:
             kl = ku
-        if ODD == 1.0 and ASM_CODES:
+        if SPLIT8:
+            ke, ko = _codes_asm(kl, kl, False, DOT_DTYPE)  # the lower codes (against q⊙s/14)
+        elif ODD == 1.0 and ASM_CODES:
             ke, ko = _codes_asm(ku, kl, INT8, DOT_DTYPE)
         elif ODD == 1.0:
             ke, ko = _codes_half(ku, kl, INT8, DOT_DTYPE)
@@ -251,6 +256,10 @@ def _quant_part(
             ko = tl.trans(ko)
         s = tl.dot(qs_e, ke, input_precision=DOT_PREC)
         s += tl.dot(qs_o, ko, input_precision=DOT_PREC)
+        if SPLIT8:
+            ue, uo = _codes_asm(ku, ku, False, DOT_DTYPE)
+            s += tl.dot((q_e * ks_e[None, :]).to(dt), ue, input_precision=DOT_PREC)
+            s += tl.dot((q_o * ks_o[None, :]).to(dt), uo, input_precision=DOT_PREC)
         s = (s + kbias[:, None]) * scale_log2
         s = tl.where(n_ok[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -268,7 +277,9 @@ def _quant_part(
             vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
         else:
             vl = vu
-        if ODD == 1.0 and ASM_CODES:
+        if SPLIT8:
+            ve, vo = _codes_asm(vl, vl, False, DOT_DTYPE)
+        elif ODD == 1.0 and ASM_CODES:
             ve, vo = _codes_asm(vu, vl, INT8, DOT_DTYPE)
         elif ODD == 1.0:
             ve, vo = _codes_half(vu, vl, INT8, DOT_DTYPE)
@@ -276,6 +287,11 @@ def _quant_part(
             ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
         acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
         acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo.to(dt), input_precision=DOT_PREC)
+        if SPLIT8:
+            psu = (p * vs[None, :]).to(dt)
+            ue, uo = _codes_asm(vu, vu, False, DOT_DTYPE)
+            acc_e += tl.dot(psu, ue, input_precision=DOT_PREC)
+            acc_o += tl.dot(psu, uo, input_precision=DOT_PREC)
         m_i = m_new
     acc_e += vbias[:, None]
     acc_o = acc_o * (1.0 / ODD) + vbias[:, None]
