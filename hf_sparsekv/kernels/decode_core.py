@@ -47,6 +47,9 @@ LOG2E = 1.4426950408889634
 # * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
+# * asm_codes ("dot", compiled kernels): codes become float16/bfloat16 operands by inline PTX, four bytes per call
+#   (_decode_triton._codes_asm); bfloat16 INT8 then runs upper and lower codes through separate dots. Off, or under
+#   the Triton interpreter (which cannot run inline assembly), the same conversion in Triton ops;
 # Value accumulators of the register path for one row per KV head are always folded to the rows one repetition of
 # the code tile's layout covers (:func:`_fold_rows`); float16 codes (and bfloat16 INT4 codes) enter the tensor-core
 # dots through a mantissa trick, converted in the dot's operand layout (bfloat16 INT8 keeps the float32 route). The
@@ -257,7 +260,8 @@ def launch_decode(
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]), ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
+        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
     )
