@@ -38,19 +38,25 @@ def test_quantized_kernel_compiles_for_hopper_without_int_to_float_converts(kern
     assert "I2F" not in ops
 
 
-def test_float16_codes_are_converted_in_the_dot_operand_layout(kernel_asm):
-    """float16 codes and bfloat16 INT4 codes (mantissa tricks) go from shared memory straight into the tensor-core
-    operand layout as bytes and are converted there; bfloat16 INT8's float32 route writes the converted tile back to
-    shared memory first."""
+def test_codes_are_converted_in_the_dot_operand_layout(kernel_asm):
+    """On the tensor-core path the code bytes go from shared memory straight into the dot's operand layout and are
+    converted there (inline PTX by default, both views and dtypes; bfloat16 INT8 as separate upper/lower dots).
+    Without the PTX, bfloat16 INT8 takes the float32 route, which writes the converted tile back to shared memory."""
     import re
 
     import torch
 
+    from hf_sparsekv.kernels import decode_core
+
     byte_operand = re.compile(r"local_load .*-> tensor<64x64xi8, #ttg\.dot_op")
-    found = {}
-    for dtype, view in ((torch.float16, "int4"), (torch.float16, "int8"), (torch.bfloat16, "int4"),
-                        (torch.bfloat16, "int8")):
+
+    def count(dtype, view):
         fn, call = kernel_asm.recorded_launch("llama3-8b", view, 1, dtype=dtype)
-        found[str(dtype)[6:], view] = len(byte_operand.findall(kernel_asm.compile_for(fn, call, 90).asm["ttgir"]))
+        return len(byte_operand.findall(kernel_asm.compile_for(fn, call, 90).asm["ttgir"]))
+
+    found = {(str(dtype)[6:], view): count(dtype, view)
+             for dtype in (torch.float16, torch.bfloat16) for view in ("int4", "int8")}
     # keys and values (INT8: upper and lower bytes of each)
-    assert found == {("float16", "int4"): 2, ("float16", "int8"): 4, ("bfloat16", "int4"): 2, ("bfloat16", "int8"): 0}
+    assert found == {("float16", "int4"): 2, ("float16", "int8"): 4, ("bfloat16", "int4"): 2, ("bfloat16", "int8"): 4}
+    with decode_core.quant_config(asm_codes=False):
+        assert count(torch.bfloat16, "int8") == 0 and count(torch.float16, "int8") == 4
