@@ -190,10 +190,10 @@ def _quant_part(
         CF: tl.constexpr = 1.0
         ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
-    # odd channel codes come as ODD·c: plain from _codes_half (float16 operands; bfloat16 for INT4 — its 7-bit
-    # mantissa cannot hold INT8's combined codes up to 225), 16·c from _codes_f32 (float32 operands, bfloat16 INT8)
-    # SPLIT8 (compiled, bfloat16 INT8): upper and lower codes enter separate dots (each < 16 fits bfloat16's trick),
-    # the upper ones against q⊙s, the lower ones against q⊙s/14: twice the dots, every conversion in bfloat16
+    # odd channel codes come as ODD·c: plain from _codes_asm / _codes_half (float16 operands; bfloat16 for INT4),
+    # 16·c from _codes_f32 (float32 operands; bfloat16 INT8 without the PTX: its 7-bit mantissa cannot hold INT8's
+    # combined codes up to 225). SPLIT8 (bfloat16 INT8 with the PTX): upper and lower codes enter separate dots
+    # (each < 16 fits bfloat16's trick), the upper ones against q⊙s, the lower ones against q⊙s/14.
     SPLIT8: tl.constexpr = ASM_CODES and INT8 and DOT_DTYPE == tl.bfloat16
     HALF_CODES: tl.constexpr = DOT_DTYPE == tl.float16 or (DOT_DTYPE == tl.bfloat16 and not INT8) or SPLIT8
     ODD: tl.constexpr = 1.0 if HALF_CODES else 16.0

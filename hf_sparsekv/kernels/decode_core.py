@@ -9,7 +9,8 @@ query tokens, packed as the rows of one tile) over two segments:
   group's ``s, z`` loaded once per block of tokens; a value is ``z_n + s_n·cv`` per token, so
   ``Σ p_n v_n = (p⊙s)·cv (+ (p⊙s/14)·cl) + Σ p_n z_n``. Both implementations combine the INT8 view's upper and
   lower codes as integers first (``C = 14·u + l``, 0..225, exact in fp16/bf16; the lower codes' offset of 8 goes
-  into the zero-point term), so INT8 takes as many dots/conversions per block as INT4. ``QUANT_CONFIG["path"]``:
+  into the zero-point term), so INT8 takes as many dots/conversions per block as INT4 (except bfloat16 on the
+  compiled tensor-core path, which runs upper and lower codes as two dots). ``QUANT_CONFIG["path"]``:
   "dot": codes enter tensor-core dots (query rows padded to 16), turned into float16 (or bfloat16, INT4 view) by a
   mantissa trick in the dot's operand layout; bfloat16 INT8 codes as on the register path below;
   "vec" (for <= 4 query rows per KV head, e.g. decode without or with small GQA): no tensor cores, everything in
@@ -51,11 +52,11 @@ LOG2E = 1.4426950408889634
 #   (_decode_triton._codes_asm); bfloat16 INT8 then runs upper and lower codes through separate dots. Off, or under
 #   the Triton interpreter (which cannot run inline assembly), the same conversion in Triton ops;
 # Value accumulators of the register path for one row per KV head are always folded to the rows one repetition of
-# the code tile's layout covers (:func:`_fold_rows`); float16 codes (and bfloat16 INT4 codes) enter the tensor-core
-# dots through a mantissa trick, converted in the dot's operand layout (bfloat16 INT8 keeps the float32 route). The
-# fold and the float16 codes won the H100 sweep of
-# 2026-11-25 (64K tokens, q = 1): Llama-2 INT4 / INT8 0.160 -> 0.146 / 0.310 -> 0.274 ms, Llama-3 INT4 0.106 -> 0.096
-# ms, Llama-3 INT8 unchanged (benchmarks/results/kernels-quant-h100-2026-11-25/sweep2/).
+# the code tile's layout covers (:func:`_fold_rows`); tensor-core codes are converted in the dot's operand layout.
+# The fold and the float16 codes won the H100 sweep of 2026-11-25 (64K tokens, q = 1): Llama-2 INT4 / INT8 0.160 ->
+# 0.146 / 0.310 -> 0.274 ms, Llama-3 INT4 0.106 -> 0.096 ms, Llama-3 INT8 unchanged
+# (benchmarks/results/kernels-quant-h100-2026-11-25/sweep2/); the PTX then took Llama-3 fp16 INT4 / INT8 to 0.088 /
+# 0.117 ms (.../asm/).
 # Default: the fastest of that sweep: the register path for one query row per KV head, tensor cores for more, both
 # with 64-token blocks, 2 warps and 3 pipeline stages. Fewer warps per program matter most: at 4 warps the kernel
 # needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
