@@ -258,8 +258,8 @@ def main(argv=None) -> int:
 SWEEP_CONFIGS = [  # the register path for one row per KV head (MHA), tensor cores for more; ``vmr`` (vec_max_rows)
     # 0: MHA on the tensor-core path too. Configurations that lost every sweep since 2026-11-24 (8 warps, 1 or 2
     # stages, untransposed code tiles, 32 programs per SM) are left out; their results are in benchmarks/results.
-    dict(path="vec", qblock=qb, num_warps=w, num_stages=3, programs_per_sm=16, min_split=512, prefetch=False,
-         vec_max_rows=vmr, trans_load=True)
+    dict(path="vec", qblock=qb, num_warps=w, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
+         prefetch=False, vec_max_rows=vmr, trans_load=True)
     for qb, w, vmr in (
         (64, 2, 1),  # the default (decode_core.QUANT_CONFIG)
         (32, 2, 1),

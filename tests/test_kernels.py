@@ -282,7 +282,7 @@ def test_static_quant_decode_batched_rows(path, dtype, hq, hkv, length):
         return QuantizedTensor(x.upper[b : b + 1, :, :n], x.lower[b : b + 1, :, :n], x.scale[b : b + 1, :, :groups],
                                x.zero[b : b + 1, :, :groups]) if n else None
 
-    settings = dict(path=path, vec_max_rows=4, min_split=32) if path == "vec" else dict(path=path)
+    settings = dict(path=path, vec_max_rows=4, min_split=32) if path == "vec" else dict(path=path, dot_min_split=32)
     for int8 in (True, False):
         with decode_core.quant_config(**settings):
             out = static_quant_decode(q, *args, int8, 0.125)
@@ -311,7 +311,7 @@ QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)
     (4, 2, 1, 32, 32, 64, 2),  # 2 rows, head_dim 32
 ]
 QUANT_PATHS = {  # launch settings the quantized-attention tests run under (decode_core.quant_config)
-    "dot": dict(path="dot"),
+    "dot": dict(path="dot", dot_min_split=64),  # several quantized splits on these small inputs too
     "vec": dict(path="vec", qblock=128, min_split=32),
     # 16-token blocks: one repetition of the code tile's layout covers the block, so the 1-row path's value
     # accumulators stay one per block token; with 128 (above) they are folded onto fewer rows (decode_core._fold_rows)

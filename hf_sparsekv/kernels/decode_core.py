@@ -45,7 +45,11 @@ LOG2E = 1.4426950408889634
 # * path: "dot" = tensor-core tiles (query rows padded to 16); "vec" = registers only, broadcast multiply + sum, used
 #   when the query rows per KV head (group x L) are at most ``vec_max_rows`` (<= 4), else "dot";
 # * qblock: tokens per block (the largest of these dividing the group size); num_warps; num_stages (pipelining);
-# * programs_per_sm: the split count aims at this many programs per SM; min_split: no split has fewer tokens;
+# * programs_per_sm: the split count aims at this many programs per SM; min_split (register path) and
+#   dot_min_split (tensor-core path): no split has fewer tokens. Longer splits pay on the tensor-core path, whose
+#   programs start with more work (query tile, scales): Llama-3 64K INT4 / INT8 0.089 / 0.117 ms at 512 tokens,
+#   0.079 / 0.103 ms at 1024, while the register path was 3 % slower at 1024 (H100 sweep of 2026-11-25,
+#   benchmarks/results/kernels-quant-h100-2026-11-25/splits/);
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
 # * asm_codes ("dot", compiled kernels): codes become float16/bfloat16 operands by inline PTX, four bytes per call
@@ -63,7 +67,8 @@ LOG2E = 1.4426950408889634
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, trans_load=True,
+    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
+    trans_load=True,
     prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
@@ -220,8 +225,9 @@ def launch_decode(
         qk, qv = quant
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
-        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split if q_min_split is not None else qcfg["min_split"],
-                               qcfg["programs_per_sm"])
+        if q_min_split is None:
+            q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"])
         n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
         ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
         vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
