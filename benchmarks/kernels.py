@@ -1,8 +1,9 @@
 """Kernel benchmark: the Triton attention/quantize kernels against PyTorch SDPA (flash) in one run, on one GPU.
 
 Shapes: Llama-2-7B attention (32 query heads, 32 KV heads, head_dim 128) and Llama-3-8B (32 query heads, 8 KV heads),
-batch 1, float16 (or --dtype bfloat16), contexts 16K / 64K / 128K. For each kernel: time (median), bytes it must read/write, achieved GB/s
-and that as a fraction of a device-to-device copy bandwidth measured in the same run, and the targets as ratios.
+batch 1, float16 (or --dtype bfloat16), contexts 16K / 64K / 128K. For each kernel: time (median), bytes it must
+read/write, achieved GB/s and that as a fraction of a device-to-device copy bandwidth measured in the same run, and
+the targets as ratios.
 
 Two timings per kernel, both with L2 flushed before every call:
 

@@ -210,4 +210,3 @@ def test_a_sampled_int4_engine_takes_one_row():
     with pytest.raises(NotImplementedError, match="one row at a time"):
         graph_loop.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
     graph_loop.release_engines()
-

@@ -148,7 +148,8 @@ def test_graph_path_equals_eager_loop_bfloat16(arch, mode, monkeypatch):
 
 
 @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.compiled),
-                                  pytest.param("qwen2", marks=pytest.mark.slow), pytest.param("mistral", marks=pytest.mark.slow)])
+                                  pytest.param("qwen2", marks=pytest.mark.slow),
+                                  pytest.param("mistral", marks=pytest.mark.slow)])
 def test_graph_greedy_ar_equals_generate(arch):
     verifier = _on_cuda(arch)
     for seed, length in enumerate((1, 200, 450)):
@@ -184,8 +185,9 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
     assert engine.spec.batch == len(prompts)  # every mode: one engine of all rows
 
 
-@pytest.mark.parametrize("mode", [pytest.param("chunk", marks=pytest.mark.slow), pytest.param("window", marks=pytest.mark.slow),
-                                  "int4", "ar"])  # every mode at batch 2-5: test_graph_path_batch_rows_equal_each_prompt_alone
+# every mode at batch 2-5: test_graph_path_batch_rows_equal_each_prompt_alone
+@pytest.mark.parametrize("mode", [pytest.param("chunk", marks=pytest.mark.slow),
+                                  pytest.param("window", marks=pytest.mark.slow), "int4", "ar"])
 def test_graph_path_batch_of_64_rows(mode):
     """64 left-padded prompts of 1-400 tokens on the graph path (one engine of 64 rows; rows stop at EOS at
     different rounds; int4 with G = 32, so rows cross quantization points at their own rounds): each row is its

@@ -136,8 +136,6 @@ _SUB_BF16 = ("mov.b32 one, 0x3f803f80;\nmov.b32 h, 0xc300c300;\nfma.rn.bf16x2 $0
              "fma.rn.bf16x2 $1, $1, one, h;\nfma.rn.bf16x2 $2, $2, one, h;\nfma.rn.bf16x2 $3, $3, one, h;")
 PTX_INT4_F16 = tl.constexpr(_PTX_INT4.replace("MAGIC", "0x64006400").replace("SUB", _SUB_F16))
 PTX_INT4_BF16 = tl.constexpr(_PTX_INT4.replace("MAGIC", "0x43004300").replace("SUB", _SUB_BF16))
-# INT8 (float16 only): C = 14·u + l per 16-bit lane by one integer multiply-add on the packed lanes (C <= 225: no
-# carry between lanes), the magic ORed into the lower codes first
 
 
 def _int8_lanes(out: str, upper: str, lower: str) -> str:
@@ -145,6 +143,8 @@ def _int8_lanes(out: str, upper: str, lower: str) -> str:
             f"mad.lo.u32 {out}, a, 14, b;\n")
 
 
+# INT8 (float16 only): C = 14·u + l per 16-bit lane by one integer multiply-add on the packed lanes (C <= 225: no
+# carry between lanes), the magic ORed into the lower codes first
 PTX_INT8_F16 = tl.constexpr(
     "{\n.reg .b32 u0, u1, l0, l1, a, b, h;\nmov.b32 h, 0x64006400;\n"
     "prmt.b32 u0, $4, $4, 0x1100;\nprmt.b32 u1, $4, $4, 0x3322;\nprmt.b32 l0, $5, $5, 0x1100;\n"
@@ -170,6 +170,24 @@ def _codes_asm(bu, bl, INT8: tl.constexpr, DT: tl.constexpr):
     else:
         return tl.inline_asm_elementwise(PTX_INT4_BF16, "=r,=r,=r,=r,r", [bu], dtype=(tl.bfloat16, tl.bfloat16),
                                          is_pure=True, pack=4)
+
+@triton.jit
+def _dot_codes(bu, bl, MAGIC, INT8: tl.constexpr, DT: tl.constexpr, HALF_CODES: tl.constexpr,
+               ASM_CODES: tl.constexpr, SPLIT8: tl.constexpr):
+    """The tensor-core path's ``(even, odd)`` code operands in ``DT`` for one tile of key or value bytes, by the route
+    :func:`_quant_part` chose: SPLIT8 the lower codes alone (the caller adds the upper ones' dots); else the PTX or
+    Triton-op half-precision trick (odd codes plain); else float32 via :func:`_codes_f32` (odd codes as 16·c)."""
+    if SPLIT8:
+        ce, co = _codes_asm(bl, bl, False, DT)
+    elif HALF_CODES and ASM_CODES:
+        ce, co = _codes_asm(bu, bl, INT8, DT)
+    elif HALF_CODES:
+        ce, co = _codes_half(bu, bl, INT8, DT)
+    else:
+        ce, co = _codes_f32(bu.to(tl.int32), bl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float
+        ce = ce.to(DT)
+        co = co.to(DT)
+    return ce, co
 
 @triton.jit
 def _quant_part(
@@ -229,16 +247,7 @@ def _quant_part(
             kl = tl.load(kl_base + code_ptrs, mask=code_mask, other=0)
         else:
             kl = ku
-        if SPLIT8:
-            ke, ko = _codes_asm(kl, kl, False, DOT_DTYPE)  # the lower codes (against q⊙s/14)
-        elif ODD == 1.0 and ASM_CODES:
-            ke, ko = _codes_asm(ku, kl, INT8, DOT_DTYPE)
-        elif ODD == 1.0:
-            ke, ko = _codes_half(ku, kl, INT8, DOT_DTYPE)
-        else:
-            ke, ko = _codes_f32(ku.to(tl.int32), kl.to(tl.int32), MAGIC, INT8)  # exact integers: no int->float
-            ke = ke.to(dt)
-            ko = ko.to(dt)
+        ke, ko = _dot_codes(ku, kl, MAGIC, INT8, DOT_DTYPE, HALF_CODES, ASM_CODES, SPLIT8)
         if not TRANS_LOAD:
             ke = tl.trans(ke)
             ko = tl.trans(ko)
@@ -265,16 +274,9 @@ def _quant_part(
             vl = tl.load(vl_base + vcode_ptrs, mask=n_ok[:, None], other=0)
         else:
             vl = vu
-        if SPLIT8:
-            ve, vo = _codes_asm(vl, vl, False, DOT_DTYPE)
-        elif ODD == 1.0 and ASM_CODES:
-            ve, vo = _codes_asm(vu, vl, INT8, DOT_DTYPE)
-        elif ODD == 1.0:
-            ve, vo = _codes_half(vu, vl, INT8, DOT_DTYPE)
-        else:
-            ve, vo = _codes_f32(vu.to(tl.int32), vl.to(tl.int32), MAGIC, INT8)
-        acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve.to(dt), input_precision=DOT_PREC)
-        acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo.to(dt), input_precision=DOT_PREC)
+        ve, vo = _dot_codes(vu, vl, MAGIC, INT8, DOT_DTYPE, HALF_CODES, ASM_CODES, SPLIT8)
+        acc_e = acc_e * alpha[:, None] + tl.dot(ps, ve, input_precision=DOT_PREC)
+        acc_o = acc_o * alpha[:, None] + tl.dot(ps, vo, input_precision=DOT_PREC)
         if SPLIT8:
             psu = (p * vs[None, :]).to(dt)
             ue, uo = _codes_asm(vu, vu, False, DOT_DTYPE)

@@ -68,8 +68,7 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
-    trans_load=True,
-    prefetch=False, vec_max_rows=1, asm_codes=True,
+    trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
