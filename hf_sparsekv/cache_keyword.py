@@ -22,10 +22,23 @@ def _keyword_of(function) -> str:
     return NEW if NEW in params else OLD
 
 
+def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DistributedDataParallel and torch.compile wrappers, whose ``forward(*args, **kwargs)``
+    passes every keyword through unchanged."""
+    while True:
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):  # torch.compile's OptimizedModule
+            model = model._orig_mod
+        else:
+            return model
+
+
 def cache_keyword(model: torch.nn.Module) -> str:
-    """``"cache"`` if ``model.forward`` declares a ``cache`` parameter, else ``"past_key_values"``. Call it outside
-    code that torch.compile traces (it inspects a signature) and pass the name in."""
-    forward = model.forward
+    """``"cache"`` if ``model.forward`` (of the model inside any DDP or torch.compile wrapper) declares a ``cache``
+    parameter, else ``"past_key_values"``. Call it outside code that torch.compile traces (it inspects a signature)
+    and pass the name in."""
+    forward = _unwrapped(model).forward
     return _keyword_of(getattr(forward, "__func__", forward))
 
 

@@ -32,6 +32,13 @@ def test_the_chosen_keyword_fills_the_cache_without_warnings(arch):
     torch.testing.assert_close(logits, model(input_ids=ids, use_cache=False).logits, rtol=0, atol=0)
 
 
+def test_a_compiled_wrapper_takes_the_keyword_of_the_model_inside():
+    """torch.compile's wrapper forwards ``(*args, **kwargs)``; the keyword is read from the wrapped model's forward.
+    (DistributedDataParallel: the two-process training test.)"""
+    model = tiny_model("llama")
+    assert cache_keyword(torch.compile(model)) == cache_keyword(model)
+
+
 def test_pop_user_cache_takes_either_name_and_refuses_both():
     a, b = DynamicCache(), DynamicCache()
     assert pop_user_cache({"past_key_values": a}) is a and pop_user_cache({"cache": b}) is b

@@ -540,6 +540,7 @@ import torch
 import torch.distributed as dist
 sys.path.insert(0, sys.argv[1])
 from tests.conftest import prompt, tiny_model
+from hf_sparsekv.cache_keyword import cache_keyword
 from hf_sparsekv.training import BudgetDraftTrainer, TrainingConfig
 from hf_sparsekv.training.objective import continuation_logits, teacher_targets, top1_loss
 from hf_sparsekv.training.views import prefill_prefix
@@ -553,6 +554,8 @@ assert acc.num_processes == 2, acc.num_processes
 rank = acc.process_index
 seq = prompt(96, seed=10 + rank)  # different data on each process
 local = copy.deepcopy(trainer.model)  # plain module: this process's own gradient, no DDP
+assert isinstance(trainer.drafter, torch.nn.parallel.DistributedDataParallel)
+assert cache_keyword(trainer.drafter) == cache_keyword(local)  # DDP's forward(*inputs, **kwargs) hides the name
 prefix = prefill_prefix(local, seq[:, :80], 32)
 targets = teacher_targets(trainer.verifier, seq, 80, 32)
 la, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.full_view(), 80), targets)
