@@ -10,9 +10,11 @@ Methods, interleaved within each repeat, for each batch size B:
   int4-self-g5     generate(batch, assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5)
 
 Prompts: B windows of ``--context`` tokens cut from the held-out documents (different documents and offsets), so
-every row has the same length (no padding); rows repeat only once every window is taken. Reported: generated tokens per second over the whole batch (B ×
-new tokens / seconds, prefill included), median of ``--repeats`` after one warm-up per method and batch size
-(compilation and capture happen there), peak memory. Prints a table, writes ``results.json`` and a PNG plot.
+every row has the same length (no padding); rows repeat only once every window is taken. Reported: generated tokens
+per second over the whole batch (B × new tokens / seconds, prefill included), median of ``--repeats`` after one
+warm-up per method and batch size (compilation and capture happen there), peak memory, and for the speculative modes
+τ (tokens per verifier forward, median over repeats; each call's counters are kept in the JSON). Prints a table,
+writes ``results.json`` and a PNG plot.
 
     python benchmarks/batch.py --context 16384 --batches 1,4,16,64 --new-tokens 128 --out runs/batch
 
@@ -59,7 +61,8 @@ def prompts(context: int, n: int) -> torch.Tensor:
 def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
     common = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
     if name == "hf-static-ar":
-        return lambda: verifier.generate(ids, cache_implementation="static", **common)
+        mask = torch.ones_like(ids)
+        return lambda: verifier.generate(ids, attention_mask=mask, cache_implementation="static", **common)
     if name == "graph-ar":  # no EOS: every row runs new_tokens, as min_new_tokens makes the others do
         return lambda: hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[])
     spec = {
@@ -68,16 +71,22 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
         "full-g3": dict(assistant_model=drafter, draft_cache="full", num_assistant_tokens=3),
         "int4-self-g5": dict(assistant_model=verifier, draft_cache="int4", num_assistant_tokens=5),
     }[name]
-    return lambda: verifier.generate(ids, attention_mask=torch.ones_like(ids), **spec, **common)
+    return lambda: verifier.generate(ids, attention_mask=torch.ones_like(ids), return_dict_in_generate=True, **spec,
+                                     **common)
 
 
-def timed(fn) -> tuple[float, torch.Tensor, int]:
+def timed(fn) -> tuple[float, torch.Tensor, dict | None, int]:
+    """Seconds, sequences ``[B, L + new]``, the speculative counters (``SpecStats.to_dict()``; None for AR) and peak
+    bytes of one call of ``fn``."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
     out = fn()
     torch.cuda.synchronize()
-    return time.perf_counter() - start, out, torch.cuda.max_memory_allocated()
+    seconds, peak = time.perf_counter() - start, torch.cuda.max_memory_allocated()
+    if isinstance(out, torch.Tensor):
+        return seconds, out, None, peak
+    return seconds, out.sequences, out.spec_stats.to_dict(), peak
 
 
 def finished_rows_cost(verifier, drafter, ids: torch.Tensor, new_tokens: int, repeats: int = 20) -> list[dict]:
@@ -114,7 +123,9 @@ def summarize(records: list[dict]) -> list[dict]:
         for name in METHODS:
             rs = [r for r in records if r["batch"] == b and r["method"] == name]
             if rs:
+                taus = [r["stats"]["mean_accepted_length"] for r in rs if r["stats"]]
                 rows.append(dict(batch=b, method=name, tokens_per_s=statistics.median(r["tokens_per_s"] for r in rs),
+                                 tau=statistics.median(taus) if taus else None,
                                  peak_gib=max(r["peak_bytes"] for r in rs) / 2**30, runs=len(rs)))
     for row in rows:
         for base_name, key in (("hf-static-ar", "vs_hf_static"), ("graph-ar", "vs_graph_ar")):
@@ -127,10 +138,10 @@ def table(rows: list[dict]) -> str:
     def ratio(x):
         return "-" if x is None else f"{x:.2f}"
 
-    lines = ["| batch | method | tokens/s (batch) | × HF static AR | × our graph AR | peak GiB | runs |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| batch | method | tokens/s (batch) | × HF static AR | × our graph AR | τ | peak GiB | runs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['batch']} | {r['method']} | {r['tokens_per_s']:.0f} | {ratio(r['vs_hf_static'])} | "
-              f"{ratio(r['vs_graph_ar'])} | {r['peak_gib']:.2f} | {r['runs']} |" for r in rows]
+              f"{ratio(r['vs_graph_ar'])} | {ratio(r['tau'])} | {r['peak_gib']:.2f} | {r['runs']} |" for r in rows]
     return "\n".join(lines)
 
 
@@ -175,10 +186,12 @@ def main(argv=None) -> int:
             first_call[f"{name}@{batch}"] = timed(runner(name, verifier, drafter, ids, args.new_tokens))[0]
         for rep in range(args.repeats):
             for name in tqdm(names, desc=f"B={batch} rep {rep}", leave=False):
-                seconds, seq, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
+                seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
                 generated = batch * (seq.shape[1] - ids.shape[1])
+                if stats:
+                    stats.pop("rows")  # each row's counters: the totals suffice here
                 records.append(dict(batch=batch, rep=rep, method=name, seconds=seconds, tokens=generated,
-                                    tokens_per_s=generated / seconds, peak_bytes=peak))
+                                    tokens_per_s=generated / seconds, stats=stats, peak_bytes=peak))
         if args.finished and batch > 1:
             finished += finished_rows_cost(verifier, drafter, ids, args.new_tokens)
         summary = summarize(records)
