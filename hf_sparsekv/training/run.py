@@ -160,5 +160,5 @@ def run(args) -> int:
         if args.push_to_hub:
             url = push_to_hub(output, args.push_to_hub, private=args.hub_private or None, endpoint=args.hub_endpoint)
             say(f"pushed to {url}")
-    accelerator.wait_for_everyone()
+    trainer.end_training()
     return 0

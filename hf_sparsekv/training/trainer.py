@@ -11,7 +11,8 @@ One step on one sequence ``x [1, T]`` (P = T − C):
 5. clip, AdamW step, scheduler step. The summed gradients are those of L = L_A + λ·L_C (Eq. 4).
 
 The verifier is frozen (``requires_grad=False``, eval mode) and never handed to the optimizer. Multi-GPU: run the same
-script under ``accelerate launch``; each process takes every ``world``-th sequence and DDP averages the gradients.
+script under ``accelerate launch``; each process takes every ``world``-th sequence and DDP averages the gradients;
+end the script with :meth:`BudgetDraftTrainer.end_training`.
 """
 
 from __future__ import annotations
@@ -125,6 +126,16 @@ class BudgetDraftTrainer:
     def model(self):
         """The drafter itself (not the DDP wrapper)."""
         return self.accelerator.unwrap_model(self.drafter)
+
+    def end_training(self) -> None:
+        """Call last in a run under several processes: waits for every process, drops the DDP wrapper (its reducer
+        holds the process group) and the optimizer, then destroys the process group, so that no communication
+        thread is left for interpreter exit to tear down (gloo can abort a process there). ``self.model`` (the
+        trained drafter) stays usable; training further does not. On one process only the wait and the drop."""
+        self.accelerator.wait_for_everyone()
+        self.drafter, self.optimizer, self.scheduler = self.model, None, None
+        self.accelerator.free_memory()
+        self.accelerator.end_training()
 
     def _sequence(self, sequence: torch.Tensor) -> torch.Tensor:
         if not isinstance(sequence, torch.Tensor) or sequence.dtype not in (torch.int64, torch.int32):
