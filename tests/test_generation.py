@@ -360,6 +360,12 @@ def test_stop_strings_with_tokenizer_like_stock():
         (dict(use_cache=False), ValueError, "use_cache"),
         (dict(draft_cache="full", kv_budget=64), ValueError, "kv_budget does not apply to draft_cache='full'"),
         (dict(draft_cache="cache-instance", kv_budget=64), ValueError, "kv_budget does not apply"),
+        (dict(penalty_alpha=0.6, top_k=4), NotImplementedError, "penalty_alpha"),
+        (dict(dola_layers="low"), NotImplementedError, "dola_layers"),
+        (dict(token_healing=True), NotImplementedError, "token_healing"),
+        (dict(attention_mask="short"), ValueError, "attention_mask has shape"),
+        (dict(draft_cache="window", kv_budget=4), ValueError, "sink"),
+        (dict(draft_cache="rollback-1", kv_budget=None, num_assistant_tokens=4), ValueError, "max_rollback >= 3"),
     ],
 )
 def test_options_that_would_be_ignored_raise_naming_them(kwargs, error, match):
@@ -368,6 +374,10 @@ def test_options_that_would_be_ignored_raise_naming_them(kwargs, error, match):
     kwargs = {"kv_budget": 16, **kwargs}
     if kwargs.get("draft_cache") == "cache-instance":
         kwargs["draft_cache"] = SinkWindowCache(window=32)
+    if kwargs.get("draft_cache") == "rollback-1":
+        kwargs["draft_cache"] = SinkWindowCache(window=32, max_rollback=2)
+    if kwargs.get("attention_mask") == "short":
+        kwargs["attention_mask"] = torch.ones(1, 9, dtype=torch.long)
     with pytest.raises(error, match=match):
         tiny_model("llama").generate(prompt(10, 0), max_new_tokens=4, do_sample=False,
                                      assistant_model=tiny_model("llama", role="drafter"), **kwargs)
@@ -452,3 +462,84 @@ def test_no_cache_keyword_deprecation_warnings(spec):
     assert not about_cache, about_cache
     if not sampled:
         assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
+
+
+def test_token_id_options_in_any_integer_form_like_stock():
+    """``eos_token_id`` as a NumPy integer or a 0-d tensor, and int32 input ids, give stock's int64 output."""
+    import numpy as np
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(30, 4)
+    free = verifier.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=[])
+    eos = int(free[0, 36])  # a token the output reaches, so that stopping on it matters
+    stock = verifier.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=eos)
+    assert stock.shape[1] < free.shape[1]
+    for form in (np.int64(eos), torch.tensor(eos), torch.tensor([eos])):
+        ours = verifier.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=form, assistant_model=drafter,
+                                 kv_budget=16)
+        assert torch.equal(ours, stock)
+    ours = verifier.generate(ids.int(), max_new_tokens=12, do_sample=False, eos_token_id=eos, assistant_model=drafter,
+                             kv_budget=16)
+    assert ours.dtype == verifier.generate(ids.int(), max_new_tokens=2, do_sample=False).dtype == torch.int64
+    assert torch.equal(ours, stock)
+
+
+def test_renormalized_scores_like_stock():
+    verifier = tiny_model("qwen2")
+    ids = prompt(30, 5)
+    kw = dict(max_new_tokens=8, do_sample=False, return_dict_in_generate=True, output_scores=True,
+              renormalize_logits=True)
+    stock = verifier.generate(ids, **kw)
+    ours = verifier.generate(ids, assistant_model=tiny_model("qwen2", role="drafter"), kv_budget=16, **kw)
+    assert torch.equal(ours.sequences, stock.sequences)
+    torch.testing.assert_close(torch.cat(ours.scores), torch.cat(stock.scores), rtol=1e-9, atol=1e-9)
+    scores = torch.cat(ours.scores)
+    assert torch.allclose(scores.exp().sum(-1), torch.ones(8, dtype=scores.dtype))  # log-probabilities
+
+
+def test_kv_budget_on_a_generation_config_is_honoured():
+    """``kv_budget``/``draft_cache`` on the passed ``generation_config`` or on ``model.generation_config`` take the
+    speculative path (in a call with ``assistant_model``); ``kv_budget=None`` in the call turns them off."""
+    from transformers import GenerationConfig
+
+    verifier, drafter = copy.deepcopy(tiny_model("mistral")), tiny_model("mistral", role="drafter")
+    ids = prompt(40, 6)
+    greedy = verifier.generate(ids, max_new_tokens=10, do_sample=False)
+    config = GenerationConfig(kv_budget=16, draft_cache="window", max_new_tokens=10, do_sample=False,
+                              return_dict_in_generate=True)
+    out = verifier.generate(ids, generation_config=config, assistant_model=drafter)
+    assert out.spec_stats.rounds > 0 and torch.equal(out.sequences, greedy)
+    verifier.generation_config.kv_budget = 16
+    out = verifier.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False,
+                            return_dict_in_generate=True)
+    assert out.spec_stats.rounds > 0 and torch.equal(out.sequences, greedy)
+    stock = verifier.generate(ids, assistant_model=drafter, max_new_tokens=10, do_sample=False,
+                              return_dict_in_generate=True, kv_budget=None)
+    assert not hasattr(stock, "spec_stats") and torch.equal(stock.sequences, greedy)
+    assert torch.equal(verifier.generate(ids, max_new_tokens=10, do_sample=False), greedy)  # no drafter: stock
+
+
+def test_an_unsupported_option_from_the_model_config_is_named_as_such():
+    verifier = copy.deepcopy(tiny_model("llama"))
+    verifier.generation_config.repetition_penalty = 1.1
+    with pytest.raises(NotImplementedError, match=r"model\.generation_config\.repetition_penalty"):
+        verifier.generate(prompt(20, 0), assistant_model=tiny_model("llama", role="drafter"), kv_budget=16,
+                          max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize("gamma", [2, 5])
+def test_smallest_window_and_rollback_are_lossless(gamma):
+    """A window budget one above the sink tokens, and a SinkWindowCache rolling back exactly γ − 1 tokens (the most
+    rejected drafts a round leaves), still give greedy AR."""
+    from hf_sparsekv import SinkWindowCache
+
+    for arch in ARCHS:
+        verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
+        for seed in range(3):
+            ids = prompt(50, seed)
+            greedy = verifier.generate(ids, max_new_tokens=24, do_sample=False)
+            for cache in ({"kv_budget": 5}, {"draft_cache": SinkWindowCache(4, 8, max_rollback=gamma - 1)}):
+                kw = {"draft_cache": "window", **cache}
+                ours = verifier.generate(ids, assistant_model=drafter, num_assistant_tokens=gamma, max_new_tokens=24,
+                                         do_sample=False, **kw)
+                assert torch.equal(ours, greedy), (arch, seed, cache)

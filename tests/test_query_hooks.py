@@ -173,3 +173,55 @@ def test_hooked_selection_on_cuda_half_precision(arch, impl):
     out.set_attn_implementation(impl)
     generated = out.generate(ids, past_key_values=ChunkBudgetCache(64), max_new_tokens=8, do_sample=False)
     assert generated.shape[1] == 308
+
+
+def _neox():
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    torch.manual_seed(0)
+    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=256)
+    config._attn_implementation = "sdpa"
+    model = GPTNeoXForCausalLM(config).eval().double()
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)  # wide argmax gaps, varied greedy paths
+    return model
+
+
+def test_cache_passed_as_layer_past_reaches_the_self_drafter():
+    """GPT-NeoX-style modules take the cache as ``layer_past``: self-drafting on a sink+window view of the model's
+    own prefill equals its greedy output; the chunk view, which needs the fused qkv's queries, is refused."""
+    model = _neox()
+    for seed in range(3):
+        ids = prompt(50, seed)
+        greedy = model.generate(ids, do_sample=False, max_new_tokens=16)
+        ours = model.generate(ids, assistant_model=model, draft_cache="window", kv_budget=16, max_new_tokens=16,
+                              do_sample=False, num_assistant_tokens=3)
+        assert torch.equal(ours, greedy)
+    with pytest.raises(NotImplementedError, match="separate assistant_model"):
+        model.generate(prompt(50, 0), assistant_model=model, kv_budget=16, max_new_tokens=4, do_sample=False)
+
+
+def test_another_rotary_recipe_raises_not_implemented():
+    """GPT-J's rotary embedding takes no (cos, sin) pair: refused with NotImplementedError, not a TypeError."""
+    from transformers import GPTJConfig, GPTJForCausalLM
+
+    model = GPTJForCausalLM(GPTJConfig(vocab_size=VOCAB, n_embd=64, n_layer=1, n_head=4, rotary_dim=8,
+                                       n_positions=256)).eval()
+    with pytest.raises(NotImplementedError, match="GPTJAttention"):
+        model.generate(prompt(40, seed=3), past_key_values=ChunkBudgetCache(16), max_new_tokens=2, do_sample=False)
+
+
+def test_self_chunk_refusal_does_not_point_to_the_sparsekv_attention():
+    """Self-drafting recomputes the queries under every attention implementation, so its refusal names the ways out
+    that work (a separate drafter, the window cache), not the ``"sparsekv"`` attention."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    model = Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, pad_token_id=0,
+    )).eval()
+    model.set_attn_implementation("sparsekv")
+    with pytest.raises(NotImplementedError, match="separate assistant_model") as caught:
+        model.generate(prompt(40, seed=3), assistant_model=model, kv_budget=16, max_new_tokens=2, do_sample=False)
+    assert "attn_implementation='sparsekv'" not in str(caught.value)

@@ -25,6 +25,15 @@ from collections.abc import Callable, Iterator
 import torch
 
 
+class QueriesNotRecomputable(NotImplementedError):
+    """An attention module's prompt queries cannot be recomputed from its input. ``reason`` says why; the message
+    adds the way out for a model drafting on its own prefill (the ``"sparsekv"`` attention hands them over)."""
+
+    def __init__(self, reason: str):
+        super().__init__(f"{reason}; run the model with attn_implementation='sparsekv'")
+        self.reason = reason
+
+
 def attention_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The decoder's attention modules: submodules whose class name ends in ``Attention`` and that carry an integer
     ``layer_idx`` (the transformers convention)."""
@@ -38,9 +47,9 @@ def _projected(module, proj: str, norm: str, hidden_states: torch.Tensor) -> tor
     linear = getattr(module, proj, None)
     head_dim = getattr(module, "head_dim", None)
     if linear is None or not isinstance(head_dim, int):
-        raise NotImplementedError(
+        raise QueriesNotRecomputable(
             f"{type(module).__name__} has no {proj}/head_dim: the prompt's queries cannot be recomputed for this "
-            "architecture under its attention implementation; run the model with attn_implementation='sparsekv'"
+            "architecture under its attention implementation"
         )
     states = linear(hidden_states).view(*hidden_states.shape[:-1], -1, head_dim)
     if getattr(module, norm, None) is not None:
@@ -51,9 +60,9 @@ def _projected(module, proj: str, norm: str, hidden_states: torch.Tensor) -> tor
 def _rope(module) -> Callable:
     rope = getattr(sys.modules.get(type(module).__module__), "apply_rotary_pos_emb", None)
     if rope is None:
-        raise NotImplementedError(
+        raise QueriesNotRecomputable(
             f"{type(module).__name__}: its modeling file has no apply_rotary_pos_emb, so the prompt's queries cannot "
-            "be recomputed; run the model with attn_implementation='sparsekv'"
+            "be recomputed"
         )
     return rope
 
@@ -65,30 +74,38 @@ def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings, 
     reproduce them (within a few units of the dtype's rounding) or NotImplementedError is raised.
     """
     if position_embeddings is None or hidden_states is None:
-        raise NotImplementedError(
+        raise QueriesNotRecomputable(
             f"{type(module).__name__} was not called with hidden_states and position_embeddings: the prompt's "
-            "queries cannot be recomputed; run the model with attn_implementation='sparsekv'"
+            "queries cannot be recomputed"
         )
-    cos, sin = position_embeddings
     rope = _rope(module)
     query = _projected(module, "q_proj", "q_norm", hidden_states)
     key = _projected(module, "k_proj", "k_norm", hidden_states)
-    query, key = rope(query, key, cos, sin)
+    try:
+        cos, sin = position_embeddings
+        query, key = rope(query, key, cos, sin)
+    except (TypeError, ValueError) as err:  # another rotary recipe (e.g. GPT-J's sincos form)
+        raise QueriesNotRecomputable(
+            f"{type(module).__name__}: its rotary embedding is not the (query, key, cos, sin) recipe ({err}), so the "
+            "prompt's queries cannot be recomputed"
+        ) from None
     eps = torch.finfo(keys.dtype).eps if keys.dtype.is_floating_point else 0.0
     if key.shape != keys.shape or not torch.allclose(key, keys, rtol=16 * eps, atol=16 * eps):
-        raise NotImplementedError(
+        raise QueriesNotRecomputable(
             f"{type(module).__name__}: keys recomputed from the module's input differ from those it stored, so its "
-            "queries cannot be recomputed faithfully; run the model with attn_implementation='sparsekv'"
+            "queries cannot be recomputed faithfully"
         )
     return query
 
 
 def _module_inputs(args: tuple, kwargs: dict):
     """(hidden_states, position_embeddings, cache) of an attention module call. The cache keyword is ``cache`` from
-    transformers 5.24 on, ``past_key_values`` (``past_key_value`` in older files) before."""
+    transformers 5.24 on, ``past_key_values`` (``past_key_value`` in older files) before, ``layer_past`` in
+    GPT-NeoX/Falcon-style files."""
     hidden = kwargs.get("hidden_states", args[0] if args else None)
     position_embeddings = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value") if kwargs.get(k) is not None), None)
+    cache = next((kwargs[k] for k in ("cache", "past_key_values", "past_key_value", "layer_past")
+                  if kwargs.get(k) is not None), None)
     return hidden, position_embeddings, cache
 
 

@@ -92,7 +92,7 @@ class SinkWindowCache(CompressedCache):
         sink: attention-sink tokens kept from the start (0 allowed).
         window: recent tokens attended before each step's input (>= 1).
         max_rollback: extra recent tokens stored so that ``crop`` of up to this many tokens is exact
-            (the speculative loop needs γ).
+            (the speculative loop rolls back at most γ − 1 rejected drafts; generate() checks it).
     """
 
     def __init__(self, sink: int = 4, window: int = 1024, max_rollback: int = 16):

@@ -28,14 +28,18 @@ from .stats import SpecStats
 logger = logging.get_logger(__name__)
 
 
+def token_ids(value) -> list[int]:
+    """A token-id option (``eos_token_id``: an int, a NumPy integer, a 0-d or 1-d tensor, a list) as a list of ints
+    ([] for None), as stock ``generate()`` accepts it."""
+    return [] if value is None else [int(t) for t in torch.as_tensor(value).flatten().tolist()]
+
+
 def pad_value(config) -> int | None:
     """The id stock ``generate()`` writes after a row has finished: ``pad_token_id``, else the first EOS id."""
     if config.pad_token_id is not None:
         return int(config.pad_token_id)
-    eos = config.eos_token_id
-    if eos is None:
-        return None
-    return int(eos) if isinstance(eos, int) else int(list(eos)[0])
+    eos = token_ids(config.eos_token_id)
+    return eos[0] if eos else None
 
 
 def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config, *, streamer, prefix_cache,
@@ -45,16 +49,15 @@ def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, co
         raise ValueError("streamer supports batch size 1 only (as in stock generate()), got a batch of "
                          f"{input_ids.shape[0]}")
     if prefix_cache:
-        raise NotImplementedError("past_key_values holding a prefix (prompt caching) is supported with batch size 1 only")
+        raise NotImplementedError(
+            "past_key_values (cache=) is supported with batch size 1 only (prompt caching): with kv_budget/draft_cache "
+            "each row of a batch runs on caches of its own; omit it"
+        )
     if max_time is not None:
         raise NotImplementedError("max_time with batch size > 1 is not supported with kv_budget/draft_cache")
     if config.output_scores or config.output_logits:
         raise NotImplementedError(
             "output_scores/output_logits with batch size > 1 are not supported with kv_budget/draft_cache"
-        )
-    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
         )
 
 

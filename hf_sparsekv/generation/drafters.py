@@ -129,7 +129,13 @@ class SharedPrefillDrafter(ModelDrafter):
                     "selection needs the queries of the whole prompt (pass a separate assistant_model, or "
                     "draft_cache='window')"
                 )
-            query = query_hooks.recompute_queries(module, hidden_states, position_embeddings, keys)
+            try:
+                query = query_hooks.recompute_queries(module, hidden_states, position_embeddings, keys)
+            except query_hooks.QueriesNotRecomputable as err:  # the "sparsekv" attention does not help here
+                raise NotImplementedError(
+                    f"{err.reason}. Self-drafting on a chunk-budget cache recomputes them under every attention "
+                    "implementation: pass a separate assistant_model, or use draft_cache='window'"
+                ) from None
             layer.select(query, module.scaling)
 
     def prefill(self, prompt: torch.Tensor) -> None:

@@ -7,7 +7,13 @@ from dataclasses import dataclass
 import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
-from transformers.generation import LogitsProcessorList, MaxTimeCriteria, StoppingCriteriaList, StopStringCriteria
+from transformers.generation import (
+    LogitNormalization,
+    LogitsProcessorList,
+    MaxTimeCriteria,
+    StoppingCriteriaList,
+    StopStringCriteria,
+)
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from .. import attention
@@ -23,6 +29,7 @@ DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
 WINDOW_SINK = 4
 DEFAULT_WINDOW_BUDGET = 1024
+CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 
 # Generation options that add logits processors stock greedy would apply; not supported here (yet).
 _UNSUPPORTED_OPTIONS = {
@@ -42,6 +49,9 @@ _UNSUPPORTED_OPTIONS = {
     "assistant_early_exit": lambda v: v is not None,
     "output_attentions": lambda v: bool(v),
     "output_hidden_states": lambda v: bool(v),
+    "penalty_alpha": lambda v: v is not None and v > 0,  # contrastive search
+    "dola_layers": lambda v: v is not None,
+    "token_healing": lambda v: bool(v),
 }
 
 
@@ -77,9 +87,11 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
     stock ``generate()`` applies to it alone (``max_length``/``min_length`` count its own left padding, as stock
     does)."""
     prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
-    eos = config.eos_token_id
-    eos_ids = [] if eos is None else ([int(eos)] if isinstance(eos, int) else [int(e) for e in eos])
+    eos_ids = batch_rows.token_ids(config.eos_token_id)
     pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
+    processors = LogitsProcessorList(logits_processor or [])
+    if config.renormalize_logits and not config.do_sample:  # sampling: stock_processors adds it
+        processors.append(LogitNormalization())  # last, as stock: scores become log-probabilities
     criteria = StoppingCriteriaList(stopping_criteria or [])
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(config.max_time))
@@ -93,9 +105,22 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
         eos_token_ids=eos_ids,
         min_length=max((config.min_length or 0) - pad, 0),
         min_new_tokens=config.min_new_tokens or 0,
-        logits_processor=LogitsProcessorList(logits_processor or []),
+        logits_processor=processors,
         stopping_criteria=criteria,
     )
+
+
+def _check_budget(kv_budget, draft_cache) -> None:
+    """``kv_budget``: a positive integer, at least one chunk for ``'chunk'`` (the default), more than the sink
+    tokens for ``'window'``."""
+    if kv_budget is None:
+        return
+    if not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1:
+        raise ValueError(f"kv_budget must be a positive integer, got {kv_budget!r}")
+    if draft_cache in (None, "chunk") and kv_budget < CHUNK_SIZE:
+        raise ValueError(f"kv_budget must be >= the chunk size ({CHUNK_SIZE}) with draft_cache='chunk', got {kv_budget}")
+    if draft_cache == "window" and kv_budget <= WINDOW_SINK:
+        raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window', got {kv_budget}")
 
 
 def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
@@ -105,6 +130,12 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
     if isinstance(draft_cache, Cache):
         if draft_cache.get_seq_length() != 0:
             raise ValueError("draft_cache: a cache instance must be empty (fresh or reset())")
+        if isinstance(draft_cache, SinkWindowCache) and draft_cache.max_rollback < gamma - 1:
+            raise ValueError(
+                f"draft_cache: this SinkWindowCache rolls back at most max_rollback={draft_cache.max_rollback} "
+                f"tokens, but with num_assistant_tokens={gamma} up to {gamma - 1} rejected drafts are rolled back; "
+                f"build it with max_rollback >= {gamma - 1}"
+            )
         if drafter is model:
             if isinstance(draft_cache, HierarchicalQuantCache):
                 return SelfDrafter(model, draft_cache), draft_cache
@@ -135,8 +166,6 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
         return drafter_class(drafter, ChunkBudgetCache(kv_budget)), DynamicCache()
     if kind == "window":
         budget = DEFAULT_WINDOW_BUDGET if kv_budget is None else kv_budget
-        if budget <= WINDOW_SINK:
-            raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window'")
         cache = SinkWindowCache(sink=WINDOW_SINK, window=budget - WINDOW_SINK, max_rollback=gamma + 1)
         return drafter_class(drafter, cache), DynamicCache()
     return ModelDrafter(drafter, DynamicCache()), DynamicCache()
@@ -284,8 +313,7 @@ def speculative_generate(
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
     than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
     the static path, else row by row (:mod:`.batch_rows`); either way each row is what its prompt alone gives."""
-    if kv_budget is not None and (not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 8):
-        raise ValueError(f"kv_budget must be an integer >= the chunk size (8), got {kv_budget!r}")
+    _check_budget(kv_budget, draft_cache)
     for name, value in (
         ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
         ("negative_prompt_ids", negative_prompt_ids),
@@ -311,6 +339,12 @@ def speculative_generate(
         raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
         raise ValueError("input_ids is empty")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
+        )
+    if not input_ids.dtype.is_floating_point:
+        input_ids = input_ids.long()  # the output is int64 whatever integer type came in, as stock's is
     batch = input_ids.shape[0]
     row_kwargs = dict(kwargs)  # what each row gets when a batch is decoded row by row
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
@@ -333,8 +367,10 @@ def speculative_generate(
     if (config.num_return_sequences or 1) > 1:
         raise NotImplementedError("num_return_sequences > 1 is not supported with kv_budget/draft_cache")
     for name, is_active in _UNSUPPORTED_OPTIONS.items():
-        if is_active(getattr(config, name, None)):
-            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
+        value = getattr(config, name, None)
+        if is_active(value):
+            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
+                                      f"{_refuse_source(name, value, kwargs, generation_config, model)}")
     gamma = config.num_assistant_tokens if gamma_given else DEFAULT_GAMMA
     if not isinstance(gamma, int) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")

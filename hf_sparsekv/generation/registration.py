@@ -2,8 +2,9 @@
 
 Why a patch: it is the only mechanism that makes the stock ``model.generate(...)`` of every causal LM (and
 ``pipeline("text-generation")``, which calls it) accept ``kv_budget``/``draft_cache`` after one import, without a
-wrapper class or a Hub ``custom_generate`` repository. The patch is narrow: a call without our arguments goes to
-the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
+wrapper class or a Hub ``custom_generate`` repository. Our arguments come as keywords or, in a call with
+``assistant_model``, as attributes of the passed or the model's ``generation_config``. The patch is narrow: a call
+without them goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
 them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call); it is guarded: installed only if ``generate`` still takes the arguments we forward,
 and :func:`unregister` puts the original back.
 """
@@ -43,13 +44,21 @@ def register() -> bool:
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
+        named = dict(zip(positional, args))
         ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
+        config = named.get("generation_config", kwargs.get("generation_config"))
+        drafting = named.get("assistant_model", kwargs.get("assistant_model")) is not None
+        # Keyword (None: off) over the passed generation_config over the model's; configs count only in a call
+        # with assistant_model, not in stock assisted generation's inner drafter call, which gets a config copy.
+        for name in OUR_ARGUMENTS if drafting else ():
+            if name not in ours:
+                ours[name] = next((getattr(c, name) for c in (config, self.generation_config)
+                                   if getattr(c, name, None) is not None), None)
         if all(value is None for value in ours.values()):
             if query_hooks.needs_prompt_queries(user_cache(kwargs)):
                 with query_hooks.prompt_queries(self):  # e.g. ChunkBudgetCache under eager/SDPA/flash attention
                     return original(self, *args, **kwargs)
             return original(self, *args, **kwargs)
-        named = dict(zip(positional, args))
         overlap = set(named) & set(kwargs)
         if overlap:
             raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
