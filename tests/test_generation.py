@@ -363,6 +363,7 @@ def test_stop_strings_with_tokenizer_like_stock():
         (dict(penalty_alpha=0.6, top_k=4), NotImplementedError, "penalty_alpha"),
         (dict(dola_layers="low"), NotImplementedError, "dola_layers"),
         (dict(token_healing=True), NotImplementedError, "token_healing"),
+        (dict(num_assistant_tokens_schedule="heuristic"), NotImplementedError, "num_assistant_tokens_schedule"),
         (dict(attention_mask="short"), ValueError, "attention_mask has shape"),
         (dict(draft_cache="window", kv_budget=4), ValueError, "sink"),
         (dict(draft_cache="rollback-1", kv_budget=None, num_assistant_tokens=4), ValueError, "max_rollback >= 3"),
@@ -543,3 +544,16 @@ def test_smallest_window_and_rollback_are_lossless(gamma):
                 ours = verifier.generate(ids, assistant_model=drafter, num_assistant_tokens=gamma, max_new_tokens=24,
                                          do_sample=False, **kw)
                 assert torch.equal(ours, greedy), (arch, seed, cache)
+
+
+def test_num_assistant_tokens_on_the_model_config_sets_gamma():
+    verifier = copy.deepcopy(tiny_model("llama"))
+    ids = prompt(30, 7)
+    kw = dict(assistant_model=tiny_model("llama", role="drafter"), kv_budget=16, max_new_tokens=12, do_sample=False,
+              return_dict_in_generate=True)
+    default = verifier.generate(ids, **kw).spec_stats
+    assert default.drafted > 2 * default.rounds  # γ = 5 (rounds near the length limit draft fewer)
+    verifier.generation_config.num_assistant_tokens = 2
+    out = verifier.generate(ids, **kw)
+    assert out.spec_stats.rounds < out.spec_stats.drafted <= 2 * out.spec_stats.rounds  # γ = 2
+    assert torch.equal(out.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))

@@ -52,6 +52,7 @@ _UNSUPPORTED_OPTIONS = {
     "penalty_alpha": lambda v: v is not None and v > 0,  # contrastive search
     "dola_layers": lambda v: v is not None,
     "token_healing": lambda v: bool(v),
+    "num_assistant_tokens_schedule": lambda v: v not in (None, "constant"),  # γ stays num_assistant_tokens
 }
 
 
@@ -332,8 +333,8 @@ def speculative_generate(
     attention_mask = kwargs.pop("attention_mask", None)
     past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
     tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
-    gamma_given = "num_assistant_tokens" in kwargs or (
-        generation_config is not None and "num_assistant_tokens" in generation_config.to_diff_dict()
+    gamma_given = "num_assistant_tokens" in kwargs or any(  # set by the user, not the library default (20)
+        c is not None and "num_assistant_tokens" in c.to_diff_dict() for c in (generation_config, model.generation_config)
     )
     if input_ids.dim() != 2 or input_ids.shape[0] < 1:
         raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
