@@ -7,7 +7,7 @@ import random
 
 import pytest
 import torch
-from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers import DynamicCache, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import hf_sparsekv
@@ -270,6 +270,8 @@ def test_without_new_arguments_generate_is_stock():
          NotImplementedError, "output_scores"),
         (dict(kv_budget=16, assistant_model="drafter", repetition_penalty=1.3), NotImplementedError, "repetition_penalty"),
         (dict(draft_cache="int4", assistant_model="self", kv_budget=64), ValueError, "kv_budget"),
+        (dict(kv_budget=16, assistant_model="drafter", batch=2, past_key_values="empty"), NotImplementedError,
+         "batch size 1 only"),
     ],
 )
 def test_bad_input_raises_naming_the_argument(kwargs, error, match):
@@ -288,6 +290,8 @@ def test_bad_input_raises_naming_the_argument(kwargs, error, match):
                                                                  num_hidden_layers=1, num_attention_heads=2))
     elif choice == "meta":
         kwargs["assistant_model"] = copy.deepcopy(tiny_model("llama", role="drafter")).to("meta")
+    if kwargs.get("past_key_values") == "empty":
+        kwargs["past_key_values"] = DynamicCache()
     ids = prompt(20, 0).repeat(batch, 1)
     with pytest.raises(error, match=match):
         verifier.generate(ids, max_new_tokens=5, **kwargs)
