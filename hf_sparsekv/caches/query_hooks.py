@@ -27,7 +27,8 @@ import torch
 
 class QueriesNotRecomputable(NotImplementedError):
     """An attention module's prompt queries cannot be recomputed from its input. ``reason`` says why; the message
-    adds the way out for a model drafting on its own prefill (the ``"sparsekv"`` attention hands them over)."""
+    adds the way out of the hook path (the ``"sparsekv"`` attention hands the queries over directly). Self-drafting,
+    which recomputes them under every attention implementation, names its own ways out instead."""
 
     def __init__(self, reason: str):
         super().__init__(f"{reason}; run the model with attn_implementation='sparsekv'")

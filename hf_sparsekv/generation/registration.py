@@ -52,7 +52,7 @@ def register() -> bool:
         # with assistant_model, not in stock assisted generation's inner drafter call, which gets a config copy.
         for name in OUR_ARGUMENTS if drafting else ():
             if name not in ours:
-                ours[name] = next((getattr(c, name) for c in (config, self.generation_config)
+                ours[name] = next((getattr(c, name) for c in (config, getattr(self, "generation_config", None))
                                    if getattr(c, name, None) is not None), None)
         if all(value is None for value in ours.values()):
             if query_hooks.needs_prompt_queries(user_cache(kwargs)):
