@@ -5,14 +5,22 @@ light so that ``--help`` is fast); ``python -m hf_sparsekv.cli`` (e.g. under ``a
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import torch
 
 from .compare import SPEED_ON_CPU, compare, report
+from .generation.front import check_budget
+
+
+def missing_local_path(name: str | None) -> bool:
+    """True for a path written as one (``/``, ``./``, ``../``, ``~``) that does not exist: not a Hub id either."""
+    return bool(name) and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists()
 
 
 def resolve_generate_args(args, parser) -> None:
-    """Fill ``--pair`` paths, ``auto`` device/dtype and the tokenizer default; refuse missing models by name."""
+    """Fill ``--pair`` paths, ``auto`` device/dtype and the tokenizer default; refuse missing models, prompt files,
+    an empty prompt, a budget the mode cannot take and an absent CUDA device by name, before any model loads."""
     if args.pair:
         from .zoo import DRAFTERS, PAIR_DIR
 
@@ -24,8 +32,22 @@ def resolve_generate_args(args, parser) -> None:
     if args.mode != "int4" and not args.drafter:
         parser.error("--drafter is required unless --mode int4 (or --pair for the bundled pair)")
     args.tokenizer = args.tokenizer or args.verifier
+    for flag in ("verifier", "drafter", "tokenizer"):
+        if missing_local_path(getattr(args, flag)):
+            parser.error(f"--{flag} {getattr(args, flag)}: no such file or directory")
+    if args.prompt_file and not Path(args.prompt_file).is_file():
+        parser.error(f"--prompt-file {args.prompt_file}: no such file")
+    if not args.prompt_file and not args.prompt:
+        parser.error("--prompt is empty")
+    if args.mode in ("chunk", "window"):
+        try:
+            check_budget(args.budget, args.mode)
+        except ValueError as err:
+            parser.error(f"--budget: {err}")
     if args.device == "auto":
         args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}: CUDA is not available on this machine")
     if args.dtype == "auto":
         args.dtype = "bfloat16" if torch.device(args.device).type == "cuda" else "float32"
 

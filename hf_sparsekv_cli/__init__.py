@@ -28,6 +28,16 @@ class _Formatter(argparse.RawDescriptionHelpFormatter):
         return f"{text} (default: %(default)s)"
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
 def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     g = gen.add_argument_group("models (a path or Hub id each, or --pair)")
     g.add_argument("--pair", action="store_true",
@@ -38,21 +48,23 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     g.add_argument("--tokenizer", help="path or Hub id of the tokenizer (default: the verifier's)")
     s = gen.add_argument_group("speculative decoding")
     s.add_argument("--mode", default="chunk", choices=["chunk", "window", "int4", "full"], help="drafter cache")
-    s.add_argument("--budget", type=int, default=256, help="drafter KV budget (chunk/window)")
-    s.add_argument("--gamma", type=int, default=5, help="draft tokens per round")
+    s.add_argument("--budget", type=_positive_int, default=256, help="drafter KV budget (chunk/window)")
+    s.add_argument("--gamma", type=_positive_int, default=5, help="draft tokens per round")
     s.add_argument("--prompt", default="def fibonacci(n):")
     s.add_argument("--prompt-file", help="read the prompt from this file (instead of --prompt)")
-    s.add_argument("--max-new-tokens", type=int, default=128)
+    s.add_argument("--max-new-tokens", type=_positive_int, default=128)
     s.add_argument("--device", default="auto", help="'auto': cuda if available, else cpu")
-    s.add_argument("--dtype", default="auto", help="'auto': bfloat16 on cuda, float32 on cpu")
+    s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
+                   help="'auto': bfloat16 on cuda, float32 on cpu")
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The full parser; ``train-drafter``'s options are added (importing the training code) only if ``argv`` names it."""
     parser = argparse.ArgumentParser(prog="hf-sparsekv", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
+    parser.commands = {}  # name -> its sub-parser, whose error() names the command's usage
     for name, text in COMMANDS.items():
-        command = sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
+        command = parser.commands[name] = sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
         if name == "generate":
             _add_generate_arguments(command)
         elif name == "train-drafter" and _names_command(argv, name):
@@ -74,7 +86,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from hf_sparsekv.cli import resolve_generate_args
 
-        resolve_generate_args(args, parser)
+        resolve_generate_args(args, parser.commands["generate"])
+    elif args.command == "train-drafter":
+        from hf_sparsekv.training.run import check_arguments
+
+        check_arguments(args, parser.commands["train-drafter"])
     from hf_sparsekv import cli
 
     return {"generate": cli.cmd_generate, "demo": cli.cmd_demo, "train-drafter": cli.cmd_train_drafter}[args.command](args)

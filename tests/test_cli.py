@@ -44,6 +44,29 @@ def test_generate_needs_a_verifier(capsys):
     assert "--verifier is required (or --pair" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--budget", "4"], "--budget: kv_budget must be >= the chunk size"),
+        (["--mode", "window", "--budget", "4"], "sink tokens"),
+        (["--gamma", "0"], "expected a positive integer, got 0"),
+        (["--max-new-tokens", "x"], "expected a positive integer, got 'x'"),
+        (["--dtype", "foo"], "invalid choice: 'foo'"),
+        (["--prompt-file", "/no/such/prompt.txt"], "no such file"),
+        (["--prompt", ""], "--prompt is empty"),
+        (["--verifier", "/no/such/model"], "--verifier /no/such/model: no such file or directory"),
+    ],
+)
+def test_generate_refuses_bad_arguments_before_loading_anything(extra, message, capsys, monkeypatch):
+    import hf_sparsekv.cli
+
+    monkeypatch.setattr(hf_sparsekv.cli, "_load", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        hf_sparsekv_cli.main(["generate", "--pair", *extra])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in err and "usage: hf-sparsekv generate" in err
+
+
 @pytest.mark.parametrize("how", ["pair", "paths"])
 def test_generate_runs_the_bundled_pair_and_prints_no_cpu_speedup(how, capsys):
     if how == "pair":
@@ -69,3 +92,13 @@ def test_demo_on_cpu_prints_acceptance_and_tau_not_speedup(monkeypatch, capsys):
     assert out.count("identical to greedy AR: True | acceptance") == 2
     assert "speedup" not in out.replace("no speedup printed on CPU", "")
     assert "speed is measured on the GPU" in out
+
+
+def test_generate_on_a_missing_cuda_device_is_refused(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit):
+        hf_sparsekv_cli.main(["generate", "--pair", "--device", "cuda"])
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err

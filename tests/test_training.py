@@ -425,6 +425,24 @@ def test_cli_trains_saves_resumes_and_writes_the_card(pair_dirs, tmp_path):
     assert _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "4", "--resume-from", "latest", "--no-eval") == 0
     state = json.loads((out / "checkpoint-4" / "trainer_state.json").read_text())
     assert state["step"] == 4 and state["config"]["budgets"] == [16, 32]
+    with pytest.raises(SystemExit):  # a fresh run would overwrite its checkpoints and append to its metrics
+        _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "1", "--no-eval")
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == len(events) + 1  # the resumed step 4 only
+
+
+def test_cli_takes_the_tokenizer_from_its_own_folder_and_refuses_bad_settings_before_loading(pair_dirs, tmp_path,
+                                                                                               capsys):
+    verifier_dir, drafter_dir, data = pair_dirs
+    bare, tokenizer_dir = tmp_path / "bare-verifier", tmp_path / "tokenizer"
+    tiny_model("llama").save_pretrained(bare)  # no tokenizer files, as in the bundled pair
+    _char_tokenizer().save_pretrained(tokenizer_dir)
+    out = tmp_path / "run"
+    assert _cli(bare, drafter_dir, data, out, "--tokenizer", str(tokenizer_dir), "--max-steps", "1", "--no-eval") == 0
+    assert (out / "checkpoint-1").is_dir()
+    for extra, message in ((("--budgets", "4"), "budgets"), (("--tokenizer", "/no/such/dir"), "no such file")):
+        with pytest.raises(SystemExit) as exit_info:
+            _cli(verifier_dir, drafter_dir, data, tmp_path / "other", "--max-steps", "1", *extra)
+        assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_cli_without_eval_data_says_there_is_no_held_out_data(pair_dirs, tmp_path, capsys):

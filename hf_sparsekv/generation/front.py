@@ -111,7 +111,7 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
     )
 
 
-def _check_budget(kv_budget, draft_cache) -> None:
+def check_budget(kv_budget, draft_cache) -> None:
     """``kv_budget``: a positive integer, at least one chunk for ``'chunk'`` (the default), more than the sink
     tokens for ``'window'``."""
     if kv_budget is None:
@@ -314,7 +314,7 @@ def speculative_generate(
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
     than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
     the static path, else row by row (:mod:`.batch_rows`); either way each row is what its prompt alone gives."""
-    _check_budget(kv_budget, draft_cache)
+    check_budget(kv_budget, draft_cache)
     for name, value in (
         ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
         ("negative_prompt_ids", negative_prompt_ids),

@@ -20,7 +20,8 @@ PAPER = TrainingConfig()
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models and data")
-    g.add_argument("--verifier", required=True, help="path or Hub id of the frozen verifier (its tokenizer is used)")
+    g.add_argument("--verifier", required=True, help="path or Hub id of the frozen verifier")
+    g.add_argument("--tokenizer", help="path or Hub id of the shared tokenizer (default: the verifier's)")
     g.add_argument("--drafter", required=True, help="path or Hub id of the drafter to train (same vocabulary)")
     g.add_argument("--data", required=True,
                    help="'python-source', a datasets Hub id (streamed, e.g. pg19) or local .txt/.jsonl/.json/.parquet files or a folder")
@@ -84,6 +85,26 @@ def config_from_args(args) -> TrainingConfig:
     )
 
 
+def check_arguments(args, parser: argparse.ArgumentParser) -> None:
+    """Refuse, through ``parser.error`` and before any model loads: a configuration :class:`TrainingConfig` rejects,
+    a missing local model path, and an ``--output`` that already holds a run unless ``--resume-from`` continues it
+    (a fresh run there would overwrite its checkpoints and append to its metrics)."""
+    from ..cli import missing_local_path
+    from .checkpoint import latest_checkpoint
+
+    try:
+        config_from_args(args)
+    except ValueError as err:
+        parser.error(str(err))
+    for flag in ("verifier", "drafter", "tokenizer"):
+        if missing_local_path(getattr(args, flag)):
+            parser.error(f"--{flag} {getattr(args, flag)}: no such file or directory")
+    output = Path(args.output)
+    if not args.resume_from and (latest_checkpoint(output) is not None or (output / "metrics.jsonl").exists()):
+        parser.error(f"--output {output} already holds a training run: pass --resume-from latest to continue it, "
+                     "or choose another --output")
+
+
 def _eval_split(args) -> str:
     if args.eval_split:
         return args.eval_split
@@ -104,7 +125,7 @@ def run(args) -> int:
     config = config_from_args(args)
     accelerator = Accelerator()
     say = accelerator.print
-    tokenizer = AutoTokenizer.from_pretrained(args.verifier)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.verifier)
     verifier = AutoModelForCausalLM.from_pretrained(args.verifier, dtype=getattr(torch, args.verifier_dtype))
     drafter = AutoModelForCausalLM.from_pretrained(args.drafter, dtype=getattr(torch, args.drafter_dtype))
     trainer = BudgetDraftTrainer(verifier, drafter, config, accelerator=accelerator, tokenizer=tokenizer)
