@@ -225,3 +225,16 @@ def test_self_chunk_refusal_does_not_point_to_the_sparsekv_attention():
     with pytest.raises(NotImplementedError, match="separate assistant_model") as caught:
         model.generate(prompt(40, seed=3), assistant_model=model, kv_budget=16, max_new_tokens=2, do_sample=False)
     assert "attn_implementation='sparsekv'" not in str(caught.value)
+
+
+def test_chunked_prefill_is_refused_rather_than_left_uncompressed():
+    """With ``prefill_chunk_size`` the cache would select from the first piece and keep every later one."""
+    model = copy.deepcopy(tiny_model("llama"))
+    cache = ChunkBudgetCache(16)
+    with pytest.raises(NotImplementedError, match="prefill_chunk_size=16"):
+        model.generate(prompt(40, seed=3), past_key_values=cache, max_new_tokens=2, do_sample=False,
+                       prefill_chunk_size=16)
+    model.generation_config.prefill_chunk_size = 24
+    with pytest.raises(NotImplementedError, match="prefill_chunk_size=24"):
+        model.generate(prompt(40, seed=3), past_key_values=ChunkBudgetCache(16), max_new_tokens=2, do_sample=False)
+    assert cache.get_seq_length() == 0  # refused before any forward

@@ -160,7 +160,9 @@ class ChunkBudgetCache(CompressedCache):
     Memory: O(budget + tokens generated) per layer, independent of the prompt length. Works under the model's own
     attention implementation: ``generate(ids, past_key_values=ChunkBudgetCache(B))`` takes the prompt's queries
     through hooks (:mod:`.query_hooks`); a direct forward call needs ``with hf_sparsekv.prompt_queries(model):``
-    around the prefill, or ``attn_implementation="sparsekv"``.
+    around the prefill, or ``attn_implementation="sparsekv"``. The prompt must arrive in one forward: the selection
+    runs on the first update, and later pieces of a prompt are appended whole (``generate()`` refuses
+    ``prefill_chunk_size`` with this cache).
     """
 
     needs_prompt_queries = True  # see query_hooks.needs_prompt_queries

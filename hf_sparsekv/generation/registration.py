@@ -56,6 +56,14 @@ def register() -> bool:
                                    if getattr(c, name, None) is not None), None)
         if all(value is None for value in ours.values()):
             if query_hooks.needs_prompt_queries(user_cache(kwargs)):
+                chunked = kwargs.get("prefill_chunk_size") or next(
+                    (c.prefill_chunk_size for c in (config, getattr(self, "generation_config", None))
+                     if getattr(c, "prefill_chunk_size", None)), None)
+                if chunked:  # the cache would select from the first piece only and keep every later one
+                    raise NotImplementedError(
+                        f"prefill_chunk_size={chunked}: a cache that selects from the prompt's queries needs the "
+                        "whole prompt in one prefill forward; drop prefill_chunk_size"
+                    )
                 with query_hooks.prompt_queries(self):  # e.g. ChunkBudgetCache under eager/SDPA/flash attention
                     return original(self, *args, **kwargs)
             return original(self, *args, **kwargs)
