@@ -114,6 +114,8 @@ class HierarchicalQuantLayer(CompressedLayer):
         return torch.cat([qk, self.keys], dim=-2), torch.cat([qv, self.values], dim=-2)
 
     def crop(self, tokens_to_remove: int) -> None:
+        """Remove the newest tokens of the full-precision buffer. Exact back to the length at the last flush; a
+        flush that an update being removed ran is not undone (its tokens stay quantized)."""
         n = self._tokens_to_remove(tokens_to_remove)
         if n == 0:
             return
