@@ -470,7 +470,8 @@ def test_no_cache_keyword_deprecation_warnings(spec):
 
 
 def test_token_id_options_in_any_integer_form_like_stock():
-    """``eos_token_id`` as a NumPy integer or a 0-d tensor, and int32 input ids, give stock's int64 output."""
+    """``eos_token_id`` as a NumPy integer or a 0-d tensor (and ``kv_budget`` as a NumPy integer), and int32 input
+    ids, give stock's int64 output."""
     import numpy as np
 
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
@@ -481,7 +482,7 @@ def test_token_id_options_in_any_integer_form_like_stock():
     assert stock.shape[1] < free.shape[1]
     for form in (np.int64(eos), torch.tensor(eos), torch.tensor([eos])):
         ours = verifier.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=form, assistant_model=drafter,
-                                 kv_budget=16)
+                                 kv_budget=np.int64(16))
         assert torch.equal(ours, stock)
     ours = verifier.generate(ids.int(), max_new_tokens=12, do_sample=False, eos_token_id=eos, assistant_model=drafter,
                              kv_budget=16)

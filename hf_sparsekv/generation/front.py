@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -116,7 +117,7 @@ def check_budget(kv_budget, draft_cache) -> None:
     tokens for ``'window'``."""
     if kv_budget is None:
         return
-    if not isinstance(kv_budget, int) or isinstance(kv_budget, bool) or kv_budget < 1:
+    if not isinstance(kv_budget, numbers.Integral) or isinstance(kv_budget, bool) or kv_budget < 1:
         raise ValueError(f"kv_budget must be a positive integer, got {kv_budget!r}")
     if draft_cache in (None, "chunk") and kv_budget < CHUNK_SIZE:
         raise ValueError(f"kv_budget must be >= the chunk size ({CHUNK_SIZE}) with draft_cache='chunk', got {kv_budget}")
@@ -315,6 +316,7 @@ def speculative_generate(
     than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
     the static path, else row by row (:mod:`.batch_rows`); either way each row is what its prompt alone gives."""
     check_budget(kv_budget, draft_cache)
+    kv_budget = None if kv_budget is None else int(kv_budget)  # a NumPy integer from a sweep, say
     for name, value in (
         ("prefix_allowed_tokens_fn", prefix_allowed_tokens_fn),
         ("negative_prompt_ids", negative_prompt_ids),
