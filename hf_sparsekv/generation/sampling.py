@@ -2,8 +2,9 @@
 token from exactly the distribution stock sampling ``generate()`` draws it from.
 
 Both models' logits go through the same processors stock ``generate()`` builds from the generation config
-(temperature, top-k, top-p, min-p, repetition penalty, min-length EOS masking, the user's ``logits_processor``;
-see :func:`stock_processors`) and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
+(temperature, top-k, top-p, min-p, typical-p, epsilon/eta cutoffs, min-length EOS masking, the user's
+``logits_processor``; see :func:`stock_processors`; the options ``front`` refuses, such as ``repetition_penalty``,
+never get here) and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
 ``x_1..x_k`` from ``q``; draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
 rejection the token is drawn from ``norm(max(0, p_i - q_i))`` and the round ends; if every draft is accepted a
 bonus token is drawn from ``p_{k+1}`` (:func:`accept_or_resample`). Each emitted token is then distributed as
@@ -69,11 +70,14 @@ def device_warpers(processors: LogitsProcessorList) -> tuple[list, str | None]:
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:
-    """One index per row of ``probs [..., V]`` (rows need not be normalized), drawn with probability proportional to
-    its entry: the argmax of ``probs / E`` with ``E`` i.i.d. Exp(1) (the smallest of independent exponential clocks
-    of rates ``probs``). A zero entry is never drawn. Returns ``[...]`` int64; no host sync."""
-    clocks = -torch.log(torch.rand_like(probs, dtype=torch.float32))  # u in [0, 1): clocks in (0, inf]
-    return (probs.float() / clocks).argmax(-1)
+    """One index per row of ``probs [..., V]`` (rows need not be normalized, at least one entry positive), drawn with
+    probability proportional to its entry: the argmax of ``probs / E`` with ``E`` i.i.d. Exp(1) (the smallest of
+    independent exponential clocks of rates ``probs``). The clocks come from float64 uniforms: with float32 ones the
+    smallest clock is 2^-24, so entries below ~6e-8 of the largest could never win and a vocabulary's tail lost its
+    mass. A zero entry is never drawn, even where a clock is infinite. Returns ``[...]`` int64; no host sync."""
+    clocks = -torch.log(torch.rand_like(probs, dtype=torch.float64))  # u in [0, 1): clocks in (0, inf]
+    ratios = probs.double() / clocks
+    return torch.where(probs > 0, ratios, -1.0).argmax(-1)
 
 
 def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
