@@ -13,9 +13,13 @@ from .compare import SPEED_ON_CPU, compare, report
 from .generation.front import check_budget
 
 
-def missing_local_path(name: str | None) -> bool:
-    """True for a path written as one (``/``, ``./``, ``../``, ``~``) that does not exist: not a Hub id either."""
-    return bool(name) and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists()
+def refuse_missing_model_paths(args, parser) -> None:
+    """``parser.error`` for ``--verifier``/``--drafter``/``--tokenizer`` written as a local path (``/``, ``./``,
+    ``../``, ``~``) that does not exist (so not a Hub id either)."""
+    for flag in ("verifier", "drafter", "tokenizer"):
+        name = getattr(args, flag)
+        if name and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
+            parser.error(f"--{flag} {name}: no such file or directory")
 
 
 def resolve_generate_args(args, parser) -> None:
@@ -32,9 +36,7 @@ def resolve_generate_args(args, parser) -> None:
     if args.mode != "int4" and not args.drafter:
         parser.error("--drafter is required unless --mode int4 (or --pair for the bundled pair)")
     args.tokenizer = args.tokenizer or args.verifier
-    for flag in ("verifier", "drafter", "tokenizer"):
-        if missing_local_path(getattr(args, flag)):
-            parser.error(f"--{flag} {getattr(args, flag)}: no such file or directory")
+    refuse_missing_model_paths(args, parser)
     if args.prompt_file and not Path(args.prompt_file).is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
     if not args.prompt_file and not args.prompt:

@@ -89,16 +89,14 @@ def check_arguments(args, parser: argparse.ArgumentParser) -> None:
     """Refuse, through ``parser.error`` and before any model loads: a configuration :class:`TrainingConfig` rejects,
     a missing local model path, and an ``--output`` that already holds a run unless ``--resume-from`` continues it
     (a fresh run there would overwrite its checkpoints and append to its metrics)."""
-    from ..cli import missing_local_path
+    from ..cli import refuse_missing_model_paths
     from .checkpoint import latest_checkpoint
 
     try:
         config_from_args(args)
     except ValueError as err:
         parser.error(str(err))
-    for flag in ("verifier", "drafter", "tokenizer"):
-        if missing_local_path(getattr(args, flag)):
-            parser.error(f"--{flag} {getattr(args, flag)}: no such file or directory")
+    refuse_missing_model_paths(args, parser)
     output = Path(args.output)
     if not args.resume_from and (latest_checkpoint(output) is not None or (output / "metrics.jsonl").exists()):
         parser.error(f"--output {output} already holds a training run: pass --resume-from latest to continue it, "
