@@ -257,11 +257,30 @@ def test_reset_empties_every_cache():
         (lambda: HierarchicalQuantCache(group_size=12), "group_size"),
         (lambda: HierarchicalQuantCache(group_size=0), "group_size"),
         (lambda: HierarchicalQuantCache(view="int2"), "view"),
+        (lambda: ChunkBudgetCache(64, chunk_size=True), "chunk_size"),
+        (lambda: SinkWindowCache(window=64, max_rollback=True), "max_rollback"),
+        (lambda: HierarchicalQuantCache(group_size=16.0), "group_size"),
     ],
 )
 def test_bad_arguments_raise_value_error(factory, match):
     with pytest.raises(ValueError, match=match):
         factory()
+
+
+def test_numpy_integer_settings_work_as_python_ints():
+    """Settings taken from a NumPy sweep (np.int64) build the same caches as Python ints, and store Python ints."""
+    np = pytest.importorskip("numpy")
+    model = _with_sparsekv(tiny_model("llama"))
+    ids = prompt(70, seed=3)
+    for numpy_made, plain in [
+        (ChunkBudgetCache(np.int64(32), chunk_size=np.int32(8), score_window=np.int64(16)), ChunkBudgetCache(32, 8, score_window=16)),
+        (SinkWindowCache(sink=np.int64(4), window=np.int64(24), max_rollback=np.int64(3)), SinkWindowCache(4, 24, 3)),
+        (HierarchicalQuantCache(group_size=np.int64(16)), HierarchicalQuantCache(16)),
+    ]:
+        out_numpy = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=numpy_made)
+        out_plain = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=plain)
+        assert torch.equal(out_numpy, out_plain)
+        assert all(type(v) is int for k, v in vars(numpy_made).items() if k in ("budget", "chunk_size", "sink", "window", "max_rollback", "group_size"))
 
 
 @pytest.mark.parametrize("make_cache", [lambda: ChunkBudgetCache(16), lambda: SinkWindowCache(), lambda: HierarchicalQuantCache(16)])

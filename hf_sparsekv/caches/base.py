@@ -2,10 +2,17 @@
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from . import kernel_hook
+
+
+def is_integer(value) -> bool:
+    """An integer setting: a Python or NumPy integer (a swept value), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def tensor_nbytes(*tensors: torch.Tensor | None) -> int:

@@ -19,7 +19,7 @@ import functools
 
 import torch
 
-from .base import CompressedCache, CompressedLayer, tensor_nbytes
+from .base import CompressedCache, CompressedLayer, is_integer, tensor_nbytes
 from . import scoring_hook
 
 
@@ -168,12 +168,14 @@ class ChunkBudgetCache(CompressedCache):
     needs_prompt_queries = True  # see query_hooks.needs_prompt_queries
 
     def __init__(self, budget: int, chunk_size: int = 8, per_kv_head: bool = False, score_window: int | None = None):
-        if not isinstance(chunk_size, int) or chunk_size <= 0:
+        if not is_integer(chunk_size) or chunk_size <= 0:
             raise ValueError(f"chunk_size must be a positive integer, got {chunk_size!r}")
-        if not isinstance(budget, int) or budget < chunk_size:
+        if not is_integer(budget) or budget < chunk_size:
             raise ValueError(f"budget must be an integer >= chunk_size ({chunk_size}), got {budget!r}")
-        if score_window is not None and (not isinstance(score_window, int) or score_window <= 0):
+        if score_window is not None and (not is_integer(score_window) or score_window <= 0):
             raise ValueError(f"score_window must be a positive integer or None, got {score_window!r}")
+        budget, chunk_size = int(budget), int(chunk_size)
+        score_window = None if score_window is None else int(score_window)
         self.budget, self.chunk_size = budget, chunk_size
         layer = functools.partial(ChunkBudgetLayer, budget, chunk_size, per_kv_head, score_window)
         super().__init__(layer_class_to_replicate=layer)

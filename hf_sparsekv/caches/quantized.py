@@ -31,7 +31,7 @@ import torch
 from ..kernels import runtime
 from ..kernels.quant_reference import QuantizedTensor, dequantize_keys, dequantize_values
 from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
-from .base import CompressedCache, CompressedLayer, tensor_nbytes
+from .base import CompressedCache, CompressedLayer, is_integer, tensor_nbytes
 
 VIEWS = ("int4", "int8")
 DEFAULT_GROUP_SIZE = 128
@@ -147,9 +147,9 @@ class HierarchicalQuantCache(CompressedCache):
     """
 
     def __init__(self, group_size: int = DEFAULT_GROUP_SIZE, view: str = "int8"):
-        if not isinstance(group_size, int) or group_size <= 0 or group_size % 8:
+        if not is_integer(group_size) or group_size <= 0 or group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8, got {group_size!r}")
-        self.group_size = group_size
+        self.group_size = group_size = int(group_size)
         self.view = "int8"
         self.set_view(view)
         super().__init__(layer_class_to_replicate=functools.partial(HierarchicalQuantLayer, group_size, self))

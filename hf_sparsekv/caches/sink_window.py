@@ -12,7 +12,7 @@ import functools
 
 import torch
 
-from .base import CompressedCache, CompressedLayer, tensor_nbytes
+from .base import CompressedCache, CompressedLayer, is_integer, tensor_nbytes
 
 
 class SinkWindowLayer(CompressedLayer):
@@ -96,11 +96,12 @@ class SinkWindowCache(CompressedCache):
     """
 
     def __init__(self, sink: int = 4, window: int = 1024, max_rollback: int = 16):
-        if not isinstance(sink, int) or sink < 0:
+        if not is_integer(sink) or sink < 0:
             raise ValueError(f"sink must be a non-negative integer, got {sink!r}")
-        if not isinstance(window, int) or window < 1:
+        if not is_integer(window) or window < 1:
             raise ValueError(f"window must be an integer >= 1, got {window!r}")
-        if not isinstance(max_rollback, int) or max_rollback < 0:
+        if not is_integer(max_rollback) or max_rollback < 0:
             raise ValueError(f"max_rollback must be a non-negative integer, got {max_rollback!r}")
+        sink, window, max_rollback = int(sink), int(window), int(max_rollback)
         self.sink, self.window, self.max_rollback = sink, window, max_rollback
         super().__init__(layer_class_to_replicate=functools.partial(SinkWindowLayer, sink, window, max_rollback))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +19,7 @@ from transformers.generation.utils import GenerateDecoderOnlyOutput
 from .. import attention
 from ..cache_keyword import output_field, pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
+from ..caches.base import is_integer
 from . import batch_rows, graph_loop
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .sampling import device_warpers, speculative_sample, stock_processors
@@ -117,7 +117,7 @@ def check_budget(kv_budget, draft_cache) -> None:
     tokens for ``'window'``."""
     if kv_budget is None:
         return
-    if not isinstance(kv_budget, numbers.Integral) or isinstance(kv_budget, bool) or kv_budget < 1:
+    if not is_integer(kv_budget) or kv_budget < 1:
         raise ValueError(f"kv_budget must be a positive integer, got {kv_budget!r}")
     if draft_cache in (None, "chunk") and kv_budget < CHUNK_SIZE:
         raise ValueError(f"kv_budget must be >= the chunk size ({CHUNK_SIZE}) with draft_cache='chunk', got {kv_budget}")
@@ -375,8 +375,9 @@ def speculative_generate(
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
                                       f"{_refuse_source(name, value, kwargs, generation_config, model)}")
     gamma = config.num_assistant_tokens if gamma_given else DEFAULT_GAMMA
-    if not isinstance(gamma, int) or gamma < 1:
+    if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
+    gamma = int(gamma)
     shared_vocab = _check_models(model, assistant_model, tokenizer)
     if batch > 1:
         batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
