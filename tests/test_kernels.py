@@ -380,6 +380,25 @@ def test_quant_config_override(tmp_path):
     assert proc.stdout.split() == ["vec", "64"], proc.stderr[-2000:]
 
 
+@pytest.mark.parametrize("tokens,kv_heads,min_tokens,expected", [
+    (3968, 2, 1024, 64),  # the bundled verifier at 4K: 62 programs of one block (6 of 1024 tokens without the fill)
+    (16256, 8, 1024, 256),  # Llama-3 at 16K: 4 programs per SM of 256 tokens
+    (65408, 8, 1024, 1024),  # Llama-3 at 64K: the minimum already gives 4 programs per SM
+    (130944, 8, 1024, 1088),  # 128K: longer than the minimum (per_sm caps the count), no fill involved
+    (100, 2, 1024, 128),  # less than two blocks: one split covers them
+])
+def test_split_tokens_fill_the_gpu_before_honouring_the_minimum(monkeypatch, tokens, kv_heads, min_tokens, expected):
+    """Splits keep ``min_tokens`` while that leaves at least ``fill_per_sm`` programs per SM; below, they shrink (to
+    one block at the least) until the GPU holds that many, and never exceed the ``per_sm`` count."""
+    from hf_sparsekv.kernels import decode_core
+
+    monkeypatch.setattr(decode_core, "_sm_count", lambda device: 132)
+    split = decode_core._split_tokens(tokens, kv_heads, 64, None, min_tokens, per_sm=16, fill_per_sm=4)
+    assert split == expected and split % 64 == 0
+    unfilled = decode_core._split_tokens(tokens, kv_heads, 64, None, min_tokens, per_sm=16)
+    assert unfilled >= split  # the fill only ever shortens splits
+
+
 def _f32(qt):
     if qt is None:
         return None

@@ -46,10 +46,14 @@ LOG2E = 1.4426950408889634
 #   when the query rows per KV head (group x L) are at most ``vec_max_rows`` (<= 4), else "dot";
 # * qblock: tokens per block (the largest of these dividing the group size); num_warps; num_stages (pipelining);
 # * programs_per_sm: the split count aims at this many programs per SM; min_split (register path) and
-#   dot_min_split (tensor-core path): no split has fewer tokens. Longer splits pay on the tensor-core path, whose
-#   programs start with more work (query tile, scales): Llama-3 64K INT4 / INT8 0.089 / 0.117 ms at 512 tokens,
-#   0.079 / 0.103 ms at 1024, while the register path was 3 % slower at 1024 (H100 sweep of 2026-11-25,
-#   benchmarks/results/kernels-quant-h100-2026-11-25/splits/);
+#   dot_min_split (tensor-core path): no split has fewer tokens, unless that would leave fewer than ``fill_per_sm``
+#   programs per SM (short context, few KV heads): then splits shrink, down to one block, until the GPU holds that
+#   many. Longer splits pay on the tensor-core path, whose programs start with more work (query tile, scales):
+#   Llama-3 64K INT4 / INT8 0.089 / 0.117 ms at 512 tokens, 0.079 / 0.103 ms at 1024, while the register path was
+#   3 % slower at 1024 (H100 sweep of 2026-11-25, benchmarks/results/kernels-quant-h100-2026-11-25/splits/). Without
+#   the fill, 1024-token splits left most SMs idle below 64K: the bundled verifier (2 KV heads) at 4K ran 6 programs
+#   on 132 SMs (61 µs per call against 10 µs with the fill; Llama-3 at 16K 61 -> 28 µs; 128K unchanged;
+#   benchmarks/results/kernels-quant-h100-2026-11-25b/);
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
 # * asm_codes ("dot", compiled kernels): codes become float16/bfloat16 operands by inline PTX, four bytes per call
@@ -68,7 +72,7 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
-    trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
+    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
@@ -139,14 +143,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _split_tokens(
-    tokens: int, programs_per_split: int, block: int, device: torch.device, min_tokens: int, per_sm: int = 4
+    tokens: int, programs_per_split: int, block: int, device: torch.device, min_tokens: int, per_sm: int = 4,
+    fill_per_sm: int = 0,
 ) -> int:
     """Tokens per split (a multiple of ``block``) so that about ``per_sm`` programs per SM run, none with fewer than
-    ``min_tokens`` tokens."""
+    ``min_tokens`` tokens unless that leaves fewer than ``fill_per_sm`` programs per SM (then splits get shorter, down
+    to one block, to reach it)."""
     if tokens <= 0:
         return block
-    want = max(1, math.ceil(per_sm * _sm_count(device) / programs_per_split))
-    splits = max(1, min(want, tokens // min_tokens))
+    sms = _sm_count(device)
+    want = max(1, math.ceil(per_sm * sms / programs_per_split))
+    enough = tokens // min_tokens
+    if fill_per_sm:
+        enough = max(enough, min(math.ceil(fill_per_sm * sms / programs_per_split), tokens // block))
+    splits = max(1, min(want, enough))
     per = math.ceil(tokens / splits)
     return math.ceil(per / block) * block
 
@@ -226,7 +236,7 @@ def launch_decode(
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
         if q_min_split is None:
             q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
-        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"])
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"], qcfg["fill_per_sm"])
         n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
         ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
         vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
