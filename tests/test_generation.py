@@ -562,3 +562,21 @@ def test_num_assistant_tokens_on_the_model_config_sets_gamma():
     out = verifier.generate(ids, **kw)
     assert out.spec_stats.rounds < out.spec_stats.drafted <= 2 * out.spec_stats.rounds  # γ = 2
     assert torch.equal(out.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
+
+
+def test_num_assistant_tokens_on_the_assistant_config_sets_gamma():
+    """Stock assisted generation reads γ from ``assistant_model.generation_config``; so do we, below the call's and
+    the model's own setting. A non-constant schedule there is refused, not silently run as constant."""
+    verifier = tiny_model("llama")
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter"))
+    ids = prompt(30, 7)
+    kw = dict(assistant_model=drafter, kv_budget=16, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    drafter.generation_config.num_assistant_tokens = 1
+    one = verifier.generate(ids, **kw)
+    assert one.spec_stats.rounds - 2 <= one.spec_stats.drafted <= one.spec_stats.rounds  # γ = 1 (the last rounds draft less)
+    assert torch.equal(one.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
+    three = verifier.generate(ids, num_assistant_tokens=3, **kw).spec_stats  # the call's setting wins
+    assert three.rounds < three.drafted <= 3 * three.rounds
+    drafter.generation_config.num_assistant_tokens_schedule = "heuristic"
+    with pytest.raises(NotImplementedError, match="assistant_model.generation_config"):
+        verifier.generate(ids, **kw)

@@ -263,6 +263,22 @@ def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> 
     return f"{name}={value!r} comes from the model's generation config (model.generation_config.{name})"
 
 
+def _assistant_gamma(assistant_model, model) -> int:
+    """γ when the call and the model's generation config leave it unset: the assistant's own
+    ``generation_config.num_assistant_tokens`` where its owner set it (where stock assisted generation reads it), else
+    :data:`DEFAULT_GAMMA`. A non-constant schedule there is refused, as on the model's config."""
+    config = getattr(assistant_model, "generation_config", None)
+    if assistant_model is None or assistant_model is model or config is None:
+        return DEFAULT_GAMMA
+    diff = config.to_diff_dict()
+    if _UNSUPPORTED_OPTIONS["num_assistant_tokens_schedule"](diff.get("num_assistant_tokens_schedule")):
+        raise NotImplementedError(
+            f"num_assistant_tokens_schedule={diff['num_assistant_tokens_schedule']!r} comes from the assistant's "
+            "generation config (assistant_model.generation_config); kv_budget/draft_cache keep γ constant: set it "
+            "to 'constant' or pass num_assistant_tokens=...")
+    return diff.get("num_assistant_tokens", DEFAULT_GAMMA)
+
+
 def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Tensor):
     """The call's ``GenerationConfig`` exactly as stock ``generate()`` builds it: the user's config or kwargs over the
     model's ``generation_config`` over the library defaults, then ``max_length``/``min_length`` made absolute (the
@@ -374,7 +390,7 @@ def speculative_generate(
         if is_active(value):
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
                                       f"{_refuse_source(name, value, kwargs, generation_config, model)}")
-    gamma = config.num_assistant_tokens if gamma_given else DEFAULT_GAMMA
+    gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
     if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
     gamma = int(gamma)
