@@ -368,6 +368,7 @@ def test_stop_strings_with_tokenizer_like_stock():
         (dict(dola_layers="low"), NotImplementedError, "dola_layers"),
         (dict(token_healing=True), NotImplementedError, "token_healing"),
         (dict(num_assistant_tokens_schedule="heuristic"), NotImplementedError, "num_assistant_tokens_schedule"),
+        (dict(prefill_chunk_size=8), NotImplementedError, "prefill_chunk_size"),
         (dict(attention_mask="short"), ValueError, "attention_mask has shape"),
         (dict(draft_cache="window", kv_budget=4), ValueError, "sink"),
         (dict(draft_cache="rollback-1", kv_budget=None, num_assistant_tokens=4), ValueError, "max_rollback >= 3"),

@@ -54,6 +54,7 @@ _UNSUPPORTED_OPTIONS = {
     "dola_layers": lambda v: v is not None,
     "token_healing": lambda v: bool(v),
     "num_assistant_tokens_schedule": lambda v: v not in (None, "constant"),  # γ stays num_assistant_tokens
+    "prefill_chunk_size": lambda v: v is not None,  # the prompt is prefilled in one forward (peak memory as such)
 }
 
 
