@@ -86,7 +86,7 @@ def compile_for(fn, call, arch: int):
 
     _, args, kwargs = call
     kwargs = dict(kwargs)
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
     signature, constexprs, attrs = {}, {}, {}
     values = list(args) + [kwargs[n] for n in fn.arg_names[len(args):]]
     for i, (param, value) in enumerate(zip(fn.params, values)):

@@ -279,12 +279,13 @@ def launch_decode(
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
-        num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"],
+        num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
     if not final:
         combine_kernel[(hkv, rows)](
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
             GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
+            **runtime.LAUNCH_OPTIONS,
         )
     return out.unsqueeze(0)
 

@@ -74,7 +74,7 @@ def quantize_keys(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
         tk.quantize_keys_kernel[(h, t // group_size, d // 2 // block_c)](
             keys, keys.stride(1), keys.stride(2), upper, lower, upper.stride(1), upper.stride(2),
             scale, zero, scale.stride(1), scale.stride(2), group_size,
-            BLOCK_G=block_g, BLOCK_C=block_c, **_type_args(keys.dtype), num_warps=4,
+            BLOCK_G=block_g, BLOCK_C=block_c, **_type_args(keys.dtype), num_warps=4, **runtime.LAUNCH_OPTIONS,
         )
     return QuantizedTensor(upper, lower, scale, zero)
 
@@ -94,7 +94,7 @@ def quantize_values(values: torch.Tensor) -> QuantizedTensor:
         tk.quantize_values_kernel[(h, -(-t // block_t))](
             values, values.stride(1), values.stride(2), upper, lower, upper.stride(1), upper.stride(2),
             scale, zero, scale.stride(1), scale.stride(2), t,
-            HALF=d // 2, BLOCK_T=block_t, **_type_args(values.dtype), num_warps=4,
+            HALF=d // 2, BLOCK_T=block_t, **_type_args(values.dtype), num_warps=4, **runtime.LAUNCH_OPTIONS,
         )
     return QuantizedTensor(upper, lower, scale, zero)
 

@@ -19,6 +19,10 @@ import torch
 
 _override: contextvars.ContextVar[bool | None] = contextvars.ContextVar("_override", default=None)
 
+# Launch options every kernel of the package passes: multiply-add contraction on, as the kernels were tuned and
+# timed with it (Triton up to 3.9 defaults to it and warns that 3.10 will not).
+LAUNCH_OPTIONS = dict(enable_fp_fusion=True)
+
 
 @functools.lru_cache(maxsize=None)
 def triton_available() -> bool:

@@ -102,7 +102,7 @@ def verify_attention(
         scaling * LOG2E, length,
         GROUP=group, HEAD_DIM=d, BLOCK_M=_block_m(group * length), BLOCK_N=max(16, triton_next_pow2(length)),
         HAS_PREFIX=prefix > 0, HAS_MASK=spec_mask is not None, DOT_PREC=dot_prec, DOT_DTYPE=dot_dtype,
-        num_warps=4,
+        num_warps=4, **runtime.LAUNCH_OPTIONS,
     )
     return out.unsqueeze(0)
 
