@@ -268,7 +268,7 @@ def test_without_new_arguments_generate_is_stock():
         (dict(kv_budget=16, assistant_model="meta"), ValueError, "assistant_model is on"),
         (dict(kv_budget=16, assistant_model="drafter", batch=2, output_scores=True, return_dict_in_generate=True),
          NotImplementedError, "output_scores"),
-        (dict(kv_budget=16, assistant_model="drafter", repetition_penalty=1.3), NotImplementedError, "repetition_penalty"),
+        (dict(kv_budget=16, assistant_model="drafter", guidance_scale=1.5), NotImplementedError, "guidance_scale"),
         (dict(draft_cache="int4", assistant_model="self", kv_budget=64), ValueError, "kv_budget"),
         (dict(kv_budget=16, assistant_model="drafter", batch=2, past_key_values="empty"), NotImplementedError,
          "batch size 1 only"),
@@ -528,8 +528,8 @@ def test_kv_budget_on_a_generation_config_is_honoured():
 
 def test_an_unsupported_option_from_the_model_config_is_named_as_such():
     verifier = copy.deepcopy(tiny_model("llama"))
-    verifier.generation_config.repetition_penalty = 1.1
-    with pytest.raises(NotImplementedError, match=r"model\.generation_config\.repetition_penalty"):
+    verifier.generation_config.guidance_scale = 1.5
+    with pytest.raises(NotImplementedError, match=r"model\.generation_config\.guidance_scale"):
         verifier.generate(prompt(20, 0), assistant_model=tiny_model("llama", role="drafter"), kv_budget=16,
                           max_new_tokens=4, do_sample=False)
 

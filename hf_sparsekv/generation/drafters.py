@@ -2,8 +2,8 @@
 built from its own prefill, or the verifier's INT4 view.
 
 Every drafter has ``sharing_prefill(verifier, verifier_cache)`` (a context around the verifier's prefill),
-``prefill(prompt)`` (after it), ``propose(sequence, n)`` (greedy), ``propose_sampled(sequence, n, sample)``
-(speculative sampling, :mod:`.sampling`) and ``rollback(valid)``.
+``prefill(prompt)`` (after it), ``propose(sequence, n, sample)`` (greedy with ``sample`` None or a greedy rule over
+processed scores, speculative sampling with a sampler: :mod:`.sampling`) and ``rollback(valid)``.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def forward(model, tokens: torch.Tensor, cache: Cache, start: int, logits_to_kee
 
 def _next_draft(sample, sequence: torch.Tensor, drafts: list[int], logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
     """The draft after ``sequence [1, N]`` + ``drafts`` from ``logits [1, V']``: the argmax (``sample`` None), or
-    ``sample(prefix, logits) -> (token, probabilities [V])``."""
+    ``sample(prefix, logits) -> (token, probabilities [V] or None)``."""
     if sample is None:
         return int(logits[0].argmax()), None
     return sample(torch.cat([sequence, sequence.new_tensor([drafts])], dim=1), logits)
@@ -71,13 +71,10 @@ class ModelDrafter:
             forward(self.model, self._inputs(prompt), self.cache, 0, 1)
         self.fed = prompt.shape[1]
 
-    def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
-        """Greedy drafts continuing ``sequence [1, N]``; the cache ends up holding N + n - 1 tokens."""
-        return self.propose_sampled(sequence, n, None)[0]
-
-    def propose_sampled(self, sequence: torch.Tensor, n: int, sample) -> tuple[list[int], list[torch.Tensor]]:
+    def propose(self, sequence: torch.Tensor, n: int, sample=None) -> tuple[list[int], list[torch.Tensor]]:
         """Drafts continuing ``sequence [1, N]`` chosen by ``sample(prefix [1, N + i], logits [1, V']) -> (token,
-        probabilities [V])`` (None: greedy, no probabilities); returns the drafts and their probabilities."""
+        probabilities [V] or None)`` (None: the argmax); returns the drafts and the probabilities ``sample`` gave.
+        The cache ends up holding N + n - 1 tokens."""
         drafts: list[int] = []
         probs: list[torch.Tensor] = []
         tokens = self._inputs(sequence[:, self.fed :])
@@ -163,11 +160,8 @@ class SelfDrafter:
     def prefill(self, prompt: torch.Tensor) -> None:
         pass
 
-    def propose(self, sequence: torch.Tensor, n: int) -> list[int]:
-        return self.propose_sampled(sequence, n, None)[0]
-
-    def propose_sampled(self, sequence: torch.Tensor, n: int, sample) -> tuple[list[int], list[torch.Tensor]]:
-        """As :meth:`ModelDrafter.propose_sampled`, on the INT4 view."""
+    def propose(self, sequence: torch.Tensor, n: int, sample=None) -> tuple[list[int], list[torch.Tensor]]:
+        """As :meth:`ModelDrafter.propose`, on the INT4 view."""
         start = sequence.shape[1] - 1
         drafts: list[int] = []
         probs: list[torch.Tensor] = []

@@ -8,7 +8,6 @@ import torch
 from transformers import GenerationConfig
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 from transformers.generation import (
-    LogitNormalization,
     LogitsProcessorList,
     MaxTimeCriteria,
     StoppingCriteriaList,
@@ -32,19 +31,10 @@ WINDOW_SINK = 4
 DEFAULT_WINDOW_BUDGET = 1024
 CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 
-# Generation options that add logits processors stock greedy would apply; not supported here (yet).
+# Generation options this path does not serve (the logits processors stock builds from the rest of the config,
+# repetition penalty, n-gram and bad-word bans included, are applied: sampling.stock_processors).
 _UNSUPPORTED_OPTIONS = {
-    "repetition_penalty": lambda v: v is not None and v != 1.0,
-    "encoder_repetition_penalty": lambda v: v is not None and v != 1.0,
-    "no_repeat_ngram_size": lambda v: bool(v),
-    "bad_words_ids": lambda v: bool(v),
-    "suppress_tokens": lambda v: bool(v),
-    "begin_suppress_tokens": lambda v: bool(v),
-    "forced_bos_token_id": lambda v: v is not None,
-    "forced_eos_token_id": lambda v: v is not None,
-    "sequence_bias": lambda v: bool(v),
-    "exponential_decay_length_penalty": lambda v: v is not None,
-    "guidance_scale": lambda v: v is not None and v != 1.0,
+    "guidance_scale": lambda v: v is not None and v != 1.0,  # runs the model a second time, unconditionally
     "watermarking_config": lambda v: v is not None,
     "prompt_lookup_num_tokens": lambda v: v is not None,
     "assistant_early_exit": lambda v: v is not None,
@@ -86,15 +76,15 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
 
 def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_criteria, logits_processor,
                tokenizer) -> tuple[torch.Tensor, GreedyRules]:
-    """The unpadded prompt ``[1, P]`` (on the model's device) of one row ``input_ids [1, L]`` and the stopping rules
-    stock ``generate()`` applies to it alone (``max_length``/``min_length`` count its own left padding, as stock
-    does)."""
+    """The unpadded prompt ``[1, P]`` (on the model's device) of one row ``input_ids [1, L]`` and the rules stock
+    ``generate()`` applies to it alone (``max_length``/``min_length`` count its own left padding, as stock does):
+    stopping rules and, greedy, the logits processors (sampling builds its own, warpers included)."""
     prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
     eos_ids = batch_rows.token_ids(config.eos_token_id)
     pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
-    processors = LogitsProcessorList(logits_processor or [])
-    if config.renormalize_logits and not config.do_sample:  # sampling: stock_processors adds it
-        processors.append(LogitNormalization())  # last, as stock: scores become log-probabilities
+    min_length, max_length = max((config.min_length or 0) - pad, 0), config.max_length - pad
+    processors = LogitsProcessorList() if config.do_sample else stock_processors(
+        model, config, prompt, logits_processor, min_length, max_length)
     criteria = StoppingCriteriaList(stopping_criteria or [])
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(config.max_time))
@@ -104,9 +94,9 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
         criteria.append(StopStringCriteria(tokenizer=tokenizer, stop_strings=config.stop_strings))
     return prompt, GreedyRules(
         prompt_length=prompt.shape[1],
-        max_length=config.max_length - pad,  # absolute (prompt included), as stock generate() sets it
+        max_length=max_length,  # absolute (prompt included), as stock generate() sets it
         eos_token_ids=eos_ids,
-        min_length=max((config.min_length or 0) - pad, 0),
+        min_length=min_length,
         min_new_tokens=config.min_new_tokens or 0,
         logits_processor=processors,
         stopping_criteria=criteria,
@@ -399,17 +389,20 @@ def speculative_generate(
     if batch > 1:
         batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
                                prefix_cache=past_key_values is not None, max_time=config.max_time)
-        static = None if config.do_sample else graph_loop.static_mode(
-            model, assistant_model, draft_cache, kv_budget, wants_outputs=False, logits_processor=logits_processor,
-            stopping_criteria=stopping_criteria, rules=None)
-        pad = batch_rows.pad_value(config)
-        if static is not None:
+        static = rows = None
+        if not config.do_sample:
             rows = [
                 _row_rules(model, config, input_ids[b : b + 1],
                            None if attention_mask is None else attention_mask[b : b + 1], stopping_criteria,
                            logits_processor, tokenizer)
                 for b in range(batch)
             ]
+            static = graph_loop.static_mode(
+                model, assistant_model, draft_cache, kv_budget, wants_outputs=False,
+                stopping_criteria=stopping_criteria,
+                processor_blocker=device_warpers(rows[0][1].logits_processor, sampling=False)[1])
+        pad = batch_rows.pad_value(config)
+        if static is not None:
             prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
             engine = graph_loop.engine_for(
                 model, assistant_model, *static, gamma, max(r.max_length for r in rules),
@@ -442,14 +435,15 @@ def speculative_generate(
         drafter.limit_vocabulary(shared_vocab, _text_config(assistant_model).vocab_size)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    processors = warpers = sampling_blocker = None
+    processors = warpers = None
     if config.do_sample:
-        processors = stock_processors(model, config, prompt, logits_processor, rules.min_length)
-        warpers, sampling_blocker = device_warpers(processors)
+        processors = stock_processors(model, config, prompt, logits_processor, rules.min_length, rules.max_length)
+        warpers, blocker = device_warpers(processors)
+    else:
+        blocker = device_warpers(rules.logits_processor, sampling=False)[1]
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
-        logits_processor=logits_processor, stopping_criteria=stopping_criteria, rules=rules,
-        prefix_cache=past_key_values is not None, sampling_blocker=sampling_blocker,
+        stopping_criteria=stopping_criteria, prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,

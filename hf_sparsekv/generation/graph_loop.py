@@ -519,11 +519,12 @@ def placed_on(model) -> set[str]:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                rules, prefix_cache: bool = False, sampling_blocker: str | None = None) -> tuple[str, int | None] | None:
+def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, stopping_criteria,
+                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
-    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``sampling_blocker``:
-    why do_sample's processors cannot run on the device (:func:`~.sampling.device_warpers`), if so."""
+    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``processor_blocker``:
+    the first of the call's logits processors the loop cannot apply on the device (:func:`~.sampling.device_warpers`),
+    if any."""
     from .front import DEFAULT_WINDOW_BUDGET, _text_config
     from .graph_steps import graphs_setting
 
@@ -536,8 +537,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
     reason = None
-    if sampling_blocker is not None:
-        reason = f"do_sample=True with a processor the static loop does not apply ({sampling_blocker})"
+    if processor_blocker is not None:
+        reason = f"{processor_blocker} needs the host at every token (the static loop does not apply it)"
     elif kind is None:
         reason = "a draft_cache instance was given"
     elif kind == "int4" and drafter is not model:
@@ -550,8 +551,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "a model is dispatched over several devices (device_map): the static caches live on one device"
     elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
         reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
-    elif logits_processor:
-        reason = "logits_processor needs the host at every token"
     elif stopping_criteria:
         reason = "stopping_criteria may read the scores of every token"
     elif wants_outputs:

@@ -2,9 +2,9 @@
 token from exactly the distribution stock sampling ``generate()`` draws it from.
 
 Both models' logits go through the same processors stock ``generate()`` builds from the generation config
-(temperature, top-k, top-p, min-p, typical-p, epsilon/eta cutoffs, min-length EOS masking, the user's
-``logits_processor``; see :func:`stock_processors`; the options ``front`` refuses, such as ``repetition_penalty``,
-never get here) and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
+(temperature, top-k, top-p, min-p, typical-p, epsilon/eta cutoffs, min-length EOS masking, repetition penalty, n-gram
+and bad-word bans, the user's ``logits_processor``, ...; see :func:`stock_processors`), each applied to the scores
+after the exact prefix they follow, and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
 ``x_1..x_k`` from ``q``; draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
 rejection the token is drawn from ``norm(max(0, p_i - q_i))`` and the round ends; if every draft is accepted a
 bonus token is drawn from ``p_{k+1}`` (:func:`accept_or_resample`). Each emitted token is then distributed as
@@ -22,6 +22,7 @@ import copy
 import torch
 from transformers.generation import (
     EpsilonLogitsWarper,
+    LogitNormalization,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
@@ -36,12 +37,14 @@ from .drafters import forward
 from .speculative import GreedyRules, Output, SpeculativeResult, prefill
 
 
-def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int) -> LogitsProcessorList:
-    """The processors and warpers stock ``generate()`` applies to the next-token logits of ``model`` under
-    ``config``, for the (unpadded) ``prompt [1, P]`` and absolute ``min_length`` (the same ``GenerationMixin``
-    helpers stock ``generate()`` calls, identical in transformers 5.17-5.24)."""
+def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int,
+                     max_length: int) -> LogitsProcessorList:
+    """The processors (and, with ``do_sample``, warpers) stock ``generate()`` applies to the next-token logits of
+    ``model`` under ``config``, for the (unpadded) ``prompt [1, P]`` with absolute ``min_length``/``max_length`` of
+    that unpadded sequence (the same ``GenerationMixin`` helpers stock ``generate()`` calls, identical in
+    transformers 5.17-5.24). Greedy: no warpers, as stock."""
     config = copy.deepcopy(config)
-    config.min_length = min_length
+    config.min_length, config.max_length = min_length, max_length  # forced EOS counts from the unpadded sequence
     model._prepare_special_tokens(config, True, device=prompt.device, batch_size=1)
     return model._get_logits_processor(
         generation_config=config, input_ids_seq_length=prompt.shape[1], encoder_input_ids=prompt,
@@ -56,14 +59,17 @@ DEVICE_WARPERS = (TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, M
 EOS_FLOOR_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProcessor)
 
 
-def device_warpers(processors: LogitsProcessorList) -> tuple[list, str | None]:
-    """``(warpers, None)`` when the static loop can apply ``processors`` itself: the :data:`DEVICE_WARPERS` among them,
-    in order (min-length EOS masking is the loop's EOS floor); else ``([], name)`` of the first one it cannot."""
+def device_warpers(processors: LogitsProcessorList, sampling: bool = True) -> tuple[list, str | None]:
+    """``(warpers, None)`` when the static loop can apply ``processors`` itself: with ``sampling``, the
+    :data:`DEVICE_WARPERS` among them, in order; greedy (``sampling=False``), none at all. Min-length EOS masking is
+    the loop's EOS floor, and ``LogitNormalization`` (a log-softmax: a shift per row) changes neither the argmax nor
+    any warper's result nor the softmax, so both are left to the loop. Else ``([], name)`` of the first processor it
+    cannot apply (sequence-dependent ones such as the repetition penalty need the host at every token)."""
     warpers = []
     for proc in processors:
-        if isinstance(proc, EOS_FLOOR_PROCESSORS):
+        if isinstance(proc, EOS_FLOOR_PROCESSORS) or type(proc) is LogitNormalization:
             continue
-        if type(proc) not in DEVICE_WARPERS:
+        if not sampling or type(proc) not in DEVICE_WARPERS:
             return [], type(proc).__name__
         warpers.append(proc)
     return warpers, None
@@ -109,7 +115,7 @@ def _probabilities(processors, sequence: torch.Tensor, logits: torch.Tensor, voc
     ``sequence [1, N]``; a narrower ``V'`` (a drafter limited to shared ids) is padded with -inf."""
     if logits.shape[-1] < vocab:
         logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
-    scores = processors(sequence, logits[:, :vocab])
+    scores = processors(sequence, logits[:, :vocab].clone())  # a processor may write into its input; raw stays
     return scores, torch.softmax(scores, dim=-1)[0]
 
 
@@ -136,7 +142,7 @@ def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, 
         q_rows: list[torch.Tensor] = []
         if n_draft > 0:
             with stats.timer("draft_seconds", device):
-                drafts, q_rows = drafter.propose_sampled(out.sequence, n_draft, draft_sampler)
+                drafts, q_rows = drafter.propose(out.sequence, n_draft, draft_sampler)
         with stats.timer("verify_seconds", device):
             block = torch.cat([out.sequence[:, -1:], out.sequence.new_tensor([drafts])], dim=1)
             raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]

@@ -34,8 +34,10 @@ class GreedyRules:
     def process(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores for the token after ``sequence [1, N]`` from raw ``logits [1, V]``."""
         n = sequence.shape[1]
-        if self.eos_token_ids and (n < self.min_length or n - self.prompt_length < self.min_new_tokens):
-            logits = logits.clone()
+        floor = self.eos_token_ids and (n < self.min_length or n - self.prompt_length < self.min_new_tokens)
+        if floor or self.logits_processor:
+            logits = logits.clone()  # a processor may write into its input; the raw logits stay as they are
+        if floor:
             logits[:, self.eos_token_ids] = float("-inf")
         if self.logits_processor:
             logits = self.logits_processor(sequence, logits)
@@ -124,6 +126,14 @@ def speculative_decode(
     raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
     scores = rules.process(out.sequence, raw)
     done = out.append(int(scores.argmax(-1)), raw, scores)
+    draft_rule = None
+    if rules.logits_processor:  # drafts go through the processors the verifier's choice goes through (acceptance)
+        vocab = raw.shape[-1]
+
+        def draft_rule(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, None]:
+            if logits.shape[-1] < vocab:  # a drafter limited to the shared ids
+                logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
+            return int(rules.process(prefix, logits[:, :vocab]).argmax(-1)), None
 
     while not done:
         n_seq = out.sequence.shape[1]
@@ -131,7 +141,7 @@ def speculative_decode(
         drafts: list[int] = []
         if n_draft > 0:
             with stats.timer("draft_seconds", device):
-                drafts = drafter.propose(out.sequence, n_draft)
+                drafts = drafter.propose(out.sequence, n_draft, draft_rule)[0]
         with stats.timer("verify_seconds", device):
             block = torch.cat([out.sequence[:, -1:], out.sequence.new_tensor([drafts])], dim=1)
             raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]

@@ -1,0 +1,177 @@
+"""Sequence-dependent logits processors (repetition penalty, n-gram and bad-word bans, forced and suppressed tokens,
+sequence bias, length penalty): greedy output and scores equal stock ``generate()``'s on every architecture and mode,
+and speculative sampling draws from the exact distribution stock sampling defines with them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    LogitsProcessorList,
+    NoRepeatNGramLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+)
+
+from hf_sparsekv import HierarchicalQuantCache
+from hf_sparsekv.generation import graph_loop
+
+from .conftest import ARCHS, prompt, tiny_model
+from .test_sampling import _consistent
+
+# Each set changes stock greedy's output on the prompts below (checked by the first test).
+OPTION_SETS = {
+    "repetition": dict(repetition_penalty=1.6),
+    "ngram": dict(no_repeat_ngram_size=2),
+    "bans": dict(bad_words_ids=[[41], [85, 18], [95, 54]], suppress_tokens=[48, 23, 81],
+                 begin_suppress_tokens=[44, 79, 58, 72, 19, 69]),
+    "bias-forced": dict(sequence_bias={(23,): 5.0, (85, 18): -9.0}, exponential_decay_length_penalty=(4, 1.6),
+                        forced_eos_token_id=2, forced_bos_token_id=15, eos_token_id=2),
+    "prompt-side": dict(encoder_repetition_penalty=0.5, encoder_no_repeat_ngram_size=2, remove_invalid_values=True),
+}
+MODES = ("chunk", "window", "full", "int4-self")
+GREEDY = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+
+
+def _spec(verifier, arch: str, mode: str, gamma: int) -> dict:
+    if mode == "int4-self":
+        return dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16),
+                    num_assistant_tokens=gamma)
+    spec = dict(assistant_model=tiny_model(arch, role="drafter"), draft_cache=mode, num_assistant_tokens=gamma)
+    if mode != "full":
+        spec["kv_budget"] = 16
+    return spec
+
+
+def _stock(verifier, ids, mode: str, **kwargs):
+    cache = dict(past_key_values=HierarchicalQuantCache(group_size=16)) if mode == "int4-self" else {}
+    return verifier.generate(ids, **cache, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_each_option_set_changes_stock_greedy(name):
+    verifier = tiny_model("llama")
+    changed = [not torch.equal(verifier.generate(ids, **GREEDY), verifier.generate(ids, **{**GREEDY, **OPTION_SETS[name]}))
+               for ids in (prompt(40, 1), prompt(9, 2))]
+    assert any(changed)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_with_processors_equals_stock(arch, name, mode):
+    verifier = tiny_model(arch)
+    for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
+        ids = prompt(length, seed + 10)
+        kwargs = {**GREEDY, "return_dict_in_generate": True, "output_scores": True, **OPTION_SETS[name]}
+        stock = _stock(verifier, ids, mode, **kwargs)
+        ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
+        assert torch.equal(ours.sequences, stock.sequences), (seed, length, gamma)
+        torch.testing.assert_close(torch.cat(ours.scores), torch.cat(stock.scores), rtol=1e-9, atol=1e-9)
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_the_static_loop_hands_processors_to_the_eager_loop(batch, monkeypatch):
+    """With the static (graph) loop forced on, a repetition penalty from the model's own generation config (as
+    Qwen2.5-Instruct ships one) still applies: each row is what stock greedy gives for its prompt alone."""
+    import copy
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    graph_loop.release_engines()
+    verifier = copy.deepcopy(tiny_model("qwen2"))
+    verifier.generation_config.repetition_penalty = 1.6
+    drafter = tiny_model("qwen2", role="drafter")
+    prompts = [prompt(n, 20 + n) for n in (30, 12, 21)[:batch]]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(batch, width, dtype=torch.long)
+    mask = torch.zeros(batch, width, dtype=torch.long)
+    for row, p in enumerate(prompts):
+        ids[row, width - p.shape[1]:], mask[row, width - p.shape[1]:] = p[0], 1
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **GREEDY)
+    assert graph_loop.current_engine(verifier) is None  # the eager loop ran
+    for row, p in enumerate(prompts):
+        want = verifier.generate(p, **GREEDY)[0, p.shape[1]:]
+        assert torch.equal(out[row, width:], want), row
+    plain = copy.deepcopy(tiny_model("qwen2"))
+    assert not torch.equal(plain.generate(prompts[0], **GREEDY), verifier.generate(prompts[0], **GREEDY))
+
+
+SAMPLING_VOCAB = 16
+SAMPLING = dict(repetition_penalty=1.8, no_repeat_ngram_size=2, temperature=0.8, top_k=6)
+
+
+def _tiny_sampler(layers: int, seed: int, width: int) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=SAMPLING_VOCAB, hidden_size=width, intermediate_size=2 * width,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                         max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3.0)
+    return model
+
+
+def _next_token_probs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Stock sampling's next-token distribution under SAMPLING, in float64 (stock processor order: penalty, n-gram
+    ban, then the warpers)."""
+    processors = LogitsProcessorList([
+        RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
+        NoRepeatNGramLogitsProcessor(SAMPLING["no_repeat_ngram_size"]),
+        TemperatureLogitsWarper(SAMPLING["temperature"]), TopKLogitsWarper(SAMPLING["top_k"]),
+    ])
+    with torch.no_grad():
+        logits = model(ids).logits[:, -1].double()
+    return torch.softmax(processors(ids, logits), -1)[0]
+
+
+def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypatch):
+    """The second token's distribution depends on the first through both processors; 2,500 draws of the pair
+    against the exactly enumerated joint (chi-square and total variation, as tests/test_sampling.py)."""
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")  # the processors must send even a forced static loop to the host
+    graph_loop.release_engines()
+    verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
+    ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
+    first = _next_token_probs(verifier, ids)
+    joint = torch.stack([first[a] * _next_token_probs(verifier, torch.cat([ids, torch.tensor([[a]])], 1))
+                         for a in range(SAMPLING_VOCAB)]).flatten()
+    torch.manual_seed(321)
+    samples = []
+    for _ in range(2500):
+        out = verifier.generate(ids, do_sample=True, max_new_tokens=2, min_new_tokens=2, eos_token_id=None,
+                                assistant_model=drafter, kv_budget=8, num_assistant_tokens=3,
+                                **SAMPLING)
+        samples.append(int(out[0, -2]) * SAMPLING_VOCAB + int(out[0, -1]))
+    samples = torch.tensor(samples)
+    assert graph_loop.current_engine(verifier) is None
+    assert _consistent(samples, joint)
+    counts = torch.bincount(samples, minlength=SAMPLING_VOCAB**2).double() / samples.numel()
+    assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 36 cells
+    # the processors matter here: without them the joint is far from this one
+    plain = torch.softmax(verifier(ids).logits[0, -1].double() / SAMPLING["temperature"], -1)
+    assert float(0.5 * (plain - first).abs().sum()) > 0.1
+
+
+@pytest.mark.parametrize("mode", ["full", "int4-self"])
+def test_drafts_follow_the_processors(mode):
+    """A drafter identical to the verifier on a full cache has every draft accepted only if its drafts go through the
+    same sequence-dependent processors (raw argmax drafts are rejected where the penalty changes the choice); the
+    int4 view drafts through them too."""
+    import copy
+
+    verifier = tiny_model("llama")
+    ids = prompt(40, 1)
+    kwargs = {**GREEDY, **OPTION_SETS["repetition"], "return_dict_in_generate": True, "num_assistant_tokens": 4}
+    if mode == "full":
+        spec = dict(assistant_model=copy.deepcopy(verifier), draft_cache="full")
+    else:
+        spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16))
+    out = verifier.generate(ids, **spec, **kwargs)
+    assert torch.equal(out.sequences, _stock(verifier, ids, mode, **kwargs).sequences)
+    if mode == "full":
+        assert out.spec_stats.drafted > 0 and out.spec_stats.acceptance_rate == 1.0
+    else:  # the INT4 view mostly agrees with the INT8 one once both apply the penalty
+        assert out.spec_stats.acceptance_rate > 0.5
