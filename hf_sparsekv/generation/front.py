@@ -399,7 +399,7 @@ def speculative_generate(
             ]
             static = graph_loop.static_mode(
                 model, assistant_model, draft_cache, kv_budget, wants_outputs=False,
-                stopping_criteria=stopping_criteria,
+                logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 processor_blocker=device_warpers(rows[0][1].logits_processor, sampling=False)[1])
         pad = batch_rows.pad_value(config)
         if static is not None:
@@ -443,7 +443,8 @@ def speculative_generate(
         blocker = device_warpers(rules.logits_processor, sampling=False)[1]
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
-        stopping_criteria=stopping_criteria, prefix_cache=past_key_values is not None, processor_blocker=blocker,
+        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,

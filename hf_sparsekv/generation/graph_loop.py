@@ -519,12 +519,12 @@ def placed_on(model) -> set[str]:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, stopping_criteria,
+def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
                 prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple[str, int | None] | None:
     """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
-    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``processor_blocker``:
-    the first of the call's logits processors the loop cannot apply on the device (:func:`~.sampling.device_warpers`),
-    if any."""
+    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``logits_processor``:
+    the user's (always the eager loop); ``processor_blocker``: the first of the processors built from the generation
+    config that the loop cannot apply on the device (:func:`~.sampling.device_warpers`), if any."""
     from .front import DEFAULT_WINDOW_BUDGET, _text_config
     from .graph_steps import graphs_setting
 
@@ -553,6 +553,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif stopping_criteria:
         reason = "stopping_criteria may read the scores of every token"
+    elif logits_processor:
+        reason = "logits_processor needs the host at every token"
     elif wants_outputs:
         reason = "output_scores/output_logits keep every token's scores"
     if reason is not None:

@@ -34,7 +34,7 @@ from transformers.generation import (
 )
 
 from .drafters import forward
-from .speculative import GreedyRules, Output, SpeculativeResult, prefill
+from .speculative import GreedyRules, Output, SpeculativeResult, prefill, widened
 
 
 def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int,
@@ -113,9 +113,7 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -
 def _probabilities(processors, sequence: torch.Tensor, logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Processed scores ``[1, vocab]`` and probabilities ``[vocab]`` of float32 ``logits [1, V']`` after
     ``sequence [1, N]``; a narrower ``V'`` (a drafter limited to shared ids) is padded with -inf."""
-    if logits.shape[-1] < vocab:
-        logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
-    scores = processors(sequence, logits[:, :vocab].clone())  # a processor may write into its input; raw stays
+    scores = processors(sequence, widened(logits, vocab).clone())  # a processor may write into its input; raw stays
     return scores, torch.softmax(scores, dim=-1)[0]
 
 

@@ -98,6 +98,14 @@ class Output:
         return SpeculativeResult(self.sequence, self.stats, self.scores, self.logits)
 
 
+def widened(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``logits [1, V']`` of a drafter as ``[1, vocab]``: a narrower drafter (limited to the shared ids) padded with
+    -inf, a wider one cut."""
+    if logits.shape[-1] < vocab:
+        logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
+    return logits[:, :vocab]
+
+
 def prefill(verifier, verifier_cache: Cache, drafter, prompt: torch.Tensor, stats: SpecStats) -> torch.Tensor:
     """Feed the prompt to the verifier (only what ``verifier_cache`` lacks: prompt caching) and the drafter; the
     verifier's float32 logits ``[1, V]`` after the prompt."""
@@ -131,9 +139,7 @@ def speculative_decode(
         vocab = raw.shape[-1]
 
         def draft_rule(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, None]:
-            if logits.shape[-1] < vocab:  # a drafter limited to the shared ids
-                logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
-            return int(rules.process(prefix, logits[:, :vocab]).argmax(-1)), None
+            return int(rules.process(prefix, widened(logits, vocab)).argmax(-1)), None
 
     while not done:
         n_seq = out.sequence.shape[1]
