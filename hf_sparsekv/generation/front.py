@@ -35,7 +35,7 @@ CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 # repetition penalty, n-gram and bad-word bans included, are applied: sampling.stock_processors).
 _UNSUPPORTED_OPTIONS = {
     "guidance_scale": lambda v: v is not None and v != 1.0,  # runs the model a second time, unconditionally
-    "watermarking_config": lambda v: v is not None,
+    "watermarking_config": lambda v: v is not None,  # SynthID keeps state across calls; verification repeats them
     "prompt_lookup_num_tokens": lambda v: v is not None,
     "assistant_early_exit": lambda v: v is not None,
     "output_attentions": lambda v: bool(v),
