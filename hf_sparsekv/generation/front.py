@@ -78,13 +78,13 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
                tokenizer) -> tuple[torch.Tensor, GreedyRules]:
     """The unpadded prompt ``[1, P]`` (on the model's device) of one row ``input_ids [1, L]`` and the rules stock
     ``generate()`` applies to it alone (``max_length``/``min_length`` count its own left padding, as stock does):
-    stopping rules and, greedy, the logits processors (sampling builds its own, warpers included)."""
+    stopping rules and the logits processors (with ``do_sample``, warpers included: the sampling loop applies them,
+    :meth:`GreedyRules.process` serves greedy only)."""
     prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
     eos_ids = batch_rows.token_ids(config.eos_token_id)
     pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
     min_length, max_length = max((config.min_length or 0) - pad, 0), config.max_length - pad
-    processors = LogitsProcessorList() if config.do_sample else stock_processors(
-        model, config, prompt, logits_processor, min_length, max_length)
+    processors = stock_processors(model, config, prompt, logits_processor, min_length, max_length)
     criteria = StoppingCriteriaList(stopping_criteria or [])
     if config.max_time is not None:
         criteria.append(MaxTimeCriteria(config.max_time))
@@ -435,12 +435,7 @@ def speculative_generate(
         drafter.limit_vocabulary(shared_vocab, _text_config(assistant_model).vocab_size)
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    processors = warpers = None
-    if config.do_sample:
-        processors = stock_processors(model, config, prompt, logits_processor, rules.min_length, rules.max_length)
-        warpers, blocker = device_warpers(processors)
-    else:
-        blocker = device_warpers(rules.logits_processor, sampling=False)[1]
+    warpers, blocker = device_warpers(rules.logits_processor, sampling=config.do_sample)
     static = graph_loop.static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
@@ -449,7 +444,7 @@ def speculative_generate(
     if static is not None:
         engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,
                                        rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
-                                       warpers=warpers)
+                                       warpers=warpers if config.do_sample else None)
         result = graph_loop.static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:
@@ -457,8 +452,8 @@ def speculative_generate(
         try:
             with torch.no_grad():
                 if config.do_sample:
-                    result = speculative_sample(model, verifier_cache, drafter, prompt, gamma, rules, processors,
-                                                streamer)
+                    result = speculative_sample(model, verifier_cache, drafter, prompt, gamma, rules,
+                                                rules.logits_processor, streamer)
                 else:
                     result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
         finally:

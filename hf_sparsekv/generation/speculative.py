@@ -21,7 +21,9 @@ from .stats import SpecStats
 
 @dataclass
 class GreedyRules:
-    """What greedy ``generate()`` would do to logits and when it stops (batch size 1)."""
+    """What ``generate()`` would do to logits and when it stops (batch size 1). ``logits_processor``: stock's
+    processors for the call (with sampling, its warpers too; the sampling loop applies them itself), which
+    :meth:`process` applies for greedy decoding."""
 
     prompt_length: int
     max_length: int
