@@ -530,3 +530,90 @@ def test_a_model_dispatched_over_several_devices_runs_the_eager_loop(static_path
     verifier.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=12, do_sample=False)
     assert torch.equal(out, reference) and graph_loop.current_engine(verifier) is None  # spread: the eager loop
+
+
+def _post_grad_recorder(graphs: list):
+    """A torch.compile backend that traces like Inductor (AOT autograd with Inductor's decompositions, input mutations
+    kept in the graph) and runs Inductor's post-grad passes, reinplacing included, then runs that graph eagerly; each
+    graph is appended to ``graphs``. What it records is what Inductor generates kernels from."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._guards import detect_fake_mode
+    from torch._inductor.decomposition import select_decomp_table
+    from torch._inductor.fx_passes.post_grad import post_grad_passes
+    from torch._inductor.virtualized import V
+
+    def inference(gm, example_inputs):
+        with V.set_fake_mode(detect_fake_mode(example_inputs)):
+            post_grad_passes(gm, is_inference=True)
+        graphs.append(gm.graph)
+        return gm
+
+    return aot_autograd(fw_compiler=inference, decompositions=select_decomp_table(), keep_inference_input_mutations=True)
+
+
+_IN_PLACE = ("index_put_", "_unsafe_index_put_", "_inplace_generalized_scatter")
+_VIEWS = ("view", "_unsafe_view", "slice", "select", "unsqueeze", "expand", "permute", "transpose", "t", "as_strided",
+          "alias", "squeeze")
+
+
+def _op_name(node) -> str:
+    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
+
+
+def _written_base(node):
+    """The tensor an in-place op (chain) writes into: ``index_put_(index_put_(x, ...), ...)`` -> ``x``."""
+    while node.op == "call_function" and _op_name(node) in _IN_PLACE:
+        node = node.args[0]
+    return node
+
+
+def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
+    """Nodes of a post-grad ``graph`` that produce a new tensor shaped like one of the preallocated buffers (a copy of
+    the buffer, or an out-of-place write into it), or copy such a tensor back into a graph input. A ``copy_`` of an
+    input into itself (the epilogue after in-place writes; Inductor lowers it to nothing) is not one."""
+    found = []
+    for node in graph.nodes:
+        value = node.meta.get("val")
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or tuple(value.shape) not in buffer_shapes:
+            continue
+        name = _op_name(node)
+        if name == "copy_" and _written_base(node.args[1]) is node.args[0]:
+            continue
+        if name not in _IN_PLACE + _VIEWS:
+            found.append(f"{node.target}{tuple(value.shape)}")
+    return found
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("mode,batch,warpers,steps", [
+    ("full", 1, False, ("ar_step", "verify")), ("chunk", 2, False, ("draft", "catch_up")),
+    ("window", 1, True, ("draft", "verify")), ("int4", 1, False, ("draft", "verify")),
+])
+def test_compiled_steps_write_caches_in_place(static_path, monkeypatch, mode, batch, warpers, steps):
+    """No compiled step copies a preallocated buffer: a step's write of its tokens into the key/value buffers, the
+    slot positions, the token sequence and the draft probabilities stays in place after Inductor's passes (a
+    ``scatter_`` on the buffers compiled to a whole-buffer copy per layer and token). The post-grad graph is what
+    Inductor generates its kernels from, so a buffer-shaped result there is a buffer-sized kernel on the GPU."""
+    from hf_sparsekv.generation import graph_steps
+
+    graphs = []
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", _post_grad_recorder(graphs))
+    verifier = tiny_model("llama", layers=1)
+    drafter = verifier if mode == "int4" else tiny_model("llama", role="drafter")
+    sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8)] if warpers else None
+    engine = graph_loop.engine_for(verifier, drafter, mode, 32 if mode == "int4" else 16, 2, 300, 40, use_graphs=False,
+                                   warpers=sampling, batch=batch)
+    assert engine.compiled
+    with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+        engine.prefill([prompt(90 - 7 * row, seed=row) for row in range(batch)])
+        for name in steps:
+            engine.run_step(name)
+    caches = {id(c): c for c in (engine.verifier_cache, engine.drafter_cache)}.values()
+    shapes = {tuple(t.shape) for c in caches for layer in c.layers for t in (layer.keys, layer.values)}
+    shapes |= {tuple(c.slot_positions.shape) for c in caches} | {tuple(engine.seq.shape)}
+    if warpers:
+        shapes.add(tuple(engine.q.shape))
+    assert len(graphs) == len(steps)
+    for graph in graphs:
+        assert _buffer_copies(graph, shapes) == []

@@ -133,6 +133,7 @@ class PreallocatedCache(Cache):
         super().__init__(layers=layers)
         self.slot_positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
         self.fp_length = torch.zeros(batch, dtype=torch.int32, device=device)
+        self.rows = torch.arange(batch, device=device)[:, None]  # [B, 1]: the row index of a step's writes
         self.positions: torch.Tensor | None = None  # the current step's positions [B, L]
         self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
@@ -154,7 +155,7 @@ class PreallocatedCache(Cache):
         self.prefilling = False
         self.positions = positions
         self.slots = self.slots_of(positions)
-        self.slot_positions.scatter_(1, self.slots, positions)
+        self.slot_positions[self.rows, self.slots] = positions
         # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
         ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.capacity)
         if self.live is not None:  # a finished row reads only as many slots as it has queries
@@ -189,9 +190,10 @@ class PreallocatedCache(Cache):
             return key_states, value_states
         if self.slots is None or tuple(key_states.shape[::2]) != tuple(self.slots.shape):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
-        index = self.slots[:, None, :, None].expand(-1, key_states.shape[1], -1, key_states.shape[-1])
-        layer.keys.scatter_(2, index, key_states)
-        layer.values.scatter_(2, index, value_states)
+        # An indexed assignment (index_put_), not scatter_: Inductor turns the functionalized index_put back into the
+        # in-place write, whereas a scatter_ on a graph input compiles to a copy of the whole buffer every step.
+        layer.keys[self.rows, :, self.slots] = key_states.transpose(1, 2)
+        layer.values[self.rows, :, self.slots] = value_states.transpose(1, 2)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

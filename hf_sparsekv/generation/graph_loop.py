@@ -149,6 +149,7 @@ class StaticEngine:
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
         self.report = torch.zeros(rows, gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ] per row: what the host reads
         self._block_offsets = torch.arange(gamma + 1, device=device)
+        self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
@@ -206,7 +207,7 @@ class StaticEngine:
                 token.copy_(logits.argmax(-1)[:, None])
             else:
                 q = self._probabilities(logits[:, None], self.n + i)[:, 0]
-                self.q[:, i].copy_(q)
+                self.q.index_copy_(1, self._block_offsets[i : i + 1], q[:, None])  # in place once compiled
                 token.copy_(draw(q)[:, None])
         if quant:
             self.drafter_cache.view = "int8"
@@ -247,7 +248,8 @@ class StaticEngine:
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Write ``tokens [B, L]`` at ``seq[b, n[b]..]``, move the live rows' ``n`` past ``accepted + 1`` of them and
         leave ``[a, tokens]`` in the report."""
-        self.seq.scatter_(1, self.n[:, None] + self._block_offsets[: tokens.shape[1]], tokens)
+        # an indexed assignment, which the compiler keeps in place (a scatter_ compiles to a copy of all of seq)
+        self.seq[self._rows, self.n[:, None] + self._block_offsets[: tokens.shape[1]]] = tokens
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
