@@ -538,7 +538,7 @@ def decode_split_kernel(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn, T_Q,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
-    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
+    scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
     SP, stride_spb, QP, stride_qpb, SINK, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
@@ -551,6 +551,8 @@ def decode_split_kernel(
     if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
         row = kvh // ROW_HEADS  # batch row (a batch is laid out as ROW_HEADS KV heads per row)
         S_FP = tl.load(S_PTR + row)
+        # the N_FSPLITS programs of the segment share the row's current length (not the capacity) equally
+        FSPLIT_TOKENS = tl.cdiv(tl.cdiv(S_FP, N_FSPLITS), BLOCK_N) * BLOCK_N
         if HAS_QUANT:
             T_Q = tl.load(T_PTR + row)
         if BY_POSITION:  # this row's slot positions [S] and query positions [L]

@@ -75,7 +75,27 @@ QUANT_CONFIG = dict(
     fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
-FP_CONFIG = dict(num_warps=4, num_stages=3, programs_per_sm=4)
+# The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
+# stages; ``programs_per_sm``: the split count aims at this many programs per SM, with no split shorter than
+# ``min_split`` tokens of the capacity. With lengths on the device the split count is fixed at launch (from the
+# capacity) and each program takes an equal share of the row's *current* length, computed in the kernel, so the GPU
+# stays busy when a captured launch reads a length far below the capacity it was sized for.
+FP_CONFIG = dict(block_n=None, num_warps=4, num_stages=3, programs_per_sm=4, min_split=256)
+
+
+@contextlib.contextmanager
+def fp_config(**settings):
+    """``with fp_config(block_n=64, num_warps=8):`` launches the full-precision segment with these settings."""
+    unknown = set(settings) - set(FP_CONFIG)
+    if unknown:
+        raise ValueError(f"unknown full-precision launch settings {sorted(unknown)}; known: {sorted(FP_CONFIG)}")
+    saved = dict(FP_CONFIG)
+    FP_CONFIG.update(settings)
+    try:
+        yield FP_CONFIG
+    finally:
+        FP_CONFIG.clear()
+        FP_CONFIG.update(saved)
 
 
 def _validated(cfg: dict) -> dict:
@@ -185,7 +205,7 @@ def launch_decode(
     quant: tuple | None = None,
     group_size: int = 0,
     int8: bool = False,
-    fp_min_split: int = 256,
+    fp_min_split: int | None = None,
     q_min_split: int | None = None,
     fp_length: torch.Tensor | None = None,
     quant_length: torch.Tensor | None = None,
@@ -225,8 +245,9 @@ def launch_decode(
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
-    block_n = 64 if d <= 64 else 32
-    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split, FP_CONFIG["programs_per_sm"])
+    block_n = FP_CONFIG["block_n"] or (64 if d <= 64 else 32)
+    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or FP_CONFIG["min_split"],
+                           FP_CONFIG["programs_per_sm"])
     qcfg = QUANT_CONFIG
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
@@ -271,7 +292,7 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
+        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),

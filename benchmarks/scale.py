@@ -1,0 +1,385 @@
+"""The engine at real model shapes (random weights of the real shapes, bf16, one CUDA GPU): every method's cost per
+token against its bandwidth floor, 16K-128K, one run, methods interleaved per (pair, context, batch).
+
+Pairs: Llama-3.1-8B verifier + Llama-3.2-1B drafter; Qwen2.5-7B + Qwen2.5-0.5B (published config shapes, random
+weights: only costs are measured here, never acceptance). Per (pair, context L, batch B):
+
+* end to end, per generated token, as the difference of a long and a short run from the same prompt (so the
+  prefill cancels): ``hf-eager-ar`` (``generate()``, dynamic cache), ``hf-static-ar`` (``generate()`` on a
+  ``StaticCache``: transformers compiles its decode step), ``graph-ar`` (``hf_sparsekv.graph_greedy_generate``: our
+  captured AR);
+* step costs of the static engine (captured CUDA graphs, compiled as ``generate()`` does unless ``--compile 0``): ``ar``
+  (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
+  drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store);
+* the floor of each: the bytes the step must read once (weights, plus the keys/values it attends to: the full
+  context, the budget, or the INT4/INT8 codes) over the device-to-device copy rate measured in the same run;
+* peak memory of each (``max_memory_allocated`` after a reset, the models included);
+* break-even τ* = (γ·t_draft + t_verify) / t_AR per speculative mode, and a PROJECTION (labelled, not measured):
+  speedup over our AR ≈ τ / τ*, over HF static AR ≈ τ·t_hf_static / (γ·t_draft + t_verify), with τ the real-weight
+  acceptance of the Qwen2.5-Coder pair measured on CPU (``benchmarks/results/real-cpu-fp32/results.json``, 4K/8K).
+
+Writes ``scale.json``, ``scale.md`` and ``scale.png`` (ms per token against context, one line per method, the AR
+floor drawn) under ``--out``. ``--profile L`` also writes a torch.profiler table of one captured AR step at L.
+
+    python benchmarks/scale.py --out runs/scale                       # the whole grid (CUDA, tens of minutes)
+    python benchmarks/scale.py --pairs llama-3.1-8b+3.2-1b --contexts 16384 --batches 1 --only ar verify-6
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from provenance import commit
+from real_cost import SHAPES, build, measured_acceptance, time_graph_step
+
+SHAPES = dict(SHAPES)
+SHAPES.update({
+    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6,
+                       tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=131072),
+})
+PAIRS = {"llama-3.1-8b+3.2-1b": ("llama-3.1-8b", "llama-3.2-1b"), "qwen2.5-7b+0.5b": ("qwen2.5-7b", "qwen2.5-0.5b")}
+E2E = ("hf-eager-ar", "hf-static-ar", "graph-ar")
+ACCEPTANCE = Path(__file__).parent / "results" / "real-cpu-fp32" / "results.json"
+
+
+def _install_shapes() -> None:
+    import real_cost
+
+    real_cost.SHAPES.update(SHAPES)
+
+
+def weight_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def kv_bytes(model, tokens: int, bits: int = 16) -> int:
+    """Keys + values of ``tokens`` tokens over all layers at ``bits`` per element (+ INT4/INT8 scales ignored)."""
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    return 2 * c.num_hidden_layers * c.num_key_value_heads * head_dim * tokens * bits // 8
+
+
+def _free():
+    from hf_sparsekv.generation import graph_loop
+
+    graph_loop.release_engines()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
+def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: int, repeats: int) -> tuple[float, int]:
+    """Seconds per decoded token of ``method`` (median over repeats of (t_long − t_short) / (long − short)) and its
+    peak memory."""
+    from transformers import StaticCache
+
+    import hf_sparsekv
+
+    def run(new):
+        if method == "graph-ar":
+            return hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=new, eos_token_id=[])
+        kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
+        if method == "hf-static-ar":  # one cache length for both runs: transformers compiles its step once
+            cache = StaticCache(config=verifier.config, max_cache_len=ids.shape[1] + long)
+            kwargs["past_key_values"] = cache
+        return verifier.generate(ids, **kwargs)
+
+    def clock(new):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = run(new)
+        torch.cuda.synchronize()
+        assert out.shape[1] == ids.shape[1] + new, (method, out.shape)
+        return time.perf_counter() - t0
+
+    _free()
+    clock(short)  # warm-up: compilation, capture
+    clock(long)
+    torch.cuda.reset_peak_memory_stats()
+    costs = []
+    for _ in range(repeats):
+        costs.append((clock(long) - clock(short)) / (long - short))
+    return statistics.median(costs), torch.cuda.max_memory_allocated()
+
+
+def step_costs(verifier, drafter, ids, args, only) -> dict[str, tuple[float, int]]:
+    """name -> (seconds per step, peak bytes) of the static engine's captured steps (draft rounds divided by γ)."""
+    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation.graph_steps import static_attention_for
+
+    g, L, out = args.gamma, ids.shape[1], {}
+    plan = [("ar", "ar", None, None, 1, ["ar_step"]), ("verify-4", "full", None, drafter, 3, ["verify"]),
+            ("verify-6", "full", None, drafter, g, ["draft", "verify"])]
+    plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
+    plan += [(f"window-{args.window}", "window", args.window, drafter, g, ["draft"]),
+             ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"])]
+    for label, mode, budget, draft_model, gamma, names in plan:
+        wanted = [n for n in names if _step_name(label, n) in only]
+        if not wanted:
+            continue
+        _free()
+        with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
+            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, gamma, L + 64, 64, True,
+                                           batch=ids.shape[0])
+            engine.prefill([ids[b : b + 1] for b in range(ids.shape[0])])
+            for name in wanted:
+                t = time_graph_step(engine, name, torch.device("cuda"), args.step_repeats, 2)
+                out[_step_name(label, name)] = (t / gamma if name == "draft" else t, torch.cuda.max_memory_allocated())
+    return out
+
+
+def _step_name(label: str, step: str) -> str:
+    if label == "ar":
+        return "ar"
+    if label == "int4":
+        return f"int4-{'draft' if step == 'draft' else 'verify'}"
+    if step == "verify":
+        return label
+    return "draft-full" if label == "verify-6" else f"draft-{label}"
+
+
+def floors(verifier, drafter, L: int, batch: int, args, bandwidth: float) -> dict[str, float]:
+    """Seconds each step must take at least: bytes read once / measured copy rate (bytes read + written)."""
+    wv, wd = weight_bytes(verifier), weight_bytes(drafter)
+    full = wv + batch * kv_bytes(verifier, L)
+    f = {"ar": full, "verify-4": full, "verify-6": full, "draft-full": wd + batch * kv_bytes(drafter, L),
+         "int4-draft": wv + batch * kv_bytes(verifier, L, 4), "int4-verify": wv + batch * kv_bytes(verifier, L, 8)}
+    for b in args.budgets:
+        f[f"draft-chunk-{b}"] = wd + batch * kv_bytes(drafter, b)
+    f[f"draft-window-{args.window}"] = wd + batch * kv_bytes(drafter, args.window)
+    f.update({m: full for m in E2E})
+    return {k: v / bandwidth for k, v in f.items()}
+
+
+def copy_rate() -> float:
+    """Device-to-device copy, bytes read + written per second (1 GiB, median of 10)."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(12):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * src.numel() / statistics.median(times[2:])
+
+
+def speculative_modes(seconds: dict, args) -> dict[str, tuple[str, str, int]]:
+    """mode -> (draft step, verify step, γ) for the modes measured."""
+    g, modes = args.gamma, {"full/full": ("draft-full", "verify-6", args.gamma)}
+    for b in args.budgets:
+        modes[f"sparse/full chunk {b}"] = (f"draft-chunk-{b}", "verify-6", g)
+    modes[f"window/full {args.window}"] = (f"draft-window-{args.window}", "verify-6", g)
+    modes["int4 self-spec"] = ("int4-draft", "int4-verify", g)
+    return {m: v for m, v in modes.items() if v[0] in seconds and v[1] in seconds}
+
+
+def _grid_method(mode: str) -> str:
+    if mode == "full/full":
+        return "full"
+    if mode == "int4 self-spec":
+        return "int4"
+    b = mode.rsplit(" ", 1)[1]
+    return f"chunk-{b}" if mode.startswith("sparse") else f"window4-{b}"
+
+
+def project(row: dict, args, measured: dict) -> list[dict]:
+    s, out = row["seconds"], []
+    if "ar" not in s:
+        return out
+    for mode, (draft, verify, g) in speculative_modes(s, args).items():
+        round_cost = g * s[draft] + s[verify]
+        entry = dict(mode=mode, break_even_tau=round_cost / s["ar"])
+        taus = [measured[(_grid_method(mode), c)][1] for c in (4096, 8192) if (_grid_method(mode), c) in measured]
+        if taus:
+            tau = statistics.mean(taus)
+            entry.update(tau=tau, projected_vs_graph_ar=tau * s["ar"] / round_cost)
+            if "hf-static-ar" in s:
+                entry["projected_vs_hf_static"] = tau * s["hf-static-ar"] / round_cost
+        out.append(entry)
+    return out
+
+
+def profile_ar(verifier, L: int, path: Path) -> str:
+    """torch.profiler table (CUDA time by kernel) of 5 replays of the captured AR step at context L."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation.graph_steps import static_attention_for
+
+    _free()
+    ids = torch.randint(0, verifier.config.vocab_size, (1, L), device="cuda")
+    with torch.no_grad(), static_attention_for(verifier):
+        engine = graph_loop.engine_for(verifier, None, "ar", None, 1, L + 64, 64, True)
+        engine.prefill([ids])
+        time_graph_step(engine, "ar_step", torch.device("cuda"), 3, 2)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.run_step("ar_step")
+            torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
+    path.write_text(f"captured AR step, context {L}, 5 replays\n{table}\n")
+    return table
+
+
+def markdown(rows: list[dict], args) -> str:
+    keys = list(dict.fromkeys(k for r in rows for k in r["seconds"]))
+    lines = ["ms per token (end to end: e2e methods; per step: the rest) / its floor:", "",
+             "| pair | context | batch | method | ms | floor ms | × floor | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for k in keys:
+            if k in r["seconds"]:
+                t, fl = r["seconds"][k], r["floors"].get(k)
+                ratio = f"{t / fl:.2f}" if fl else "—"
+                lines.append(f"| {r['pair']} | {r['context']} | {r['batch']} | {k} | {t * 1e3:.2f} | "
+                             f"{fl * 1e3:.2f} | {ratio} | {r['peak_bytes'][k] / 2**30:.1f} |")
+    lines += ["", "Our graph AR against HF AR (same run):", "",
+              "| pair | context | batch | graph-ar ms | hf-static-ar ms | hf-eager-ar ms | × HF static | × HF eager |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        s = r["seconds"]
+        if "graph-ar" in s:
+            hs, he = s.get("hf-static-ar"), s.get("hf-eager-ar")
+            lines.append(f"| {r['pair']} | {r['context']} | {r['batch']} | {s['graph-ar'] * 1e3:.2f} | "
+                         + (f"{hs * 1e3:.2f}" if hs else "—") + " | " + (f"{he * 1e3:.2f}" if he else "—") + " | "
+                         + (f"{hs / s['graph-ar']:.2f}" if hs else "—") + " | "
+                         + (f"{he / s['graph-ar']:.2f}" if he else "—") + " |")
+    lines += ["", "PROJECTION (not a measurement; τ of the real Qwen2.5-Coder pair on CPU at 4K/8K): speedup ≈ τ · t_AR "
+              f"/ (γ·t_draft + t_verify), γ = {args.gamma}; break-even τ* = (γ·t_draft + t_verify) / t_AR (our graph "
+              "AR step)", "", "| pair | context | batch | mode | τ* | τ | projected × graph AR | projected × HF static |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        for p in r["projection"]:
+            f = lambda k: f"{p[k]:.2f}" if k in p else "—"  # noqa: E731
+            lines.append(f"| {r['pair']} | {r['context']} | {r['batch']} | {p['mode']} | {p['break_even_tau']:.2f} | "
+                         f"{f('tau')} | {f('projected_vs_graph_ar')} | {f('projected_vs_hf_static')} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["pair"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(6 * len(groups), 4.5), squeeze=False)
+    for ax, (pair, batch) in zip(axes[0], groups):
+        mine = sorted((r for r in rows if (r["pair"], r["batch"]) == (pair, batch)), key=lambda r: r["context"])
+        keys = list(dict.fromkeys(k for r in mine for k in r["seconds"]))
+        for k in keys:
+            pts = [(r["context"], r["seconds"][k] * 1e3) for r in mine if k in r["seconds"]]
+            ax.plot(*zip(*pts), marker="o", label=k)
+        pts = [(r["context"], r["floors"]["ar"] * 1e3) for r in mine]
+        ax.plot(*zip(*pts), "k--", label="AR floor")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("context (tokens)")
+        ax.set_ylabel("ms per token / per step")
+        ax.set_title(f"{pair}, batch {batch} (random weights)")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="runs/scale")
+    p.add_argument("--pairs", nargs="+", default=list(PAIRS), choices=list(PAIRS))
+    p.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768, 65536, 131072])
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--gamma", type=int, default=5)
+    p.add_argument("--budgets", type=int, nargs="+", default=[1024])
+    p.add_argument("--window", type=int, default=1024)
+    p.add_argument("--group-size", type=int, default=128)
+    p.add_argument("--only", nargs="+", default=None, help="methods/steps to run (default: all)")
+    p.add_argument("--short", type=int, default=8)
+    p.add_argument("--long", type=int, default=72)
+    p.add_argument("--repeats", type=int, default=2, help="e2e repeats (median)")
+    p.add_argument("--step-repeats", type=int, default=10)
+    p.add_argument("--compile", choices=["default", "0", "1"], default="default",
+                   help="our steps compiled before capture: as generate() decides (default), never, always")
+    p.add_argument("--max-kv-gib", type=float, default=40.0, help="skip (context, batch) whose verifier KV exceeds this")
+    p.add_argument("--profile", type=int, default=None, help="also profile one captured AR step at this context")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("scale.py times CUDA steps: run it on a CUDA GPU")
+    if args.compile != "default":
+        os.environ["HF_SPARSEKV_COMPILE"] = args.compile
+    _install_shapes()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(E2E) + ["ar", "verify-4", "verify-6", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
+    names += [f"draft-window-{args.window}", "int4-draft", "int4-verify"]
+    only = set(args.only or names)
+    bandwidth = copy_rate()
+    print(f"copy rate {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
+    measured = measured_acceptance(str(ACCEPTANCE)) if ACCEPTANCE.exists() else {}
+    rows = []
+    for pair in args.pairs:
+        v_name, d_name = PAIRS[pair]
+        verifier = build(v_name, torch.device("cuda"), torch.bfloat16, False)
+        drafter = build(d_name, torch.device("cuda"), torch.bfloat16, False)
+        for m in (verifier, drafter):  # HF's own methods run on SDPA (the strongest attention a user has)
+            m.generation_config.pad_token_id = 0
+            m.set_attn_implementation("sdpa")
+        if args.profile:
+            print(profile_ar(verifier, args.profile, out / f"profile-ar-{pair}-{args.profile}.txt"), flush=True)
+        cells = [(L, B) for L in args.contexts for B in args.batches]
+        for L, B in tqdm(cells, desc=pair):
+            if B * kv_bytes(verifier, L) / 2**30 > args.max_kv_gib:
+                print(f"[{pair} {L} B={B}] skipped: {B * kv_bytes(verifier, L) / 2**30:.0f} GiB of verifier KV", flush=True)
+                continue
+            ids = torch.randint(0, verifier.config.vocab_size, (B, L), device="cuda")
+            seconds, peaks = {}, {}
+            for method in E2E:
+                if method in only:
+                    try:
+                        seconds[method], peaks[method] = per_token_e2e(method, verifier, ids, args.short, args.long,
+                                                                       args.repeats)
+                    except torch.OutOfMemoryError:
+                        print(f"[{pair} {L} B={B}] {method}: out of memory", flush=True)
+                    _free()
+            for k, (t, peak) in step_costs(verifier, drafter, ids, args, only).items():
+                seconds[k], peaks[k] = t, peak
+            _free()
+            row = dict(pair=pair, verifier=v_name, drafter=d_name, context=L, batch=B, seconds=seconds,
+                       peak_bytes=peaks, floors=floors(verifier, drafter, L, B, args, bandwidth))
+            row["projection"] = project(row, args, measured)
+            rows.append(row)
+            print(f"[{pair} {L} B={B}] " + " ".join(f"{k}={v * 1e3:.2f}ms({v / row['floors'][k]:.2f}x)"
+                                                   for k, v in seconds.items()), flush=True)
+            (out / "scale.json").write_text(json.dumps(dict(rows=rows), indent=1))
+        verifier = drafter = None
+        _free()
+    result = dict(settings=dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
+                                commit=commit(), torch=torch.__version__, weights="random, bf16, real shapes",
+                                copy_rate_bytes_per_s=bandwidth, gamma=args.gamma, short=args.short, long=args.long,
+                                compile=os.environ.get("HF_SPARSEKV_COMPILE", "auto"),
+                                acceptance_from=str(ACCEPTANCE) if measured else None),
+                  rows=rows)
+    (out / "scale.json").write_text(json.dumps(result, indent=1))
+    md = markdown(rows, args)
+    (out / "scale.md").write_text(md + "\n")
+    plot(rows, out / "scale.png")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
