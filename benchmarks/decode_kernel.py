@@ -25,8 +25,9 @@ from pathlib import Path
 
 import torch
 
-from kernels import Timer, copy_bandwidth, sdpa_flash
+from kernels import Timer, sdpa_flash
 from provenance import commit
+from scale import copy_rate
 
 SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-1.5b": (12, 2, 128)}
 CONTEXTS = (8192, 16384, 32768, 65536, 131072)
@@ -109,7 +110,7 @@ def main(argv=None) -> int:
     from hf_sparsekv.kernels.decode_core import FP_CONFIG, fp_config
 
     timer = Timer(5 if args.quick else 20)
-    copy_gbps = copy_bandwidth(timer)
+    copy_gbps = copy_rate() / 1e9
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", flush=True)
     config, sweep_rows = dict(FP_CONFIG), []
     if args.sweep:

@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+import hf_sparsekv  # noqa: F401  (registers the attention implementations the models are built with)
 from provenance import commit
 from real_cost import SHAPES, build, measured_acceptance, time_graph_step
 

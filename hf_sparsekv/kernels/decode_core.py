@@ -80,7 +80,9 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # ``min_split`` tokens of the capacity. With lengths on the device the split count is fixed at launch (from the
 # capacity) and each program takes an equal share of the row's *current* length, computed in the kernel, so the GPU
 # stays busy when a captured launch reads a length far below the capacity it was sized for.
-FP_CONFIG = dict(block_n=None, num_warps=4, num_stages=3, programs_per_sm=4, min_split=256)
+# Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
+# 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
+FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
 
 
 @contextlib.contextmanager
