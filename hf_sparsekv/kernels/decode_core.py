@@ -248,6 +248,8 @@ def launch_decode(
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
     block_n = FP_CONFIG["block_n"] or (64 if d <= 64 else 32)
+    if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
+        block_n = min(block_n, 32)
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or FP_CONFIG["min_split"],
                            FP_CONFIG["programs_per_sm"])
     qcfg = QUANT_CONFIG
