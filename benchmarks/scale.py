@@ -64,7 +64,13 @@ def _install_shapes() -> None:
 
 
 def weight_bytes(model) -> int:
-    return sum(p.numel() * p.element_size() for p in model.parameters())
+    """Bytes of the weights a decode step reads: every parameter once, except an input embedding table that is not
+    tied to the output layer (a step gathers one row of it per token)."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embedding = model.get_input_embeddings().weight
+    if embedding is not model.get_output_embeddings().weight:
+        total -= embedding.numel() * embedding.element_size()
+    return total
 
 
 def kv_bytes(model, tokens: int, bits: int = 16) -> int:
@@ -363,7 +369,7 @@ def main(argv=None) -> int:
                        peak_bytes=peaks, floors=floors(verifier, drafter, L, B, args, bandwidth))
             row["projection"] = project(row, args, measured)
             rows.append(row)
-            print(f"[{pair} {L} B={B}] " + " ".join(f"{k}={v * 1e3:.2f}ms({v / row['floors'][k]:.2f}x)"
+            tqdm.write(f"[{pair} {L} B={B}] " + " ".join(f"{k}={v * 1e3:.2f}ms({v / row['floors'][k]:.2f}x)"
                                                    for k, v in seconds.items()), flush=True)
             (out / "scale.json").write_text(json.dumps(dict(rows=rows), indent=1))
         verifier = drafter = None
