@@ -113,8 +113,7 @@ def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: in
         assert out.shape[1] == ids.shape[1] + new, (method, out.shape)
         return time.perf_counter() - t0
 
-    _free()
-    clock(short)  # warm-up: compilation, capture
+    clock(short)  # warm-up: compilation, capture (once per engine: a smaller context reuses a larger engine)
     clock(long)
     torch.cuda.reset_peak_memory_stats()
     costs = []
@@ -123,12 +122,15 @@ def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: in
     return statistics.median(costs), torch.cuda.max_memory_allocated()
 
 
-def step_costs(verifier, drafter, ids, args, only) -> dict[str, tuple[float, int]]:
-    """name -> (seconds per step, peak bytes) of the static engine's captured steps (draft rounds divided by γ)."""
+def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[str, tuple[float, int]]]:
+    """context -> name -> (seconds per step, peak bytes) of the static engine's captured steps (draft rounds divided
+    by γ). One engine per mode, sized for the longest context and re-prefilled for each shorter one (its steps are
+    compiled and captured once; the kernels read each row's current length from the device), as a user's engine
+    serving several lengths is."""
     from hf_sparsekv.generation import graph_loop
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
-    g, L, out = args.gamma, ids.shape[1], {}
+    g, longest, out = args.gamma, max(prompts), {L: {} for L in prompts}
     plan = [("ar", "ar", None, None, 1, ["ar_step"]), ("verify-4", "full", None, drafter, 3, ["verify"]),
             ("verify-6", "full", None, drafter, g, ["draft", "verify"])]
     plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
@@ -140,12 +142,18 @@ def step_costs(verifier, drafter, ids, args, only) -> dict[str, tuple[float, int
             continue
         _free()
         with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
-            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, gamma, L + 64, 64, True,
-                                           batch=ids.shape[0])
-            engine.prefill([ids[b : b + 1] for b in range(ids.shape[0])])
-            for name in wanted:
-                t = time_graph_step(engine, name, torch.device("cuda"), args.step_repeats, 2)
-                out[_step_name(label, name)] = (t / gamma if name == "draft" else t, torch.cuda.max_memory_allocated())
+            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
+                                           batch=prompts[longest].shape[0])
+            for L in sorted(prompts, reverse=True):
+                ids = prompts[L]
+                torch.cuda.reset_peak_memory_stats()
+                engine.prefill([ids[b : b + 1] for b in range(ids.shape[0])])
+                for name in wanted:
+                    t = time_graph_step(engine, name, torch.device("cuda"), args.step_repeats, 2)
+                    out[L][_step_name(label, name)] = (t / gamma if name == "draft" else t,
+                                                       torch.cuda.max_memory_allocated())
+                print(f"  {label} {L}: " + " ".join(f"{k}={v[0] * 1e3:.2f}ms" for k, v in out[L].items()), flush=True)
+    _free()
     return out
 
 
@@ -347,31 +355,38 @@ def main(argv=None) -> int:
             m.set_attn_implementation("sdpa")
         if args.profile:
             print(profile_ar(verifier, args.profile, out / f"profile-ar-{pair}-{args.profile}.txt"), flush=True)
-        cells = [(L, B) for L in args.contexts for B in args.batches]
-        for L, B in tqdm(cells, desc=pair):
-            if B * kv_bytes(verifier, L) / 2**30 > args.max_kv_gib:
-                print(f"[{pair} {L} B={B}] skipped: {B * kv_bytes(verifier, L) / 2**30:.0f} GiB of verifier KV", flush=True)
+        for B in args.batches:
+            contexts = sorted(L for L in args.contexts if B * kv_bytes(verifier, L) / 2**30 <= args.max_kv_gib)
+            skipped = sorted(set(args.contexts) - set(contexts))
+            if skipped:
+                print(f"[{pair} B={B}] skipped contexts {skipped}: verifier KV over {args.max_kv_gib} GiB", flush=True)
+            if not contexts:
                 continue
-            ids = torch.randint(0, verifier.config.vocab_size, (B, L), device="cuda")
-            seconds, peaks = {}, {}
-            for method in E2E:
-                if method in only:
+            full = torch.randint(0, verifier.config.vocab_size, (B, max(contexts)), device="cuda")
+            prompts = {L: full[:, :L] for L in contexts}
+            seconds, peaks = {L: {} for L in contexts}, {L: {} for L in contexts}
+            for method in (m for m in E2E if m in only):  # longest first: graph-ar's engine then serves them all
+                for L in tqdm(sorted(contexts, reverse=True), desc=f"{pair} B={B} {method}"):
                     try:
-                        seconds[method], peaks[method] = per_token_e2e(method, verifier, ids, args.short, args.long,
-                                                                       args.repeats)
+                        seconds[L][method], peaks[L][method] = per_token_e2e(method, verifier, prompts[L], args.short,
+                                                                             args.long, args.repeats)
                     except torch.OutOfMemoryError:
                         print(f"[{pair} {L} B={B}] {method}: out of memory", flush=True)
-                    _free()
-            for k, (t, peak) in step_costs(verifier, drafter, ids, args, only).items():
-                seconds[k], peaks[k] = t, peak
-            _free()
-            row = dict(pair=pair, verifier=v_name, drafter=d_name, context=L, batch=B, seconds=seconds,
-                       peak_bytes=peaks, floors=floors(verifier, drafter, L, B, args, bandwidth))
-            row["projection"] = project(row, args, measured)
-            rows.append(row)
-            tqdm.write(f"[{pair} {L} B={B}] " + " ".join(f"{k}={v * 1e3:.2f}ms({v / row['floors'][k]:.2f}x)"
-                                                   for k, v in seconds.items()), flush=True)
-            (out / "scale.json").write_text(json.dumps(dict(rows=rows), indent=1))
+                    if method != "graph-ar":
+                        _free()
+                    print(f"  {method} {L}: {seconds[L].get(method, float('nan')) * 1e3:.2f} ms/token", flush=True)
+                _free()
+            for L, steps in step_costs(verifier, drafter, prompts, args, only).items():
+                for k, (t, peak) in steps.items():
+                    seconds[L][k], peaks[L][k] = t, peak
+            for L in contexts:
+                row = dict(pair=pair, verifier=v_name, drafter=d_name, context=L, batch=B, seconds=seconds[L],
+                           peak_bytes=peaks[L], floors=floors(verifier, drafter, L, B, args, bandwidth))
+                row["projection"] = project(row, args, measured)
+                rows.append(row)
+                (out / "scale.json").write_text(json.dumps(dict(rows=rows), indent=1))
+                print(f"[{pair} {L} B={B}] " + " ".join(f"{k}={v * 1e3:.2f}ms({v / row['floors'][k]:.2f}x)"
+                                                       for k, v in seconds[L].items()), flush=True)
         verifier = drafter = None
         _free()
     result = dict(settings=dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
