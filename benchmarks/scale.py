@@ -260,10 +260,10 @@ def markdown(rows: list[dict], args) -> str:
     for r in rows:
         for k in keys:
             if k in r["seconds"]:
-                t, fl = r["seconds"][k], r["floors"].get(k)
-                ratio = f"{t / fl:.2f}" if fl else "—"
+                t, fl, peak = r["seconds"][k], r["floors"].get(k), r["peak_bytes"].get(k)
                 lines.append(f"| {r['pair']} | {r['context']} | {r['batch']} | {k} | {t * 1e3:.2f} | "
-                             f"{fl * 1e3:.2f} | {ratio} | {r['peak_bytes'][k] / 2**30:.1f} |")
+                             + (f"{fl * 1e3:.2f} | {t / fl:.2f}" if fl else "— | —")
+                             + (f" | {peak / 2**30:.1f} |" if peak else " | — |"))
     lines += ["", "Our graph AR against HF AR (same run):", "",
               "| pair | context | batch | graph-ar ms | hf-static-ar ms | hf-eager-ar ms | × HF static | × HF eager |",
               "| --- | --- | --- | --- | --- | --- | --- | --- |"]
@@ -301,8 +301,9 @@ def plot(rows: list[dict], path: Path) -> None:
         for k in keys:
             pts = [(r["context"], r["seconds"][k] * 1e3) for r in mine if k in r["seconds"]]
             ax.plot(*zip(*pts), marker="o", label=k)
-        pts = [(r["context"], r["floors"]["ar"] * 1e3) for r in mine]
-        ax.plot(*zip(*pts), "k--", label="AR floor")
+        pts = [(r["context"], r["floors"]["ar"] * 1e3) for r in mine if "ar" in r["floors"]]
+        if pts:
+            ax.plot(*zip(*pts), "k--", label="AR floor")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("context (tokens)")
         ax.set_ylabel("ms per token / per step")
@@ -310,6 +311,22 @@ def plot(rows: list[dict], path: Path) -> None:
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+
+
+def merge(paths: list[str], args) -> list[dict]:
+    """Rows of several scale.json files (runs of different methods at the same cells) combined per (pair, context,
+    batch); projections recomputed."""
+    cells: dict = {}
+    for path in paths:
+        for r in json.loads(Path(path).read_text())["rows"]:
+            cell = cells.setdefault((r["pair"], r["context"], r["batch"]), dict(r, seconds={}, peak_bytes={}, floors={}))
+            for key in ("seconds", "peak_bytes", "floors"):
+                cell[key].update(r.get(key, {}))
+    measured = measured_acceptance(str(ACCEPTANCE)) if ACCEPTANCE.exists() else {}
+    rows = [cells[k] for k in sorted(cells)]
+    for row in rows:
+        row["projection"] = project(row, args, measured)
+    return rows
 
 
 def main(argv=None) -> int:
@@ -331,7 +348,17 @@ def main(argv=None) -> int:
                    help="our steps compiled before capture: as generate() decides (default), never, always")
     p.add_argument("--max-kv-gib", type=float, default=40.0, help="skip (context, batch) whose verifier KV exceeds this")
     p.add_argument("--profile", type=int, default=None, help="also profile one captured AR step at this context")
+    p.add_argument("--merge", nargs="+", default=None, help="only combine these scale.json files into --out")
     args = p.parse_args(argv)
+    if args.merge:
+        rows = merge(args.merge, args)
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "scale.json").write_text(json.dumps(dict(merged_from=args.merge, rows=rows), indent=1))
+        (out / "scale.md").write_text(markdown(rows, args) + "\n")
+        plot(rows, out / "scale.png")
+        print(markdown(rows, args))
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("scale.py times CUDA steps: run it on a CUDA GPU")
     if args.compile != "default":
