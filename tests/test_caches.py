@@ -136,7 +136,8 @@ def _bruteforce_observed(q, k, scaling, chunk_size, budget, per_head, sel=ChunkS
             token.append(sum(float(weights[h, i, j]) for h in heads for i in votes) / len(votes))
         half = sel.pool // 2
         pooled = [max(token[max(0, j - half) : j + half + 1]) for j in range(p)]
-        recent = [c for c, toks in enumerate(chunks) if toks[-1] >= p - sel.recent or len(toks) < s]
+        n_recent = int(sel.recent * budget) if isinstance(sel.recent, float) else sel.recent
+        recent = [c for c, toks in enumerate(chunks) if toks[-1] >= p - n_recent or len(toks) < s]
         sinks = [c for c, toks in enumerate(chunks) if toks[0] < sel.sink]
         kept = sorted(recent, reverse=True)[:n_keep]
         kept += [c for c in sinks if c not in kept][: n_keep - len(kept)]
@@ -150,7 +151,8 @@ def _bruteforce_observed(q, k, scaling, chunk_size, budget, per_head, sel=ChunkS
     (120, 48, 8, False, ChunkSelection(observe=16, pool=3, recent=8, sink=8)),
     (131, 56, 8, True, ChunkSelection(observe=20, pool=5, recent=16, sink=4)),
     (100, 40, 4, False, ChunkSelection(observe=200, pool=1, recent=0, sink=0)),  # every query votes, normalised
-    (90, 24, 8, False, ChunkSelection()),  # the defaults: the recent chunks fill the whole budget
+    (90, 24, 8, False, ChunkSelection(recent=64)),  # the recent chunks fill the whole budget
+    (300, 96, 8, True, ChunkSelection()),  # the defaults: half the budget recent
     (77, 40, 8, True, ChunkSelection(observe=8, pool=7, recent=30, sink=20)),  # recent + sinks exceed the budget
     (40, 200, 8, False, ChunkSelection()),  # nothing to drop
 ])
@@ -167,7 +169,8 @@ def test_observed_selection_equals_float64_reference(p, budget, chunk_size, per_
     assert [set(row.tolist()) for row in got[0]] == want
     assert all(row.tolist() == sorted(row.tolist()) for row in got[0])
     assert got.shape[-1] <= budget and got.shape[-1] == min(p, len(want[0]))
-    tail = set(range(max(0, p - max(sel.recent, p % chunk_size)), p)) if budget >= sel.recent + chunk_size else set()
+    n_recent = sel.recent_tokens(budget)
+    tail = set(range(max(0, p - max(n_recent, p % chunk_size)), p)) if budget >= n_recent + chunk_size else set()
     assert all(tail <= kept for kept in want)  # the recent window, whenever it fits, is kept
 
 
@@ -315,6 +318,7 @@ def test_reset_empties_every_cache():
         (lambda: ChunkBudgetCache(16, max_rollback=-1), "max_rollback"),
         (lambda: ChunkSelection(pool=4), "pool"),
         (lambda: ChunkSelection(recent=-8), "recent"),
+        (lambda: ChunkSelection(recent=1.5), "recent"),
         (lambda: ChunkBudgetCache(16, per_kv_head=True, selection=ChunkSelection()), "per_kv_head"),
         (lambda: SinkWindowCache(window=0), "window"),
         (lambda: SinkWindowCache(sink=-1), "sink"),

@@ -15,7 +15,7 @@ tokens. Two methods, named by :attr:`ChunkSelection.method`:
     2. The per-token scores are max-pooled over ``pool`` neighbouring tokens (odd; 1 = none), so a chunk next to
        a strongly attended token keeps its neighbourhood (SnapKV's clustering).
     3. A chunk's score is the sum of its pooled token scores.
-    4. The ``recent`` last prompt tokens (rounded up to whole chunks, the partial chunk included) and the first
+    4. The ``recent`` last prompt tokens (or a share of the budget; rounded up to whole chunks, the partial chunk included) and the first
        ``sink`` tokens (rounded up to whole chunks) are always kept (StreamingLLM's window and attention sinks;
        when the budget cannot hold both, the recent chunks win); the rest of the ⌊B/s⌋ chunks go to the best
        scores.
@@ -49,7 +49,8 @@ class ChunkSelection:
         observe: observed: the last ``observe`` prompt queries vote (default 32, chosen on the bundled pair: see
             BENCHMARKS.md, "Chunk selection").
         pool: observed: max-pool width over token scores (odd, 1 = none; default 7).
-        recent: observed: the last ``recent`` prompt tokens are always kept (rounded up to chunks; default 64).
+        recent: observed: the last ``recent`` prompt tokens (an int), or the last ⌊recent·B⌋ (a float in [0, 1],
+            a share of the budget B), are always kept, rounded up to chunks (default 0.5: half the budget).
         sink: observed: the first ``sink`` prompt tokens are always kept (rounded up to chunks; default 8).
         per_kv_head: one selection per KV head (scores summed over its query heads) instead of one per layer.
         score_window: cumulative: only the last ``score_window`` queries vote (None: all, the paper's setting).
@@ -58,7 +59,7 @@ class ChunkSelection:
     method: str = "observed"
     observe: int = 32
     pool: int = 7
-    recent: int = 64
+    recent: int | float = 0.5
     sink: int = 8
     per_kv_head: bool = False
     score_window: int | None = None
@@ -72,16 +73,24 @@ class ChunkSelection:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.pool % 2 == 0:
             raise ValueError(f"pool must be odd (a centred window), got {self.pool!r}")
-        for name in ("recent", "sink"):
-            value = getattr(self, name)
-            if not is_integer(value) or value < 0:
-                raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+        if not is_integer(self.sink) or self.sink < 0:
+            raise ValueError(f"sink must be a non-negative integer, got {self.sink!r}")
+        share = isinstance(self.recent, float) and 0.0 <= self.recent <= 1.0
+        if not share and (not is_integer(self.recent) or self.recent < 0):
+            raise ValueError(f"recent must be a non-negative integer (tokens) or a float in [0, 1] (share of the "
+                             f"budget), got {self.recent!r}")
         if self.score_window is not None and (not is_integer(self.score_window) or self.score_window <= 0):
             raise ValueError(f"score_window must be a positive integer or None, got {self.score_window!r}")
         if self.score_window is not None and self.method != "cumulative":
             raise ValueError("score_window belongs to selection='cumulative'; the observed selection uses observe=")
-        for name in ("observe", "pool", "recent", "sink"):
+        for name in ("observe", "pool", "sink"):
             object.__setattr__(self, name, int(getattr(self, name)))
+        if not share:
+            object.__setattr__(self, "recent", int(self.recent))
+
+    def recent_tokens(self, budget: int) -> int:
+        """Prompt tokens always kept at the end under ``budget``: ``recent`` itself, or ⌊recent·budget⌋ for a share."""
+        return int(self.recent * budget) if isinstance(self.recent, float) else self.recent
         if self.score_window is not None:
             object.__setattr__(self, "score_window", int(self.score_window))
 
@@ -179,7 +188,7 @@ def select_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, budget
     scores = token_scores(query, key, scaling, selection)
     if selection.method == "cumulative":
         return top_chunk_indices(scores, budget, chunk_size)
-    return top_chunk_indices(scores, budget, chunk_size, selection.recent, selection.sink)
+    return top_chunk_indices(scores, budget, chunk_size, selection.recent_tokens(budget), selection.sink)
 
 
 def select_tokens(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
