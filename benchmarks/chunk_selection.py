@@ -49,8 +49,10 @@ def cache_factories(variants: list[str]) -> dict:
     }
     for spec in variants:
         name, knobs = spec.split(":")
-        observe, pool, recent, sink = (float(x) if "." in x else int(x) for x in knobs.split(","))
-        sel = ChunkSelection(observe=observe, pool=pool, recent=recent, sink=sink)
+        values = knobs.split(",")
+        observe, pool, recent, sink = (int(x) for x in values[:4])
+        cap = float(values[4]) if len(values) > 4 else ChunkSelection().recent_cap
+        sel = ChunkSelection(observe=observe, pool=pool, recent=recent, sink=sink, recent_cap=cap)
         caches[name] = lambda b, sel=sel: ChunkBudgetCache(b, selection=sel)
     return caches
 
@@ -153,7 +155,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--variant", action="append", default=[], help="NAME:observe,pool,recent,sink (recent with a '.': a share of B)")
+    parser.add_argument("--variant", action="append", default=[], help="NAME:observe,pool,recent,sink[,recent_cap]")
     parser.add_argument("--only", nargs="+", help="caches to run (default: all)")
     parser.add_argument("--acceptance", action="store_true", help="also the drafter's α/τ (bundled pair)")
     parser.add_argument("--no-drop-in", action="store_true")

@@ -136,7 +136,7 @@ def _bruteforce_observed(q, k, scaling, chunk_size, budget, per_head, sel=ChunkS
             token.append(sum(float(weights[h, i, j]) for h in heads for i in votes) / len(votes))
         half = sel.pool // 2
         pooled = [max(token[max(0, j - half) : j + half + 1]) for j in range(p)]
-        n_recent = int(sel.recent * budget) if isinstance(sel.recent, float) else sel.recent
+        n_recent = min(sel.recent, int(sel.recent_cap * budget))
         recent = [c for c, toks in enumerate(chunks) if toks[-1] >= p - n_recent or len(toks) < s]
         sinks = [c for c, toks in enumerate(chunks) if toks[0] < sel.sink]
         kept = sorted(recent, reverse=True)[:n_keep]
@@ -151,8 +151,9 @@ def _bruteforce_observed(q, k, scaling, chunk_size, budget, per_head, sel=ChunkS
     (120, 48, 8, False, ChunkSelection(observe=16, pool=3, recent=8, sink=8)),
     (131, 56, 8, True, ChunkSelection(observe=20, pool=5, recent=16, sink=4)),
     (100, 40, 4, False, ChunkSelection(observe=200, pool=1, recent=0, sink=0)),  # every query votes, normalised
-    (90, 24, 8, False, ChunkSelection(recent=64)),  # the recent chunks fill the whole budget
-    (300, 96, 8, True, ChunkSelection()),  # the defaults: half the budget recent
+    (90, 24, 8, False, ChunkSelection(recent=64, recent_cap=1.0)),  # the recent chunks fill the whole budget
+    (300, 96, 8, True, ChunkSelection()),  # the defaults: 3/4 of the budget recent
+    (400, 384, 8, False, ChunkSelection()),  # the defaults: 256 recent
     (77, 40, 8, True, ChunkSelection(observe=8, pool=7, recent=30, sink=20)),  # recent + sinks exceed the budget
     (40, 200, 8, False, ChunkSelection()),  # nothing to drop
 ])
@@ -319,6 +320,7 @@ def test_reset_empties_every_cache():
         (lambda: ChunkSelection(pool=4), "pool"),
         (lambda: ChunkSelection(recent=-8), "recent"),
         (lambda: ChunkSelection(recent=1.5), "recent"),
+        (lambda: ChunkSelection(recent_cap=1.5), "recent_cap"),
         (lambda: ChunkBudgetCache(16, per_kv_head=True, selection=ChunkSelection()), "per_kv_head"),
         (lambda: SinkWindowCache(window=0), "window"),
         (lambda: SinkWindowCache(sink=-1), "sink"),
