@@ -151,7 +151,7 @@ def test_sparse_branch_equals_masked_full_attention(arch, p, budget):
     c = 10
     ids = prompt(p + c, seed=7 * p)
     prefix = prefill_prefix(drafter, ids[:, :p], chunk=16)
-    view = prefix.sparse_view(budget)
+    view = prefix.sparse_view(budget, selection="cumulative")  # the paper's score, which the reference computes
     kept = view.kept_indices[0][0, 0].tolist()
     assert kept == _eager_chunk_selection(drafter, ids[:, :p], budget)
     assert view.cache.layers[0].keys.shape[-2] == len(kept) <= budget
@@ -217,7 +217,7 @@ def _reference_gradients(verifier, drafter, ids, cfg, budget):
 @pytest.mark.parametrize("loss", ["budgetdraft", "la-only"])
 def test_gradient_is_that_of_la_plus_lambda_lc(loss):
     verifier = tiny_model("llama")
-    cfg = _config(loss=loss, lam=0.7)
+    cfg = _config(loss=loss, lam=0.7, selection="cumulative")  # the selection _reference_gradients computes
     trainer = BudgetDraftTrainer(verifier, _drafter(layers=1), cfg)
     ids = prompt(cfg.seq_len, seed=5)
     terms = trainer.accumulate_gradients(ids, budget=32)
