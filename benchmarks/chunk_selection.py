@@ -123,6 +123,19 @@ def mean(values) -> float:
 def print_tables(result: dict) -> None:
     s = result["settings"]
     names = s["caches"]
+    if result.get("drop_in"):
+        print_drop_in(result, s, names)
+    if "acceptance" in result:
+        print(f"\nDrafter cache (bundled pair, γ={s['gamma']}): α / τ")
+        print("| prompt | B | " + " | ".join(names) + " |")
+        print("|---|---|" + "---|" * len(names))
+        for length in s["lengths"]:
+            for budget in s["budgets"]:
+                cells = [result["acceptance"][f"{length}/{budget}/{n}"] for n in names]
+                print(f"| {length} | {budget} | " + " | ".join(f"{c['alpha']:.3f} / {c['tau']:.2f}" for c in cells) + " |")
+
+
+def print_drop_in(result: dict, s: dict, names: list[str]) -> None:
     print(f"\nDrop-in greedy agreement with the full cache ({s['new_tokens']} new tokens, docs {s['documents']}): "
           "match / prefix / top-1")
     print("| prompt | B | " + " | ".join(names) + " |")
@@ -137,15 +150,6 @@ def print_tables(result: dict) -> None:
                 else:
                     row.append(f"{mean(c['top1']):.3f}")
             print(f"| {length} | {budget} | " + " | ".join(row) + " |")
-    if "acceptance" in result:
-        print(f"\nDrafter cache (bundled pair, γ={s['gamma']}): α / τ")
-        print("| prompt | B | " + " | ".join(names) + " |")
-        print("|---|---|" + "---|" * len(names))
-        for length in s["lengths"]:
-            for budget in s["budgets"]:
-                row = [f"{result['acceptance'][f'{length}/{budget}/{n}']['alpha']:.3f} / "
-                       f"{result['acceptance'][f'{length}/{budget}/{n}']['tau']:.2f}" for n in names]
-                print(f"| {length} | {budget} | " + " | ".join(row) + " |")
 
 
 def main() -> None:
@@ -185,24 +189,9 @@ def main() -> None:
         result["acceptance"] = acceptance(verifier, drafter, args.docs, args.lengths, args.budgets, caches,
                                           args.new_tokens, args.gamma)
     result["settings"]["seconds"] = round(time.time() - start, 1)
-    if args.no_drop_in:
-        result["drop_in"] = {}
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    if not args.no_drop_in:
-        print_tables(result)
-    elif "acceptance" in result:
-        names = list(caches)
-        s = result["settings"]
-        print(f"\nDrafter cache (bundled pair, γ={s['gamma']}): α / τ")
-        print("| prompt | B | " + " | ".join(names) + " |")
-        print("|---|---|" + "---|" * len(names))
-        for length in s["lengths"]:
-            for budget in s["budgets"]:
-                a = result["acceptance"]
-                print(f"| {length} | {budget} | " + " | ".join(
-                    f"{a[f'{length}/{budget}/{n}']['alpha']:.3f} / {a[f'{length}/{budget}/{n}']['tau']:.2f}"
-                    for n in names) + " |")
+    print_tables(result)
 
 
 if __name__ == "__main__":
