@@ -66,6 +66,8 @@ def _kept_chunks(indices: torch.Tensor, p: int, s: int) -> list[int]:
         (dict(budget_weights=[0.0, 0.0]), "positive sum"),
         (dict(lam=-1.0), "lam"),
         (dict(seq_len=0), "seq_len"),
+        (dict(selection="snap"), "selection"),
+        (dict(score_window=16), "score_window"),  # belongs to selection="cumulative"
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -101,14 +103,15 @@ def test_budget_sampling_follows_weights():
 
 # ----------------------------------------------------------------------------------------------- views
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("p, budget", [(84, 32), (96, 16), (77, 64), (40, 64)])
-def test_sparse_view_is_the_inference_selection(arch, p, budget):
+@pytest.mark.parametrize("p, budget, selection", [(84, 32, "observed"), (96, 16, "cumulative"), (77, 64, "observed"),
+                                                  (40, 64, "observed"), (300, 64, "observed")])
+def test_sparse_view_is_the_inference_selection(arch, p, budget, selection):
     """Chunked training prefill + selection == ChunkBudgetCache after one inference prefill; ⌊B/s⌋ whole chunks."""
     drafter = _drafter(arch, layers=2)
     ids = prompt(p + 12, seed=p)
     prefix = prefill_prefix(drafter, ids[:, :p], chunk=24)
-    view = prefix.sparse_view(budget)
-    cache = ChunkBudgetCache(budget)
+    view = prefix.sparse_view(budget, selection=selection)
+    cache = ChunkBudgetCache(budget, selection=selection)
     with torch.no_grad():
         drafter(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
     for layer_idx in range(2):
