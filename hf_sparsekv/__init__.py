@@ -5,7 +5,7 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 """
 
 from . import attention, static_attention
-from .caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
 from .generation import SpecStats, graph_greedy_generate, register, release_engines, speculative_generate, unregister
 
@@ -17,6 +17,7 @@ register()
 
 __all__ = [
     "ChunkBudgetCache",
+    "ChunkSelection",
     "HierarchicalQuantCache",
     "SinkWindowCache",
     "SpecStats",

@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
-from hf_sparsekv.caches.chunk_budget import cumulative_attention, top_chunk_indices
+from hf_sparsekv.caches.chunk_selection import ChunkSelection, cumulative_attention, top_chunk_indices
 
 from .conftest import prompt, tiny_model
 
@@ -112,6 +112,67 @@ def _bruteforce_chunks(q, k, scaling, chunk_size, budget, per_head, window=None)
         tokens = {c * chunk_size + i for c in best for i in range(chunk_size)}
         result.append(tokens | set(range(n_full * chunk_size, p)))
     return result
+
+
+def _bruteforce_observed(q, k, scaling, chunk_size, budget, per_head, sel=ChunkSelection()):
+    """float64 reference of the observed selection (full P×P softmax, loops); the set of kept token indices per
+    selection group."""
+    b, hq, p, d = q.shape
+    hkv = k.shape[1]
+    kk = k.double().repeat_interleave(hq // hkv, dim=1)
+    logits = q.double() @ kk.transpose(-1, -2) * scaling
+    logits = logits.masked_fill(torch.ones(p, p, dtype=torch.bool).triu(1), float("-inf"))
+    weights = logits.softmax(-1)[0]  # [Hq, P, P]
+    voters = range(max(0, p - sel.observe), p)
+    groups = [list(range(g * hq // hkv, (g + 1) * hq // hkv)) for g in range(hkv)] if per_head else [list(range(hq))]
+    s = chunk_size
+    chunks = [list(range(c, min(c + s, p))) for c in range(0, p, s)]
+    n_keep = min(len(chunks), budget // s)
+    result = []
+    for heads in groups:
+        token = []
+        for j in range(p):
+            votes = [i for i in voters if i >= j]
+            token.append(sum(float(weights[h, i, j]) for h in heads for i in votes) / len(votes))
+        half = sel.pool // 2
+        pooled = [max(token[max(0, j - half) : j + half + 1]) for j in range(p)]
+        n_recent = min(sel.recent, int(sel.recent_cap * budget))
+        recent = [c for c, toks in enumerate(chunks) if toks[-1] >= p - n_recent or len(toks) < s]
+        sinks = [c for c, toks in enumerate(chunks) if toks[0] < sel.sink]
+        kept = sorted(recent, reverse=True)[:n_keep]
+        kept += [c for c in sinks if c not in kept][: n_keep - len(kept)]
+        rest = sorted((c for c in range(len(chunks)) if c not in kept), key=lambda c: -sum(pooled[t] for t in chunks[c]))
+        kept += rest[: n_keep - len(kept)]
+        result.append({t for c in kept for t in chunks[c]})
+    return result
+
+
+@pytest.mark.parametrize("p,budget,chunk_size,per_head,sel", [
+    (120, 48, 8, False, ChunkSelection(observe=16, pool=3, recent=8, sink=8)),
+    (131, 56, 8, True, ChunkSelection(observe=20, pool=5, recent=16, sink=4)),
+    (100, 40, 4, False, ChunkSelection(observe=200, pool=1, recent=0, sink=0)),  # every query votes, normalised
+    (90, 24, 8, False, ChunkSelection(recent=64, recent_cap=1.0)),  # the recent chunks fill the whole budget
+    (300, 96, 8, True, ChunkSelection()),  # the defaults: 3/4 of the budget recent
+    (400, 384, 8, False, ChunkSelection()),  # the defaults: 256 recent
+    (77, 40, 8, True, ChunkSelection(observe=8, pool=7, recent=30, sink=20)),  # recent + sinks exceed the budget
+    (40, 200, 8, False, ChunkSelection()),  # nothing to drop
+])
+def test_observed_selection_equals_float64_reference(p, budget, chunk_size, per_head, sel):
+    from dataclasses import replace
+
+    from hf_sparsekv.caches.chunk_selection import select_chunks
+
+    g = torch.Generator().manual_seed(p + budget)
+    q = torch.randn(1, 4, p, 16, generator=g) * 2
+    k = torch.randn(1, 2, p, 16, generator=g)
+    got = select_chunks(q, k, 0.25, budget, chunk_size, replace(sel, per_kv_head=per_head))
+    want = _bruteforce_observed(q, k, 0.25, chunk_size, budget, per_head, sel)
+    assert [set(row.tolist()) for row in got[0]] == want
+    assert all(row.tolist() == sorted(row.tolist()) for row in got[0])
+    assert got.shape[-1] <= budget and got.shape[-1] == min(p, len(want[0]))
+    n_recent = sel.recent_tokens(budget)
+    tail = set(range(max(0, p - max(n_recent, p % chunk_size)), p)) if budget >= n_recent + chunk_size else set()
+    assert all(tail <= kept for kept in want)  # the recent window, whenever it fits, is kept
 
 
 @pytest.mark.parametrize("p,budget,chunk_size,per_head,window", [
@@ -252,6 +313,15 @@ def test_reset_empties_every_cache():
         (lambda: ChunkBudgetCache(4, chunk_size=8), "budget"),
         (lambda: ChunkBudgetCache(16, chunk_size=0), "chunk_size"),
         (lambda: ChunkBudgetCache(16, score_window=0), "score_window"),
+        (lambda: ChunkBudgetCache(16, score_window=8), "score_window"),  # belongs to selection="cumulative"
+        (lambda: ChunkBudgetCache(16, selection="snap"), "selection"),
+        (lambda: ChunkBudgetCache(16, generated_window=0), "generated_window"),
+        (lambda: ChunkBudgetCache(16, max_rollback=-1), "max_rollback"),
+        (lambda: ChunkSelection(pool=4), "pool"),
+        (lambda: ChunkSelection(recent=-8), "recent"),
+        (lambda: ChunkSelection(recent=1.5), "recent"),
+        (lambda: ChunkSelection(recent_cap=1.5), "recent_cap"),
+        (lambda: ChunkBudgetCache(16, per_kv_head=True, selection=ChunkSelection()), "per_kv_head"),
         (lambda: SinkWindowCache(window=0), "window"),
         (lambda: SinkWindowCache(sink=-1), "sink"),
         (lambda: HierarchicalQuantCache(group_size=12), "group_size"),
@@ -273,14 +343,19 @@ def test_numpy_integer_settings_work_as_python_ints():
     model = _with_sparsekv(tiny_model("llama"))
     ids = prompt(70, seed=3)
     for numpy_made, plain in [
-        (ChunkBudgetCache(np.int64(32), chunk_size=np.int32(8), score_window=np.int64(16)), ChunkBudgetCache(32, 8, score_window=16)),
+        (ChunkBudgetCache(np.int64(32), chunk_size=np.int32(8), score_window=np.int64(16), selection="cumulative"),
+         ChunkBudgetCache(32, 8, score_window=16, selection="cumulative")),
+        (ChunkBudgetCache(np.int64(32), generated_window=np.int64(9), max_rollback=np.int64(4)),
+         ChunkBudgetCache(32, generated_window=9, max_rollback=4)),
         (SinkWindowCache(sink=np.int64(4), window=np.int64(24), max_rollback=np.int64(3)), SinkWindowCache(4, 24, 3)),
         (HierarchicalQuantCache(group_size=np.int64(16)), HierarchicalQuantCache(16)),
     ]:
         out_numpy = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=numpy_made)
         out_plain = model.generate(ids, max_new_tokens=6, do_sample=False, past_key_values=plain)
         assert torch.equal(out_numpy, out_plain)
-        assert all(type(v) is int for k, v in vars(numpy_made).items() if k in ("budget", "chunk_size", "sink", "window", "max_rollback", "group_size"))
+        assert all(type(v) is int for k, v in vars(numpy_made).items() if k in ("budget", "chunk_size", "sink", "window", "max_rollback", "group_size", "generated_window") and v is not None)
+        if isinstance(numpy_made, ChunkBudgetCache) and numpy_made.selection.score_window is not None:
+            assert type(numpy_made.selection.score_window) is int
 
 
 @pytest.mark.parametrize("make_cache", [lambda: ChunkBudgetCache(16), lambda: SinkWindowCache(), lambda: HierarchicalQuantCache(16)])

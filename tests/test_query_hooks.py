@@ -18,7 +18,9 @@ import hf_sparsekv
 from hf_sparsekv import ChunkBudgetCache
 
 from .conftest import VOCAB, prompt, tiny_model
-from .test_caches import _bruteforce_chunks
+from hf_sparsekv.caches.chunk_selection import ChunkSelection
+
+from .test_caches import _bruteforce_observed
 
 IMPLS = ["eager", "sdpa"]  # flash-attn needs CUDA and half precision: test_hooked_selection_on_cuda_half_precision
 _recorded: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
@@ -64,21 +66,22 @@ def _recorded_prompt_queries(model, ids):
 def test_hooked_selection_equals_bruteforce_on_the_real_queries(arch, impl, budget, p, per_head):
     model = _model(arch, impl)
     ids = prompt(p, seed=budget + p)
-    cache = ChunkBudgetCache(budget, per_kv_head=per_head)
+    sel = ChunkSelection(observe=24, pool=3, recent=8, sink=8, per_kv_head=per_head)  # the scores decide most chunks
+    cache = ChunkBudgetCache(budget, selection=sel)
     with torch.no_grad(), hf_sparsekv.prompt_queries(model):
         model(input_ids=ids, past_key_values=cache, use_cache=True)
     recorded = _recorded_prompt_queries(model, ids)
     assert len(recorded) == len(cache.layers) >= 2
     for i, layer in enumerate(cache.layers):
         q, k, scaling = recorded[i]
-        want = _bruteforce_chunks(q, k, scaling, 8, budget, per_head)
+        want = _bruteforce_observed(q, k, scaling, 8, budget, per_head, sel)
         got = [set(row.tolist()) for row in layer.kept_indices[0]]
         assert got == want, f"layer {i}"
         assert all(len(s) <= budget for s in got) and len(got[0]) < p  # something was dropped
     # and the same selection as the "sparsekv" attention path
     direct = copy.deepcopy(model)
     direct.set_attn_implementation("sparsekv")
-    other = ChunkBudgetCache(budget, per_kv_head=per_head)
+    other = ChunkBudgetCache(budget, selection=sel)
     with torch.no_grad():
         direct(input_ids=ids, past_key_values=other, use_cache=True)
     for a, b in zip(cache.layers, other.layers):
@@ -112,7 +115,7 @@ def test_generate_with_chunk_cache_on_a_stock_model(arch, impl):
     ids = prompt(p, seed=7)
     out = model.generate(ids, past_key_values=ChunkBudgetCache(budget), max_new_tokens=n_new, do_sample=False)
     q, k, scaling = _recorded_prompt_queries(model, ids)[0]
-    kept = sorted(_bruteforce_chunks(q, k, scaling, 8, budget, False)[0])
+    kept = sorted(_bruteforce_observed(q, k, scaling, 8, budget, False)[0])
     assert len(kept) == budget
     assert out[0, p:].tolist() == _masked_greedy(tiny_model(arch, layers=1), ids, kept, n_new)
     assert all(not m._forward_hooks for m in model.modules())  # the hooks live only for the call

@@ -66,6 +66,8 @@ def _kept_chunks(indices: torch.Tensor, p: int, s: int) -> list[int]:
         (dict(budget_weights=[0.0, 0.0]), "positive sum"),
         (dict(lam=-1.0), "lam"),
         (dict(seq_len=0), "seq_len"),
+        (dict(selection="snap"), "selection"),
+        (dict(score_window=16), "score_window"),  # belongs to selection="cumulative"
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -101,14 +103,15 @@ def test_budget_sampling_follows_weights():
 
 # ----------------------------------------------------------------------------------------------- views
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("p, budget", [(84, 32), (96, 16), (77, 64), (40, 64)])
-def test_sparse_view_is_the_inference_selection(arch, p, budget):
+@pytest.mark.parametrize("p, budget, selection", [(84, 32, "observed"), (96, 16, "cumulative"), (77, 64, "observed"),
+                                                  (40, 64, "observed"), (300, 64, "observed")])
+def test_sparse_view_is_the_inference_selection(arch, p, budget, selection):
     """Chunked training prefill + selection == ChunkBudgetCache after one inference prefill; ⌊B/s⌋ whole chunks."""
     drafter = _drafter(arch, layers=2)
     ids = prompt(p + 12, seed=p)
     prefix = prefill_prefix(drafter, ids[:, :p], chunk=24)
-    view = prefix.sparse_view(budget)
-    cache = ChunkBudgetCache(budget)
+    view = prefix.sparse_view(budget, selection=selection)
+    cache = ChunkBudgetCache(budget, selection=selection)
     with torch.no_grad():
         drafter(input_ids=ids[:, :p], past_key_values=cache, use_cache=True)
     for layer_idx in range(2):
@@ -151,7 +154,7 @@ def test_sparse_branch_equals_masked_full_attention(arch, p, budget):
     c = 10
     ids = prompt(p + c, seed=7 * p)
     prefix = prefill_prefix(drafter, ids[:, :p], chunk=16)
-    view = prefix.sparse_view(budget)
+    view = prefix.sparse_view(budget, selection="cumulative")  # the paper's score, which the reference computes
     kept = view.kept_indices[0][0, 0].tolist()
     assert kept == _eager_chunk_selection(drafter, ids[:, :p], budget)
     assert view.cache.layers[0].keys.shape[-2] == len(kept) <= budget
@@ -217,7 +220,7 @@ def _reference_gradients(verifier, drafter, ids, cfg, budget):
 @pytest.mark.parametrize("loss", ["budgetdraft", "la-only"])
 def test_gradient_is_that_of_la_plus_lambda_lc(loss):
     verifier = tiny_model("llama")
-    cfg = _config(loss=loss, lam=0.7)
+    cfg = _config(loss=loss, lam=0.7, selection="cumulative")  # the selection _reference_gradients computes
     trainer = BudgetDraftTrainer(verifier, _drafter(layers=1), cfg)
     ids = prompt(cfg.seq_len, seed=5)
     terms = trainer.accumulate_gradients(ids, budget=32)

@@ -55,7 +55,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kernels import runtime
-from .chunk_budget import cumulative_attention, select_tokens, top_chunk_indices
+from .chunk_selection import ChunkSelection, as_selection, select_chunks, select_tokens
 
 
 # The layer whose ``update`` ran last, read back by the "sparsekv_static" attention that transformers calls right
@@ -291,13 +291,15 @@ class StaticChunkBudgetCache(PreallocatedCache):
     and every token appended later."""
 
     def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
-                 per_kv_head: bool = False, score_window: int | None = None, batch: int = 1):
+                 per_kv_head: bool = False, score_window: int | None = None, batch: int = 1,
+                 selection: ChunkSelection | str = "observed"):
         if budget < chunk_size:
             raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
-        if per_kv_head:
+        selection = as_selection(selection, per_kv_head, score_window)
+        if selection.per_kv_head:
             raise NotImplementedError("per_kv_head selection is not supported on static storage")
         super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch)
-        self.budget, self.chunk_size, self.score_window = budget, chunk_size, score_window
+        self.budget, self.chunk_size, self.selection = budget, chunk_size, selection
         self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
         self.kept = [0] * batch
 
@@ -313,8 +315,7 @@ class StaticChunkBudgetCache(PreallocatedCache):
                scaling: float) -> None:
         """Keep the top chunks of the prompt given its queries ``[1, Hq, P, D]`` in the row being prefilled (called by
         the attention during a prefill longer than the budget)."""
-        scores = cumulative_attention(query, key_states, scaling, self.score_window).sum(1, keepdim=True)
-        kept = top_chunk_indices(scores, self.budget, self.chunk_size)
+        kept = select_chunks(query, key_states, scaling, self.budget, self.chunk_size, self.selection)
         self._keep(layer, select_tokens(key_states, kept), select_tokens(value_states, kept))
 
     def _keep(self, layer, keys, values) -> None:

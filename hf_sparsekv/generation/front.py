@@ -129,6 +129,13 @@ def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
                 f"tokens, but with num_assistant_tokens={gamma} up to {gamma - 1} rejected drafts are rolled back; "
                 f"build it with max_rollback >= {gamma - 1}"
             )
+        if (isinstance(draft_cache, ChunkBudgetCache) and draft_cache.generated_window is not None
+                and draft_cache.max_rollback < gamma - 1):
+            raise ValueError(
+                f"draft_cache: this ChunkBudgetCache (generated_window={draft_cache.generated_window}) rolls back at "
+                f"most max_rollback={draft_cache.max_rollback} tokens, but with num_assistant_tokens={gamma} up to "
+                f"{gamma - 1} rejected drafts are rolled back; build it with max_rollback >= {gamma - 1}"
+            )
         if drafter is model:
             if isinstance(draft_cache, HierarchicalQuantCache):
                 return SelfDrafter(model, draft_cache), draft_cache

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from ..caches.chunk_selection import as_selection
+
 LOSSES = ("budgetdraft", "la-only")
 
 
@@ -19,6 +21,10 @@ class TrainingConfig:
     Cat(``budgets``, ``budget_weights``) each step; ``loss="la-only"`` is the Table 3 ablation (no sparse branch);
     ``budgets=[1024], budget_weights=[1.0]`` is the single-budget variant of Appendix E.
 
+    Sparse views: ``selection`` names the chunk selection (:mod:`hf_sparsekv.caches.chunk_selection`), the one the
+    inference cache uses: ``"observed"`` (default, recent window + sinks + observation-window scores) or
+    ``"cumulative"`` (the paper's §3.4 score, with ``score_window``); ``per_kv_head`` as in ``ChunkBudgetCache``.
+
     Optimisation: AdamW(``lr``, ``weight_decay``), linear warm-up over ``warmup_steps`` then cosine decay to 0 at
     ``max_steps``, gradient norm clipped at ``clip_norm``, batch size 1 (per process).
     """
@@ -31,6 +37,7 @@ class TrainingConfig:
     chunk_size: int = 8
     per_kv_head: bool = False
     score_window: int | None = None
+    selection: str = "observed"
     lam: float = 0.5
     loss: str = "budgetdraft"
     lr: float = 1e-5
@@ -81,6 +88,7 @@ class TrainingConfig:
             raise ValueError(f"warmup_steps must be a non-negative integer, got {self.warmup_steps!r}")
         if self.score_window is not None and (not isinstance(self.score_window, int) or self.score_window <= 0):
             raise ValueError(f"score_window must be a positive integer or None, got {self.score_window!r}")
+        as_selection(self.selection, self.per_kv_head, self.score_window)  # raises on an unknown name or mix
 
     @property
     def prefix_len(self) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from ..caches.chunk_selection import METHODS
 from .config import LOSSES, TrainingConfig
 
 PAPER = TrainingConfig()
@@ -46,6 +47,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--lam", type=float, default=PAPER.lam, help="λ in L = L_A + λ·L_C")
     t.add_argument("--loss", choices=LOSSES, default=PAPER.loss, help="'la-only': the L_A ablation (Table 3)")
     t.add_argument("--per-kv-head", action="store_true", help="select chunks per KV head (as ChunkBudgetCache(per_kv_head=True))")
+    t.add_argument("--selection", choices=METHODS, default=PAPER.selection,
+                   help="sparse views' chunk selection (as ChunkBudgetCache(selection=...)); 'cumulative' is the paper's")
     t.add_argument("--lr", type=float, default=PAPER.lr, help="AdamW learning rate")
     t.add_argument("--weight-decay", type=float, default=PAPER.weight_decay, help="AdamW weight decay")
     t.add_argument("--warmup-steps", type=int, default=PAPER.warmup_steps, help="linear warm-up, then cosine decay")
@@ -79,7 +82,7 @@ def config_from_args(args) -> TrainingConfig:
     return TrainingConfig(
         seq_len=args.seq_len, continuation_len=args.continuation_len, prefill_chunk=args.prefill_chunk,
         budgets=list(args.budgets), budget_weights=list(weights), chunk_size=args.chunk_size,
-        per_kv_head=args.per_kv_head, lam=args.lam, loss=args.loss, lr=args.lr, weight_decay=args.weight_decay,
+        per_kv_head=args.per_kv_head, selection=args.selection, lam=args.lam, loss=args.loss, lr=args.lr, weight_decay=args.weight_decay,
         warmup_steps=args.warmup_steps, max_steps=args.max_steps, clip_norm=args.clip_norm, bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing, seed=args.seed,
     )

@@ -171,7 +171,7 @@ class BudgetDraftTrainer:
         terms = dict(loss_a=float(loss_a.detach()), loss_c=None, budget=None, agreement_a=agreement_a, agreement_c=None)
         if cfg.uses_sparse_branch:
             budget = self.sampler.sample() if budget is None else budget
-            view = prefix.sparse_view(budget, cfg.chunk_size, cfg.per_kv_head, cfg.score_window)
+            view = prefix.sparse_view(budget, cfg.chunk_size, cfg.per_kv_head, cfg.score_window, cfg.selection)
             with autocast(self.device, cfg.bf16):
                 logits_c = continuation_logits(self.drafter, continuation, view.cache, p)
             loss_c, agreement_c = top1_loss(logits_c, targets)

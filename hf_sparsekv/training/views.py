@@ -5,7 +5,7 @@ full-cache branch reads all P prefix tokens, the sparse branch reads the top ⌊
 chosen by the very code the inference cache runs: the prefill uses the ``"sparsekv"`` attention, whose scoring
 hand-over (:mod:`hf_sparsekv.caches.scoring_hook`) gives each layer its prefix queries, and the selection is a
 :class:`~hf_sparsekv.caches.chunk_budget.ChunkBudgetLayer` fed the full prefix and those queries, exactly as after
-an inference prefill (``cumulative_attention`` → head aggregation → ``top_chunk_indices`` → ``select_tokens``).
+an inference prefill (:func:`~hf_sparsekv.caches.chunk_selection.select_chunks` → ``select_tokens``).
 
 Both views are read-only: a continuation forward returns ``[prefix; new]`` keys/values without storing the new
 ones, so the prefix is never modified (this is Alg. 1's ``Clone(K_full)`` at no copy cost) and a forward replayed
@@ -28,6 +28,7 @@ from ..cache_keyword import cache_keyword
 from ..caches import scoring_hook
 from ..caches.base import CompressedCache, CompressedLayer, tensor_nbytes
 from ..caches.chunk_budget import ChunkBudgetLayer
+from ..caches.chunk_selection import ChunkSelection, as_selection
 
 
 class _QueryRecordingLayer(DynamicLayer):
@@ -120,15 +121,18 @@ class DrafterPrefix:
         return FrozenPrefixCache([FrozenPrefixLayer(k, v, self.length) for k, v in zip(self.keys, self.values)])
 
     def sparse_view(
-        self, budget: int, chunk_size: int = 8, per_kv_head: bool = False, score_window: int | None = None
+        self, budget: int, chunk_size: int = 8, per_kv_head: bool = False, score_window: int | None = None,
+        selection: ChunkSelection | str = "observed",
     ) -> SparseView:
-        """Top ⌊budget/chunk_size⌋ chunks per layer (Alg. 1 step 4, TopKChunks), selected by the inference cache's
-        own layer class. With P ≤ budget nothing is dropped, as at inference."""
+        """At most ⌊budget/chunk_size⌋ chunks per layer (Alg. 1 step 4, TopKChunks), selected by the inference cache's
+        own layer class under ``selection`` (see :mod:`hf_sparsekv.caches.chunk_selection`; ``"cumulative"`` is the
+        paper's score). With P ≤ budget nothing is dropped, as at inference."""
+        selection = as_selection(selection, per_kv_head, score_window)
         p = self.length
         layers, kept = [], []
         with torch.no_grad():
             for k, v, q, scale in zip(self.keys, self.values, self.queries, self.scaling):
-                selector = ChunkBudgetLayer(budget, chunk_size, per_kv_head, score_window)
+                selector = ChunkBudgetLayer(budget, chunk_size, selection)
                 selector.update(k, v)
                 if selector.awaiting_scores:
                     selector.select(q, scale)

@@ -1,0 +1,204 @@
+"""Which chunks of a prompt a chunk-budget cache keeps (BudgetDraft's TopKChunks, §3.4): the one selection used by
+every place that selects (the dynamic :class:`~.chunk_budget.ChunkBudgetCache`, its static form in
+:mod:`.static`, self-drafting through the former, and the BudgetDraft trainer's sparse views).
+
+The prompt of length P is cut into chunks of ``s = chunk_size`` tokens aligned at position 0 (the last one partial
+when s does not divide P); at most ⌊B/s⌋ chunks are kept (the partial one counts as one), so never more than B
+tokens. Two methods, named by :attr:`ChunkSelection.method`:
+
+``"observed"`` (the default): what the next tokens need.
+    1. The last ``observe`` prompt queries vote (SnapKV's observation window): each key j gets the attention weight
+       those queries put on it, summed over the query heads of the selection group (all heads of the layer, or
+       the heads of one KV group with ``per_kv_head``), divided by the number of voting queries that can see j
+       (``min(w, P - j)``, w = min(observe, P)), so a key inside the window is not penalised for being seen by
+       fewer queries (the causal mask).
+    2. The per-token scores are max-pooled over ``pool`` neighbouring tokens (odd; 1 = none), so a chunk next to
+       a strongly attended token keeps its neighbourhood (SnapKV's clustering).
+    3. A chunk's score is the sum of its pooled token scores.
+    4. The last min(``recent``, ⌊``recent_cap``·B⌋) prompt tokens (rounded up to whole chunks, the partial chunk
+       included) and the first
+       ``sink`` tokens (rounded up to whole chunks) are always kept (StreamingLLM's window and attention sinks;
+       when the budget cannot hold both, the recent chunks win); the rest of the ⌊B/s⌋ chunks go to the best
+       scores.
+
+``"cumulative"``: the paper's plain score (§3.4: "scoring each chunk by cumulative attention weight"): every
+    prompt query votes (or the last ``score_window`` of them), no normalisation, no pooling, no forced chunks
+    other than the partial trailing chunk. Kept so that the paper's setting can be reproduced; under a causal
+    mask it favours the start of the prompt (issue 36).
+
+The observed defaults were chosen on held-out documents 0, 1 and 3 of the bundled pair at 2K prompts
+(``benchmarks/chunk_selection.py --variant``; BENCHMARKS.md, "Chunk selection"), the reported tables use others.
+
+Both are computed ``block_size`` queries at a time in float32: memory O(block·P) per layer, never P×P.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .base import is_integer
+
+METHODS = ("observed", "cumulative")
+
+
+@dataclass(frozen=True)
+class ChunkSelection:
+    """How a chunk-budget cache scores and keeps prompt chunks (see the module docstring).
+
+    Args:
+        method: ``"observed"`` or ``"cumulative"`` (the paper's plain score).
+        observe: observed: the last ``observe`` prompt queries vote (default 128).
+        pool: observed: max-pool width over token scores (odd, 1 = none; default 7).
+        recent: observed: the last min(recent, ⌊recent_cap·B⌋) prompt tokens are always kept, rounded up to
+            chunks (default 256: the bundled verifier's greedy output needs a contiguous recent window of that
+            order; a shorter one loses agreement on some documents).
+        recent_cap: observed: the share of the budget the recent window may take, so that at least a quarter of it
+            goes to scored chunks (default 0.75).
+        sink: observed: the first ``sink`` prompt tokens are always kept (rounded up to chunks; default 8).
+        per_kv_head: one selection per KV head (scores summed over its query heads) instead of one per layer.
+        score_window: cumulative: only the last ``score_window`` queries vote (None: all, the paper's setting).
+    """
+
+    method: str = "observed"
+    observe: int = 128
+    pool: int = 7
+    recent: int = 256
+    recent_cap: float = 0.75
+    sink: int = 8
+    per_kv_head: bool = False
+    score_window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"selection must be one of {METHODS}, got {self.method!r}")
+        for name in ("observe", "pool"):
+            value = getattr(self, name)
+            if not is_integer(value) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.pool % 2 == 0:
+            raise ValueError(f"pool must be odd (a centred window), got {self.pool!r}")
+        if not is_integer(self.sink) or self.sink < 0:
+            raise ValueError(f"sink must be a non-negative integer, got {self.sink!r}")
+        if not is_integer(self.recent) or self.recent < 0:
+            raise ValueError(f"recent must be a non-negative integer, got {self.recent!r}")
+        if not isinstance(self.recent_cap, (int, float)) or not 0.0 <= self.recent_cap <= 1.0:
+            raise ValueError(f"recent_cap must be a share of the budget in [0, 1], got {self.recent_cap!r}")
+        if self.score_window is not None and (not is_integer(self.score_window) or self.score_window <= 0):
+            raise ValueError(f"score_window must be a positive integer or None, got {self.score_window!r}")
+        if self.score_window is not None and self.method != "cumulative":
+            raise ValueError("score_window belongs to selection='cumulative'; the observed selection uses observe=")
+        for name in ("observe", "pool", "recent", "sink"):
+            object.__setattr__(self, name, int(getattr(self, name)))
+        object.__setattr__(self, "recent_cap", float(self.recent_cap))
+
+    def recent_tokens(self, budget: int) -> int:
+        """Prompt tokens always kept at the end under ``budget``: min(recent, ⌊recent_cap·budget⌋)."""
+        return min(self.recent, int(self.recent_cap * budget))
+        if self.score_window is not None:
+            object.__setattr__(self, "score_window", int(self.score_window))
+
+
+def as_selection(selection: "ChunkSelection | str", per_kv_head: bool = False,
+                 score_window: int | None = None) -> ChunkSelection:
+    """A :class:`ChunkSelection` from an instance or a method name (with the older keyword arguments)."""
+    if isinstance(selection, ChunkSelection):
+        if per_kv_head or score_window is not None:
+            raise ValueError("pass per_kv_head/score_window inside the ChunkSelection, not beside it")
+        return selection
+    return ChunkSelection(method=selection, per_kv_head=bool(per_kv_head), score_window=score_window)
+
+
+def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, score_window: int | None = None,
+                         block_size: int = 512) -> torch.Tensor:
+    """Attention mass each key receives from causal queries, summed over queries, in float32.
+
+    query: ``[B, Hq, P, D]`` (prompt queries at positions 0..P-1), key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv.
+    Only the last ``score_window`` queries vote when it is given. Computed ``block_size`` queries at a time, so
+    memory is O(block_size·P), never P×P. Returns ``[B, Hq, P]``.
+    """
+    b, hq, p, d = query.shape
+    group = hq // key.shape[1]
+    k = key.float().repeat_interleave(group, dim=1)
+    first = 0 if score_window is None else max(0, p - score_window)
+    scores = torch.zeros(b, hq, p, dtype=torch.float32, device=query.device)
+    key_pos = torch.arange(p, device=query.device)
+    for start in range(first, p, block_size):
+        stop = min(start + block_size, p)
+        logits = torch.matmul(query[:, :, start:stop].float(), k.transpose(-1, -2)) * scaling
+        q_pos = torch.arange(start, stop, device=query.device)
+        logits.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
+        scores += torch.softmax(logits, dim=-1).sum(dim=-2)
+    return scores
+
+
+def _grouped(scores: torch.Tensor, kv_heads: int, per_kv_head: bool) -> torch.Tensor:
+    """``[B, Hq, P]`` -> ``[B, G, P]``: summed over each KV group's query heads (G = Hkv) or over all heads (G = 1)."""
+    b, hq, p = scores.shape
+    return scores.view(b, kv_heads, hq // kv_heads, p).sum(2) if per_kv_head else scores.sum(1, keepdim=True)
+
+
+def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selection: ChunkSelection) -> torch.Tensor:
+    """Per-token scores ``[B, G, P]`` float32 (G = Hkv with ``per_kv_head``, else 1) under ``selection``;
+    query ``[B, Hq, P, D]``, key ``[B, Hkv, P, D]`` (post-RoPE, positions 0..P-1)."""
+    p = query.shape[-2]
+    if selection.method == "cumulative":
+        raw = cumulative_attention(query, key, scaling, selection.score_window)
+        return _grouped(raw, key.shape[1], selection.per_kv_head)
+    w = min(selection.observe, p)
+    raw = cumulative_attention(query, key, scaling, w)
+    seen_by = torch.clamp(p - torch.arange(p, device=query.device), max=w).float()  # voting queries that see key j
+    scores = _grouped(raw / seen_by, key.shape[1], selection.per_kv_head)
+    if selection.pool > 1:
+        scores = F.max_pool1d(scores, selection.pool, stride=1, padding=selection.pool // 2)
+    return scores
+
+
+def kept_chunk_count(p: int, budget: int, chunk_size: int) -> int:
+    """Chunks kept of a prompt of ``p`` tokens: min(⌈p/s⌉, ⌊budget/s⌋)."""
+    return min(-(-p // chunk_size), budget // chunk_size)
+
+
+def top_chunk_indices(scores: torch.Tensor, budget: int, chunk_size: int, recent: int = 0,
+                      sink: int = 0) -> torch.Tensor:
+    """Token indices of the kept chunks, ascending, from per-token ``scores [B, G, P]``.
+
+    Returns ``[B, G, N]`` int64, N = min(P, r + (⌊budget/s⌋ - [r>0])·s), r = P mod s: the trailing partial chunk,
+    the full chunks covering the last ``recent`` tokens and those covering the first ``sink`` tokens (as many as
+    fit, recent first) are always kept; the best-scoring full chunks (by summed token score) fill the rest.
+    """
+    b, g, p = scores.shape
+    n_full = p // chunk_size
+    tail = p - n_full * chunk_size
+    n_keep_full = min(n_full, budget // chunk_size - (1 if tail else 0))
+    chunk = scores[..., : n_full * chunk_size].reshape(b, g, n_full, chunk_size).sum(-1)
+    n_recent = min(n_keep_full, -(-max(0, recent - tail) // chunk_size))
+    n_sink = min(n_keep_full - n_recent, -(-sink // chunk_size), n_full - n_recent)
+    if n_recent or n_sink:
+        chunk = chunk.clone()
+        chunk[..., n_full - n_recent :] = float("inf")
+        chunk[..., :n_sink] = float("inf")
+    best = torch.topk(chunk, n_keep_full, dim=-1, sorted=False).indices.sort(dim=-1).values
+    offsets = torch.arange(chunk_size, device=scores.device)
+    idx = (best[..., None] * chunk_size + offsets).flatten(-2)
+    tail_idx = torch.arange(n_full * chunk_size, p, device=scores.device).expand(b, g, tail)
+    return torch.cat([idx, tail_idx], dim=-1)
+
+
+def select_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, budget: int, chunk_size: int,
+                  selection: ChunkSelection) -> torch.Tensor:
+    """The kept token indices ``[B, G, N]`` (ascending, N <= budget) of a prompt whose queries are
+    ``[B, Hq, P, D]`` and keys ``[B, Hkv, P, D]``."""
+    scores = token_scores(query, key, scaling, selection)
+    if selection.method == "cumulative":
+        return top_chunk_indices(scores, budget, chunk_size)
+    return top_chunk_indices(scores, budget, chunk_size, selection.recent_tokens(budget), selection.sink)
+
+
+def select_tokens(states: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """Gather ``states [B, H, P, D]`` at ``indices [B, 1 or H, N]`` along the token axis -> ``[B, H, N, D]``."""
+    b, h, _, d = states.shape
+    idx = indices.expand(b, h, indices.shape[-1]).unsqueeze(-1).expand(-1, -1, -1, d)
+    return torch.gather(states, 2, idx)
