@@ -8,16 +8,25 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+    Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, StableLmConfig, StableLmForCausalLM,
+)
 
 import hf_sparsekv  # noqa: F401  (registers the attention implementation and the generate() arguments)
 
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "mistral")
+# Attention modules unlike Llama's: fused qkv_proj (Phi-3), partial rotary (StableLM, 1/4 of each head), both
+# (GPT-NeoX: fused query_key_value, rotary_pct 1/4, no GQA). The lossless grid runs them in every mode.
+OTHER_ARCHS = ("phi3", "stablelm", "gpt_neox")
 _CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+    "stablelm": (StableLmConfig, StableLmForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
 }
 
 
@@ -40,13 +49,15 @@ def tiny_model(arch: str, role: str = "verifier", seed: int = 0, layers: int | N
     )
     if arch == "mistral":
         kwargs["sliding_window"] = 256 if big else None
+    if arch == "gpt_neox":  # multi-head attention only
+        del kwargs["num_key_value_heads"]
     config = config_cls(**kwargs)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = model_cls(config).eval().to(torch.float64)
     # Spread the logits so that greedy paths are varied and argmax gaps are wide.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     return model
 
 
