@@ -210,3 +210,40 @@ def test_a_sampled_int4_engine_takes_one_row():
     with pytest.raises(NotImplementedError, match="one row at a time"):
         graph_loop.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
     graph_loop.release_engines()
+
+
+def test_padded_batch_without_attention_mask_is_masked_as_stock_infers_it():
+    """No attention_mask: stock generate() infers it from pad_token_id (not an EOS id), so the speculative output is
+    stock's greedy batch output, and each row its prompt alone; a pad id inside a prompt is refused, naming it."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    prompts = [prompt(n, 60 + n) for n in (40, 11)]
+    ids, _ = _left_padded(prompts)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10)
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
+    _assert_rows(out, prompts, [_reference(verifier, p, "chunk", max_new_tokens=10) for p in prompts], ids.shape[1])
+    inside = ids.clone()
+    inside[1, -3] = PAD
+    with pytest.raises(ValueError, match=f"pad_token_id={PAD} where it is not left padding"):
+        verifier.generate(inside, assistant_model=drafter, kv_budget=16, max_new_tokens=4)
+
+
+def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
+    """pad_token_id == eos_token_id: stock cannot infer the mask and warns; so do we, and both treat the padding
+    as tokens (the same output)."""
+    from transformers.utils import logging as hf_logging
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids, _ = _left_padded([prompt(30, 1), prompt(12, 2)])
+    hf_logging.enable_propagation()
+    try:
+        hf_logging.get_logger("transformers.generation.utils").warning_once.cache_clear()  # (once per process)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="transformers.generation.utils"):
+            out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=6, pad_token_id=2,
+                                    eos_token_id=2)
+        ours = [r.getMessage() for r in caplog.records]
+        reference = verifier.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=2)
+    finally:
+        hf_logging.disable_propagation()
+    assert torch.equal(out, reference)
+    assert any("cannot be inferred from input because pad token is same as eos token" in m for m in ours), ours
