@@ -247,3 +247,23 @@ def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
         hf_logging.disable_propagation()
     assert torch.equal(out, reference)
     assert any("cannot be inferred from input because pad token is same as eos token" in m for m in ours), ours
+
+
+def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
+    """A batched call on the eager loop says that it decodes rows one after another only at debug level: nothing at
+    the default verbosity (warnings), in any call of the process."""
+    from transformers.utils import logging as hf_logging
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids, mask = _left_padded([prompt(20, 1), prompt(9, 2)])
+    hf_logging.enable_propagation()
+    try:
+        logging_module = __import__("logging")
+        logging_module.Logger.warning_once.cache_clear()  # as in a fresh process
+        with caplog.at_level("DEBUG", logger="hf_sparsekv"):
+            verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=3,
+                              do_sample=True)
+    finally:
+        hf_logging.disable_propagation()
+    ours = [r for r in caplog.records if r.name.startswith("hf_sparsekv") and "one row after another" in r.getMessage()]
+    assert ours and all(r.levelname == "DEBUG" for r in ours)
