@@ -81,6 +81,7 @@ def arch(request):
 
 CHILD_SUMMARY = pytest.StashKey[str]()  # test_kernels' child run: its pytest summary line
 REAL_ENV = "HF_SPARSEKV_REAL"
+EXTENDED_ENV = "HF_SPARSEKV_EXTENDED"  # `make test-extended`: the extra cases of the randomized grids (marker extended)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -98,7 +99,14 @@ def pytest_collection_modifyitems(config, items):
     skip_real = None if os.environ.get(REAL_ENV) == "1" else pytest.mark.skip(
         reason=f"real-pair test: run `make test-real` (or set {REAL_ENV}=1 after benchmarks/real_models.py fetch)"
     )
+    # More random cases of grids whose default cases already cover every architecture x mode (x path): opt-in, so
+    # that `make test` stays within 10 minutes on 2 idle cores.
+    skip_extended = None if os.environ.get(EXTENDED_ENV) == "1" else pytest.mark.skip(
+        reason=f"extended grid case: run `make test-extended` (or set {EXTENDED_ENV}=1)"
+    )
     for item in items:
+        if skip_extended is not None and "extended" in item.keywords:
+            item.add_marker(skip_extended)
         if skip_cuda is not None and "cuda" in item.keywords:
             item.add_marker(skip_cuda)
         if skip_real is not None and "real" in item.keywords:

@@ -80,8 +80,9 @@ def _cases(n=15, seed=4):
         arch = ARCHS[i % len(ARCHS)]
         lengths = [rng.choice([1, 2, 7, 33, 90, 170, 257, 400]) for _ in range(rng.randint(2, 5))]
         # γ changes every len(modes) cases, so every (mode, γ) and every (architecture, γ) pair is covered
-        cases.append((arch, modes[i % len(modes)], (1, 3, 5)[(i // len(modes)) % 3], tuple(lengths),
-                      rng.randint(0, 10**6)))
+        case = (arch, modes[i % len(modes)], (1, 3, 5)[(i // len(modes)) % 3], tuple(lengths), rng.randint(0, 10**6))
+        # The first len(modes) cases cover every mode and architecture; the rest vary γ and lengths: extended.
+        cases.append(case if i < len(modes) else pytest.param(*case, marks=pytest.mark.extended))
     return cases
 
 
@@ -145,7 +146,7 @@ def test_rejected_and_accepted_rows_side_by_side(path):
     assert rejected_row.acceptance_rate < 0.35
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS])
 def test_int4_rows_cross_quantization_points_at_their_own_rounds(path, arch, monkeypatch):
     """Self-speculation with G = 16 and γ = 5 on rows whose lengths put them at different phases of their groups:
     the quantization state moves every 16 tokens, so in many rounds one row may keep only part of its block (its

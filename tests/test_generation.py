@@ -574,7 +574,7 @@ def test_an_unsupported_option_from_the_model_config_is_named_as_such():
                           max_new_tokens=4, do_sample=False)
 
 
-@pytest.mark.parametrize("gamma", [2, 5])
+@pytest.mark.parametrize("gamma", [2, pytest.param(5, marks=pytest.mark.extended)])  # ~65 s of CPU each
 def test_smallest_window_and_rollback_are_lossless(gamma):
     """A window budget one above the sink tokens, and a SinkWindowCache rolling back exactly γ − 1 tokens (the most
     rejected drafts a round leaves), still give greedy AR."""
