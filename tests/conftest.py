@@ -102,7 +102,7 @@ def pytest_collection_modifyitems(config, items):
     # More random cases of grids whose default cases already cover every architecture x mode (x path): opt-in, so
     # that `make test` stays within 10 minutes on 2 idle cores.
     skip_extended = None if os.environ.get(EXTENDED_ENV) == "1" else pytest.mark.skip(
-        reason=f"extended grid case: run `make test-extended` (or set {EXTENDED_ENV}=1)"
+        reason=f"opt-in (extended) case: run `make test-extended` (or set {EXTENDED_ENV}=1)"
     )
     for item in items:
         if skip_extended is not None and "extended" in item.keywords:
