@@ -35,6 +35,11 @@ install: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# The opt-in cases (marker `extended`, skipped by `make test`): the grids' further random cases, the exact sampling
+# distributions of most modes, the Triton kernels under TRITON_INTERPRET=1; about 20 more minutes on 2 idle cores.
+test-extended: $(STAMP)
+	HF_SPARSEKV_EXTENDED=1 $(PY) -m pytest tests -m extended --durations=10
+
 # The same suite on the lowest transformers release pyproject.toml admits, in its own environment.
 LOWEST_VENV := .venv-lowest
 LOWEST_PY := $(LOWEST_VENV)/bin/python

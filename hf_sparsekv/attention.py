@@ -156,8 +156,7 @@ def sparsekv_attention(
             out = verify_attention(query, key, value, scale), None
     if out is None:
         out = sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs)
-    if scoring is not None:
-        scoring.select(query, scale)
+    scoring_hook.hand_over(module, query, key, scale, scoring)
     if (
         isinstance(layer, HierarchicalQuantLayer)
         and runtime.enabled(query.device)

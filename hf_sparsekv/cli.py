@@ -13,13 +13,22 @@ from .compare import SPEED_ON_CPU, compare, report
 from .generation.front import check_budget
 
 
+def _looks_local(name: str) -> bool:
+    """Whether ``name`` can only be a local path: it starts with ``/``, ``./``, ``../`` or ``~``, has a backslash, or
+    has more than one ``/`` (a Hub id is ``name`` or ``namespace/name``)."""
+    return name.startswith(("/", "./", "../", "~", ".\\")) or "\\" in name or name.strip("/").count("/") > 1
+
+
 def refuse_missing_model_paths(args, parser) -> None:
-    """``parser.error`` for ``--verifier``/``--drafter``/``--tokenizer`` written as a local path (``/``, ``./``,
-    ``../``, ``~``) that does not exist (so not a Hub id either)."""
+    """``parser.error`` for ``--verifier``/``--drafter``/``--tokenizer`` written as a local path (see
+    :func:`_looks_local`) that does not exist: at once, naming it and where it was looked for, instead of asking
+    the Hub for an id it cannot be."""
     for flag in ("verifier", "drafter", "tokenizer"):
         name = getattr(args, flag)
-        if name and name.startswith(("/", "./", "../", "~")) and not Path(name).expanduser().exists():
-            parser.error(f"--{flag} {name}: no such file or directory")
+        if name and _looks_local(name) and not Path(name).expanduser().exists():
+            where = "" if Path(name).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
+            parser.error(f"--{flag} {name}: no such file or directory{where}; it is not a Hub id (namespace/name) "
+                         "either. For the bundled pair use --pair")
 
 
 def resolve_generate_args(args, parser) -> None:
@@ -39,7 +48,7 @@ def resolve_generate_args(args, parser) -> None:
     refuse_missing_model_paths(args, parser)
     if args.prompt_file and not Path(args.prompt_file).is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
-    if not args.prompt_file and not args.prompt:
+    if args.prompt is not None and not args.prompt_file and not args.prompt:
         parser.error("--prompt is empty")
     if args.mode in ("chunk", "window"):
         try:
@@ -60,14 +69,39 @@ def _load(name: str, device: str, dtype: str):
     return AutoModelForCausalLM.from_pretrained(name, dtype=getattr(torch, dtype)).to(device).eval()
 
 
+TAIL_TOKENS = 48  # how much of the prompt is echoed before the completion
+
+
+def default_prompt(tokens: int) -> str:
+    """The first ``tokens`` tokens of the bundled pair's first held-out evaluation document (Python source from a
+    package the pair never trained on), as text."""
+    from transformers import AutoTokenizer
+
+    from .zoo import PAIR_DIR, eval_documents
+
+    tokenizer = AutoTokenizer.from_pretrained(PAIR_DIR / "tokenizer", local_files_only=True)
+    return tokenizer.decode(eval_documents()[0][:tokens])
+
+
 def cmd_generate(args) -> int:
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     verifier = _load(args.verifier, args.device, args.dtype)
     drafter = verifier if args.mode == "int4" else _load(args.drafter, args.device, args.dtype)
-    text = open(args.prompt_file).read() if args.prompt_file else args.prompt
+    if args.prompt_file:
+        text, source = open(args.prompt_file).read(), args.prompt_file
+    elif args.prompt is not None:
+        text, source = args.prompt, "--prompt"
+    else:
+        text, source = default_prompt(args.prompt_tokens), "a held-out document of the bundled pair (--prompt-tokens)"
     ids = tokenizer(text, return_tensors="pt").input_ids.to(args.device)
+    print(f"prompt: {source}, {ids.shape[1]} tokens; its last {min(ids.shape[1], TAIL_TOKENS)}:")
+    print(tokenizer.decode(ids[0, -TAIL_TOKENS:]))
+    print("---")
+    if args.mode in ("chunk", "window") and ids.shape[1] <= args.budget:
+        print(f"(the prompt fits the budget of {args.budget} tokens: the drafter's cache keeps all of it, nothing is "
+              "compressed; give a longer prompt or a smaller --budget)")
     result = compare(verifier, drafter, ids, args.mode, args.budget, args.gamma, args.max_new_tokens)
     on_gpu = torch.device(args.device).type == "cuda"
     report(f"{args.mode} (budget {args.budget}, gamma {args.gamma})", result, tokenizer, ids.shape[1], on_gpu)

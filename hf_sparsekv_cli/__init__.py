@@ -1,9 +1,10 @@
-"""The ``hf-sparsekv`` command line: argument parsing only, so that ``hf-sparsekv --help`` answers at once.
+"""hf-sparsekv: long-context speculative decoding for HF transformers. A small drafter proposes tokens on a compressed
+KV cache (a chunk budget, a sliding window, or INT4 self-speculation), the full model verifies them; the output is
+token for token the model's own greedy output.
 
-It lives outside the ``hf_sparsekv`` package on purpose: importing ``hf_sparsekv`` imports torch and transformers
-(to wire ``generate()``), several seconds before anything is printed. The commands themselves are in
-:mod:`hf_sparsekv.cli` and are imported only when one runs; ``train-drafter``'s options (defined next to its code, in
-:mod:`hf_sparsekv.training.run`) are loaded only when that command is named.
+(Developer note: this module only parses arguments, outside the ``hf_sparsekv`` package, so that ``--help``
+answers at once without importing torch and transformers; the commands are in :mod:`hf_sparsekv.cli`, and
+``train-drafter``'s options, defined in :mod:`hf_sparsekv.training.run`, load only when that command is named.)
 """
 
 from __future__ import annotations
@@ -11,6 +12,14 @@ from __future__ import annotations
 import argparse
 import sys
 
+DESCRIPTION = (
+    "Long-context speculative decoding for HF transformers: a drafter proposes tokens on a compressed KV cache (chunk "
+    "budget, sliding window or INT4 self-speculation) and the model verifies them, so the output is token for token "
+    "its own greedy output. `generate` runs one prompt both ways and prints the completion, acceptance and tau; "
+    "`demo` does it with the bundled trained pair on a held-out document; `train-drafter` trains a drafter "
+    "(BudgetDraft)."
+)
+EPILOG = "example: hf-sparsekv generate --pair --mode chunk --budget 256 --max-new-tokens 64"
 COMMANDS = {
     "generate": "speculative vs greedy AR generation on one prompt",
     "demo": "speculative generation with the bundled pair on a held-out document",
@@ -50,8 +59,11 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     s.add_argument("--mode", default="chunk", choices=["chunk", "window", "int4", "full"], help="drafter cache")
     s.add_argument("--budget", type=_positive_int, default=256, help="drafter KV budget (chunk/window)")
     s.add_argument("--gamma", type=_positive_int, default=5, help="draft tokens per round")
-    s.add_argument("--prompt", default="def fibonacci(n):")
+    s.add_argument("--prompt", help="the prompt text (default: the start of a held-out Python source document of the "
+                                    "bundled pair, --prompt-tokens long, so that the budget bites)")
     s.add_argument("--prompt-file", help="read the prompt from this file (instead of --prompt)")
+    s.add_argument("--prompt-tokens", type=_positive_int, default=1024,
+                   help="length of the default prompt, in tokens of the bundled pair's tokenizer")
     s.add_argument("--max-new-tokens", type=_positive_int, default=128)
     s.add_argument("--device", default="auto", help="'auto': cuda if available, else cpu")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
@@ -60,7 +72,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The full parser; ``train-drafter``'s options are added (importing the training code) only if ``argv`` names it."""
-    parser = argparse.ArgumentParser(prog="hf-sparsekv", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="hf-sparsekv", description=DESCRIPTION, epilog=EPILOG)
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     parser.commands = {}  # name -> its sub-parser, whose error() names the command's usage
     for name, text in COMMANDS.items():

@@ -8,16 +8,25 @@ import os
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (
+    GPTNeoXConfig, GPTNeoXForCausalLM, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Phi3Config,
+    Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, StableLmConfig, StableLmForCausalLM,
+)
 
 import hf_sparsekv  # noqa: F401  (registers the attention implementation and the generate() arguments)
 
 VOCAB = 96
 ARCHS = ("llama", "qwen2", "mistral")
+# Attention modules unlike Llama's: fused qkv_proj (Phi-3), partial rotary (StableLM, 1/4 of each head), both
+# (GPT-NeoX: fused query_key_value, rotary_pct 1/4, no GQA). The lossless grid runs them in every mode.
+OTHER_ARCHS = ("phi3", "stablelm", "gpt_neox")
 _CLASSES = {
     "llama": (LlamaConfig, LlamaForCausalLM),
     "qwen2": (Qwen2Config, Qwen2ForCausalLM),
     "mistral": (MistralConfig, MistralForCausalLM),
+    "phi3": (Phi3Config, Phi3ForCausalLM),
+    "stablelm": (StableLmConfig, StableLmForCausalLM),
+    "gpt_neox": (GPTNeoXConfig, GPTNeoXForCausalLM),
 }
 
 
@@ -40,13 +49,15 @@ def tiny_model(arch: str, role: str = "verifier", seed: int = 0, layers: int | N
     )
     if arch == "mistral":
         kwargs["sliding_window"] = 256 if big else None
+    if arch == "gpt_neox":  # multi-head attention only
+        del kwargs["num_key_value_heads"]
     config = config_cls(**kwargs)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = model_cls(config).eval().to(torch.float64)
     # Spread the logits so that greedy paths are varied and argmax gaps are wide.
     with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
+        model.get_output_embeddings().weight.mul_(8.0)
     return model
 
 
@@ -70,6 +81,7 @@ def arch(request):
 
 CHILD_SUMMARY = pytest.StashKey[str]()  # test_kernels' child run: its pytest summary line
 REAL_ENV = "HF_SPARSEKV_REAL"
+EXTENDED_ENV = "HF_SPARSEKV_EXTENDED"  # `make test-extended`: the extra cases of the randomized grids (marker extended)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -87,7 +99,14 @@ def pytest_collection_modifyitems(config, items):
     skip_real = None if os.environ.get(REAL_ENV) == "1" else pytest.mark.skip(
         reason=f"real-pair test: run `make test-real` (or set {REAL_ENV}=1 after benchmarks/real_models.py fetch)"
     )
+    # More random cases of grids whose default cases already cover every architecture x mode (x path): opt-in, so
+    # that `make test` stays within 10 minutes on 2 idle cores.
+    skip_extended = None if os.environ.get(EXTENDED_ENV) == "1" else pytest.mark.skip(
+        reason=f"opt-in (extended) case: run `make test-extended` (or set {EXTENDED_ENV}=1)"
+    )
     for item in items:
+        if skip_extended is not None and "extended" in item.keywords:
+            item.add_marker(skip_extended)
         if skip_cuda is not None and "cuda" in item.keywords:
             item.add_marker(skip_cuda)
         if skip_real is not None and "real" in item.keywords:

@@ -80,8 +80,9 @@ def _cases(n=15, seed=4):
         arch = ARCHS[i % len(ARCHS)]
         lengths = [rng.choice([1, 2, 7, 33, 90, 170, 257, 400]) for _ in range(rng.randint(2, 5))]
         # γ changes every len(modes) cases, so every (mode, γ) and every (architecture, γ) pair is covered
-        cases.append((arch, modes[i % len(modes)], (1, 3, 5)[(i // len(modes)) % 3], tuple(lengths),
-                      rng.randint(0, 10**6)))
+        case = (arch, modes[i % len(modes)], (1, 3, 5)[(i // len(modes)) % 3], tuple(lengths), rng.randint(0, 10**6))
+        # The first len(modes) cases cover every mode and architecture; the rest vary γ and lengths: extended.
+        cases.append(case if i < len(modes) else pytest.param(*case, marks=pytest.mark.extended))
     return cases
 
 
@@ -145,7 +146,7 @@ def test_rejected_and_accepted_rows_side_by_side(path):
     assert rejected_row.acceptance_rate < 0.35
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS])
 def test_int4_rows_cross_quantization_points_at_their_own_rounds(path, arch, monkeypatch):
     """Self-speculation with G = 16 and γ = 5 on rows whose lengths put them at different phases of their groups:
     the quantization state moves every 16 tokens, so in many rounds one row may keep only part of its block (its
@@ -210,3 +211,60 @@ def test_a_sampled_int4_engine_takes_one_row():
     with pytest.raises(NotImplementedError, match="one row at a time"):
         graph_loop.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
     graph_loop.release_engines()
+
+
+def test_padded_batch_without_attention_mask_is_masked_as_stock_infers_it():
+    """No attention_mask: stock generate() infers it from pad_token_id (not an EOS id), so the speculative output is
+    stock's greedy batch output, and each row its prompt alone; a pad id inside a prompt is refused, naming it."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    prompts = [prompt(n, 60 + n) for n in (40, 11)]
+    ids, _ = _left_padded(prompts)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10)
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
+    _assert_rows(out, prompts, [_reference(verifier, p, "chunk", max_new_tokens=10) for p in prompts], ids.shape[1])
+    inside = ids.clone()
+    inside[1, -3] = PAD
+    with pytest.raises(ValueError, match=f"pad_token_id={PAD} where it is not left padding"):
+        verifier.generate(inside, assistant_model=drafter, kv_budget=16, max_new_tokens=4)
+
+
+def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
+    """pad_token_id == eos_token_id: stock cannot infer the mask and warns; so do we, and both treat the padding
+    as tokens (the same output)."""
+    from transformers.utils import logging as hf_logging
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids, _ = _left_padded([prompt(30, 1), prompt(12, 2)])
+    hf_logging.enable_propagation()
+    try:
+        hf_logging.get_logger("transformers.generation.utils").warning_once.cache_clear()  # (once per process)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="transformers.generation.utils"):
+            out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=6, pad_token_id=2,
+                                    eos_token_id=2)
+        ours = [r.getMessage() for r in caplog.records]
+        reference = verifier.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=2, eos_token_id=2)
+    finally:
+        hf_logging.disable_propagation()
+    assert torch.equal(out, reference)
+    assert any("cannot be inferred from input because pad token is same as eos token" in m for m in ours), ours
+
+
+def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
+    """A batched call on the eager loop says that it decodes rows one after another only at debug level: nothing at
+    the default verbosity (warnings), in any call of the process."""
+    from transformers.utils import logging as hf_logging
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids, mask = _left_padded([prompt(20, 1), prompt(9, 2)])
+    hf_logging.enable_propagation()
+    try:
+        logging_module = __import__("logging")
+        logging_module.Logger.warning_once.cache_clear()  # as in a fresh process
+        with caplog.at_level("DEBUG", logger="hf_sparsekv"):
+            verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=3,
+                              do_sample=True)
+    finally:
+        hf_logging.disable_propagation()
+    ours = [r for r in caplog.records if r.name.startswith("hf_sparsekv") and "one row after another" in r.getMessage()]
+    assert ours and all(r.levelname == "DEBUG" for r in ours)

@@ -49,6 +49,7 @@ def test_quick_args_and_job_order():
     assert full.gammas == list(range(1, 11)) and full.new_tokens == 256 and full.repeats >= 3
 
 
+@pytest.mark.extended  # ~70 s of CPU; the benchmark is itself opt-in (make bench): make test-extended
 def test_minimal_run_on_the_pair(tmp_path, monkeypatch):
     bench = _harness()
     original = bench._generate_fn

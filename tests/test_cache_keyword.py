@@ -71,3 +71,31 @@ def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
     assert not [r for r in caplog.records if "past_key_values" in r.getMessage()]
     cache = getattr(out, output_field(type(out)))
     assert cache is not None and cache.get_seq_length() == out.sequences.shape[1] - 1
+
+
+@pytest.mark.parametrize("kind", ["chunk", "dynamic"])
+def test_a_cache_passed_to_stock_generate_warns_only_as_stock_does(kind):
+    """A cache passed to stock generate() (no kv_budget) goes through our guarded wrapper: under the keyword this
+    transformers expects it raises no warning; under the old name it raises at most stock's own FutureWarning,
+    attributed like stock's to the line that called generate(), never to a file of ours. The output is the same."""
+    from hf_sparsekv import ChunkBudgetCache
+    from hf_sparsekv.generation import registration
+
+    from .conftest import prompt
+
+    model = tiny_model("llama")
+    ids = prompt(40, seed=1)
+    make = (lambda: ChunkBudgetCache(16)) if kind == "chunk" else DynamicCache
+    outputs = []
+    for name in ("past_key_values", cache_keyword(model)):  # the same name twice before 5.24
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            outputs.append(model.generate(ids, max_new_tokens=4, do_sample=False, **{name: make()}))
+        cache_warnings = [w for w in caught if "past_key_values" in str(w.message)]
+        assert not [w for w in cache_warnings if "hf_sparsekv" in w.filename], [w.filename for w in cache_warnings]
+        if name == cache_keyword(model) or not registration._keyword_renames(registration._original):
+            assert not cache_warnings
+        else:  # 5.24+: stock's deprecation, pointing at this test
+            assert len(cache_warnings) == 1 and cache_warnings[0].filename == __file__
+            assert cache_warnings[0].category is FutureWarning
+    assert torch.equal(*outputs)

@@ -102,3 +102,46 @@ def test_generate_on_a_missing_cuda_device_is_refused(capsys):
     with pytest.raises(SystemExit):
         hf_sparsekv_cli.main(["generate", "--pair", "--device", "cuda"])
     assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_a_local_looking_model_path_that_does_not_exist_is_named_at_once(tmp_path, monkeypatch, capsys):
+    """``hf_sparsekv/zoo/pair/verifier`` outside the repository root: not a Hub id (two slashes), so it is refused
+    at once naming the path, where it was looked for and ``--pair``, before any model or network access."""
+    import hf_sparsekv.cli
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(hf_sparsekv.cli, "_load", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        hf_sparsekv_cli.main(["generate", "--verifier", "hf_sparsekv/zoo/pair/verifier", "--drafter",
+                              str(PAIR_DIR / "drafter")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2
+    assert f"--verifier hf_sparsekv/zoo/pair/verifier: no such file or directory (relative to {tmp_path})" in err
+    assert "--pair" in err
+
+
+def test_top_level_help_says_what_the_command_does():
+    code = "import hf_sparsekv_cli\ntry:\n    hf_sparsekv_cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    text = " ".join(out.split())
+    assert "speculative decoding" in text and "greedy output" in text and "hf-sparsekv generate --pair" in text
+    assert "argument parsing" not in text and "``" not in text
+
+
+def test_default_prompt_is_a_held_out_document_the_budget_bites_into(capsys):
+    """Without --prompt, generate continues a held-out document longer than the budget and echoes the prompt's
+    tail; a prompt within the budget is named as such (nothing compressed)."""
+    from transformers import AutoTokenizer
+
+    from hf_sparsekv.zoo import eval_documents
+
+    base = ["generate", "--pair", "--mode", "chunk", "--budget", "64", "--max-new-tokens", "4", "--device", "cpu"]
+    assert hf_sparsekv_cli.main(base + ["--prompt-tokens", "200"]) == 0
+    out = capsys.readouterr().out
+    tok = AutoTokenizer.from_pretrained(PAIR_DIR / "tokenizer")
+    doc = eval_documents()[0][:200]
+    assert "prompt: a held-out document" in out and "fits the budget" not in out
+    assert tok.decode(doc[-40:]) in out  # the tail of the prompt is shown before the completion
+    assert out.index(tok.decode(doc[-40:])) < out.index("identical to greedy AR: True")
+    assert hf_sparsekv_cli.main(base + ["--prompt", "def fibonacci(n):"]) == 0
+    assert "the prompt fits the budget of 64 tokens" in capsys.readouterr().out

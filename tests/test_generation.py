@@ -13,7 +13,7 @@ from transformers.generation.streamers import BaseStreamer
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
 
-from .conftest import ARCHS, VOCAB, prompt, tiny_model
+from .conftest import ARCHS, OTHER_ARCHS, VOCAB, prompt, tiny_model
 
 
 def _copy_of(model):
@@ -61,6 +61,46 @@ def test_lossless_against_greedy_ar(case):
     stats = out.spec_stats
     assert stats["new_tokens"] == reference.shape[1] - ids.shape[1]
     assert 0 <= stats["accepted"] <= stats["drafted"] <= case["gamma"] * stats["rounds"]
+
+
+_EVERY_MODE = {  # name -> generate() arguments (the drafter: "d" a separate small model, "v" the verifier itself)
+    "chunk": dict(assistant_model="d", kv_budget=16),
+    "window": dict(assistant_model="d", draft_cache="window", kv_budget=16),
+    "full": dict(assistant_model="d", draft_cache="full"),
+    "int4-drafter": dict(assistant_model="d", draft_cache="int4"),
+    "self-chunk": dict(assistant_model="v", kv_budget=16),
+    "self-window": dict(assistant_model="v", draft_cache="window", kv_budget=16),
+    "int4-self": dict(assistant_model="v"),
+}
+
+
+@pytest.mark.parametrize("mode", list(_EVERY_MODE))
+@pytest.mark.parametrize("arch", OTHER_ARCHS)
+def test_other_attention_layouts_are_lossless_in_every_mode(arch, mode):
+    """Phi-3 (fused qkv_proj), StableLM (partial rotary) and GPT-NeoX (both) in every mode, with a budget far below
+    the prompt, under SDPA and eager attention: stock greedy generate() (int4 self-speculation: greedy AR on the
+    same quantized cache). Where our loop runs a prefill, the chunk selection takes the queries the attention call
+    receives, whatever the module computes them with."""
+    verifier = tiny_model(arch)
+    spec = dict(_EVERY_MODE[mode])
+    spec["assistant_model"] = verifier if spec["assistant_model"] == "v" else tiny_model(arch, role="drafter")
+    ids = prompt(90, seed=len(arch) + len(mode))
+    kwargs = dict(max_new_tokens=16, do_sample=False)
+    if mode == "int4-self":
+        reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=16), **kwargs)
+        spec["draft_cache"] = HierarchicalQuantCache(group_size=16)
+    else:
+        reference = verifier.generate(ids, **kwargs)
+    out = verifier.generate(ids, num_assistant_tokens=3, return_dict_in_generate=True, **spec, **kwargs)
+    assert torch.equal(out.sequences, reference)
+    assert out.spec_stats.rounds > 0
+    if mode in ("self-chunk", "chunk"):  # eager too (its own modeling file's attention function)
+        eager = copy.deepcopy(verifier)
+        eager.set_attn_implementation("eager")
+        drafter = eager if mode == "self-chunk" else spec["assistant_model"]
+        again = eager.generate(ids, assistant_model=drafter, kv_budget=16, num_assistant_tokens=3, **kwargs)
+        assert torch.equal(again, eager.generate(ids, **kwargs))
+        assert eager.config._attn_implementation == "eager"  # restored after the prefill
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -534,7 +574,7 @@ def test_an_unsupported_option_from_the_model_config_is_named_as_such():
                           max_new_tokens=4, do_sample=False)
 
 
-@pytest.mark.parametrize("gamma", [2, 5])
+@pytest.mark.parametrize("gamma", [2, pytest.param(5, marks=pytest.mark.extended)])  # ~65 s of CPU each
 def test_smallest_window_and_rollback_are_lossless(gamma):
     """A window budget one above the sink tokens, and a SinkWindowCache rolling back exactly γ − 1 tokens (the most
     rejected drafts a round leaves), still give greedy AR."""

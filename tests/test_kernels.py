@@ -62,6 +62,7 @@ def _kernels_on(request):
         yield
 
 
+@pytest.mark.extended  # ~500 s of CPU: make test-extended (and CI); on a GPU, make test-cuda runs the kernels directly
 @pytest.mark.skipif(not NEEDS_CHILD, reason="the kernels already run here (GPU or interpreter)")
 def test_kernels_in_triton_interpreter(request):
     root = Path(__file__).resolve().parent.parent

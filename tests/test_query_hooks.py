@@ -192,17 +192,17 @@ def _neox():
 
 
 def test_cache_passed_as_layer_past_reaches_the_self_drafter():
-    """GPT-NeoX-style modules take the cache as ``layer_past``: self-drafting on a sink+window view of the model's
-    own prefill equals its greedy output; the chunk view, which needs the fused qkv's queries, is refused."""
+    """GPT-NeoX-style modules take the cache as ``layer_past``: self-drafting on a sink+window or a chunk view of
+    the model's own prefill equals its greedy output (the chunk view takes the fused qkv's queries from the
+    attention call)."""
     model = _neox()
     for seed in range(3):
         ids = prompt(50, seed)
         greedy = model.generate(ids, do_sample=False, max_new_tokens=16)
-        ours = model.generate(ids, assistant_model=model, draft_cache="window", kv_budget=16, max_new_tokens=16,
-                              do_sample=False, num_assistant_tokens=3)
-        assert torch.equal(ours, greedy)
-    with pytest.raises(NotImplementedError, match="separate assistant_model"):
-        model.generate(prompt(50, 0), assistant_model=model, kv_budget=16, max_new_tokens=4, do_sample=False)
+        for mode in ("window", "chunk"):
+            ours = model.generate(ids, assistant_model=model, draft_cache=mode, kv_budget=16, max_new_tokens=16,
+                                  do_sample=False, num_assistant_tokens=3)
+            assert torch.equal(ours, greedy)
 
 
 def test_another_rotary_recipe_raises_not_implemented():
@@ -215,19 +215,75 @@ def test_another_rotary_recipe_raises_not_implemented():
         model.generate(prompt(40, seed=3), past_key_values=ChunkBudgetCache(16), max_new_tokens=2, do_sample=False)
 
 
-def test_self_chunk_refusal_does_not_point_to_the_sparsekv_attention():
-    """Self-drafting recomputes the queries under every attention implementation, so its refusal names the ways out
-    that work (a separate drafter, the window cache), not the ``"sparsekv"`` attention."""
+def _phi3(layers: int = 1):
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    model = Phi3ForCausalLM(Phi3Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+    torch.manual_seed(0)
+    return Phi3ForCausalLM(Phi3Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers, num_attention_heads=2,
         num_key_value_heads=1, pad_token_id=0,
-    )).eval()
+    )).eval().double()
+
+
+def test_self_chunk_under_an_unwrappable_attention_names_the_ways_out():
+    """Our loop takes the queries from the attention call under eager, SDPA and "sparsekv"; under any other
+    implementation (here a custom registered one) it falls back to recomputing them, and for a fused qkv_proj the
+    refusal names what works (SDPA/eager, a separate drafter, the window cache), not the "sparsekv" attention."""
+    model = _phi3()
     model.set_attn_implementation("sparsekv")
+    ids = prompt(40, seed=3)
+    out = model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=4, do_sample=False)
+    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    model.set_attn_implementation("test_record")
     with pytest.raises(NotImplementedError, match="separate assistant_model") as caught:
-        model.generate(prompt(40, seed=3), assistant_model=model, kv_budget=16, max_new_tokens=2, do_sample=False)
-    assert "attn_implementation='sparsekv'" not in str(caught.value)
+        model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=2, do_sample=False)
+    assert "attn_implementation='sparsekv'" not in str(caught.value) and "'sdpa' or 'eager'" in str(caught.value)
+    assert model.config._attn_implementation == "test_record"
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("arch", ["phi3", "stablelm", "gpt_neox", "llama"])
+def test_loop_prefills_select_from_the_queries_the_attention_receives(arch, impl):
+    """A separate drafter's prefill and a self-drafter's shared prefill select exactly the chunks the brute-force
+    selection picks from the queries the attention function receives (recorded by the test attention), for fused
+    qkv (Phi-3, GPT-NeoX) and partial rotary (StableLM, GPT-NeoX) alike; the model's implementation is restored."""
+    from hf_sparsekv.generation.drafters import ModelDrafter, SharedPrefillDrafter
+
+    model = copy.deepcopy(tiny_model(arch))
+    model.set_attn_implementation(impl)
+    ids, budget = prompt(77, seed=5), 24
+    recorded = _recorded_prompt_queries(model, ids)
+    want = {i: _bruteforce_chunks(q, k, scaling, 8, budget, False) for i, (q, k, scaling) in recorded.items()}
+    drafter = ModelDrafter(model, ChunkBudgetCache(budget))
+    with torch.no_grad():
+        drafter.prefill(ids)
+    shared = SharedPrefillDrafter(model, ChunkBudgetCache(budget))
+    verifier_cache = DynamicCache()
+    with torch.no_grad(), shared.sharing_prefill(model, verifier_cache):
+        model(input_ids=ids, past_key_values=verifier_cache, use_cache=True)
+    for cache in (drafter.cache, shared.cache):
+        got = {i: [set(row.tolist()) for row in layer.kept_indices[0]] for i, layer in enumerate(cache.layers)}
+        assert got == want and len(want) == 2 and len(want[0][0]) <= budget
+    assert model.config._attn_implementation == impl
+
+
+def test_stock_generate_with_a_chunk_cache_on_partial_rotary():
+    """StableLM rotates a quarter of each head: the hooks of stock generate() rotate that part only, so the
+    selection is the brute-force one on the real queries and the output the masked-attention greedy reference."""
+    model = tiny_model("stablelm", layers=1)  # one layer: one selection, expressible as one mask
+    budget, p, n_new = 32, 100, 10
+    ids = prompt(p, seed=4)
+    out = model.generate(ids, past_key_values=ChunkBudgetCache(budget), max_new_tokens=n_new, do_sample=False)
+    q, k, scaling = _recorded_prompt_queries(model, ids)[0]
+    kept = sorted(_bruteforce_chunks(q, k, scaling, 8, budget, False)[0])
+    assert out[0, p:].tolist() == _masked_greedy(model, ids, kept, n_new)
+
+
+def test_stock_generate_refuses_a_fused_qkv_with_partial_rotary_clearly():
+    """GPT-NeoX (fused query_key_value): stock generate() with a chunk cache cannot recompute the queries; the
+    error names the module and the way out, raised by us (never a shape error inside transformers)."""
+    with pytest.raises(NotImplementedError, match="GPTNeoXAttention.*attn_implementation='sparsekv'"):
+        _neox().generate(prompt(40, seed=3), past_key_values=ChunkBudgetCache(16), max_new_tokens=2, do_sample=False)
 
 
 def test_chunked_prefill_is_refused_rather_than_left_uncompressed():

@@ -133,9 +133,14 @@ def _joint(model, ids: torch.Tensor) -> torch.Tensor:
     return torch.stack(rows).flatten()
 
 
+_EXTENDED = pytest.mark.extended  # 60-470 s of CPU each: make test-extended
+
+
 @pytest.mark.parametrize("path,mode,gamma", [
-    ("eager", "chunk", 3), ("eager", "window", 1), ("eager", "int4", 5),
-    ("static", "chunk", 3), ("static", "window", 5), ("static", "full", 1), ("static", "int4", 3),
+    pytest.param("eager", "chunk", 3, marks=_EXTENDED), pytest.param("eager", "window", 1, marks=_EXTENDED),
+    ("eager", "int4", 5), pytest.param("static", "chunk", 3, marks=_EXTENDED),
+    pytest.param("static", "window", 5, marks=_EXTENDED), ("static", "full", 1),
+    pytest.param("static", "int4", 3, marks=_EXTENDED),
 ])
 def test_speculative_sampling_matches_the_exact_joint_distribution(path, mode, gamma, monkeypatch):
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")

@@ -68,6 +68,17 @@ def _rope(module) -> Callable:
     return rope
 
 
+def _rotate(rope: Callable, query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    """``rope`` applied to ``query [B, Hq, n, D]`` and ``key [B, Hkv, n, D]`` with ``cos``/``sin`` ``[B, n, R]``.
+    Partial rotary (R < D, e.g. StableLM, GPT-NeoX, Phi): the first R dimensions of each head are rotated and the
+    other D - R pass through, as those modeling files do."""
+    rotary = cos.shape[-1]
+    if rotary >= query.shape[-1]:
+        return rope(query, key, cos, sin)
+    q_rot, k_rot = rope(query[..., :rotary], key[..., :rotary], cos, sin)
+    return torch.cat([q_rot, query[..., rotary:]], dim=-1), torch.cat([k_rot, key[..., rotary:]], dim=-1)
+
+
 def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings, keys: torch.Tensor) -> torch.Tensor:
     """Queries ``[B, Hq, n, D]`` (after RoPE) of the ``n`` tokens whose attention input was ``hidden_states [B, n, hidden]``.
 
@@ -84,8 +95,8 @@ def recompute_queries(module, hidden_states: torch.Tensor, position_embeddings, 
     key = _projected(module, "k_proj", "k_norm", hidden_states)
     try:
         cos, sin = position_embeddings
-        query, key = rope(query, key, cos, sin)
-    except (TypeError, ValueError) as err:  # another rotary recipe (e.g. GPT-J's sincos form)
+        query, key = _rotate(rope, query, key, cos, sin)
+    except (TypeError, ValueError, RuntimeError) as err:  # another rotary recipe (e.g. GPT-J's sincos form)
         raise QueriesNotRecomputable(
             f"{type(module).__name__}: its rotary embedding is not the (query, key, cos, sin) recipe ({err}), so the "
             "prompt's queries cannot be recomputed"

@@ -72,12 +72,9 @@ def generate_rows(
     """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` (returning a dict-style output
     with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
     ``draft_cache`` instance is copied (empty) for each row."""
-    logger.warning_once(
-        "hf_sparsekv: this batch is decoded one row after another (each row as if alone; only greedy decoding on "
-        "the CUDA graph path decodes rows together); throughput does not grow with the batch size, "
-        "and at large batches stock batched generate() without kv_budget/draft_cache can be faster (BENCHMARKS.md, "
-        "'Batches of long prompts')"
-    )
+    # Debug level: a batched call on CPU (or sampled) always takes this path, so a warning would greet every script
+    # run; README ("Batches") and BENCHMARKS.md say what it costs.
+    logger.debug("hf_sparsekv: batch of %d decoded one row after another (README, 'Batches')", input_ids.shape[0])
     outputs = []
     for b in range(input_ids.shape[0]):
         mask = None if attention_mask is None else attention_mask[b : b + 1]

@@ -15,6 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache_keyword import cache_keyword
+from .. import query_attention
 from ..caches import HierarchicalQuantCache, query_hooks
 
 
@@ -64,10 +65,14 @@ class ModelDrafter:
         return contextlib.nullcontext()
 
     def prefill(self, prompt: torch.Tensor) -> None:
-        """Run the drafter on the whole prompt; a cache that selects from the prompt's queries gets them through
-        hooks, under the drafter's own attention implementation."""
-        hooks = query_hooks.prompt_queries(self.model) if query_hooks.needs_prompt_queries(self.cache) else None
-        with hooks or contextlib.nullcontext():
+        """Run the drafter on the whole prompt. A cache that selects from the prompt's queries gets them from the
+        drafter's attention call itself (:func:`hf_sparsekv.query_attention.queries_from_attention`, any
+        architecture); only under an attention implementation that cannot be wrapped (flash-attn, flex, custom) are
+        they recomputed by hooks (:mod:`hf_sparsekv.caches.query_hooks`)."""
+        with contextlib.ExitStack() as stack:
+            if query_hooks.needs_prompt_queries(self.cache):
+                if not stack.enter_context(query_attention.queries_from_attention(self.model)):
+                    stack.enter_context(query_hooks.prompt_queries(self.model))
             forward(self.model, self._inputs(prompt), self.cache, 0, 1)
         self.fed = prompt.shape[1]
 
@@ -101,16 +106,52 @@ class SharedPrefillDrafter(ModelDrafter):
 
     During the verifier's prefill, after each attention module has run, that layer's keys/values in the verifier's
     cache (the whole prompt, ``[1, Hkv, P, D]``, after RoPE) go through the compressed cache's ``update``, exactly
-    as if the model had prefilled it; a layer that selects from the prompt's queries gets them recomputed from the
-    module's input (:func:`hf_sparsekv.caches.query_hooks.recompute_queries`). Tensors are shared, never modified
-    in place (both caches only concatenate, slice or gather). Afterwards it drafts like :class:`ModelDrafter`.
+    as if the model had prefilled it; a layer that selects from the prompt's queries gets the queries ``[1, Hq, P,
+    D]`` the verifier's attention call received (:func:`hf_sparsekv.query_attention.queries_from_attention`, any
+    architecture), or, under an attention implementation that cannot be wrapped, recomputed from the module's input
+    (:func:`hf_sparsekv.caches.query_hooks.recompute_queries`). Tensors are shared, never modified in place (both
+    caches only concatenate, slice or gather). Afterwards it drafts like :class:`ModelDrafter`.
 
     Invariant after the prefill: the compressed cache has seen exactly the P prompt tokens. A chunk-budget cache
     needs the queries of all P tokens, so the verifier's cache must not hold a prefix (prompt caching) then.
     """
 
-    def sharing_prefill(self, verifier, verifier_cache: Cache) -> contextlib.AbstractContextManager:
-        return query_hooks.after_attention(verifier, functools.partial(self._take_layer, verifier_cache))
+    @contextlib.contextmanager
+    def sharing_prefill(self, verifier, verifier_cache: Cache):
+        self._queries: dict[int, tuple[torch.Tensor, torch.Tensor, float]] = {}
+        self._implementation = verifier.config._attn_implementation
+        with contextlib.ExitStack() as stack:
+            wants_queries = query_hooks.needs_prompt_queries(self.cache)
+            self._from_attention = wants_queries and stack.enter_context(
+                query_attention.queries_from_attention(verifier, self._keep_query))
+            stack.enter_context(query_hooks.after_attention(verifier, functools.partial(self._take_layer, verifier_cache)))
+            try:
+                yield
+            finally:
+                self._queries = {}
+
+    def _keep_query(self, module, query: torch.Tensor, key: torch.Tensor, scaling: float) -> None:
+        """The query ``[1, Hq, n, D]`` of the verifier's attention call for ``module.layer_idx`` (with the key it
+        attended to), until the layer's hook below takes it."""
+        self._queries[module.layer_idx] = (query, key, scaling)
+
+    def _prompt_queries(self, module, hidden_states, position_embeddings, keys: torch.Tensor):
+        """``(queries [1, Hq, P, D], scaling)`` of the verifier's prefill for ``module``'s layer."""
+        if self._from_attention:
+            query, key, scaling = self._queries.pop(module.layer_idx, (None, None, None))
+            if query is None or key is not keys:
+                raise RuntimeError(
+                    f"the verifier's attention for layer {module.layer_idx} did not hand over its prompt queries"
+                )
+            return query, scaling
+        try:
+            return query_hooks.recompute_queries(module, hidden_states, position_embeddings, keys), module.scaling
+        except query_hooks.QueriesNotRecomputable as err:  # under flash-attn etc.: the hooks were the only way
+            raise NotImplementedError(
+                f"{err.reason}. Under attn_implementation={self._implementation!r} self-drafting on "
+                "a chunk-budget cache recomputes them: load the model with attn_implementation='sdpa' or 'eager', "
+                "pass a separate assistant_model, or use draft_cache='window'"
+            ) from None
 
     def _take_layer(self, verifier_cache, module, hidden_states, position_embeddings, cache) -> None:
         if cache is not verifier_cache:
@@ -126,14 +167,8 @@ class SharedPrefillDrafter(ModelDrafter):
                     "selection needs the queries of the whole prompt (pass a separate assistant_model, or "
                     "draft_cache='window')"
                 )
-            try:
-                query = query_hooks.recompute_queries(module, hidden_states, position_embeddings, keys)
-            except query_hooks.QueriesNotRecomputable as err:  # the "sparsekv" attention does not help here
-                raise NotImplementedError(
-                    f"{err.reason}. Self-drafting on a chunk-budget cache recomputes them under every attention "
-                    "implementation: pass a separate assistant_model, or use draft_cache='window'"
-                ) from None
-            layer.select(query, module.scaling)
+            query, scaling = self._prompt_queries(module, hidden_states, position_embeddings, keys)
+            layer.select(query, scaling)
 
     def prefill(self, prompt: torch.Tensor) -> None:
         if self.cache.get_seq_length() != prompt.shape[1]:

@@ -14,6 +14,7 @@ from transformers.generation import (
     StopStringCriteria,
 )
 from transformers.generation.utils import GenerateDecoderOnlyOutput
+from transformers.utils import logging
 
 from .. import attention
 from ..cache_keyword import output_field, pop_user_cache
@@ -72,6 +73,48 @@ def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | 
             "at least one)"
         )
     return input_ids[:, first:]
+
+
+_stock_logger = logging.get_logger("transformers.generation.utils")  # stock's warnings come from stock's logger
+
+
+def infer_attention_mask(config, input_ids: torch.Tensor) -> torch.Tensor | None:
+    """The ``attention_mask [B, L]`` stock ``generate()`` infers when none is passed, or None for all ones: zeros
+    where ``input_ids`` holds ``pad_token_id``, if it occurs and is not an EOS id. Without a pad id, or with the pad
+    id equal to EOS, nothing is inferred, and a batch gets the warning stock gives (the padding counts as tokens, in
+    stock's output and in ours alike). Padding it infers that is not left padding (a pad id inside a prompt) is a
+    ValueError: the speculative path decodes left-padded rows only."""
+    batched = input_ids.shape[0] > 1
+    eos = batch_rows.token_ids(config.eos_token_id)
+    if config.pad_token_id is None:
+        if batched and eos:
+            _stock_logger.warning(
+                "The attention mask and the pad token id were not set, with a batched input. As a consequence, you may "
+                "observe unexpected behavior. Please pass your input's `attention_mask` to obtain reliable results."
+            )
+        return None
+    pad = int(config.pad_token_id)
+    if pad in eos:
+        if batched:
+            _stock_logger.warning_once(
+                "The attention mask is not set with a batched input, and cannot be inferred from input because pad "
+                "token is same as eos token. As a consequence, you may observe unexpected behavior. Please pass your "
+                "input's `attention_mask` to obtain reliable results."
+            )
+        return None
+    padding = input_ids == pad
+    if not bool(padding.any()):
+        return None
+    mask = (~padding).long()
+    first = mask.argmax(dim=1)  # the first non-pad column of each row (0 for a row of pads only)
+    columns = torch.arange(mask.shape[1], device=mask.device)
+    if not bool(mask.any(dim=1).all()) or not torch.equal(mask, (columns[None, :] >= first[:, None]).long()):
+        raise ValueError(
+            f"input_ids contains pad_token_id={pad} where it is not left padding, and no attention_mask was passed: "
+            "stock generate() would mask those tokens, which the speculative path cannot (it decodes left-padded "
+            "rows); pass attention_mask (all ones if the pad id is meant as a token) or left-pad the prompts"
+        )
+    return mask
 
 
 def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_criteria, logits_processor,
@@ -367,6 +410,8 @@ def speculative_generate(
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
     if unused:
         raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
+    if attention_mask is None:  # inferred from pad_token_id as stock infers it
+        attention_mask = infer_attention_mask(config, input_ids)
 
     if not config.use_cache:
         raise ValueError(

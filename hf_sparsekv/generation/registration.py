@@ -26,6 +26,36 @@ _EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criter
 _original = None
 
 
+def _keyword_renames(function) -> dict[str, tuple[str, bool, str]]:
+    """``{old: (new, warns, version_message)}`` for the keyword renames transformers' ``deprecate_kwarg`` wrappers
+    around ``function`` perform (``generate`` takes ``past_key_values`` as ``cache`` from 5.24 on; none before).
+    ``warns``: whether stock warns when the old name is used (it does until the removal version)."""
+    renames = {}
+    while callable(function):
+        try:
+            free = inspect.getclosurevars(function).nonlocals
+        except (TypeError, ValueError):
+            break
+        old, new = free.get("old_name"), free.get("new_name")
+        if isinstance(old, str) and isinstance(new, str):
+            warns = not free.get("is_greater_or_equal_version", False) or free.get("warn_if_greater_or_equal_version", False)
+            renames[old] = (new, bool(warns), str(free.get("version_message", "")))
+        function = getattr(function, "__wrapped__", None)
+    return renames
+
+
+def _renamed(model, kwargs: dict, renames: dict) -> dict:
+    """``kwargs`` with a deprecated keyword under the name stock ``generate()`` expects, and stock's FutureWarning
+    where stock gives it, attributed (as stock's) to the line that called ``generate()``, not to this file."""
+    for old, (new, warns, version_message) in renames.items():
+        if old in kwargs and new not in kwargs:
+            kwargs[new] = kwargs.pop(old)
+            if warns:
+                warnings.warn(f"`{old}` is deprecated {version_message} for `{type(model).__name__}.generate`. Use "
+                              f"`{new}` instead.", FutureWarning, stacklevel=3)
+    return kwargs
+
+
 def register() -> bool:
     """Install the patch (idempotent). Returns False (with a warning) if ``generate`` has an unexpected shape."""
     global _original
@@ -41,6 +71,7 @@ def register() -> bool:
         )
         return False
     positional = [name for name in params if name != "self"]
+    renames = _keyword_renames(original)
 
     @functools.wraps(original)
     def generate(self, *args, **kwargs):
@@ -55,6 +86,7 @@ def register() -> bool:
                 ours[name] = next((getattr(c, name) for c in (config, getattr(self, "generation_config", None))
                                    if getattr(c, name, None) is not None), None)
         if all(value is None for value in ours.values()):
+            kwargs = _renamed(self, kwargs, renames)
             if query_hooks.needs_prompt_queries(user_cache(kwargs)):
                 chunked = kwargs.get("prefill_chunk_size") or next(
                     (c.prefill_chunk_size for c in (config, getattr(self, "generation_config", None))
