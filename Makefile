@@ -77,6 +77,14 @@ bench-graph: $(STAMP)
 	for t in 0.7 1.0; do $(PY) benchmarks/graph_engine.py --temperature $$t --contexts 16384,4096 --docs 2 \
 		--only hf-static-ar,chunk-256-g3,window-g3,int4-self-g5 --budgets 256 --out runs/graph-engine-t$$t || exit 1; done
 
+# Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
+bench-scale: $(STAMP)
+	$(PY) benchmarks/scale.py --out runs/scale
+
+# The full-precision decode kernel against SDPA-flash at Llama-3-8B shape, after a launch-settings sweep.
+bench-decode-kernel: $(STAMP)
+	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
+
 # The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
 # skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)
