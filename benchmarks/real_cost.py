@@ -54,6 +54,12 @@ SHAPES = {
     "llama-3.2-1b": dict(arch="llama", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, rope_theta=5e5,
                          tie_word_embeddings=True, max_position_embeddings=131072, head_dim=64),
+    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6,
+                       tie_word_embeddings=False, max_position_embeddings=131072),
+    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6,
+                         tie_word_embeddings=True, max_position_embeddings=131072),
 }
 PAIRS = {"qwen2.5-coder": ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"), "llama-3.1-8b+3.2-1b": ("llama-3.1-8b", "llama-3.2-1b")}
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, vocab_size=512)

@@ -41,26 +41,11 @@ from tqdm import tqdm
 
 import hf_sparsekv  # noqa: F401  (registers the attention implementations the models are built with)
 from provenance import commit
-from real_cost import SHAPES, build, measured_acceptance, time_graph_step
+from real_cost import build, measured_acceptance, time_graph_step
 
-SHAPES = dict(SHAPES)
-SHAPES.update({
-    "qwen2.5-7b": dict(arch="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
-                       num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, rope_theta=1e6,
-                       tie_word_embeddings=False, max_position_embeddings=131072),
-    "qwen2.5-0.5b": dict(arch="qwen2", hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
-                         num_attention_heads=14, num_key_value_heads=2, vocab_size=151936, rope_theta=1e6,
-                         tie_word_embeddings=True, max_position_embeddings=131072),
-})
 PAIRS = {"llama-3.1-8b+3.2-1b": ("llama-3.1-8b", "llama-3.2-1b"), "qwen2.5-7b+0.5b": ("qwen2.5-7b", "qwen2.5-0.5b")}
 E2E = ("hf-eager-ar", "hf-static-ar", "graph-ar")
 ACCEPTANCE = Path(__file__).parent / "results" / "real-cpu-fp32" / "results.json"
-
-
-def _install_shapes() -> None:
-    import real_cost
-
-    real_cost.SHAPES.update(SHAPES)
 
 
 def weight_bytes(model) -> int:
@@ -363,7 +348,6 @@ def main(argv=None) -> int:
         raise SystemExit("scale.py times CUDA steps: run it on a CUDA GPU")
     if args.compile != "default":
         os.environ["HF_SPARSEKV_COMPILE"] = args.compile
-    _install_shapes()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(E2E) + ["ar", "verify-4", "verify-6", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
