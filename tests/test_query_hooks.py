@@ -253,7 +253,7 @@ def test_loop_prefills_select_from_the_queries_the_attention_receives(arch, impl
     model.set_attn_implementation(impl)
     ids, budget = prompt(77, seed=5), 24
     recorded = _recorded_prompt_queries(model, ids)
-    want = {i: _bruteforce_chunks(q, k, scaling, 8, budget, False) for i, (q, k, scaling) in recorded.items()}
+    want = {i: _bruteforce_observed(q, k, scaling, 8, budget, False) for i, (q, k, scaling) in recorded.items()}
     drafter = ModelDrafter(model, ChunkBudgetCache(budget))
     with torch.no_grad():
         drafter.prefill(ids)
@@ -275,7 +275,7 @@ def test_stock_generate_with_a_chunk_cache_on_partial_rotary():
     ids = prompt(p, seed=4)
     out = model.generate(ids, past_key_values=ChunkBudgetCache(budget), max_new_tokens=n_new, do_sample=False)
     q, k, scaling = _recorded_prompt_queries(model, ids)[0]
-    kept = sorted(_bruteforce_chunks(q, k, scaling, 8, budget, False)[0])
+    kept = sorted(_bruteforce_observed(q, k, scaling, 8, budget, False)[0])
     assert out[0, p:].tolist() == _masked_greedy(model, ids, kept, n_new)
 
 
