@@ -26,7 +26,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-from . import attention
+from .attention import NAME as SPARSEKV_ATTENTION
 from .caches import scoring_hook
 from .caches.query_hooks import attention_modules
 
@@ -78,7 +78,7 @@ def queries_from_attention(model: torch.nn.Module, observer: Callable | None = N
     (implementation ``"sparsekv"``, or ``"eager"``/``"sdpa"`` wrapped for the block and restored after it), False
     when the model's implementation is another one (the caller falls back to :mod:`.caches.query_hooks`)."""
     impl = model.config._attn_implementation
-    direct = impl == attention.NAME
+    direct = impl == SPARSEKV_ATTENTION
     wrap = not direct and _wrappable(model, attention_modules(model))
     if wrap:
         model.set_attn_implementation(PREFIX + impl)

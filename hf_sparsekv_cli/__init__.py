@@ -3,7 +3,7 @@ KV cache (a chunk budget, a sliding window, or INT4 self-speculation), the full 
 token for token the model's own greedy output.
 
 (Developer note: this module only parses arguments, outside the ``hf_sparsekv`` package, so that ``--help``
-answers at once without importing torch and transformers; the commands are in :mod:`hf_sparsekv.cli`, and
+answers at once without importing torch and transformers; the commands are in :mod:`hf_sparsekv.commands`, and
 ``train-drafter``'s options, defined in :mod:`hf_sparsekv.training.run`, load only when that command is named.)
 """
 
@@ -96,13 +96,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser(argv)
     args = parser.parse_args(argv)
     if args.command == "generate":
-        from hf_sparsekv.cli import resolve_generate_args
+        from hf_sparsekv.commands import resolve_generate_args
 
         resolve_generate_args(args, parser.commands["generate"])
     elif args.command == "train-drafter":
         from hf_sparsekv.training.run import check_arguments
 
         check_arguments(args, parser.commands["train-drafter"])
-    from hf_sparsekv import cli
+    from hf_sparsekv import commands
 
-    return {"generate": cli.cmd_generate, "demo": cli.cmd_demo, "train-drafter": cli.cmd_train_drafter}[args.command](args)
+    return {"generate": commands.cmd_generate, "demo": commands.cmd_demo,
+            "train-drafter": commands.cmd_train_drafter}[args.command](args)

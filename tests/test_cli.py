@@ -58,9 +58,9 @@ def test_generate_needs_a_verifier(capsys):
     ],
 )
 def test_generate_refuses_bad_arguments_before_loading_anything(extra, message, capsys, monkeypatch):
-    import hf_sparsekv.cli
+    import hf_sparsekv.commands
 
-    monkeypatch.setattr(hf_sparsekv.cli, "_load", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hf_sparsekv.commands, "_load", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         hf_sparsekv_cli.main(["generate", "--pair", *extra])
     err = capsys.readouterr().err
@@ -107,10 +107,10 @@ def test_generate_on_a_missing_cuda_device_is_refused(capsys):
 def test_a_local_looking_model_path_that_does_not_exist_is_named_at_once(tmp_path, monkeypatch, capsys):
     """``hf_sparsekv/zoo/pair/verifier`` outside the repository root: not a Hub id (two slashes), so it is refused
     at once naming the path, where it was looked for and ``--pair``, before any model or network access."""
-    import hf_sparsekv.cli
+    import hf_sparsekv.commands
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(hf_sparsekv.cli, "_load", lambda *a: pytest.fail("a model was loaded"))
+    monkeypatch.setattr(hf_sparsekv.commands, "_load", lambda *a: pytest.fail("a model was loaded"))
     with pytest.raises(SystemExit) as exit_info:
         hf_sparsekv_cli.main(["generate", "--verifier", "hf_sparsekv/zoo/pair/verifier", "--drafter",
                               str(PAIR_DIR / "drafter")])

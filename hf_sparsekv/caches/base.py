@@ -7,7 +7,7 @@ import numbers
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from . import kernel_hook
+from .kernel_hook import offer
 
 
 def is_integer(value) -> bool:
@@ -86,7 +86,7 @@ class CompressedCache(Cache):
         """The layer's update, then the layer is handed to the attention function that follows (see
         :mod:`.kernel_hook`), which may run a kernel over the layer's own storage."""
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        kernel_hook.offer(layer_idx, self.layers[layer_idx], keys)
+        offer(layer_idx, self.layers[layer_idx], keys)
         return keys, values
 
     def nbytes(self) -> int:

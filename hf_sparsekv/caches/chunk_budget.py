@@ -20,7 +20,7 @@ import functools
 import torch
 
 from .base import CompressedCache, CompressedLayer, is_integer, tensor_nbytes
-from . import scoring_hook
+from .scoring_hook import expect_scores
 from .chunk_selection import ChunkSelection, as_selection, select_chunks, select_tokens
 
 
@@ -204,5 +204,5 @@ class ChunkBudgetCache(CompressedCache):
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         layer = self.layers[layer_idx]
         if layer.awaiting_scores:
-            scoring_hook.expect_scores(layer_idx, layer)
+            expect_scores(layer_idx, layer)
         return keys, values

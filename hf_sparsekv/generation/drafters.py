@@ -15,7 +15,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..cache_keyword import cache_keyword
-from .. import query_attention
+from ..query_attention import queries_from_attention
 from ..caches import HierarchicalQuantCache, query_hooks
 
 
@@ -71,7 +71,7 @@ class ModelDrafter:
         they recomputed by hooks (:mod:`hf_sparsekv.caches.query_hooks`)."""
         with contextlib.ExitStack() as stack:
             if query_hooks.needs_prompt_queries(self.cache):
-                if not stack.enter_context(query_attention.queries_from_attention(self.model)):
+                if not stack.enter_context(queries_from_attention(self.model)):
                     stack.enter_context(query_hooks.prompt_queries(self.model))
             forward(self.model, self._inputs(prompt), self.cache, 0, 1)
         self.fed = prompt.shape[1]
@@ -123,7 +123,7 @@ class SharedPrefillDrafter(ModelDrafter):
         with contextlib.ExitStack() as stack:
             wants_queries = query_hooks.needs_prompt_queries(self.cache)
             self._from_attention = wants_queries and stack.enter_context(
-                query_attention.queries_from_attention(verifier, self._keep_query))
+                queries_from_attention(verifier, self._keep_query))
             stack.enter_context(query_hooks.after_attention(verifier, functools.partial(self._take_layer, verifier_cache)))
             try:
                 yield

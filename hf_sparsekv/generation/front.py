@@ -16,20 +16,20 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
-from .. import attention
+from ..attention import NAME as SPARSEKV_ATTENTION
 from ..cache_keyword import output_field, pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from ..caches.base import is_integer
-from . import batch_rows, graph_loop
+from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
+from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
+from .graph_loop import engine_for, static_decode_rows, static_mode, static_speculative_decode
 from .sampling import device_warpers, speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
 from .stats import SpecStats
 
 DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
-WINDOW_SINK = 4
-DEFAULT_WINDOW_BUDGET = 1024
 CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 
 # Generation options this path does not serve (the logits processors stock builds from the rest of the config,
@@ -57,24 +57,6 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
-def _text_config(model):
-    config = model.config
-    return config.get_text_config() if hasattr(config, "get_text_config") else config
-
-
-def _strip_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    if attention_mask is None or bool(attention_mask.all()):
-        return input_ids
-    mask = attention_mask[0].bool()
-    first = int(mask.int().argmax())
-    if not bool(mask[first:].all()) or first == mask.shape[0]:
-        raise NotImplementedError(
-            "attention_mask: only left padding is supported (each row's ones contiguous, reaching the last column, "
-            "at least one)"
-        )
-    return input_ids[:, first:]
-
-
 _stock_logger = logging.get_logger("transformers.generation.utils")  # stock's warnings come from stock's logger
 
 
@@ -85,7 +67,7 @@ def infer_attention_mask(config, input_ids: torch.Tensor) -> torch.Tensor | None
     stock's output and in ours alike). Padding it infers that is not left padding (a pad id inside a prompt) is a
     ValueError: the speculative path decodes left-padded rows only."""
     batched = input_ids.shape[0] > 1
-    eos = batch_rows.token_ids(config.eos_token_id)
+    eos = token_ids(config.eos_token_id)
     if config.pad_token_id is None:
         if batched and eos:
             _stock_logger.warning(
@@ -124,7 +106,7 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
     stopping rules and the logits processors (with ``do_sample``, warpers included: the sampling loop applies them,
     :meth:`GreedyRules.process` serves greedy only)."""
     prompt = _strip_left_padding(input_ids, attention_mask).to(model.device)
-    eos_ids = batch_rows.token_ids(config.eos_token_id)
+    eos_ids = token_ids(config.eos_token_id)
     pad = input_ids.shape[1] - prompt.shape[1]  # rules see the unpadded sequence
     min_length, max_length = max((config.min_length or 0) - pad, 0), config.max_length - pad
     processors = stock_processors(model, config, prompt, logits_processor, min_length, max_length)
@@ -254,8 +236,8 @@ def _switch_attention(model, drafter) -> list:
     for m in {id(model): model, id(drafter): drafter}.values():
         previous = m.config._attn_implementation
         wanted = m.device.type == "cuda" and previous == "sdpa"
-        if wanted and previous != attention.NAME:
-            m.set_attn_implementation(attention.NAME)
+        if wanted and previous != SPARSEKV_ATTENTION:
+            m.set_attn_implementation(SPARSEKV_ATTENTION)
             switched.append((m, previous))
     return switched
 
@@ -439,8 +421,8 @@ def speculative_generate(
     gamma = int(gamma)
     shared_vocab = _check_models(model, assistant_model, tokenizer)
     if batch > 1:
-        batch_rows.check_batch(input_ids, attention_mask, config, streamer=streamer,
-                               prefix_cache=past_key_values is not None, max_time=config.max_time)
+        check_batch(input_ids, attention_mask, config, streamer=streamer,
+                    prefix_cache=past_key_values is not None, max_time=config.max_time)
         static = rows = None
         if not config.do_sample:
             rows = [
@@ -449,21 +431,21 @@ def speculative_generate(
                            logits_processor, tokenizer)
                 for b in range(batch)
             ]
-            static = graph_loop.static_mode(
+            static = static_mode(
                 model, assistant_model, draft_cache, kv_budget, wants_outputs=False,
                 logits_processor=logits_processor, stopping_criteria=stopping_criteria,
                 processor_blocker=device_warpers(rows[0][1].logits_processor, sampling=False)[1])
-        pad = batch_rows.pad_value(config)
+        pad = pad_value(config)
         if static is not None:
             prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-            engine = graph_loop.engine_for(
+            engine = engine_for(
                 model, assistant_model, *static, gamma, max(r.max_length for r in rules),
                 max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch)
-            results = graph_loop.static_decode_rows(engine, prompts, rules)
+            results = static_decode_rows(engine, prompts, rules)
             sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                          for b, res in enumerate(results)]
-            return batch_rows.assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
-                                       SpeculativeGenerateOutput, shared_seconds=True)
+            return assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
+                            SpeculativeGenerateOutput, shared_seconds=True)
 
         def one_row(ids, mask, cache):
             return speculative_generate(
@@ -472,8 +454,8 @@ def speculative_generate(
                 **{**row_kwargs, "return_dict_in_generate": True},
             )
 
-        return batch_rows.generate_rows(one_row, input_ids, attention_mask, draft_cache, pad,
-                                        config.return_dict_in_generate)
+        return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad,
+                             config.return_dict_in_generate)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
@@ -488,16 +470,16 @@ def speculative_generate(
     if streamer is not None:
         streamer.put(input_ids.cpu())
     warpers, blocker = device_warpers(rules.logits_processor, sampling=config.do_sample)
-    static = graph_loop.static_mode(
+    static = static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
         logits_processor=logits_processor, stopping_criteria=stopping_criteria,
         prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:
-        engine = graph_loop.engine_for(model, assistant_model, *static, gamma, rules.max_length,
-                                       rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
-                                       warpers=warpers if config.do_sample else None)
-        result = graph_loop.static_speculative_decode(engine, prompt, rules, streamer)
+        engine = engine_for(model, assistant_model, *static, gamma, rules.max_length,
+                            rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
+                            warpers=warpers if config.do_sample else None)
+        result = static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:
         switched = _switch_attention(model, assistant_model)

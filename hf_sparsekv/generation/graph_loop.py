@@ -50,8 +50,10 @@ from ..caches import HierarchicalQuantCache
 from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
-from . import batch_rows
+from .batch_rows import assemble
+from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .sampling import accept_or_resample, draw
+from .speculative import GreedyRules, SpeculativeResult
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
 
@@ -62,8 +64,6 @@ AR_STEPS_PER_SYNC = 8
 
 
 def _attention_shape(model) -> tuple[int, int, int]:
-    from .front import _text_config
-
     config = _text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -167,8 +167,6 @@ class StaticEngine:
             return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
                                           spec.device, batch=spec.batch)
         if mode == "window":
-            from .front import WINDOW_SINK
-
             return StaticSinkWindowCache(WINDOW_SINK, spec.budget - WINDOW_SINK, spec.gamma + 1, *shape, spec.dtype,
                                          spec.device, spec.batch)
         if mode == "full":
@@ -421,8 +419,6 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     step's own slots of its caches (at long context it costs little more than its share of the weight reads). Per-row
     stats count the row's own rounds while it ran; the seconds are the batch's and are reported by the first row
     only."""
-    from .speculative import SpeculativeResult
-
     rows = len(prompts)
     device = prompts[0].device
     timer = _EventTimer(device.type == "cuda")
@@ -527,7 +523,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``logits_processor``:
     the user's (always the eager loop); ``processor_blocker``: the first of the processors built from the generation
     config that the loop cannot apply on the device (:func:`~.sampling.device_warpers`), if any."""
-    from .front import DEFAULT_WINDOW_BUDGET, _text_config
     from .graph_steps import graphs_setting
 
     setting = graphs_setting()
@@ -574,9 +569,6 @@ def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, e
     ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
     ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
     run together, one engine row each."""
-    from .front import _strip_left_padding
-    from .speculative import GreedyRules
-
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
@@ -602,4 +594,4 @@ def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, e
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, p.shape[1] :]], 1)
                  for b, (p, res) in enumerate(zip(prompts, results))]
-    return batch_rows.assemble(sequences, [res.stats for res in results], pad_token_id, False, None)
+    return assemble(sequences, [res.stats for res in results], pad_token_id, False, None)

@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from .. import static_attention
+from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
@@ -127,8 +127,8 @@ def static_attention_for(*models):
     try:
         for m in {id(m): m for m in models}.values():
             previous = m.config._attn_implementation
-            if previous != static_attention.NAME:
-                m.set_attn_implementation(static_attention.NAME)
+            if previous != STATIC_ATTENTION:
+                m.set_attn_implementation(STATIC_ATTENTION)
                 switched.append((m, previous))
         yield
     finally:

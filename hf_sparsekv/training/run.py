@@ -92,7 +92,7 @@ def check_arguments(args, parser: argparse.ArgumentParser) -> None:
     """Refuse, through ``parser.error`` and before any model loads: a configuration :class:`TrainingConfig` rejects,
     a missing local model path, and an ``--output`` that already holds a run unless ``--resume-from`` continues it
     (a fresh run there would overwrite its checkpoints and append to its metrics)."""
-    from ..cli import refuse_missing_model_paths
+    from ..model_paths import refuse_missing_model_paths
     from .checkpoint import latest_checkpoint
 
     try:

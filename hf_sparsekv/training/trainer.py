@@ -30,7 +30,8 @@ import torch
 from accelerate import Accelerator
 
 from .. import attention
-from . import checkpoint as ckpt
+from .checkpoint import STATE_JSON, checkpoint_dir, load_model_weights, load_state
+from .checkpoint import save_checkpoint as write_checkpoint
 from .budgets import BudgetSampler
 from .config import TrainingConfig
 from .evaluate import acceptance_table, measure_acceptance
@@ -218,20 +219,20 @@ class BudgetDraftTrainer:
         written = None
         if self.accelerator.is_main_process:
             public = {"step": self.step, "config": self.config.to_dict(), "eval": self.history["eval"]}
-            written = ckpt.save_checkpoint(path, self.model, self.state_dict(), public, self.tokenizer)
+            written = write_checkpoint(path, self.model, self.state_dict(), public, self.tokenizer)
         self.accelerator.wait_for_everyone()
         return written
 
     def load_checkpoint(self, path: str | Path) -> None:
         """Restore the drafter weights, optimizer, scheduler, budget sampler, RNG and step from ``path``."""
-        state = ckpt.load_state(path)
-        saved = json.loads((Path(path) / ckpt.STATE_JSON).read_text()).get("config", {})
+        state = load_state(path)
+        saved = json.loads((Path(path) / STATE_JSON).read_text()).get("config", {})
         for key in ("seq_len", "continuation_len", "budgets", "budget_weights", "loss", "chunk_size"):
             if key in saved and saved[key] != getattr(self.config, key):
                 raise ValueError(
                     f"checkpoint {path} was trained with {key}={saved[key]!r}, this run has {getattr(self.config, key)!r}"
                 )
-        ckpt.load_model_weights(self.model, path)
+        load_model_weights(self.model, path)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
@@ -311,10 +312,10 @@ class BudgetDraftTrainer:
             if eval_settings is not None and eval_settings.every and self.step % eval_settings.every == 0 and not last:
                 self._run_eval(eval_settings, out, say)
             if out is not None and save_every and self.step % save_every == 0 and not last:
-                self.save_checkpoint(ckpt.checkpoint_dir(out, self.step))
+                self.save_checkpoint(checkpoint_dir(out, self.step))
         bar.close()
         if eval_settings is not None:
             self._run_eval(eval_settings, out, say)
         if out is not None:
-            self.save_checkpoint(ckpt.checkpoint_dir(out, self.step))
+            self.save_checkpoint(checkpoint_dir(out, self.step))
         return self.history
