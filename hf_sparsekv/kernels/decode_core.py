@@ -86,18 +86,23 @@ FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_s
 
 
 @contextlib.contextmanager
+def _overridden(config: dict, settings: dict):
+    """``config`` updated with ``settings`` inside the block, restored after it."""
+    saved = dict(config)
+    config.update(settings)
+    try:
+        yield config
+    finally:
+        config.clear()
+        config.update(saved)
+
+
 def fp_config(**settings):
     """``with fp_config(block_n=64, num_warps=8):`` launches the full-precision segment with these settings."""
     unknown = set(settings) - set(FP_CONFIG)
     if unknown:
         raise ValueError(f"unknown full-precision launch settings {sorted(unknown)}; known: {sorted(FP_CONFIG)}")
-    saved = dict(FP_CONFIG)
-    FP_CONFIG.update(settings)
-    try:
-        yield FP_CONFIG
-    finally:
-        FP_CONFIG.clear()
-        FP_CONFIG.update(saved)
+    return _overridden(FP_CONFIG, settings)
 
 
 def _validated(cfg: dict) -> dict:
@@ -125,16 +130,9 @@ def load_quant_config(spec: str) -> dict:
     return _validated(cfg)
 
 
-@contextlib.contextmanager
 def quant_config(**settings):
     """``with quant_config(path="vec", qblock=64):`` launches the quantized segment with these settings."""
-    saved = dict(QUANT_CONFIG)
-    QUANT_CONFIG.update(_validated(settings))
-    try:
-        yield QUANT_CONFIG
-    finally:
-        QUANT_CONFIG.clear()
-        QUANT_CONFIG.update(saved)
+    return _overridden(QUANT_CONFIG, _validated(settings))
 
 
 if os.environ.get(QUANT_CONFIG_ENV):
