@@ -65,6 +65,10 @@ zoo: $(STAMP)
 test-cuda: $(STAMP)
 	$(PY) -m pytest tests -m "cuda and not slow" --durations=10
 
+# A model dispatched over two GPUs (device_map) on the static engine; needs a machine with two CUDA GPUs.
+test-multi-gpu: $(STAMP)
+	$(PY) -m pytest tests -m multi_gpu --durations=10
+
 test-cuda-slow: $(STAMP)
 	$(PY) -m pytest tests -m "cuda and slow" --durations=10
 

@@ -107,10 +107,10 @@ def _static_quant_decode_shape(query, *args):
 def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, sliding):
     if (cache.kernels and sliding is None and _kernel_shape_ok(query, layer.keys.shape[1])
             and quant_kernel_ok(cache.group_size, layer.keys.dtype)):
-        qk, qv = layer.qkeys, layer.qvalues
+        qk, qv, device = layer.qkeys, layer.qvalues, query.device
         out = static_quant_decode(query, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
-                                  qv.lower, qv.scale, qv.zero, cache.fp_length, cache.quant_length, cache.group_size,
-                                  cache.view == "int8", scale)
+                                  qv.lower, qv.scale, qv.zero, cache.local("fp_length", device),
+                                  cache.local("quant_length", device), cache.group_size, cache.view == "int8", scale)
         return out, None
     keys, values, mask = cache.reference_attention_inputs(layer, sliding)
     return sdpa_attention_forward(module, query, keys, values, mask, scaling=scale, is_causal=False)
@@ -152,13 +152,16 @@ def static_attention(
         return out
     if isinstance(cache, StaticQuantCache):
         return _quant_attention(module, query, layer, cache, scale, sliding)
+    device = query.device  # a layer of a model dispatched over several devices reads the cache's tensors there
     if cache.kernels and sliding is None and _kernel_shape_ok(query, key.shape[1]):
         if cache.contiguous:
-            return static_decode(query, key, value, cache.fp_length, scale), None
+            return static_decode(query, key, value, cache.local("fp_length", device), scale), None
         if isinstance(cache, StaticSinkWindowCache):
-            return static_window_decode(query, key, value, cache.fp_length, cache.slot_positions, cache.positions,
+            return static_window_decode(query, key, value, cache.local("fp_length", device),
+                                        cache.local("slot_positions", device), cache.local("positions", device),
                                         cache.sink, cache.window, scale), None
-    return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding), scaling=scale, is_causal=False)
+    return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding, device), scaling=scale,
+                                  is_causal=False)
 
 
 def register() -> None:

@@ -95,6 +95,7 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if item not in in_child]
         config.stash[CHILD_SUMMARY] = f"{len(in_child)} collected, not run (test_kernels_in_triton_interpreter was not)"
     skip_cuda = None if torch.cuda.is_available() else pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_multi = None if torch.cuda.device_count() >= 2 else pytest.mark.skip(reason="needs two CUDA GPUs")
     # The real pair is 2 GB and its tests take tens of minutes on a CPU: only when asked for (make test-real).
     skip_real = None if os.environ.get(REAL_ENV) == "1" else pytest.mark.skip(
         reason=f"real-pair test: run `make test-real` (or set {REAL_ENV}=1 after benchmarks/real_models.py fetch)"
@@ -109,6 +110,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_extended)
         if skip_cuda is not None and "cuda" in item.keywords:
             item.add_marker(skip_cuda)
+        if skip_multi is not None and "multi_gpu" in item.keywords:
+            item.add_marker(skip_multi)
         if skip_real is not None and "real" in item.keywords:
             item.add_marker(skip_real)
 

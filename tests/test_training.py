@@ -575,7 +575,7 @@ trainer = BudgetDraftTrainer(tiny_model("llama"), drafter, cfg)
 acc = trainer.accelerator
 assert acc.num_processes == 2, acc.num_processes
 rank = acc.process_index
-seq = prompt(96, seed=10 + rank)  # different data on each process
+seq = prompt(96, seed=10 + rank).to(acc.device)  # different data on each process
 local = copy.deepcopy(trainer.model)  # plain module: this process's own gradient, no DDP
 assert isinstance(trainer.drafter, torch.nn.parallel.DistributedDataParallel)
 assert cache_keyword(trainer.drafter) == cache_keyword(local)  # DDP's forward(*inputs, **kwargs) hides the name
@@ -602,9 +602,11 @@ assert not dist.is_initialized() and trainer.model is trained
 '''
 
 
-def test_ddp_two_processes_average_the_objective_gradient(tmp_path):
-    """Two CPU processes (torchrun, gloo): the synced gradient is the mean over processes of each one's
-    ∇(L_A + λ·L_C), though L_A's backward runs without sync; the replicas stay identical while training."""
+@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multi_gpu)])
+def test_ddp_two_processes_average_the_objective_gradient(tmp_path, backend):
+    """Two processes (torchrun; gloo: on CPU, nccl: one GPU each): the synced gradient is the mean over processes of
+    each one's ∇(L_A + λ·L_C), though L_A's backward runs without sync; the replicas stay identical while
+    training."""
     import signal
     import subprocess
     import sys
@@ -614,7 +616,9 @@ def test_ddp_two_processes_average_the_objective_gradient(tmp_path):
         pytest.skip("torchrun is not installed next to the Python interpreter")
     script = tmp_path / "ddp_check.py"
     script.write_text(_DDP_SCRIPT)
-    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if backend == "gloo":
+        env["ACCELERATE_USE_CPU"] = "true"
     repo = Path(__file__).resolve().parents[1]
     # Its own session, so that a hang kills torchrun and both workers, never leaving orphans behind.
     proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(repo)],

@@ -17,6 +17,11 @@ Per cache (shared by its layers):
   finished. Its steps still run (the batch's graph is fixed) but its ``fp_length`` is only the step's query count,
   so the kernel reads almost none of its keys/values; what such a row computes is garbage and must be dropped.
 
+A model dispatched over several devices (``device_map``): each layer's buffers live on its layer's device
+(``layer_devices``); the per-cache tensors above live on the *home* device (the model's input device). A layer on
+another device reads them through :meth:`PreallocatedCache.local`, a copy made once per step and device (inside the
+captured step: one small device-to-device copy per step and device).
+
 Rows (batch size B) are independent sequences: each has its own positions, slots, lengths and (chunk budget) its
 own kept chunks, so rows may advance and roll back by different amounts in the same step.
 
@@ -109,8 +114,10 @@ class PreallocatedCache(Cache):
     Args:
         num_layers, kv_heads, head_dim: the model's attention shape.
         capacity: slots per layer and row.
-        dtype, device: of the key/value buffers.
+        dtype, device: of the key/value buffers; ``device`` is the home device of the per-cache tensors.
         batch: rows (independent sequences).
+        layer_devices: the device of each layer's buffers (a model dispatched over several devices); default: all
+            on ``device``.
 
     Whether decode steps run the Triton kernel is decided once, at construction (:func:`runtime.enabled`), so that
     nothing host-side is asked during a step.
@@ -118,22 +125,28 @@ class PreallocatedCache(Cache):
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
+                 layer_devices=None):
         if capacity < 1:
             raise ValueError(f"capacity must be positive, got {capacity}")
         if batch < 1:
             raise ValueError(f"batch must be positive, got {batch}")
         self.capacity, self.batch = capacity, batch
         device = torch.device(device)
+        layer_devices = [device] * num_layers if layer_devices is None else [torch.device(d) for d in layer_devices]
+        if len(layer_devices) != num_layers:
+            raise ValueError(f"layer_devices names {len(layer_devices)} devices for {num_layers} layers")
         shape = (batch, kv_heads, capacity, head_dim)
         layers = [
-            StaticLayer(self, i, torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
-            for i in range(num_layers)
+            StaticLayer(self, i, torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+            for i, d in enumerate(layer_devices)
         ]
         super().__init__(layers=layers)
+        self.layer_devices = layer_devices
         self.slot_positions = torch.full((batch, capacity), -1, dtype=torch.long, device=device)
         self.fp_length = torch.zeros(batch, dtype=torch.int32, device=device)
         self.rows = torch.arange(batch, device=device)[:, None]  # [B, 1]: the row index of a step's writes
+        self._local: dict = {}  # (name, device index) -> this step's copy of a per-cache tensor on another device
         self.positions: torch.Tensor | None = None  # the current step's positions [B, L]
         self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
@@ -162,6 +175,19 @@ class PreallocatedCache(Cache):
             ends = torch.where(self.live > 0, ends, positions.shape[1])
         self.fp_length.copy_(ends)
         self._mask = None
+        self._local = {}
+
+    def local(self, name: str, device: torch.device) -> torch.Tensor:
+        """The per-cache tensor ``name`` (``positions``, ``slots``, ``fp_length``, ...) as a layer on ``device`` reads
+        it: the cache's own on the home device, else this step's copy (made on first use, once per step)."""
+        tensor = getattr(self, name)
+        if tensor.device == device:
+            return tensor
+        key = (name, device.index)
+        copy = self._local.get(key)
+        if copy is None:
+            copy = self._local[key] = tensor.to(device)
+        return copy
 
     def begin_prefill(self, length: int, row: int = 0) -> None:
         """The next forward (batch 1) feeds a prompt of ``length`` tokens to the empty row ``row`` (eager)."""
@@ -172,6 +198,7 @@ class PreallocatedCache(Cache):
         self.prefilling = True
         self.prefill_length, self.prefill_row = length, row
         self._mask = None
+        self._local = {}
 
     def end_prefill(self) -> None:
         self.prefilling = False
@@ -192,8 +219,9 @@ class PreallocatedCache(Cache):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
         # An indexed assignment (index_put_), not scatter_: Inductor turns the functionalized index_put back into the
         # in-place write, whereas a scatter_ on a graph input compiles to a copy of the whole buffer every step.
-        layer.keys[self.rows, :, self.slots] = key_states.transpose(1, 2)
-        layer.values[self.rows, :, self.slots] = value_states.transpose(1, 2)
+        rows, slots = self.local("rows", layer.keys.device), self.local("slots", layer.keys.device)
+        layer.keys[rows, :, slots] = key_states.transpose(1, 2)
+        layer.values[rows, :, slots] = value_states.transpose(1, 2)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -207,9 +235,10 @@ class PreallocatedCache(Cache):
 
     # ---- what a query sees
     def visible(self, query_positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
-        """Boolean ``[B, L, capacity]``: query i of row b (at ``query_positions[b, i]``) sees slot j of that row.
-        ``sliding_window`` as in transformers' sliding masks (key position > query position - sliding_window)."""
-        sp = self.slot_positions[:, None, :]
+        """Boolean ``[B, L, capacity]`` on ``query_positions``' device: query i of row b (at ``query_positions[b, i]``)
+        sees slot j of that row. ``sliding_window`` as in transformers' sliding masks (key position > query position -
+        sliding_window)."""
+        sp = self.local("slot_positions", query_positions.device)[:, None, :]
         qp = query_positions[:, :, None]
         seen = (sp >= 0) & (sp <= qp) & self._rule(sp, qp)
         if sliding_window is not None:
@@ -219,11 +248,13 @@ class PreallocatedCache(Cache):
     def _rule(self, slot_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(slot_pos, dtype=torch.bool)
 
-    def step_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """The current step's mask ``[B, 1, L, capacity]``, computed once per step and shared by the layers."""
-        if self._mask is None or self._mask[0] != sliding_window:
-            self._mask = (sliding_window, self.visible(self.positions, sliding_window)[:, None])
-        return self._mask[1]
+    def step_mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+        """The current step's mask ``[B, 1, L, capacity]`` on ``device``, computed once per step and device and shared
+        by the layers there."""
+        if self._mask is None or self._mask[:2] != (sliding_window, device):
+            positions = self.local("positions", device)
+            self._mask = (sliding_window, device, self.visible(positions, sliding_window)[:, None])
+        return self._mask[2]
 
     # ---- host-side bookkeeping
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -249,6 +280,7 @@ class PreallocatedCache(Cache):
         self.prefilling = False
         self.filled_rows.clear()
         self._mask = None
+        self._local = {}
 
     def nbytes(self) -> int:
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
@@ -262,8 +294,8 @@ class PreallocatedCache(Cache):
         order = self.slot_positions[row, slots].argsort()
         slots = slots[order]
         layer = self.layers[layer_idx]
-        return (layer.keys[row : row + 1, :, slots], layer.values[row : row + 1, :, slots],
-                self.slot_positions[row, slots])
+        at = slots.to(layer.keys.device)
+        return (layer.keys[row : row + 1, :, at], layer.values[row : row + 1, :, at], self.slot_positions[row, slots])
 
 
 class StaticFullCache(PreallocatedCache):
@@ -292,13 +324,13 @@ class StaticChunkBudgetCache(PreallocatedCache):
 
     def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
                  per_kv_head: bool = False, score_window: int | None = None, batch: int = 1,
-                 selection: ChunkSelection | str = "observed"):
+                 selection: ChunkSelection | str = "observed", layer_devices=None):
         if budget < chunk_size:
             raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
         selection = as_selection(selection, per_kv_head, score_window)
         if selection.per_kv_head:
             raise NotImplementedError("per_kv_head selection is not supported on static storage")
-        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch)
+        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch, layer_devices)
         self.budget, self.chunk_size, self.selection = budget, chunk_size, selection
         self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
         self.kept = [0] * batch
@@ -350,11 +382,11 @@ class StaticSinkWindowCache(PreallocatedCache):
     contiguous = False
 
     def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
-                 batch: int = 1):
+                 batch: int = 1, layer_devices=None):
         if sink < 0 or window < 1 or max_rollback < 0:
             raise ValueError(f"need sink >= 0, window >= 1, max_rollback >= 0; got {sink}, {window}, {max_rollback}")
         self.sink, self.window, self.ring = sink, window, window + max_rollback + 1
-        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device, batch)
+        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device, batch, layer_devices)
 
     def slots_of(self, positions):
         return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
@@ -364,7 +396,7 @@ class StaticSinkWindowCache(PreallocatedCache):
 
     def _store_prefill(self, layer, key_states, value_states):
         p = key_states.shape[-2]
-        device = self.slot_positions.device
+        device = key_states.device
         positions = torch.cat([
             torch.arange(min(self.sink, p), device=device),
             torch.arange(min(p, max(self.sink, p - self.ring)), p, device=device),
@@ -374,8 +406,9 @@ class StaticSinkWindowCache(PreallocatedCache):
         layer.keys[r].index_copy_(1, slots, key_states[0, :, positions])
         layer.values[r].index_copy_(1, slots, value_states[0, :, positions])
         if layer.layer_idx == 0:
+            home = self.slot_positions.device
             self.slot_positions[r].fill_(-1)
-            self.slot_positions[r].index_copy_(0, slots, positions)
+            self.slot_positions[r].index_copy_(0, slots.to(home), positions.to(home))
 
 
 class StaticQuantCache(PreallocatedCache):
@@ -398,28 +431,29 @@ class StaticQuantCache(PreallocatedCache):
     """
 
     def __init__(self, group_size: int, max_tokens: int, max_block: int, num_layers, kv_heads, head_dim, dtype,
-                 device, batch: int = 1):
+                 device, batch: int = 1, layer_devices=None):
         if group_size < 8 or group_size % 8:
             raise ValueError(f"group_size must be a positive multiple of 8, got {group_size}")
         if head_dim % 2:
             raise ValueError(f"head_dim must be even to pack INT4 codes, got {head_dim}")
-        super().__init__(num_layers, kv_heads, head_dim, 2 * group_size + max_block, dtype, device, batch)
+        super().__init__(num_layers, kv_heads, head_dim, 2 * group_size + max_block, dtype, device, batch,
+                         layer_devices)
         self.group_size, self.view = group_size, "int8"
         t = -(-max_tokens // group_size) * group_size
         for layer in self.layers:
             # keys: scale/zero per channel per group of G tokens; values: per token
-            layer.qkeys = self._codes(kv_heads, t, head_dim, dtype, (t // group_size, head_dim))
-            layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, (t, 1))
+            layer.qkeys = self._codes(kv_heads, t, head_dim, dtype, (t // group_size, head_dim), layer.keys.device)
+            layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, (t, 1), layer.keys.device)
         device = self.slot_positions.device
         self.offset = torch.zeros(batch, dtype=torch.long, device=device)  # T_q of each row
         self.quant_length = torch.zeros(batch, dtype=torch.int32, device=device)
         self.quantized = [0] * batch  # T_q of each row on the host
 
-    def _codes(self, heads, tokens, head_dim, dtype, param_shape: tuple[int, int]):
-        """Empty packed codes ``[B, H, tokens, D/2]`` and scale/zero ``[B, H, *param_shape]``."""
+    def _codes(self, heads, tokens, head_dim, dtype, param_shape: tuple[int, int], device):
+        """Empty packed codes ``[B, H, tokens, D/2]`` and scale/zero ``[B, H, *param_shape]`` on ``device``."""
         from ..kernels.quant_reference import QuantizedTensor
 
-        device, b = self.slot_positions.device, self.batch
+        b = self.batch
         return QuantizedTensor(
             torch.zeros(b, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
             torch.zeros(b, heads, tokens, head_dim // 2, dtype=torch.uint8, device=device),
@@ -509,11 +543,12 @@ class StaticQuantCache(PreallocatedCache):
         keys = torch.cat([dequantize_keys(layer.qkeys, self.group_size, int8, dtype), layer.keys], -2)
         values = torch.cat([dequantize_values(layer.qvalues, int8, dtype), layer.values], -2)
         code_positions = torch.arange(layer.qkeys.upper.shape[-2], device=keys.device)
-        qp = self.positions[:, :, None]  # [B, L, 1]
-        quant_seen = code_positions < self.offset[:, None, None]
+        positions = self.local("positions", keys.device)
+        qp = positions[:, :, None]  # [B, L, 1]
+        quant_seen = code_positions < self.local("offset", keys.device)[:, None, None]
         if sliding_window is not None:
             quant_seen = quant_seen & (code_positions > qp - sliding_window)
-        mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(self.positions, sliding_window)], -1)
+        mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(positions, sliding_window)], -1)
         return keys, values, mask[:, None]
 
     def reset(self) -> None:

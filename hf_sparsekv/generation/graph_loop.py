@@ -71,6 +71,21 @@ def _attention_shape(model) -> tuple[int, int, int]:
     return config.num_hidden_layers, kv_heads, head_dim
 
 
+def layer_devices(model) -> list[torch.device] | None:
+    """The device of each decoder layer (its attention module's parameters) of a model dispatched over several
+    devices with ``device_map``, in layer order; None for a model on one device (every layer on ``model.device``)."""
+    if len(placed_on(model)) < 2:
+        return None
+    found = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and index not in found:
+            parameter = next(module.parameters(), None)
+            if parameter is not None:
+                found[index] = parameter.device
+    return [found.get(i, model.device) for i in range(_text_config(model).num_hidden_layers)]
+
+
 def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
     """Greedy acceptance on the device, per row: the number of leading ``drafts [B, γ]`` equal to the verifier's
     argmaxes ``verified [B, γ+1]`` (``verified[:, i]`` is the verifier's token after draft i-1), ``[B]`` int64."""
@@ -133,12 +148,13 @@ class StaticEngine:
             if warpers is not None and spec.batch > 1:  # a row's cap would have to cut a sampled block
                 raise NotImplementedError("sampled int4 self-speculation runs one row at a time")
             self.verifier_cache = StaticQuantCache(spec.budget, self.max_tokens + slack, gamma + 1,
-                                                   *_attention_shape(verifier), dtype, device, spec.batch)
+                                                   *_attention_shape(verifier), dtype, device, spec.batch,
+                                                   layer_devices(verifier))
             self.drafter_cache = self.verifier_cache
             self.cap = torch.full((spec.batch,), gamma, dtype=torch.long, device=device)
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
-                                                  spec.batch)
+                                                  spec.batch, layer_devices(verifier))
             self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
@@ -157,20 +173,24 @@ class StaticEngine:
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+        # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
+        self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
+                               for device in c.layer_devices if device.type == "cuda"} - {device.index})
+        self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict[str, CapturedStep] = {}
         self.compiled = spec.compiled
 
     def _drafter_cache(self, slack: int):
-        shape = _attention_shape(self.drafter)
+        shape, placed = _attention_shape(self.drafter), layer_devices(self.drafter)
         mode, spec = self.spec.mode, self.spec
         if mode == "chunk":
             return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
-                                          spec.device, batch=spec.batch)
+                                          spec.device, batch=spec.batch, layer_devices=placed)
         if mode == "window":
             return StaticSinkWindowCache(WINDOW_SINK, spec.budget - WINDOW_SINK, spec.gamma + 1, *shape, spec.dtype,
-                                         spec.device, spec.batch)
+                                         spec.device, spec.batch, placed)
         if mode == "full":
-            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch)
+            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
         raise ValueError(f"unknown static drafter mode {mode!r}")
 
     @property
@@ -278,7 +298,7 @@ class StaticEngine:
         """Run (and on first use, capture) the step ``name``."""
         step = self.steps.get(name)
         if step is None:
-            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled)
+            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled, self.devices)
             if self.use_graphs:
                 self._capture(step)
         step()
@@ -544,8 +564,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
-    elif any(len(placed_on(m)) > 1 for m in (model, drafter)):
-        reason = "a model is dispatched over several devices (device_map): the static caches live on one device"
     elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
         reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif stopping_criteria:

@@ -8,6 +8,11 @@ Before capture a step may be compiled with ``torch.compile`` (Inductor fuses eac
 activation and residual adds, so the captured graph holds several times fewer kernels; the decode attention stays
 our Triton kernel, as a custom operator). The compiled code runs only during the warm-up and the capture; a replay
 is the recorded kernels alone, so dynamo's guards are never consulted again.
+
+A step of a model dispatched over several devices (``device_map``) is captured as one graph spanning them: during
+the capture each other device's current stream is a side stream joined to the capturing one (an event fork, and a
+join before the capture ends), so its kernels and the device-to-device copies between the layers become nodes of the
+same graph, and its allocations go to a memory pool of that device kept by the step.
 """
 
 from __future__ import annotations
@@ -72,10 +77,12 @@ class CapturedStep:
     CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
     and capture may change and must be put back (the warm-up really runs ``fn``)."""
 
-    def __init__(self, fn, pool=None, compiled: bool = False):
+    def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = ()):
         self.eager_fn, self.pool = fn, pool
         self.fn = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
+        self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph
 
     def run(self) -> None:
         with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
@@ -98,17 +105,31 @@ class CapturedStep:
 
     def _capture(self, restore: tuple[torch.Tensor, ...], warmup: int) -> None:
         saved = [t.clone() for t in restore]
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
+        home = torch.cuda.current_device()
+        others = [d for d in self.devices if d != home]
+        streams = {d: torch.cuda.Stream(d) for d in [home, *others]}  # one side stream per device, warm-up and capture
+        for s in streams.values():
+            s.wait_stream(torch.cuda.current_stream(s.device))
+        with _current_streams(streams):
             for _ in range(warmup):  # compilation, cuBLAS handles, allocator warm-up: outside the graph
                 self.run()
                 for t, s in zip(restore, saved):
                     t.copy_(s)
-        torch.cuda.current_stream().wait_stream(stream)
+        for s in streams.values():
+            torch.cuda.current_stream(s.device).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            self.run()
+        with torch.cuda.graph(graph, pool=self.pool, stream=streams[home]):
+            with contextlib.ExitStack() as joined:
+                for d in others:  # the other devices' streams join the capture; their memory comes from our pools
+                    streams[d].wait_stream(streams[home])
+                    if d not in self.pools:
+                        with torch.cuda.device(d):  # a pool belongs to the device current at its creation
+                            self.pools[d] = torch.cuda.MemPool()
+                    joined.enter_context(torch.cuda.use_mem_pool(self.pools[d], device=d))
+                joined.enter_context(_current_streams({d: streams[d] for d in others}))
+                self.run()
+            for d in others:
+                streams[home].wait_stream(streams[d])
         for t, s in zip(restore, saved):
             t.copy_(s)
         self.graph = graph
@@ -118,6 +139,22 @@ class CapturedStep:
             self.graph.replay()
         else:
             self.run()
+
+
+@contextlib.contextmanager
+def _current_streams(streams: dict):
+    """Make ``streams[d]`` the current stream of each CUDA device ``d`` inside the block (the current device stays)."""
+    home = torch.cuda.current_device()
+    previous = [torch.cuda.current_stream(d) for d in streams]
+    try:
+        for s in streams.values():
+            torch.cuda.set_stream(s)
+        torch.cuda.set_device(home)
+        yield
+    finally:
+        for s in previous:
+            torch.cuda.set_stream(s)
+        torch.cuda.set_device(home)
 
 
 @contextlib.contextmanager

@@ -197,6 +197,7 @@ def triton_next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+@runtime.on_input_device
 def launch_decode(
     q: torch.Tensor,
     scaling: float,

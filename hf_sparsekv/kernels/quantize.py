@@ -55,6 +55,7 @@ def _check(x: torch.Tensor, name: str) -> None:
     runtime.require(x)
 
 
+@runtime.on_input_device
 def quantize_keys(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
     """Keys ``[1, H, T, D]`` (T a multiple of ``group_size``), per channel over groups of tokens -> codes
     ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T/group_size, D]`` in the keys' dtype."""
@@ -79,6 +80,7 @@ def quantize_keys(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
     return QuantizedTensor(upper, lower, scale, zero)
 
 
+@runtime.on_input_device
 def quantize_values(values: torch.Tensor) -> QuantizedTensor:
     """Values ``[1, H, T, D]`` per token -> codes ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T, 1]``."""
     _check(values, "values")

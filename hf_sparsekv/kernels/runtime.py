@@ -105,6 +105,20 @@ def require(*tensors: torch.Tensor) -> None:
             )
 
 
+def on_input_device(fn):
+    """Decorate a kernel launcher so that it launches on its first tensor argument's device: Triton launches on the
+    *current* CUDA device, which for a layer of a model dispatched over several devices is not its tensors' own."""
+
+    @functools.wraps(fn)
+    def launch(first, *args, **kwargs):
+        if first.device.type != "cuda" or first.device.index == torch.cuda.current_device():
+            return fn(first, *args, **kwargs)
+        with torch.cuda.device(first.device):
+            return fn(first, *args, **kwargs)
+
+    return launch
+
+
 def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) -> tuple[int, int, int, int, int]:
     """Validate ``q [B, Hq, L, D]`` and ``kv`` tensors ``[B, Hkv, *, D]`` for the decode kernels (B > 1 only over
     preallocated buffers with lengths on the device, see decode_core.launch_decode).

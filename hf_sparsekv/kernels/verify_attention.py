@@ -61,6 +61,7 @@ def dense_prefix_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return out.view(hq, length, d).transpose(0, 1), lse.view(hq, length), "torch_float32"
 
 
+@runtime.on_input_device
 def verify_attention(
     query: torch.Tensor,
     key: torch.Tensor,

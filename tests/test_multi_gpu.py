@@ -1,0 +1,156 @@
+"""A verifier dispatched over two GPUs with ``device_map`` on the static engine (make test-multi-gpu; skipped without
+two CUDA GPUs): every layer's static cache on its layer's device, one captured graph spanning both devices, tokens
+identical (float32) to the same split model's greedy ``generate()``; sampling identical to the same model on one GPU
+(same seed: the draws are made on the model's input device from the same logits). On CPU, the same engine runs a
+model carrying accelerate's device hooks (``dispatch_model``), compiled, token-identical to ``generate()``."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from accelerate import dispatch_model
+
+import hf_sparsekv
+from hf_sparsekv import HierarchicalQuantCache
+from hf_sparsekv.generation import graph_loop
+
+from .conftest import prompt, tiny_model
+
+NO_EOS = dict(eos_token_id=None, pad_token_id=0)
+
+
+def _split(arch: str, dtype=torch.float32, layers: int = 4):
+    """A tiny verifier of ``layers`` layers, the first half (and the embedding) on cuda:0, the rest, the final norm
+    and the head on cuda:1."""
+    model = copy.deepcopy(tiny_model(arch, layers=layers)).to(dtype)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.norm": 1, "lm_head": 1}
+    device_map.update({f"model.layers.{i}": int(i >= layers // 2) for i in range(layers)})
+    for name, device in device_map.items():
+        model.get_submodule(name).to(f"cuda:{device}")
+    return dispatch_model(model, device_map=device_map)
+
+
+@pytest.fixture(autouse=True)
+def _exact_float32():
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graph_loop.release_engines()
+    yield
+    graph_loop.release_engines()
+
+
+def _spec(verifier, drafter, mode):
+    if mode == "int4":
+        return dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32))
+    return dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64)
+
+
+def _reference(verifier, mode, ids, kwargs):
+    if mode == "int4":  # greedy AR on the INT8 view
+        return verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **kwargs)
+    return verifier.generate(ids, **kwargs)
+
+
+def _assert_spans_both_devices(verifier):
+    engine = graph_loop.current_engine(verifier)
+    assert engine.devices == [0, 1] and engine.use_graphs
+    assert all(step.graph is not None for step in engine.steps.values())
+    devices = {layer.keys.device.index for layer in engine.verifier_cache.layers}
+    assert devices == {0, 1}
+    return engine
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("arch,mode", [("llama", "chunk"), ("qwen2", "window"), ("mistral", "full"),
+                                       ("llama", "int4")])
+def test_split_verifier_lossless_float32(arch, mode):
+    verifier = _split(arch)
+    drafter = copy.deepcopy(tiny_model(arch, role="drafter")).to("cuda:0", torch.float32)
+    for seed, length in enumerate((5, 140, 400)):
+        ids = prompt(length, seed).cuda()
+        kwargs = dict(max_new_tokens=40, do_sample=False, **NO_EOS)
+        out = verifier.generate(ids, num_assistant_tokens=3, **_spec(verifier, drafter, mode), **kwargs)
+        assert torch.equal(out, _reference(verifier, mode, ids, kwargs)), length
+    engine = _assert_spans_both_devices(verifier)
+    assert {"draft", "verify"} <= set(engine.steps)
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.compiled
+def test_split_verifier_compiled_and_self_drafting():
+    """The default path (torch.compile'd steps, captured) on a split model, and self-drafting on its chunk cache."""
+    verifier = _split("qwen2")
+    for seed, length in enumerate((9, 300)):
+        ids = prompt(length, seed).cuda()
+        kwargs = dict(max_new_tokens=40, do_sample=False, **NO_EOS)
+        out = verifier.generate(ids, assistant_model=verifier, draft_cache="chunk", kv_budget=64,
+                                num_assistant_tokens=4, **kwargs)
+        assert torch.equal(out, verifier.generate(ids, **kwargs)), length
+        ar = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=40, eos_token_id=[])
+        assert torch.equal(ar, verifier.generate(ids, **kwargs)), length
+    assert _assert_spans_both_devices(verifier).compiled
+
+
+@pytest.mark.multi_gpu
+def test_split_verifier_batch_rows():
+    """A left-padded batch on a split verifier: each row is its prompt's greedy output alone."""
+    verifier = _split("llama")
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to("cuda:0", torch.float32)
+    prompts = [prompt(n, 40 + n).cuda() for n in (250, 6, 90)]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
+    kwargs = dict(max_new_tokens=32, do_sample=False)
+    out = verifier.generate(ids, attention_mask=mask, num_assistant_tokens=3, **_spec(verifier, drafter, "chunk"),
+                            **kwargs)
+    for b, p in enumerate(prompts):
+        new = verifier.generate(p, **kwargs)[0, p.shape[1] :]
+        row = out[b, width:]
+        assert torch.equal(row[: new.shape[0]], new) and bool((row[new.shape[0] :] == 0).all()), b
+    assert _assert_spans_both_devices(verifier).spec.batch == 3
+
+
+@pytest.mark.multi_gpu
+def test_split_verifier_sampling_equals_one_gpu():
+    """Sampled speculative decoding on the split verifier draws the same tokens as on one GPU with the same seed."""
+    split = _split("llama")
+    whole = copy.deepcopy(tiny_model("llama", layers=4)).to("cuda:0", torch.float32)
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to("cuda:0", torch.float32)
+    ids = prompt(200, 7).cuda()
+    outs = []
+    for verifier in (whole, split):
+        torch.manual_seed(11)
+        outs.append(verifier.generate(ids, assistant_model=drafter, kv_budget=64, num_assistant_tokens=4,
+                                      do_sample=True, top_k=20, max_new_tokens=40, **NO_EOS))
+        assert graph_loop.current_engine(verifier).warpers is not None
+    assert torch.equal(outs[0], outs[1])
+    _assert_spans_both_devices(split)
+
+
+def test_hooked_model_on_static_loop_cpu(monkeypatch):
+    """A model carrying accelerate's device hooks (what device_map attaches) runs the compiled static loop on CPU
+    (the hooks are traced with the step), token-identical to its greedy generate()."""
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    monkeypatch.setattr("hf_sparsekv.generation.graph_steps.COMPILE_BACKEND", "aot_eager")
+    verifier = dispatch_model(copy.deepcopy(tiny_model("llama")), device_map={"": "cpu"}, force_hooks=True)
+    drafter = tiny_model("llama", role="drafter")
+    assert hasattr(verifier, "_hf_hook")
+    ids = prompt(70, 3)
+    kwargs = dict(max_new_tokens=20, do_sample=False, **NO_EOS)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, num_assistant_tokens=3, **kwargs)
+    assert torch.equal(out, verifier.generate(ids, **kwargs))
+    assert graph_loop.current_engine(verifier).compiled
+    graph_loop.release_engines()
+
+
+def test_layer_devices_of_a_dispatched_model():
+    """layer_devices reads each layer's device from its parameters; a model on one device gives None."""
+    model = copy.deepcopy(tiny_model("llama", layers=4))
+    assert graph_loop.layer_devices(model) is None
+    model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "meta"}
+    model.model.layers[3].to("meta")
+    assert graph_loop.layer_devices(model) == [torch.device("cpu")] * 3 + [torch.device("meta")]
