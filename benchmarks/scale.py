@@ -74,9 +74,11 @@ def _free():
     torch.cuda.reset_peak_memory_stats()
 
 
-def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: int, repeats: int) -> tuple[float, int]:
+def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: int, repeats: int,
+                  cache_len: int | None = None) -> tuple[float, int]:
     """Seconds per decoded token of ``method`` (median over repeats of (t_long − t_short) / (long − short)) and its
-    peak memory."""
+    peak memory. ``cache_len``: hf-static-ar's cache length (default: the prompt + ``long``; one length for several
+    prompts compiles transformers' step once)."""
     from transformers import StaticCache
 
     import hf_sparsekv
@@ -86,7 +88,7 @@ def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: in
             return hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=new, eos_token_id=[])
         kwargs = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
         if method == "hf-static-ar":  # one cache length for both runs: transformers compiles its step once
-            cache = StaticCache(config=verifier.config, max_cache_len=ids.shape[1] + long)
+            cache = StaticCache(config=verifier.config, max_cache_len=cache_len or ids.shape[1] + long)
             kwargs["past_key_values"] = cache
         return verifier.generate(ids, **kwargs)
 
