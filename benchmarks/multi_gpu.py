@@ -151,11 +151,12 @@ def main(argv=None) -> int:
         steps = step_times(verifier, drafter, args.contexts, args)
         for L in sorted(args.contexts, reverse=True):
             seconds = steps[L]
+            rows.append(dict(placement=placement, context=L, seconds=seconds))
+            (out / "multi_gpu.json").write_text(json.dumps(dict(settings=settings(args), rows=rows), indent=1))
             if L in hf_contexts:  # one cache length for every context: transformers compiles its step once
                 ids = torch.randint(0, verifier.config.vocab_size, (1, L), device=verifier.device)
                 seconds["hf-static-ar"], _ = per_token_e2e("hf-static-ar", verifier, ids, *args.e2e_tokens, 3,
                                                            cache_len=max(hf_contexts) + args.e2e_tokens[1])
-            rows.append(dict(placement=placement, context=L, seconds=seconds))
             tqdm.write(f"{placement} {L}: " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in seconds.items())
                        + f" ({time.perf_counter() - t0:.0f} s so far)")
             (out / "multi_gpu.json").write_text(json.dumps(dict(settings=settings(args), rows=rows), indent=1))
