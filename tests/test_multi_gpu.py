@@ -154,3 +154,75 @@ def test_layer_devices_of_a_dispatched_model():
     model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "meta"}
     model.model.layers[3].to("meta")
     assert graph_loop.layer_devices(model) == [torch.device("cpu")] * 3 + [torch.device("meta")]
+
+
+_TP_SCRIPT = r'''
+import copy, os, sys
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from transformers import AutoModelForCausalLM
+from tests.conftest import prompt, tiny_model
+import hf_sparsekv
+from hf_sparsekv import HierarchicalQuantCache
+from hf_sparsekv.generation import graph_loop
+
+torch.backends.cuda.matmul.allow_tf32 = False
+rank = int(os.environ["LOCAL_RANK"])
+path = os.path.join(sys.argv[2], f"rank{rank}")  # one copy per rank: no barrier before the group exists
+copy.deepcopy(tiny_model("llama")).to(torch.float32).save_pretrained(path)
+tp = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.float32)
+assert tp._tp_size == 2 and dist.is_initialized()
+device = tp.device
+drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to(device, torch.float32)
+no_eos = dict(eos_token_id=None, pad_token_id=0, do_sample=False, max_new_tokens=32)
+for seed, length in enumerate((6, 150, 400)):
+    ids = prompt(length, seed).to(device)
+    reference = tp.generate(ids, **no_eos)
+    out = tp.generate(ids, assistant_model=drafter, kv_budget=64, num_assistant_tokens=3, **no_eos)
+    assert torch.equal(out, reference), ("chunk", length)
+    engine = graph_loop.current_engine(tp)
+    assert engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
+    assert engine.verifier_cache.layers[0].keys.shape[1] == 1  # 2 key/value heads over 2 ranks
+    out = tp.generate(ids, assistant_model=tp, draft_cache=HierarchicalQuantCache(group_size=32), **no_eos)
+    assert torch.equal(out, tp.generate(ids, past_key_values=HierarchicalQuantCache(group_size=32), **no_eos))
+    ar = hf_sparsekv.graph_greedy_generate(tp, ids, max_new_tokens=32, eos_token_id=[])
+    assert torch.equal(ar, reference), ("ar", length)
+torch.manual_seed(100 + rank)  # different generators on purpose: rank 0 seeds both
+sampled = tp.generate(ids, assistant_model=drafter, kv_budget=64, do_sample=True, top_k=20, max_new_tokens=32,
+                      eos_token_id=None, pad_token_id=0)
+gathered = [torch.empty_like(sampled) for _ in range(2)]
+dist.all_gather(gathered, sampled)
+assert torch.equal(gathered[0], gathered[1])
+open(os.path.join(sys.argv[2], f"rank{rank}.ok"), "w").write("ok")
+dist.barrier()
+dist.destroy_process_group()
+'''
+
+
+@pytest.mark.multi_gpu
+def test_tensor_parallel_verifier_under_torchrun(tmp_path):
+    """``tp_plan="auto"`` under torchrun on two GPUs: each rank's static cache holds its half of the key/value heads,
+    the drafter is replicated; greedy (chunk budget, INT4 self-speculation, AR) equals the sharded model's own greedy
+    generate() on every rank, and sampled tokens agree across ranks seeded differently."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tp_check.py"
+    script.write_text(_TP_SCRIPT)
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_SPARSEKV_COMPILE": "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                             str(script), str(repo), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=240)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"torchrun did not finish in 240 s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
+    assert all((tmp_path / f"rank{r}.ok").exists() for r in (0, 1))

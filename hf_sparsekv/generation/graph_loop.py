@@ -63,12 +63,28 @@ CAPACITY_ROUNDING = 256
 AR_STEPS_PER_SYNC = 8
 
 
+def _tp_size(model) -> int:
+    """The tensor-parallel degree of a model loaded with ``tp_plan`` (transformers' ``_tp_size``), else 1."""
+    return getattr(model, "_tp_size", None) or 1
+
+
 def _attention_shape(model) -> tuple[int, int, int]:
+    """(layers, key/value heads this process holds, head_dim): under tensor parallelism each rank holds
+    ``1/tp_size`` of the heads."""
     config = _text_config(model)
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads, head_dim
+    return config.num_hidden_layers, kv_heads // _tp_size(model), head_dim
+
+
+def _same_draws_on_every_rank(model, device: torch.device) -> None:
+    """Tensor parallelism: every rank runs the same rounds and must draw the same tokens, so rank 0 seeds every
+    rank's generators (with a fresh seed drawn from its own)."""
+    if _tp_size(model) > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        seed = torch.randint(0, 2**62, (1,), device=device)
+        torch.distributed.broadcast(seed, src=0)
+        torch.manual_seed(int(seed))
 
 
 def layer_devices(model) -> list[torch.device] | None:
@@ -122,7 +138,9 @@ def warpers_key(warpers) -> tuple | None:
 
 
 def _weights(*models) -> tuple:
-    return tuple((p.data_ptr(), p.dtype) for m in models if m is not None for p in m.parameters())
+    """(data_ptr, dtype) of every parameter (a tensor-parallel shard: of its local tensor)."""
+    local = lambda p: p.to_local() if hasattr(p, "to_local") else p  # noqa: E731  (DTensor shards)
+    return tuple((local(p).data_ptr(), p.dtype) for m in models if m is not None for p in m.parameters())
 
 
 class StaticEngine:
@@ -462,6 +480,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     def retire_finished() -> None:
         engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
 
+    if engine.warpers is not None:
+        _same_draws_on_every_rank(engine.verifier, device)
     engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
