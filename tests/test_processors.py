@@ -84,9 +84,10 @@ def test_greedy_with_processors_equals_stock(arch, name, mode):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_static_loop_hands_processors_to_the_eager_loop(batch, monkeypatch):
+def test_the_static_loop_applies_a_config_repetition_penalty(batch, monkeypatch):
     """With the static (graph) loop forced on, a repetition penalty from the model's own generation config (as
-    Qwen2.5-Instruct ships one) still applies: each row is what stock greedy gives for its prompt alone."""
+    Qwen2.5-Instruct ships one) is applied on the device by the static loop itself (a seen-token mask per row): each
+    row is what stock greedy gives for its prompt alone."""
     import copy
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
@@ -101,12 +102,42 @@ def test_the_static_loop_hands_processors_to_the_eager_loop(batch, monkeypatch):
     for row, p in enumerate(prompts):
         ids[row, width - p.shape[1]:], mask[row, width - p.shape[1]:] = p[0], 1
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **GREEDY)
-    assert graph_loop.current_engine(verifier) is None  # the eager loop ran
+    engine = graph_loop.current_engine(verifier)
+    assert engine is not None and engine.spec.penalty == (1.6, 0) and engine.spec.batch == batch
     for row, p in enumerate(prompts):
         want = verifier.generate(p, **GREEDY)[0, p.shape[1]:]
         assert torch.equal(out[row, width:], want), row
     plain = copy.deepcopy(tiny_model("qwen2"))
     assert not torch.equal(plain.generate(prompts[0], **GREEDY), verifier.generate(prompts[0], **GREEDY))
+    graph_loop.release_engines()
+
+
+def _penalty_cases():
+    """Every mode with a penalty above 1 (discourages repeats) or below 1 (favours them), alternating, rotating
+    through ARCHS; the other penalty of each mode is extended."""
+    return [pytest.param(ARCHS[(i + j) % len(ARCHS)], mode, penalty, id=f"{mode}-{penalty}",
+                         marks=() if (i + j) % 2 == 0 else (pytest.mark.extended,))
+            for i, mode in enumerate(MODES) for j, penalty in enumerate((1.6, 0.7))]
+
+
+@pytest.mark.parametrize("arch,mode,penalty", _penalty_cases())
+def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty, monkeypatch):
+    """The static loop's device-side repetition penalty (drafts, verification, the first token): the same tokens as
+    stock greedy generate() with the penalty, for several prompts and γ."""
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    graph_loop.release_engines()
+    verifier = tiny_model(arch)
+    changed = False
+    for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
+        ids = prompt(length, seed + 30)
+        kwargs = {**GREEDY, "repetition_penalty": penalty, "max_new_tokens": 32}
+        stock = _stock(verifier, ids, mode, **kwargs)
+        ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
+        assert torch.equal(ours, stock), (seed, length, gamma)
+        assert graph_loop.current_engine(verifier).spec.penalty == (penalty, 0)
+        changed |= not torch.equal(stock, _stock(verifier, ids, mode, **{**GREEDY, "max_new_tokens": 32}))
+    assert changed  # the penalty changes the output of at least one prompt
+    graph_loop.release_engines()
 
 
 SAMPLING_VOCAB = 16
@@ -125,12 +156,12 @@ def _tiny_sampler(layers: int, seed: int, width: int) -> LlamaForCausalLM:
     return model
 
 
-def _next_token_probs(model, ids: torch.Tensor) -> torch.Tensor:
-    """Stock sampling's next-token distribution under SAMPLING, in float64 (stock processor order: penalty, n-gram
-    ban, then the warpers)."""
+def _next_token_probs(model, ids: torch.Tensor, ngram: bool = True) -> torch.Tensor:
+    """Stock sampling's next-token distribution under SAMPLING (without its n-gram ban unless ``ngram``), in float64
+    (stock processor order: penalty, n-gram ban, then the warpers)."""
     processors = LogitsProcessorList([
         RepetitionPenaltyLogitsProcessor(SAMPLING["repetition_penalty"]),
-        NoRepeatNGramLogitsProcessor(SAMPLING["no_repeat_ngram_size"]),
+        *([NoRepeatNGramLogitsProcessor(SAMPLING["no_repeat_ngram_size"])] if ngram else []),
         TemperatureLogitsWarper(SAMPLING["temperature"]), TopKLogitsWarper(SAMPLING["top_k"]),
     ])
     with torch.no_grad():
@@ -167,13 +198,42 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypat
     assert float(0.5 * (plain - first).abs().sum()) > 0.1
 
 
+@pytest.mark.extended  # ~400 s of CPU: make test-extended
+def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distribution(monkeypatch):
+    """The static loop's device-side penalty while sampling (drafts' q and the verifier's p both penalized after
+    their exact prefixes): 2,500 draws of two tokens against the exactly enumerated joint."""
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    graph_loop.release_engines()
+    verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
+    ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
+    first = _next_token_probs(verifier, ids, ngram=False)
+    joint = torch.stack([first[a] * _next_token_probs(verifier, torch.cat([ids, torch.tensor([[a]])], 1), False)
+                         for a in range(SAMPLING_VOCAB)]).flatten()
+    options = {k: v for k, v in SAMPLING.items() if k != "no_repeat_ngram_size"}
+    torch.manual_seed(322)
+    samples = []
+    for _ in range(2500):
+        out = verifier.generate(ids, do_sample=True, max_new_tokens=2, min_new_tokens=2, eos_token_id=None,
+                                assistant_model=drafter, kv_budget=8, num_assistant_tokens=3, **options)
+        samples.append(int(out[0, -2]) * SAMPLING_VOCAB + int(out[0, -1]))
+    samples = torch.tensor(samples)
+    assert graph_loop.current_engine(verifier).spec.penalty == (SAMPLING["repetition_penalty"], 0)
+    assert _consistent(samples, joint)
+    counts = torch.bincount(samples, minlength=SAMPLING_VOCAB**2).double() / samples.numel()
+    assert float(0.5 * (counts - joint).abs().sum()) < 0.08
+    graph_loop.release_engines()
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("mode", ["full", "int4-self"])
-def test_drafts_follow_the_processors(mode):
+def test_drafts_follow_the_processors(mode, static, monkeypatch):
     """A drafter identical to the verifier on a full cache has every draft accepted only if its drafts go through the
     same sequence-dependent processors (raw argmax drafts are rejected where the penalty changes the choice); the
     int4 view drafts through them too."""
     import copy
 
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if static else "0")
+    graph_loop.release_engines()
     verifier = tiny_model("llama")
     ids = prompt(40, 1)
     kwargs = {**GREEDY, **OPTION_SETS["repetition"], "return_dict_in_generate": True, "num_assistant_tokens": 4}
@@ -187,3 +247,5 @@ def test_drafts_follow_the_processors(mode):
         assert out.spec_stats.drafted > 0 and out.spec_stats.acceptance_rate == 1.0
     else:  # the INT4 view mostly agrees with the INT8 one once both apply the penalty
         assert out.spec_stats.acceptance_rate > 0.5
+    assert (graph_loop.current_engine(verifier) is not None) == static
+    graph_loop.release_engines()

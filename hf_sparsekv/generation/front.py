@@ -24,7 +24,7 @@ from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_i
 from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .graph_loop import engine_for, static_decode_rows, static_mode, static_speculative_decode
-from .sampling import device_warpers, speculative_sample, stock_processors
+from .sampling import device_warpers, repetition_penalty, speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
 from .stats import SpecStats
 
@@ -440,7 +440,8 @@ def speculative_generate(
             prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
             engine = engine_for(
                 model, assistant_model, *static, gamma, max(r.max_length for r in rules),
-                max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch)
+                max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch,
+                penalty=repetition_penalty(rules[0].logits_processor))
             results = static_decode_rows(engine, prompts, rules)
             sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                          for b, res in enumerate(results)]
@@ -478,7 +479,8 @@ def speculative_generate(
     if static is not None:
         engine = engine_for(model, assistant_model, *static, gamma, rules.max_length,
                             rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
-                            warpers=warpers if config.do_sample else None)
+                            warpers=warpers if config.do_sample else None,
+                            penalty=repetition_penalty(rules.logits_processor))
         result = static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:

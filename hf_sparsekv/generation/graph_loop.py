@@ -52,7 +52,7 @@ from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuant
 from ..kernels import runtime
 from .batch_rows import assemble
 from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
-from .sampling import accept_or_resample, draw
+from .sampling import accept_or_resample, draw, penalized
 from .speculative import GreedyRules, SpeculativeResult
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
@@ -130,6 +130,7 @@ class EngineSpec:
     compiled: bool  # steps compiled with torch.compile before capture
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
     sampling: tuple | None = None  # do_sample: the warpers (class, settings), baked into the steps; None: greedy
+    penalty: tuple | None = None  # (repetition penalty, leading prompt tokens it ignores), baked into the steps
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -191,6 +192,9 @@ class StaticEngine:
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
         self.warpers = warpers  # None: greedy
+        self.penalty = spec.penalty
+        if self.penalty is not None:  # the repetition penalty: each row's tokens so far, as a mask over the vocabulary
+            self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
@@ -238,16 +242,20 @@ class StaticEngine:
         if quant:
             self.drafter_cache.view = "int4"
         token = self._last(1)
+        seen = None if self.penalty is None else self.seen  # the drafter's scores get the penalty too
         for i in range(self.spec.gamma):
             logits = static_forward(self.drafter, token, (self.n - 1 + i)[:, None], self.drafter_cache, 1,
                                     self.drafter_keyword)[:, 0]
             token = self.drafts[:, i : i + 1]
             if self.warpers is None:
-                token.copy_(logits.argmax(-1)[:, None])
+                scores = logits if seen is None else penalized(logits, seen, self.penalty[0])
+                token.copy_(scores.argmax(-1)[:, None])
             else:
-                q = self._probabilities(logits[:, None], self.n + i)[:, 0]
+                q = self._probabilities(logits[:, None], self.n + i, None if seen is None else seen[:, None])[:, 0]
                 self.q.index_copy_(1, self._block_offsets[i : i + 1], q[:, None])  # in place once compiled
                 token.copy_(draw(q)[:, None])
+            if seen is not None:
+                seen = seen.scatter(1, token, True)
         if quant:
             self.drafter_cache.view = "int8"
 
@@ -262,33 +270,49 @@ class StaticEngine:
         if eos_token_ids:
             self.eos_mask[[e for e in eos_token_ids if 0 <= e < self.eos_mask.numel()]] = True
 
-    def _floored(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
-        """``logits [B, L, V]`` for the tokens at sequence indices ``first_index[b] + 0..L-1`` with EOS masked below
-        ``eos_floor`` (on the device: no host branch)."""
+    def _seen_after(self, drafts: torch.Tensor, length: int) -> torch.Tensor | None:
+        """The repetition penalty's masks ``[B, length, V]`` of the positions after each row's sequence and its first
+        ``0..length-1`` drafts (None without a penalty)."""
+        if self.penalty is None:
+            return None
+        masks = [self.seen]
+        for i in range(length - 1):
+            masks.append(masks[-1].scatter(1, drafts[:, i : i + 1], True))
+        return torch.stack(masks, 1)
+
+    def _floored(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
+        """``logits [B, L, V]`` for the tokens at sequence indices ``first_index[b] + 0..L-1``, with the repetition
+        penalty where ``seen [B, L, V]`` is given, and EOS masked below ``eos_floor`` (on the device: no host
+        branch)."""
+        if seen is not None:
+            logits = penalized(logits, seen, self.penalty[0])
         index = first_index[:, None] + self._block_offsets[: logits.shape[1]]
         early = (index < self.eos_floor[:, None])[..., None] & self.eos_mask
         return logits.masked_fill(early, float("-inf"))
 
-    def _probabilities(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+    def _probabilities(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
         """Sampling: the processed distributions ``[B, L, V]`` (float32) of ``logits [B, L, V]`` (see
         :meth:`_floored`)."""
-        scores = self._floored(logits.float(), first_index)
+        scores = self._floored(logits.float(), first_index, seen)
         flat = scores.flatten(0, 1)
         for warper in self.warpers:
             flat = warper(None, flat)  # the device warpers read only the scores, row by row
         return torch.softmax(flat, -1).view_as(scores)
 
-    def _next(self, logits: torch.Tensor, first_index: torch.Tensor) -> torch.Tensor:
+    def _next(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
         """The verifier's tokens ``[B, L]`` after ``logits [B, L, V]``: argmax, or a draw when sampling."""
         if self.warpers is None:
-            return self._floored(logits, first_index).argmax(-1)
-        return draw(self._probabilities(logits, first_index))
+            return self._floored(logits, first_index, seen).argmax(-1)
+        return draw(self._probabilities(logits, first_index, seen))
 
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Write ``tokens [B, L]`` at ``seq[b, n[b]..]``, move the live rows' ``n`` past ``accepted + 1`` of them and
         leave ``[a, tokens]`` in the report."""
         # an indexed assignment, which the compiler keeps in place (a scatter_ compiles to a copy of all of seq)
         self.seq[self._rows, self.n[:, None] + self._block_offsets[: tokens.shape[1]]] = tokens
+        if self.penalty is not None:  # the kept tokens join each row's seen set (a dropped one repeats token 0)
+            kept = self._block_offsets[: tokens.shape[1]] <= accepted[:, None]
+            self.seen[self._rows, torch.where(kept, tokens, tokens[:, :1])] = True
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
@@ -297,13 +321,14 @@ class StaticEngine:
         block = torch.cat([self._last(1), self.drafts], 1)
         positions = (self.n - 1)[:, None] + self._block_offsets
         logits = static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
+        seen = self._seen_after(self.drafts, block.shape[1])
         if self.warpers is None:
-            verified = self._next(logits, self.n)
+            verified = self._next(logits, self.n, seen)
             accepted = accepted_length(self.drafts, verified)
             if self.cap is not None:  # v_0..v_cap saw the row's one quantization state: keep no later token
                 accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
-            p = self._probabilities(logits, self.n)
+            p = self._probabilities(logits, self.n, seen)
             accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled batch runs row by row: no cap)
             verified = torch.where(self._block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
                                    token[:, None])
@@ -312,7 +337,7 @@ class StaticEngine:
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
                                 self.verifier_keyword)
-        token = self._next(logits, self.n)
+        token = self._next(logits, self.n, None if self.penalty is None else self.seen[:, None])
         self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
     def run_step(self, name: str) -> None:
@@ -371,7 +396,13 @@ class StaticEngine:
                 static_prefill(self.drafter, prompt, self.drafter_cache, row)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
-        first = self._next(torch.stack(last)[:, None], self.n)[:, 0]
+            if self.penalty is not None:
+                self.seen[row].zero_()
+                self.seen[row, prompt[0, self.penalty[1] :]] = True
+        seen = None if self.penalty is None else self.seen[:, None]
+        first = self._next(torch.stack(last)[:, None], self.n, seen)[:, 0]
+        if self.penalty is not None:
+            self.seen.scatter_(1, first[:, None], True)
         self.seq.scatter_(1, self.n[:, None], first[:, None])
         self.n.add_(1)
         self.live.fill_(1)
@@ -383,11 +414,12 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
-               use_graphs: bool, warpers: list | None = None, batch: int = 1) -> StaticEngine:
+               use_graphs: bool, warpers: list | None = None, batch: int = 1,
+               penalty: tuple[float, int] | None = None) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
-    bounds every row's length. Under tensor parallelism the steps run uncaptured (see :data:`TP_CAPTURE`)."""
+    bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`). Under tensor parallelism the steps run uncaptured (see :data:`TP_CAPTURE`)."""
     if use_graphs and _tp_size(verifier) > 1 and not TP_CAPTURE:
         logger.warning_once("hf_sparsekv: tensor parallel (tp_plan): the static steps run uncaptured; capturing their "
                             "NCCL all-reduces is not validated yet")
@@ -395,7 +427,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter), warpers_key(warpers))
+                      _weights(verifier, drafter), warpers_key(warpers), penalty)
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):

@@ -27,6 +27,7 @@ from transformers.generation import (
     MinLengthLogitsProcessor,
     MinNewTokensLengthLogitsProcessor,
     MinPLogitsWarper,
+    RepetitionPenaltyLogitsProcessor,
     TemperatureLogitsWarper,
     TopKLogitsWarper,
     TopPLogitsWarper,
@@ -62,17 +63,42 @@ EOS_FLOOR_PROCESSORS = (MinLengthLogitsProcessor, MinNewTokensLengthLogitsProces
 def device_warpers(processors: LogitsProcessorList, sampling: bool = True) -> tuple[list, str | None]:
     """``(warpers, None)`` when the static loop can apply ``processors`` itself: with ``sampling``, the
     :data:`DEVICE_WARPERS` among them, in order; greedy (``sampling=False``), none at all. Min-length EOS masking is
-    the loop's EOS floor, and ``LogitNormalization`` (a log-softmax: a shift per row) changes neither the argmax nor
-    any warper's result nor the softmax, so both are left to the loop. Else ``([], name)`` of the first processor it
-    cannot apply (sequence-dependent ones such as the repetition penalty need the host at every token)."""
+    the loop's EOS floor, the repetition penalty its seen-token mask (:func:`repetition_penalty`), and
+    ``LogitNormalization`` (a log-softmax: a shift per row) changes neither the argmax nor any warper's result nor
+    the softmax, so these are left to the loop. Else ``([], name)`` of the first processor it cannot apply
+    (sequence-dependent ones such as ``no_repeat_ngram_size`` need the host at every token)."""
     warpers = []
     for proc in processors:
         if isinstance(proc, EOS_FLOOR_PROCESSORS) or type(proc) is LogitNormalization:
             continue
+        if type(proc) is RepetitionPenaltyLogitsProcessor and not warpers and _penalty_on_device(proc):
+            continue  # first of the scores' changes, as stock orders it; the loop applies it before the warpers
         if not sampling or type(proc) not in DEVICE_WARPERS:
             return [], type(proc).__name__
         warpers.append(proc)
     return warpers, None
+
+
+def _penalty_on_device(proc) -> bool:
+    ignore = getattr(proc, "prompt_ignore_length", None)
+    return ignore is None or isinstance(ignore, int)
+
+
+def repetition_penalty(processors: LogitsProcessorList) -> tuple[float, int] | None:
+    """``(penalty, ignored)`` of the repetition penalty among ``processors`` (``ignored``: leading prompt tokens it
+    does not count), or None. Stock semantics (``RepetitionPenaltyLogitsProcessor``): the score of every token that
+    occurs in the sequence so far is divided by ``penalty`` where positive, multiplied where negative."""
+    for proc in processors:
+        if type(proc) is RepetitionPenaltyLogitsProcessor:
+            return float(proc.penalty), int(getattr(proc, "prompt_ignore_length", None) or 0)
+    return None
+
+
+def penalized(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """``logits [..., V]`` with the repetition penalty applied where ``seen [..., V]`` (bool) is set, in float32 as
+    stock ``generate()`` applies it."""
+    logits = logits.float()
+    return torch.where(seen, torch.where(logits < 0, logits * penalty, logits / penalty), logits)
 
 
 def draw(probs: torch.Tensor) -> torch.Tensor:
