@@ -444,7 +444,24 @@ def _padded(model, rows: int, favour: dict | None = None):
     return padded
 
 
-def test_drafter_with_padded_vocabulary_is_lossless():
+@pytest.fixture(params=["eager", "static"])
+def loop(request, monkeypatch):
+    """Both speculative loops on CPU: the eager one, and the static engine uncaptured (HF_SPARSEKV_GRAPHS=1)."""
+    from hf_sparsekv.generation import graph_loop
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if request.param == "static" else "0")
+    graph_loop.release_engines()
+    yield request.param
+    graph_loop.release_engines()
+
+
+def _ran_on(loop: str, verifier) -> bool:
+    from hf_sparsekv.generation import graph_loop
+
+    return (graph_loop.current_engine(verifier) is not None) == (loop == "static")
+
+
+def test_drafter_with_padded_vocabulary_is_lossless(loop):
     verifier = tiny_model("qwen2")
     tokenizer = _word_tokenizer()
     ids = prompt(60, 6)
@@ -457,9 +474,10 @@ def test_drafter_with_padded_vocabulary_is_lossless():
                             tokenizer=tokenizer, return_dict_in_generate=True, num_assistant_tokens=4)
     assert torch.equal(out.sequences, reference)
     assert out.spec_stats.acceptance_rate > 0.0  # the argmax over the shared range agrees with the verifier
+    assert _ran_on(loop, verifier)
 
 
-def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_padding_row():
+def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_padding_row(loop):
     base = tiny_model("qwen2")
     ids = prompt(60, 7)
     greedy = _greedy_tokens(base, ids, 24)
@@ -471,6 +489,7 @@ def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_paddin
                                 draft_cache=mode, kv_budget=16 if mode == "chunk" else None,
                                 tokenizer=_word_tokenizer())
         assert torch.equal(out, reference)
+        assert _ran_on(loop, verifier)
 
 
 def test_padded_vocabulary_needs_a_tokenizer_within_the_shared_range():

@@ -189,6 +189,15 @@ class StaticEngine:
         self._block_offsets = torch.arange(gamma + 1, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
+        self.vocab = vocab
+        # Vocabularies that differ by padding (front checks the tokenizer stays below the shared range): drafts are
+        # limited to the shared ids, and a sequence id the drafter lacks reaches it as id 0 (see drafters.py)
+        self.draft_vocab = None  # (shared ids, the drafter's input ids)
+        if drafter is not None and drafter is not verifier:
+            d_out = drafter.get_output_embeddings().weight.shape[0]
+            d_in = drafter.get_input_embeddings().weight.shape[0]
+            if (d_out, d_in) != (vocab, vocab):
+                self.draft_vocab = (min(vocab, d_out), d_in)
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
         self.warpers = warpers  # None: greedy
@@ -241,11 +250,11 @@ class StaticEngine:
         quant = isinstance(self.drafter_cache, StaticQuantCache)
         if quant:
             self.drafter_cache.view = "int4"
-        token = self._last(1)
+        token = self._drafter_input(self._last(1))
         seen = None if self.penalty is None else self.seen  # the drafter's scores get the penalty too
         for i in range(self.spec.gamma):
-            logits = static_forward(self.drafter, token, (self.n - 1 + i)[:, None], self.drafter_cache, 1,
-                                    self.drafter_keyword)[:, 0]
+            logits = self._draft_logits(static_forward(self.drafter, token, (self.n - 1 + i)[:, None],
+                                                       self.drafter_cache, 1, self.drafter_keyword)[:, 0])
             token = self.drafts[:, i : i + 1]
             if self.warpers is None:
                 scores = logits if seen is None else penalized(logits, seen, self.penalty[0])
@@ -259,8 +268,26 @@ class StaticEngine:
         if quant:
             self.drafter_cache.view = "int8"
 
+    def _drafter_input(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``tokens`` as the drafter reads them: an id it lacks (padded vocabularies) as id 0."""
+        if self.draft_vocab is None:
+            return tokens
+        return torch.where(tokens < self.draft_vocab[1], tokens, torch.zeros_like(tokens))
+
+    def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The drafter's ``logits [B, V_drafter]`` over the verifier's vocabulary ``[B, V]``: the shared ids, -inf
+        beyond them."""
+        if self.draft_vocab is None:
+            return logits
+        shared = self.draft_vocab[0]
+        logits = logits[:, :shared]
+        if shared < self.vocab:
+            logits = torch.cat([logits, logits.new_full((logits.shape[0], self.vocab - shared), float("-inf"))], 1)
+        return logits
+
     def _catch_up(self) -> None:
-        static_forward(self.drafter, self._last(2), (self.n - 2)[:, None], self.drafter_cache, 1, self.drafter_keyword)
+        static_forward(self.drafter, self._drafter_input(self._last(2)), (self.n - 2)[:, None], self.drafter_cache, 1,
+                       self.drafter_keyword)
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
@@ -393,7 +420,7 @@ class StaticEngine:
             if shared_prefill:
                 self.drafter_cache.end_prefill()
             elif separate:
-                static_prefill(self.drafter, prompt, self.drafter_cache, row)
+                static_prefill(self.drafter, self._drafter_input(prompt), self.drafter_cache, row)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
             if self.penalty is not None:
@@ -623,8 +650,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
-    elif _text_config(model).vocab_size != _text_config(drafter).vocab_size:
-        reason = "the drafter's vocabulary size differs from the model's (drafts are limited to the shared range)"
     elif stopping_criteria:
         reason = "stopping_criteria may read the scores of every token"
     elif logits_processor:
