@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from transformers import (
+    DynamicCache,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -615,3 +616,47 @@ def test_compiled_steps_write_caches_in_place(static_path, monkeypatch, mode, ba
     assert len(graphs) == len(steps)
     for graph in graphs:
         assert _buffer_copies(graph, shapes) == []
+
+
+@pytest.mark.parametrize("self_drafting", [False, True], ids=["drafter", "self"])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: ChunkBudgetCache(24, chunk_size=4, selection="cumulative"), id="chunk-cumulative-s4"),
+    pytest.param(lambda: ChunkBudgetCache(32), id="chunk-default"),
+    pytest.param(lambda: SinkWindowCache(sink=2, window=20), id="window-2-20"),
+])
+def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, static_path):
+    """A ChunkBudgetCache / SinkWindowCache instance as draft_cache runs on the static loop with its own settings
+    (chunk size and selection; sink and window), lossless; a chunk cache keeps the prompt positions the eager loop's
+    instance keeps (the same keys, stored after RoPE at their real positions)."""
+    verifier = tiny_model("llama")
+    drafter = verifier if self_drafting else tiny_model("llama", role="drafter")
+    ids = prompt(90, seed=12)
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0, num_assistant_tokens=3)
+    out = verifier.generate(ids, assistant_model=drafter, draft_cache=make(), **kwargs)
+    reference = verifier.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert torch.equal(out, reference)
+    template = make()
+    cache = graph_loop.current_engine(verifier).drafter_cache
+    if isinstance(template, SinkWindowCache):
+        assert isinstance(cache, StaticSinkWindowCache) and (cache.sink, cache.window) == (2, 20)
+        return
+    assert isinstance(cache, StaticChunkBudgetCache)
+    assert (cache.budget, cache.chunk_size, cache.selection) == (template.budget, template.chunk_size,
+                                                                template.selection)
+    graph_loop.release_engines()
+    with pytest.MonkeyPatch.context() as m:
+        m.setenv("HF_SPARSEKV_GRAPHS", "0")
+        verifier.generate(ids, assistant_model=drafter, draft_cache=template, **kwargs)
+    assert graph_loop.current_engine(verifier) is None
+    k = cache.kept[0]
+    assert k == template.layers[0].prefix_stored < ids.shape[1]  # the same number of kept prompt tokens, and the same
+    torch.testing.assert_close(cache.layers[0].keys[0, :, :k], template.layers[0].keys[0, :, :k])  # tokens
+
+
+def test_draft_cache_instances_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(60, seed=13)
+    reference = verifier.generate(ids, max_new_tokens=16, do_sample=False)
+    for cache in (ChunkBudgetCache(32, generated_window=16), ChunkBudgetCache(32, per_kv_head=True), DynamicCache()):
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache=cache, max_new_tokens=16, do_sample=False)
+        assert torch.equal(out, reference) and graph_loop.current_engine(verifier) is None, type(cache)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 WINDOW_SINK = 4
+CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 DEFAULT_WINDOW_BUDGET = 1024
 
 

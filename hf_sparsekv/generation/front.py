@@ -21,7 +21,7 @@ from ..cache_keyword import output_field, pop_user_cache
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
-from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
+from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .graph_loop import engine_for, static_decode_rows, static_mode, static_speculative_decode
 from .sampling import device_warpers, repetition_penalty, speculative_sample, stock_processors
@@ -30,7 +30,6 @@ from .stats import SpecStats
 
 DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
-CHUNK_SIZE = 8  # ChunkBudgetCache's default: tokens per scored chunk
 
 # Generation options this path does not serve (the logits processors stock builds from the rest of the config,
 # repetition penalty, n-gram and bad-word bans included, are applied: sampling.stock_processors).
@@ -438,10 +437,11 @@ def speculative_generate(
         pad = pad_value(config)
         if static is not None:
             prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
+            mode, budget, layout = static
             engine = engine_for(
-                model, assistant_model, *static, gamma, max(r.max_length for r in rules),
+                model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
                 max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch,
-                penalty=repetition_penalty(rules[0].logits_processor))
+                penalty=repetition_penalty(rules[0].logits_processor), layout=layout)
             results = static_decode_rows(engine, prompts, rules)
             sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                          for b, res in enumerate(results)]
@@ -477,10 +477,11 @@ def speculative_generate(
         prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:
-        engine = engine_for(model, assistant_model, *static, gamma, rules.max_length,
+        mode, budget, layout = static
+        engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                             rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
                             warpers=warpers if config.do_sample else None,
-                            penalty=repetition_penalty(rules.logits_processor))
+                            penalty=repetition_penalty(rules.logits_processor), layout=layout)
         result = static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:

@@ -46,12 +46,13 @@ import torch
 from transformers.utils import logging
 
 from ..cache_keyword import cache_keyword
-from ..caches import HierarchicalQuantCache
+from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from ..caches.chunk_selection import ChunkSelection
 from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
 from ..kernels import runtime
 from .batch_rows import assemble
-from .common import DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
+from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .sampling import accept_or_resample, draw, penalized
 from .speculative import GreedyRules, SpeculativeResult
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
@@ -131,6 +132,7 @@ class EngineSpec:
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
     sampling: tuple | None = None  # do_sample: the warpers (class, settings), baked into the steps; None: greedy
     penalty: tuple | None = None  # (repetition penalty, leading prompt tokens it ignores), baked into the steps
+    layout: tuple = ()  # the drafter cache's settings: chunk (chunk_size, ChunkSelection), window (sink, window)
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -218,11 +220,14 @@ class StaticEngine:
         shape, placed = _attention_shape(self.drafter), layer_devices(self.drafter)
         mode, spec = self.spec.mode, self.spec
         if mode == "chunk":
+            chunk_size, selection = spec.layout or (CHUNK_SIZE, ChunkSelection())
             return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
-                                          spec.device, batch=spec.batch, layer_devices=placed)
+                                          spec.device, chunk_size, batch=spec.batch, selection=selection,
+                                          layer_devices=placed)
         if mode == "window":
-            return StaticSinkWindowCache(WINDOW_SINK, spec.budget - WINDOW_SINK, spec.gamma + 1, *shape, spec.dtype,
-                                         spec.device, spec.batch, placed)
+            sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
+            return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, spec.dtype, spec.device, spec.batch,
+                                         placed)
         if mode == "full":
             return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
         raise ValueError(f"unknown static drafter mode {mode!r}")
@@ -442,11 +447,12 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
-               penalty: tuple[float, int] | None = None) -> StaticEngine:
+               penalty: tuple[float, int] | None = None, layout: tuple = ()) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
-    bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`). Under tensor parallelism the steps run uncaptured (see :data:`TP_CAPTURE`)."""
+    bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
+    ``layout``: the drafter cache's settings (:func:`static_mode`; empty: the defaults of ``mode``). Under tensor parallelism the steps run uncaptured (see :data:`TP_CAPTURE`)."""
     if use_graphs and _tp_size(verifier) > 1 and not TP_CAPTURE:
         logger.warning_once("hf_sparsekv: tensor parallel (tp_plan): the static steps run uncaptured; capturing their "
                             "NCCL all-reduces is not validated yet")
@@ -454,7 +460,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter), warpers_key(warpers), penalty)
+                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout))
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
@@ -624,8 +630,9 @@ def placed_on(model) -> set[str]:
 
 
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple[str, int | None] | None:
-    """``(mode, budget)`` when the static loop serves this (already validated) request, else None. On CUDA (or with
+                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple[str, int | None, tuple] | None:
+    """``(mode, budget, layout)`` when the static loop serves this (already validated) request, else None
+    (``layout``: the settings of a ``draft_cache`` instance, :class:`EngineSpec`). On CUDA (or with
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``logits_processor``:
     the user's (always the eager loop); ``processor_blocker``: the first of the processors built from the generation
     config that the loop cannot apply on the device (:func:`~.sampling.device_warpers`), if any."""
@@ -636,14 +643,23 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         return None
     kind = draft_cache if isinstance(draft_cache, str) or draft_cache is None else None
     kind = "chunk" if draft_cache is None else kind
-    group_size = DEFAULT_GROUP_SIZE
+    group_size, layout, budget = DEFAULT_GROUP_SIZE, (), None
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
+    elif isinstance(draft_cache, ChunkBudgetCache):  # its settings configure the static chunk cache
+        kind, budget, layout = "chunk", draft_cache.budget, (draft_cache.chunk_size, draft_cache.selection)
+    elif isinstance(draft_cache, SinkWindowCache):
+        kind, budget, layout = "window", draft_cache.sink + draft_cache.window, (draft_cache.sink, draft_cache.window)
     reason = None
     if processor_blocker is not None:
         reason = f"{processor_blocker} needs the host at every token (the static loop does not apply it)"
     elif kind is None:
-        reason = "a draft_cache instance was given"
+        reason = f"a {type(draft_cache).__name__} draft_cache instance (the static loop takes ChunkBudgetCache, " \
+                 "SinkWindowCache and, for self-speculation, HierarchicalQuantCache instances)"
+    elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.generated_window is not None:
+        reason = "ChunkBudgetCache(generated_window=...) is not on the static path"
+    elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.selection.per_kv_head:
+        reason = "a per-KV-head chunk selection is not on the static path"
     elif kind == "int4" and drafter is not model:
         reason = "a separate drafter on a quantized cache is not on the static path"
     elif kind == "int4" and group_size % 16:
@@ -659,8 +675,10 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if reason is not None:
         logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
         return None
-    budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None, "int4": group_size}[kind]
-    return kind, budget
+    if budget is None:
+        budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None,
+                  "int4": group_size}[kind]
+    return kind, budget, layout
 
 
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
