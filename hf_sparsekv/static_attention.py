@@ -31,7 +31,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import _kernel_shape_ok, quant_kernel_ok
-from .caches.static import LAST_WRITTEN, StaticChunkBudgetCache, StaticLayer, StaticQuantCache, StaticSinkWindowCache
+from .caches.static import LAST_WRITTEN, StaticLayer, StaticQuantCache, StaticSinkWindowCache
 
 NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -147,7 +147,7 @@ def static_attention(
         mask = _prefill_mask(query.shape[-2], sliding, query.device)
         out = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
         for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
-            if isinstance(target, StaticChunkBudgetCache) and target.needs_selection():
+            if getattr(target, "needs_selection", None) is not None and target.needs_selection():  # chunk layouts
                 target.select(target.layers[layer.layer_idx], query, key, value, scale)
         return out
     if isinstance(cache, StaticQuantCache):

@@ -22,7 +22,9 @@ from transformers import (
 
 import hf_sparsekv
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
-from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
+from hf_sparsekv.caches.static import (
+    StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
+)
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.generation.graph_loop import accepted_length
 
@@ -622,6 +624,7 @@ def test_compiled_steps_write_caches_in_place(static_path, monkeypatch, mode, ba
 @pytest.mark.parametrize("make", [
     pytest.param(lambda: ChunkBudgetCache(24, chunk_size=4, selection="cumulative"), id="chunk-cumulative-s4"),
     pytest.param(lambda: ChunkBudgetCache(32), id="chunk-default"),
+    pytest.param(lambda: ChunkBudgetCache(32, generated_window=12), id="chunk-generated-window"),
     pytest.param(lambda: SinkWindowCache(sink=2, window=20), id="window-2-20"),
 ])
 def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, static_path):
@@ -640,9 +643,12 @@ def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, s
     if isinstance(template, SinkWindowCache):
         assert isinstance(cache, StaticSinkWindowCache) and (cache.sink, cache.window) == (2, 20)
         return
-    assert isinstance(cache, StaticChunkBudgetCache)
+    bounded = template.generated_window is not None
+    assert isinstance(cache, StaticChunkWindowCache if bounded else StaticChunkBudgetCache)
     assert (cache.budget, cache.chunk_size, cache.selection) == (template.budget, template.chunk_size,
                                                                 template.selection)
+    if bounded:  # the kept chunks, then a ring of the generated window: bounded whatever the generation's length
+        assert cache.window == 12 and cache.capacity == 32 + 12 + (3 + 1) + 1  # rollback: γ + 1
     graph_loop.release_engines()
     with pytest.MonkeyPatch.context() as m:
         m.setenv("HF_SPARSEKV_GRAPHS", "0")
@@ -657,6 +663,50 @@ def test_draft_cache_instances_the_static_loop_cannot_serve_run_the_eager_loop(s
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(60, seed=13)
     reference = verifier.generate(ids, max_new_tokens=16, do_sample=False)
-    for cache in (ChunkBudgetCache(32, generated_window=16), ChunkBudgetCache(32, per_kv_head=True), DynamicCache()):
+    for cache in (ChunkBudgetCache(32, per_kv_head=True), DynamicCache()):
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=cache, max_new_tokens=16, do_sample=False)
         assert torch.equal(out, reference) and graph_loop.current_engine(verifier) is None, type(cache)
+
+
+def test_chunk_window_cache_shows_the_kept_prompt_and_the_last_generated_tokens():
+    """StaticChunkWindowCache, driven step by step with rollbacks: a query at p sees every kept prompt token and the
+    generated positions p - W .. p (its own included), whatever was written past p before (exact rollback)."""
+    budget, window, rollback, prompt_len = 16, 6, 3, 10
+    cache = StaticChunkWindowCache(budget, window, rollback, 1, 1, 4, torch.float64, "cpu", chunk_size=4)
+    layer = cache.layers[0]
+
+    def marked(positions):  # keys carrying their real position, to read back what a query sees
+        return torch.tensor(positions, dtype=torch.float64)[None, None, :, None].expand(1, 1, -1, 4)
+
+    cache.begin_prefill(prompt_len, 0)
+    cache.write(layer, marked(range(prompt_len)), marked(range(prompt_len)))
+    cache.end_prefill()
+    schedule = list(range(prompt_len, prompt_len + 30))
+    schedule[12:12] = [prompt_len + 9, prompt_len + 10]  # roll back 3 tokens and rewrite them
+    for p in schedule:
+        cache.begin_step(torch.tensor([[p]]))
+        cache.write(layer, marked([p]), marked([p]))
+        seen = cache.visible(cache.positions)[0, 0].nonzero().flatten()
+        real = sorted(int(x) for x in layer.keys[0, 0, seen, 0])
+        want = list(range(prompt_len)) + [q for q in range(max(prompt_len, p - window), p + 1)]
+        assert real == want, p
+    assert cache.capacity == budget + window + rollback + 1
+
+
+def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(static_path):
+    """ChunkBudgetCache(generated_window=...) on a left-padded batch (one engine row per prompt, each with its own
+    prompt length and offset): every row is its prompt's greedy output alone."""
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    prompts = [prompt(n, 50 + n) for n in (70, 9, 33)]
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, num_assistant_tokens=4,
+                            draft_cache=ChunkBudgetCache(16, generated_window=8), **kwargs)
+    engine = graph_loop.current_engine(verifier)
+    assert isinstance(engine.drafter_cache, StaticChunkWindowCache) and engine.spec.batch == 3
+    for b, p in enumerate(prompts):
+        assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b

@@ -317,26 +317,18 @@ class StaticFullCache(PreallocatedCache):
             self.fp_length[r] = n
 
 
-class StaticChunkBudgetCache(PreallocatedCache):
-    """BudgetDraft's chunk-budget cache on preallocated storage (see :class:`~hf_sparsekv.caches.ChunkBudgetCache`
-    for the selection; the same functions compute it). ``capacity`` must hold the kept prompt tokens (<= budget)
-    and every token appended later."""
+class _ChunkSelecting:
+    """What the chunk layouts share: the prefill selection of :class:`~hf_sparsekv.caches.ChunkBudgetCache` (same
+    scores, same chunks), the kept prompt tokens stored in slots ``0..K-1`` of the row being prefilled, and their
+    positions set by :meth:`_place_kept`."""
 
-    def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
-                 per_kv_head: bool = False, score_window: int | None = None, batch: int = 1,
-                 selection: ChunkSelection | str = "observed", layer_devices=None):
+    def _init_selection(self, budget: int, chunk_size: int, selection, per_kv_head: bool, score_window):
         if budget < chunk_size:
             raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
         selection = as_selection(selection, per_kv_head, score_window)
         if selection.per_kv_head:
             raise NotImplementedError("per_kv_head selection is not supported on static storage")
-        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch, layer_devices)
         self.budget, self.chunk_size, self.selection = budget, chunk_size, selection
-        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
-        self.kept = [0] * batch
-
-    def slots_of(self, positions):
-        return positions - self.offset[:, None]
 
     def _store_prefill(self, layer, key_states, value_states):
         p = key_states.shape[-2]
@@ -359,14 +351,34 @@ class StaticChunkBudgetCache(PreallocatedCache):
         layer.values[r, :, :k].copy_(values[0])
         if layer.layer_idx == 0:
             self.kept[r] = k
-            self.offset[r] = self.prefill_length - k
             self.slot_positions[r].fill_(-1)
-            self.slot_positions[r, :k] = torch.arange(self.prefill_length - k, self.prefill_length,
-                                                      device=self.offset.device)
-            self.fp_length[r] = k
+            self._place_kept(r, k)
 
     def needs_selection(self) -> bool:
         return self.prefilling and self.prefill_length > self.budget
+
+
+class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
+    """BudgetDraft's chunk-budget cache on preallocated storage (see :class:`~hf_sparsekv.caches.ChunkBudgetCache`
+    for the selection; the same functions compute it). ``capacity`` must hold the kept prompt tokens (<= budget)
+    and every token appended later."""
+
+    def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
+                 per_kv_head: bool = False, score_window: int | None = None, batch: int = 1,
+                 selection: ChunkSelection | str = "observed", layer_devices=None):
+        self._init_selection(budget, chunk_size, selection, per_kv_head, score_window)
+        super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch, layer_devices)
+        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
+        self.kept = [0] * batch
+
+    def slots_of(self, positions):
+        return positions - self.offset[:, None]
+
+    def _place_kept(self, row: int, k: int) -> None:
+        self.offset[row] = self.prefill_length - k
+        self.slot_positions[row, :k] = torch.arange(self.prefill_length - k, self.prefill_length,
+                                                    device=self.offset.device)
+        self.fp_length[row] = k
 
     def reset(self) -> None:
         super().reset()
@@ -409,6 +421,41 @@ class StaticSinkWindowCache(PreallocatedCache):
             home = self.slot_positions.device
             self.slot_positions[r].fill_(-1)
             self.slot_positions[r].index_copy_(0, slots.to(home), positions.to(home))
+
+
+class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
+    """The chunk budget with a bounded generation (``ChunkBudgetCache(B, generated_window=W)`` on the static engine):
+    the prompt chunks the selection keeps fill the first ``budget`` slots and stay visible, as the sinks of the
+    sink+window ring; the tokens appended after the prefill go to a ring of ``W + max_rollback + 1`` slots, of which
+    a query at p sees positions ``p - W .. p``. Capacity ``budget + W + max_rollback + 1`` however long the
+    generation; rollback of up to ``max_rollback`` tokens is exact (what a query sees depends on p alone).
+
+    Visibility is decided on *mask positions* (``slot_positions``, ``positions``): kept prompt token j has j; the
+    token at position p >= P (P the row's prompt length) has ``budget + p - P`` (``offset = P - budget`` per row).
+    Keys keep their real positions (stored after RoPE). Unlike the dynamic cache, whose window of generated tokens
+    moves by whole chunks, the window here moves by single tokens: the two keep the same prompt chunks and may
+    differ in the oldest generated tokens they still show, which changes drafts, never the output."""
+
+    def __init__(self, budget: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
+                 chunk_size: int = 8, batch: int = 1, selection: ChunkSelection | str = "observed",
+                 layer_devices=None):
+        self._init_selection(budget, chunk_size, selection, False, None)
+        super().__init__(budget, window, max_rollback, num_layers, kv_heads, head_dim, dtype, device, batch,
+                         layer_devices)
+        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - budget
+        self.kept = [0] * batch
+
+    def begin_step(self, positions: torch.Tensor) -> None:
+        super().begin_step(positions - self.offset[:, None])  # real -> mask positions
+
+    def _place_kept(self, row: int, k: int) -> None:
+        self.offset[row] = self.prefill_length - self.budget
+        self.slot_positions[row, :k] = torch.arange(k, device=self.offset.device)
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset.zero_()
+        self.kept = [0] * self.batch
 
 
 class StaticQuantCache(PreallocatedCache):

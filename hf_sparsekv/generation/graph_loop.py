@@ -49,7 +49,9 @@ from ..cache_keyword import cache_keyword
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
 from ..caches.chunk_selection import ChunkSelection
 from ..caches.quantized import DEFAULT_GROUP_SIZE
-from ..caches.static import StaticChunkBudgetCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache
+from ..caches.static import (
+    StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
+)
 from ..kernels import runtime
 from .batch_rows import assemble
 from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
@@ -132,7 +134,8 @@ class EngineSpec:
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
     sampling: tuple | None = None  # do_sample: the warpers (class, settings), baked into the steps; None: greedy
     penalty: tuple | None = None  # (repetition penalty, leading prompt tokens it ignores), baked into the steps
-    layout: tuple = ()  # the drafter cache's settings: chunk (chunk_size, ChunkSelection), window (sink, window)
+    # the drafter cache's settings: chunk (chunk_size, ChunkSelection, generated_window or None), window (sink, window)
+    layout: tuple = ()
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -220,7 +223,10 @@ class StaticEngine:
         shape, placed = _attention_shape(self.drafter), layer_devices(self.drafter)
         mode, spec = self.spec.mode, self.spec
         if mode == "chunk":
-            chunk_size, selection = spec.layout or (CHUNK_SIZE, ChunkSelection())
+            chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
+            if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
+                return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, spec.dtype, spec.device,
+                                              chunk_size, spec.batch, selection, placed)
             return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
                                           spec.device, chunk_size, batch=spec.batch, selection=selection,
                                           layer_devices=placed)
@@ -647,7 +653,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
         kind, group_size = "int4", draft_cache.group_size
     elif isinstance(draft_cache, ChunkBudgetCache):  # its settings configure the static chunk cache
-        kind, budget, layout = "chunk", draft_cache.budget, (draft_cache.chunk_size, draft_cache.selection)
+        kind, budget = "chunk", draft_cache.budget
+        layout = (draft_cache.chunk_size, draft_cache.selection, draft_cache.generated_window)
     elif isinstance(draft_cache, SinkWindowCache):
         kind, budget, layout = "window", draft_cache.sink + draft_cache.window, (draft_cache.sink, draft_cache.window)
     reason = None
@@ -656,8 +663,6 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     elif kind is None:
         reason = f"a {type(draft_cache).__name__} draft_cache instance (the static loop takes ChunkBudgetCache, " \
                  "SinkWindowCache and, for self-speculation, HierarchicalQuantCache instances)"
-    elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.generated_window is not None:
-        reason = "ChunkBudgetCache(generated_window=...) is not on the static path"
     elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.selection.per_kv_head:
         reason = "a per-KV-head chunk selection is not on the static path"
     elif kind == "int4" and drafter is not model:
