@@ -86,6 +86,14 @@ bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py --out runs/scale
 
 # The full-precision decode kernel against SDPA-flash at Llama-3-8B shape, after a launch-settings sweep.
+# Two CUDA GPUs (issue 31): a verifier split with device_map against one GPU (8B shape), a 70B-shape verifier
+# split over two (steps captured uncompiled, 32K HF baseline), DDP drafter training on 1 and 2 GPUs.
+bench-multi-gpu: $(STAMP)
+	$(PY) benchmarks/multi_gpu.py --verifier llama-3.1-8b --contexts 32768 65536 --out runs/multi-gpu-8b
+	$(PY) benchmarks/multi_gpu.py --verifier llama-3.1-70b --placements split --contexts 32768 65536 \
+		--hf-contexts 32768 --compile 0 --e2e-tokens 4 12 --repeats 10 --out runs/multi-gpu-70b
+	$(PY) benchmarks/ddp_training.py --processes 1 2 --out runs/ddp-training
+
 bench-decode-kernel: $(STAMP)
 	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
 
