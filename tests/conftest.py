@@ -66,6 +66,18 @@ def prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=g)
 
 
+def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prompts[b] [1, P_b]`` as one left-padded batch: ``(input_ids [B, max P], attention_mask)`` on the prompts'
+    device."""
+    width = max(p.shape[1] for p in prompts)
+    ids = torch.full((len(prompts), width), pad, dtype=torch.long, device=prompts[0].device)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, width - p.shape[1] :] = p[0]
+        mask[b, width - p.shape[1] :] = 1
+    return ids, mask
+
+
 @pytest.fixture(autouse=True)
 def _uncompiled_unless_marked(request, monkeypatch):
     """On CUDA the graph path compiles its steps by default (10-60 s per configuration); tests capture them

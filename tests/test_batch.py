@@ -13,7 +13,7 @@ import torch
 import hf_sparsekv
 from hf_sparsekv.generation import graph_loop
 
-from .conftest import ARCHS, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, tiny_model
 
 PAD = 0  # the tiny models' pad_token_id
 
@@ -33,16 +33,6 @@ def _check_path(path: str, verifier, mode: str, rows: int) -> None:
         assert engine is None
     else:  # every mode: one engine of all rows
         assert engine is not None and engine.spec.batch == rows
-
-
-def _left_padded(prompts: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.full((len(prompts), width), PAD, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1] :] = p[0]
-        mask[b, width - p.shape[1] :] = 1
-    return ids, mask
 
 
 def _spec(mode: str, verifier, drafter) -> dict:
@@ -90,7 +80,7 @@ def _cases(n=15, seed=4):
 def test_each_row_equals_its_prompt_alone(path, arch, mode, gamma, lengths, seed):
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     prompts = [prompt(n, seed + i) for i, n in enumerate(lengths)]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, max_new_tokens=12, num_assistant_tokens=gamma,
                             return_dict_in_generate=True, **_spec(mode, verifier, drafter))
     _check_path(path, verifier, mode, len(prompts))
@@ -112,7 +102,7 @@ def test_eos_in_one_row_while_the_others_go_on(path):
     candidates = [int(t) for t in free[0][:8] if all(int(t) not in f.tolist() for f in free[1:])]
     assert candidates, "pick other prompts: no token of row 0 is absent from the other rows"
     eos = candidates[0]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     kwargs = dict(max_new_tokens=20, eos_token_id=eos)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **kwargs)
     _check_path(path, verifier, "chunk", len(prompts))
@@ -134,7 +124,7 @@ def test_rejected_and_accepted_rows_side_by_side(path):
     clean = clean[:, (clean[0] != 5)][:, :50]
     poisoned = torch.full((1, 30), 5)
     prompts = [clean, poisoned]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache="full",
                             max_new_tokens=16, num_assistant_tokens=3, return_dict_in_generate=True)
     _check_path(path, verifier, "full", len(prompts))
@@ -153,7 +143,7 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(path, arch, mon
     cap) while the others draft in full. Each row equals greedy AR of its prompt alone on the INT8 view."""
     verifier = tiny_model(arch)
     prompts = [prompt(n, 7 * n) for n in (20, 31, 47, 90)]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     caps = []
     if path == "static":
         verify = graph_loop.StaticEngine._verify
@@ -175,7 +165,7 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(path, arch, mon
 def test_a_draft_cache_instance_serves_every_row():
     verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
     prompts = [prompt(n, n) for n in (70, 20)]
-    ids, mask = _left_padded(prompts)
+    ids, mask = left_padded(prompts)
     cache = hf_sparsekv.ChunkBudgetCache(16)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache=cache, max_new_tokens=8)
     _assert_rows(out, prompts, [_reference(verifier, p, "chunk", max_new_tokens=8) for p in prompts], ids.shape[1])
@@ -194,7 +184,7 @@ def test_what_a_batch_refuses(extra, error, match):
     from transformers.generation.streamers import BaseStreamer
 
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
-    ids, mask = _left_padded([prompt(12, 1), prompt(30, 2)])
+    ids, mask = left_padded([prompt(12, 1), prompt(30, 2)])
     extra = dict(extra)
     if extra.get("streamer") == "streamer":
         extra["streamer"] = BaseStreamer()
@@ -218,7 +208,7 @@ def test_padded_batch_without_attention_mask_is_masked_as_stock_infers_it():
     stock's greedy batch output, and each row its prompt alone; a pad id inside a prompt is refused, naming it."""
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     prompts = [prompt(n, 60 + n) for n in (40, 11)]
-    ids, _ = _left_padded(prompts)
+    ids, _ = left_padded(prompts)
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10)
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
     _assert_rows(out, prompts, [_reference(verifier, p, "chunk", max_new_tokens=10) for p in prompts], ids.shape[1])
@@ -234,7 +224,7 @@ def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
     from transformers.utils import logging as hf_logging
 
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
-    ids, _ = _left_padded([prompt(30, 1), prompt(12, 2)])
+    ids, _ = left_padded([prompt(30, 1), prompt(12, 2)])
     hf_logging.enable_propagation()
     try:
         hf_logging.get_logger("transformers.generation.utils").warning_once.cache_clear()  # (once per process)
@@ -256,7 +246,7 @@ def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
     from transformers.utils import logging as hf_logging
 
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
-    ids, mask = _left_padded([prompt(20, 1), prompt(9, 2)])
+    ids, mask = left_padded([prompt(20, 1), prompt(9, 2)])
     hf_logging.enable_propagation()
     try:
         logging_module = __import__("logging")

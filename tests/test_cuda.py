@@ -14,7 +14,7 @@ import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
 from hf_sparsekv.generation import graph_loop
 
-from .conftest import ARCHS, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, tiny_model
 
 pytestmark = pytest.mark.cuda
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
@@ -167,11 +167,8 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
     view), padded after an early stop; the rows reuse one engine."""
     verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
     prompts = [prompt(n, 30 + n).cuda() for n in (300, 7, 120)]
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     kwargs = dict(max_new_tokens=40, do_sample=False)
     _, spec = _reference_and_spec(verifier, drafter, mode, prompts[0], kwargs)
     out = verifier.generate(ids, attention_mask=mask, num_assistant_tokens=3, **spec, **kwargs)

@@ -16,7 +16,7 @@ import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
 from hf_sparsekv.generation import graph_loop
 
-from .conftest import prompt, tiny_model
+from .conftest import left_padded, prompt, tiny_model
 
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
 
@@ -98,11 +98,8 @@ def test_split_verifier_batch_rows():
     verifier = _split("llama")
     drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to("cuda:0", torch.float32)
     prompts = [prompt(n, 40 + n).cuda() for n in (250, 6, 90)]
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long, device="cuda")
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1] :], mask[b, width - p.shape[1] :] = p[0], 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     kwargs = dict(max_new_tokens=32, do_sample=False)
     out = verifier.generate(ids, attention_mask=mask, num_assistant_tokens=3, **_spec(verifier, drafter, "chunk"),
                             **kwargs)

@@ -19,7 +19,7 @@ from transformers import (
 from hf_sparsekv import HierarchicalQuantCache
 from hf_sparsekv.generation import graph_loop
 
-from .conftest import ARCHS, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, tiny_model
 from .test_sampling import _consistent
 
 # Each set changes stock greedy's output on the prompts below (checked by the first test).
@@ -96,11 +96,8 @@ def test_the_static_loop_applies_a_config_repetition_penalty(batch, monkeypatch)
     verifier.generation_config.repetition_penalty = 1.6
     drafter = tiny_model("qwen2", role="drafter")
     prompts = [prompt(n, 20 + n) for n in (30, 12, 21)[:batch]]
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(batch, width, dtype=torch.long)
-    mask = torch.zeros(batch, width, dtype=torch.long)
-    for row, p in enumerate(prompts):
-        ids[row, width - p.shape[1]:], mask[row, width - p.shape[1]:] = p[0], 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **GREEDY)
     engine = graph_loop.current_engine(verifier)
     assert engine is not None and engine.spec.penalty == (1.6, 0) and engine.spec.batch == batch

@@ -28,7 +28,7 @@ from hf_sparsekv.caches.static import (
 from hf_sparsekv.generation import graph_loop
 from hf_sparsekv.generation.graph_loop import accepted_length
 
-from .conftest import ARCHS, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, tiny_model
 
 H, D = 2, 8
 
@@ -386,11 +386,8 @@ def test_graph_greedy_generate_on_a_left_padded_batch(arch):
     eos = int(free[1][5])  # row 1 stops early; the others stop there too if they produce it
     references = [verifier.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=eos, pad_token_id=0)
                   for p in prompts]
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=24, eos_token_id=eos,
                                             attention_mask=mask, pad_token_id=0)
     assert graph_loop.current_engine(verifier).spec.batch == len(prompts)
@@ -698,11 +695,8 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(static_path):
     prompt length and offset): every row is its prompt's greedy output alone."""
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     prompts = [prompt(n, 50 + n) for n in (70, 9, 33)]
-    width = max(p.shape[1] for p in prompts)
-    ids = torch.zeros(len(prompts), width, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for b, p in enumerate(prompts):
-        ids[b, width - p.shape[1]:], mask[b, width - p.shape[1]:] = p[0], 1
+    ids, mask = left_padded(prompts)
+    width = ids.shape[1]
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, num_assistant_tokens=4,
                             draft_cache=ChunkBudgetCache(16, generated_window=8), **kwargs)
