@@ -66,6 +66,33 @@ def prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=g)
 
 
+def torchrun_two(script_text: str, tmp_path, env: dict, timeout: float, *args: str) -> None:
+    """Run ``script_text`` in two processes under torchrun (``python -m torch.distributed.run``), in ``tmp_path`` with
+    ``env`` added, its arguments: the repository root, then ``args``; fail the test with its output if it fails or
+    runs past ``timeout`` seconds (then the whole process group, torchrun and both workers, is killed: no orphans)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "two_processes.py"
+    script.write_text(script_text)
+    repo = Path(__file__).resolve().parents[1]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script),
+         str(repo), *args],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        cwd=tmp_path, start_new_session=True,
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"the two processes did not finish in {timeout} s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
+
+
 def left_padded(prompts: list[torch.Tensor], pad: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``prompts[b] [1, P_b]`` as one left-padded batch: ``(input_ids [B, max P], attention_mask)`` on the prompts'
     device."""
@@ -89,6 +116,29 @@ def _uncompiled_unless_marked(request, monkeypatch):
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param
+
+
+@pytest.fixture(params=["eager", "static"])
+def loop(request, monkeypatch):
+    """Both speculative loops on the CPU: the eager one, and the static engine forced on (HF_SPARSEKV_GRAPHS=1,
+    uncaptured; a batch's rows together)."""
+    from hf_sparsekv.generation import graph_loop
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if request.param == "static" else "0")
+    graph_loop.release_engines()
+    yield request.param
+    graph_loop.release_engines()
+
+
+@pytest.fixture
+def exact_cuda_float32():
+    """float32 CUDA tests: no TF32 matmuls, no engine kept from another test."""
+    from hf_sparsekv.generation import graph_loop
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graph_loop.release_engines()
+    yield
+    graph_loop.release_engines()
 
 
 CHILD_SUMMARY = pytest.StashKey[str]()  # test_kernels' child run: its pytest summary line

@@ -16,20 +16,12 @@ from hf_sparsekv.generation import graph_loop
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 
-pytestmark = pytest.mark.cuda
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("exact_cuda_float32")]
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
 
 
 def _on_cuda(arch, role="verifier", dtype=torch.float32):
     return copy.deepcopy(tiny_model(arch, role=role)).to("cuda", dtype)
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    graph_loop.release_engines()
-    yield
-    graph_loop.release_engines()
 
 
 @pytest.mark.slow

@@ -444,17 +444,6 @@ def _padded(model, rows: int, favour: dict | None = None):
     return padded
 
 
-@pytest.fixture(params=["eager", "static"])
-def loop(request, monkeypatch):
-    """Both speculative loops on CPU: the eager one, and the static engine uncaptured (HF_SPARSEKV_GRAPHS=1)."""
-    from hf_sparsekv.generation import graph_loop
-
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if request.param == "static" else "0")
-    graph_loop.release_engines()
-    yield request.param
-    graph_loop.release_engines()
-
-
 def _ran_on(loop: str, verifier) -> bool:
     from hf_sparsekv.generation import graph_loop
 

@@ -16,9 +16,10 @@ import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
 from hf_sparsekv.generation import graph_loop
 
-from .conftest import left_padded, prompt, tiny_model
+from .conftest import left_padded, prompt, tiny_model, torchrun_two
 
 NO_EOS = dict(eos_token_id=None, pad_token_id=0)
+pytestmark = pytest.mark.usefixtures("exact_cuda_float32")  # a no-op on the CPU tests below
 
 
 def _split(arch: str, dtype=torch.float32, layers: int = 4):
@@ -30,14 +31,6 @@ def _split(arch: str, dtype=torch.float32, layers: int = 4):
     for name, device in device_map.items():
         model.get_submodule(name).to(f"cuda:{device}")
     return dispatch_model(model, device_map=device_map)
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    torch.backends.cuda.matmul.allow_tf32 = False
-    graph_loop.release_engines()
-    yield
-    graph_loop.release_engines()
 
 
 def _spec(verifier, drafter, mode):
@@ -203,26 +196,8 @@ def test_tensor_parallel_verifier_under_torchrun(tmp_path, backend):
     graph_loop.TP_CAPTURE): each rank's static cache holds its half of the key/value heads, the drafter is replicated; greedy
     (chunk budget, INT4 self-speculation, AR) equals the sharded model's own greedy generate() on every rank, and
     sampled tokens agree across ranks seeded differently."""
-    import os
-    import signal
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    script = tmp_path / "tp_check.py"
-    script.write_text(_TP_SCRIPT)
-    repo = Path(__file__).resolve().parents[1]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_SPARSEKV_COMPILE": "0"}
+    env = {"HF_SPARSEKV_COMPILE": "0"}
     if backend == "gloo":  # transformers shards on the CPU when CUDA is hidden
         env.update(CUDA_VISIBLE_DEVICES="", HF_SPARSEKV_GRAPHS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                             str(script), str(repo), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env, start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"torchrun did not finish in 240 s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-4000:]
+    torchrun_two(_TP_SCRIPT, tmp_path, env, 240, str(tmp_path))
     assert all((tmp_path / f"rank{r}.ok").exists() for r in (0, 1))

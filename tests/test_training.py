@@ -24,7 +24,7 @@ from hf_sparsekv.training.checkpoint import latest_checkpoint
 from hf_sparsekv.training.objective import teacher_targets
 from hf_sparsekv.training.views import prefill_prefix
 
-from .conftest import ARCHS, VOCAB, prompt, tiny_model
+from .conftest import ARCHS, VOCAB, prompt, tiny_model, torchrun_two
 
 
 def _drafter(arch="llama", layers=None, seed=0):
@@ -607,28 +607,5 @@ def test_ddp_two_processes_average_the_objective_gradient(tmp_path, backend):
     """Two processes (torchrun; gloo: on CPU, nccl: one GPU each): the synced gradient is the mean over processes of
     each one's ∇(L_A + λ·L_C), though L_A's backward runs without sync; the replicas stay identical while
     training."""
-    import signal
-    import subprocess
-    import sys
-
-    torchrun = Path(sys.executable).with_name("torchrun")
-    if not torchrun.exists():
-        pytest.skip("torchrun is not installed next to the Python interpreter")
-    script = tmp_path / "ddp_check.py"
-    script.write_text(_DDP_SCRIPT)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if backend == "gloo":
-        env["ACCELERATE_USE_CPU"] = "true"
-    repo = Path(__file__).resolve().parents[1]
-    # Its own session, so that a hang kills torchrun and both workers, never leaving orphans behind.
-    proc = subprocess.Popen([str(torchrun), "--standalone", "--nproc_per_node", "2", str(script), str(repo)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=150)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        pytest.fail(f"2-process DDP run did not finish in 150 s:\n{stdout[-2000:]}\n{stderr[-2000:]}")
-    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    torchrun_two(_DDP_SCRIPT, tmp_path, {"ACCELERATE_USE_CPU": "true"} if backend == "gloo" else {}, 150)
     assert [(tmp_path / f"rank{r}.ok").read_text() for r in (0, 1)] == ["3", "3"]
