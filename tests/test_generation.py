@@ -188,7 +188,19 @@ class _StopAfter(StoppingCriteria):
         return input_ids[:, -1] == self.token
 
 
-def test_stopping_criteria_like_stock():
+class _StopOnConfidentScore(StoppingCriteria):
+    """Reads the scores as stock passes them (the tuple of every generated token's scores, with output_scores):
+    stops once the last token's best score exceeds the second best by ``gap``."""
+
+    def __init__(self, gap):
+        self.gap = gap
+
+    def __call__(self, input_ids, scores, **kwargs):
+        top = scores[-1].topk(2, dim=-1).values
+        return (top[:, 0] - top[:, 1]) > self.gap
+
+
+def test_stopping_criteria_like_stock(loop):
     verifier = tiny_model("qwen2")
     ids = prompt(45, 6)
     stop = _greedy_tokens(verifier, ids, 12)[7]
@@ -199,6 +211,16 @@ def test_stopping_criteria_like_stock():
         draft_cache="window", kv_budget=20, num_assistant_tokens=5,
     )
     assert torch.equal(out, reference)
+    # a criterion that reads the scores: the static engine hands them over from its host-side rules
+    scores_read = dict(stopping_criteria=StoppingCriteriaList([_StopOnConfidentScore(0.88)]), max_new_tokens=30,
+                       do_sample=False, return_dict_in_generate=True, output_scores=True)
+    reference = verifier.generate(ids, **scores_read)
+    assert 45 < reference.sequences.shape[1] < 75  # it stops early
+    out = verifier.generate(ids, assistant_model=_copy_of(verifier), kv_budget=16, num_assistant_tokens=4,
+                            **scores_read)
+    assert torch.equal(out.sequences, reference.sequences)
+    torch.testing.assert_close(torch.cat(out.scores), torch.cat(reference.scores), rtol=1e-9, atol=1e-9)
+    assert _ran_on(loop, verifier)
 
 
 def test_left_padded_attention_mask_like_stock():

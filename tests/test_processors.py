@@ -60,19 +60,24 @@ def test_each_option_set_changes_stock_greedy(name):
 
 
 def _greedy_cases():
-    """Every (option set, mode) on one architecture by default, rotating through ARCHS (a Latin square); the other two
-    architectures of each pair are marked extended (make test-extended)."""
+    """Every (option set, mode) on one architecture and one loop by default, rotating through ARCHS and the two loops
+    (the eager one; the static engine with host-side rules); the other pairs are marked extended
+    (make test-extended)."""
     cases = []
     for i, name in enumerate(OPTION_SETS):
         for j, mode in enumerate(MODES):
             for k, arch in enumerate(ARCHS):
-                marks = () if k == (i + j) % len(ARCHS) else (pytest.mark.extended,)
-                cases.append(pytest.param(arch, name, mode, marks=marks, id=f"{arch}-{name}-{mode}"))
+                for m, static in enumerate((False, True)):
+                    default = k == (i + j) % len(ARCHS) and m == (i + j) % 2
+                    cases.append(pytest.param(arch, name, mode, static, marks=() if default else (pytest.mark.extended,),
+                                              id=f"{arch}-{name}-{mode}-{'static' if static else 'eager'}"))
     return cases
 
 
-@pytest.mark.parametrize("arch,name,mode", _greedy_cases())
-def test_greedy_with_processors_equals_stock(arch, name, mode):
+@pytest.mark.parametrize("arch,name,mode,static", _greedy_cases())
+def test_greedy_with_processors_equals_stock(arch, name, mode, static, monkeypatch):
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if static else "0")
+    graph_loop.release_engines()
     verifier = tiny_model(arch)
     for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
         ids = prompt(length, seed + 10)
@@ -81,6 +86,9 @@ def test_greedy_with_processors_equals_stock(arch, name, mode):
         ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
         assert torch.equal(ours.sequences, stock.sequences), (seed, length, gamma)
         torch.testing.assert_close(torch.cat(ours.scores), torch.cat(stock.scores), rtol=1e-9, atol=1e-9)
+        engine = graph_loop.current_engine(verifier)
+        assert (engine is not None and engine.spec.host) == static
+    graph_loop.release_engines()
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -170,7 +178,7 @@ def _next_token_probs(model, ids: torch.Tensor, ngram: bool = True) -> torch.Ten
 def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypatch):
     """The second token's distribution depends on the first through both processors; 2,500 draws of the pair
     against the exactly enumerated joint (chi-square and total variation, as tests/test_sampling.py)."""
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")  # the processors must send even a forced static loop to the host
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")  # the static engine, its processors applied on the host
     graph_loop.release_engines()
     verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
     ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
@@ -185,7 +193,7 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypat
                                 **SAMPLING)
         samples.append(int(out[0, -2]) * SAMPLING_VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
-    assert graph_loop.current_engine(verifier) is None
+    assert graph_loop.current_engine(verifier).spec.host  # the n-gram ban: host-side rules on the static engine
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=SAMPLING_VOCAB**2).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 36 cells

@@ -400,7 +400,7 @@ def test_graph_greedy_generate_on_a_left_padded_batch(arch):
         hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=4, attention_mask=mask[:, 1:])
 
 
-def test_requests_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
+def test_a_users_logits_processor_runs_on_the_host_between_the_steps(static_path):
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     ids = prompt(40, seed=3)
     processors = LogitsProcessorList([MinLengthLogitsProcessor(48, eos_token_id=2)])
@@ -408,7 +408,7 @@ def test_requests_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=20, do_sample=False,
                             logits_processor=processors)
     assert torch.equal(out, reference)
-    assert graph_loop.current_engine(verifier) is None  # served by the eager loop
+    assert graph_loop.current_engine(verifier).spec.host  # the static engine, the processor applied on the host
 
 
 def test_graphs_off_runs_the_eager_loop(monkeypatch):

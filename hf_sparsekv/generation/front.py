@@ -24,7 +24,7 @@ from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_i
 from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
 from .graph_loop import engine_for, static_decode_rows, static_mode, static_speculative_decode
-from .sampling import device_warpers, repetition_penalty, speculative_sample, stock_processors
+from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, speculative_sample, stock_processors
 from .speculative import GreedyRules, speculative_decode
 from .stats import SpecStats
 
@@ -124,6 +124,7 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
         min_new_tokens=config.min_new_tokens or 0,
         logits_processor=processors,
         stopping_criteria=criteria,
+        keep_scores=bool(config.return_dict_in_generate and (config.output_scores or config.output_logits)),
     )
 
 
@@ -437,11 +438,11 @@ def speculative_generate(
         pad = pad_value(config)
         if static is not None:
             prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-            mode, budget, layout = static
+            mode, budget, layout, host = static
             engine = engine_for(
                 model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
                 max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch,
-                penalty=repetition_penalty(rules[0].logits_processor), layout=layout)
+                penalty=None if host else repetition_penalty(rules[0].logits_processor), layout=layout, host=host)
             results = static_decode_rows(engine, prompts, rules)
             sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                          for b, res in enumerate(results)]
@@ -477,11 +478,14 @@ def speculative_generate(
         prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:
-        mode, budget, layout = static
+        mode, budget, layout, host = static
+        if host and config.do_sample:  # the drafts' q: whichever warpers the device applies (any q is exact)
+            warpers = [p for p in rules.logits_processor if type(p) in DEVICE_WARPERS]
         engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                             rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
                             warpers=warpers if config.do_sample else None,
-                            penalty=repetition_penalty(rules.logits_processor), layout=layout)
+                            penalty=None if host else repetition_penalty(rules.logits_processor), layout=layout,
+                            host=host)
         result = static_speculative_decode(engine, prompt, rules, streamer)
         verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
     else:

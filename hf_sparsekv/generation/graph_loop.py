@@ -29,6 +29,11 @@ step keeps the drafter's probabilities ``q [γ, V]`` of its drafts; the verify s
 :func:`~.sampling.accept_or_resample` and writes the accepted drafts and the drawn token. AR sampling draws each
 token from the verifier's processed distribution.
 
+Host-side rules (:mod:`.host_rules`: processors the device cannot apply, a user's ``logits_processor``,
+``output_scores``/``output_logits``): the verify step stops at its raw logits (``logits [B, γ+1, V]``); the host
+applies each row's processors after each exact prefix, picks the tokens and writes them with :meth:`commit`, between
+the captured steps. A repetition penalty alone stays on the device (``seen [B, V]``, each row's tokens so far).
+
 Nothing is rolled back explicitly: the caches hold stale entries past the sequence, which the next steps overwrite
 and never read (see :mod:`hf_sparsekv.caches.static`). A round may compute tokens past ``max_length``; the host
 drops them, as it drops tokens after a stop (they cannot change the earlier ones). Greedy AR on the same engine
@@ -55,6 +60,7 @@ from ..caches.static import (
 from ..kernels import runtime
 from .batch_rows import assemble
 from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
+from .host_rules import RowOutput, choose, processed, verify_block
 from .sampling import accept_or_resample, draw, penalized
 from .speculative import GreedyRules, SpeculativeResult
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
@@ -136,6 +142,7 @@ class EngineSpec:
     penalty: tuple | None = None  # (repetition penalty, leading prompt tokens it ignores), baked into the steps
     # the drafter cache's settings: chunk (chunk_size, ChunkSelection, generated_window or None), window (sink, window)
     layout: tuple = ()
+    host: bool = False  # host-side rules (processors, criteria, outputs): verification stops at the logits
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -211,6 +218,8 @@ class StaticEngine:
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
+        if spec.host:  # the verify step's raw logits, for the host-side rules (:mod:`.host_rules`)
+            self.logits = torch.zeros(rows, gamma + 1, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
         self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
@@ -372,6 +381,27 @@ class StaticEngine:
                                    token[:, None])
         self._advance(verified, accepted)
 
+    def _verify_logits(self) -> None:
+        """Host-side rules: the verify forward alone, its raw logits left in :attr:`logits`."""
+        block = torch.cat([self._last(1), self.drafts], 1)
+        positions = (self.n - 1)[:, None] + self._block_offsets
+        self.logits.copy_(static_forward(self.verifier, block, positions, self.verifier_cache, 0,
+                                         self.verifier_keyword).float())
+
+    def _ar_logits(self) -> None:
+        """Host-side rules: one verifier step (a round without drafts), its raw logits left in ``logits[:, 0]``."""
+        logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
+                                self.verifier_keyword)
+        self.logits[:, :1].copy_(logits.float())
+
+    def commit(self, emitted: list[list[int]], accepted: list[int]) -> None:
+        """Host-side rules: write each row's ``emitted`` tokens (its ``accepted`` drafts and the token after them; an
+        empty list for a finished row) as a verify step would (eager, between the captured steps)."""
+        width = self.spec.gamma + 1
+        block = [e + [e[0]] * (width - len(e)) if e else [0] * width for e in emitted]
+        device = self.seq.device
+        self._advance(torch.tensor(block, device=device), torch.tensor(accepted, device=device))
+
     def _ar_step(self) -> None:
         logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
                                 self.verifier_keyword)
@@ -408,9 +438,10 @@ class StaticEngine:
             torch.cuda.synchronize()
 
     # ---- prefill
-    def prefill(self, prompts: list[torch.Tensor]) -> list[int]:
+    def prefill(self, prompts: list[torch.Tensor], host_first=None) -> list[int]:
         """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
-        row and model); returns each row's first token from the verifier."""
+        row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
+        rules: chosen on the host from its float32 logits)."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
@@ -438,7 +469,11 @@ class StaticEngine:
                 self.seen[row].zero_()
                 self.seen[row, prompt[0, self.penalty[1] :]] = True
         seen = None if self.penalty is None else self.seen[:, None]
-        first = self._next(torch.stack(last)[:, None], self.n, seen)[:, 0]
+        if host_first is None:
+            first = self._next(torch.stack(last)[:, None], self.n, seen)[:, 0]
+        else:
+            first = torch.tensor([host_first(row, raw.float()[None]) for row, raw in enumerate(last)],
+                                 device=self.seq.device)
         if self.penalty is not None:
             self.seen.scatter_(1, first[:, None], True)
         self.seq.scatter_(1, self.n[:, None], first[:, None])
@@ -453,12 +488,14 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
-               penalty: tuple[float, int] | None = None, layout: tuple = ()) -> StaticEngine:
+               penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
     bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
-    ``layout``: the drafter cache's settings (:func:`static_mode`; empty: the defaults of ``mode``). Under tensor parallelism the steps run uncaptured (see :data:`TP_CAPTURE`)."""
+    ``layout``: the drafter cache's settings (:func:`static_mode`; empty: the defaults of ``mode``); ``host``:
+    host-side rules (:mod:`.host_rules`). Under tensor parallelism the steps run uncaptured (see
+    :data:`TP_CAPTURE`)."""
     if use_graphs and _tp_size(verifier) > 1 and not TP_CAPTURE:
         logger.warning_once("hf_sparsekv: tensor parallel (tp_plan): the static steps run uncaptured; capturing their "
                             "NCCL all-reduces is not validated yet")
@@ -466,7 +503,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout))
+                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host)
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
@@ -534,7 +571,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     transfer; a row that has stopped keeps its length (``live``), its tokens are dropped and its steps read only the
     step's own slots of its caches (at long context it costs little more than its share of the weight reads). Per-row
     stats count the row's own rounds while it ran; the seconds are the batch's and are reported by the first row
-    only."""
+    only. An engine with host-side rules (``engine.spec.host``) picks the tokens on the host from the verify step's
+    logits (:mod:`.host_rules`), and keeps their scores and logits when the rules ask for them
+    (``rules[b].keep_scores``)."""
     rows = len(prompts)
     device = prompts[0].device
     timer = _EventTimer(device.type == "cuda")
@@ -544,6 +583,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     is_ar = engine.spec.mode == "ar"
     gamma = engine.spec.gamma
     quant = engine.verifier_cache if isinstance(engine.verifier_cache, StaticQuantCache) else None
+    host = engine.spec.host
+    sampling = engine.warpers is not None
+    outputs = [RowOutput(r.keep_scores) for r in rules]
 
     def accept(row: int, new: list[int]) -> None:
         for token in new:
@@ -551,9 +593,31 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             stats[row].new_tokens += 1
             if streamer is not None:
                 streamer.put(torch.tensor([token]))
-            if rules[row].stop_token(tokens[row]):
+            kept = outputs[row].scores[: stats[row].new_tokens] if rules[row].keep_scores else None
+            if rules[row].stop_token(tokens[row], None if kept is None else tuple(kept)):  # scores as stock
                 done[row] = True
                 return
+
+    def host_first(row: int, raw: torch.Tensor) -> int:
+        scores = processed(rules[row], prompts[row], raw, sampling)
+        outputs[row].add([scores], [raw])
+        return choose(scores, sampling)
+
+    def host_round(drafting: bool, rooms: list[int]) -> list[tuple[int, list[int]]]:
+        """Each live row's (accepted, emitted) from the logits the verify step left; committed on the device."""
+        drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
+        results = []
+        for row in range(rows):
+            if done[row]:
+                results.append((0, []))
+                continue
+            room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
+            a, emitted, scores, raw = verify_block(rules[row], tokens[row], drafts[row], engine.logits[row],
+                                                   engine.q[row] if sampling and drafting else None, room)
+            outputs[row].add(scores, raw)
+            results.append((a, emitted))
+        engine.commit([e for _, e in results], [a for a, _ in results])
+        return results
 
     def retire_finished() -> None:
         engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
@@ -564,7 +628,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
-        firsts = engine.prefill(prompts)
+        firsts = engine.prefill(prompts, host_first if host else None)
         if device.type == "cuda":
             torch.cuda.synchronize()
         stats[0].prefill_seconds = time.perf_counter() - t0
@@ -587,7 +651,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                         accept(row, new[row][n[row] : n[row] + k])
                 retire_finished()
                 continue
-            drafting = True
+            drafting, rooms = True, [gamma + 1] * rows
             if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
                 rooms = []  # that would see another state; a round in which no row can keep every draft runs one
                 for row in range(rows):  # verifier step instead
@@ -604,18 +668,23 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 engine.run_step("draft")
             timer.mark("draft", False)
             timer.mark("verify", True)
-            engine.run_step("verify" if drafting else "ar_step")
+            if host:
+                engine.run_step("verify_logits" if drafting else "ar_logits")
+                rounds = host_round(drafting, rooms)
+            else:
+                engine.run_step("verify" if drafting else "ar_step")
+                report = engine.report.tolist()  # the round's one sync
+                rounds = [(r[0], r[1 : r[0] + 2]) for r in report]
             timer.mark("verify", False)
-            report = engine.report.tolist()  # the round's one sync
             catch_up = False
             for row in range(rows):
                 if done[row]:
                     continue
-                a = report[row][0]
+                a, emitted = rounds[row]
                 stats[row].rounds += 1
                 stats[row].drafted += gamma if drafting else 0
                 stats[row].accepted += a
-                accept(row, report[row][1 : a + 2])
+                accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
                 catch_up |= a == gamma and quant is None and not done[row]
@@ -626,8 +695,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:
         streamer.end()
-    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, [], [])
-            for t, st in zip(tokens, stats)]
+    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, out.scores[: len(t) - p.shape[1]],
+                              out.logits[: len(t) - p.shape[1]])
+            for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
 
 def placed_on(model) -> set[str]:
@@ -636,9 +706,11 @@ def placed_on(model) -> set[str]:
 
 
 def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
-                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple[str, int | None, tuple] | None:
-    """``(mode, budget, layout)`` when the static loop serves this (already validated) request, else None
-    (``layout``: the settings of a ``draft_cache`` instance, :class:`EngineSpec`). On CUDA (or with
+                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple | None:
+    """``(mode, budget, layout, host)`` when the static loop serves this (already validated) request, else None
+    (``layout``: the settings of a ``draft_cache`` instance; ``host``: it needs host-side rules, :mod:`.host_rules`:
+    a processor the device cannot apply, a user's ``logits_processor``, or the scores of every token). Stopping
+    criteria run on the host after every token either way (with the scores stock gives them). On CUDA (or with
     ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``logits_processor``:
     the user's (always the eager loop); ``processor_blocker``: the first of the processors built from the generation
     config that the loop cannot apply on the device (:func:`~.sampling.device_warpers`), if any."""
@@ -658,9 +730,7 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
     elif isinstance(draft_cache, SinkWindowCache):
         kind, budget, layout = "window", draft_cache.sink + draft_cache.window, (draft_cache.sink, draft_cache.window)
     reason = None
-    if processor_blocker is not None:
-        reason = f"{processor_blocker} needs the host at every token (the static loop does not apply it)"
-    elif kind is None:
+    if kind is None:
         reason = f"a {type(draft_cache).__name__} draft_cache instance (the static loop takes ChunkBudgetCache, " \
                  "SinkWindowCache and, for self-speculation, HierarchicalQuantCache instances)"
     elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.selection.per_kv_head:
@@ -671,19 +741,14 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
     elif prefix_cache:
         reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
-    elif stopping_criteria:
-        reason = "stopping_criteria may read the scores of every token"
-    elif logits_processor:
-        reason = "logits_processor needs the host at every token"
-    elif wants_outputs:
-        reason = "output_scores/output_logits keep every token's scores"
     if reason is not None:
         logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
         return None
     if budget is None:
         budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None,
                   "int4": group_size}[kind]
-    return kind, budget, layout
+    host = processor_blocker is not None or bool(logits_processor) or wants_outputs
+    return kind, budget, layout, host
 
 
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,

@@ -32,6 +32,7 @@ class GreedyRules:
     min_new_tokens: int = 0
     logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
     stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+    keep_scores: bool = False  # the static loop keeps each token's scores and logits (output_scores/output_logits)
 
     def process(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores for the token after ``sequence [1, N]`` from raw ``logits [1, V]``."""
@@ -45,14 +46,16 @@ class GreedyRules:
             logits = self.logits_processor(sequence, logits)
         return logits
 
-    def stop_token(self, tokens: list[int]) -> bool:
-        """``should_stop`` for a host-side sequence, without scores (the static loop; criteria that need scores
-        take the eager loop)."""
+    def stop_token(self, tokens: list[int], scores: tuple | None = None) -> bool:
+        """``should_stop`` for a host-side sequence (the static loop)."""
         if len(tokens) >= self.max_length or tokens[-1] in self.eos_token_ids:
             return True
-        return bool(self.stopping_criteria) and bool(self.stopping_criteria(torch.tensor([tokens]), None).any())
+        return bool(self.stopping_criteria) and bool(self.stopping_criteria(torch.tensor([tokens]), scores).any())
 
-    def should_stop(self, sequence: torch.Tensor, scores: torch.Tensor) -> bool:
+    def should_stop(self, sequence: torch.Tensor, scores: tuple | None) -> bool:
+        """Whether generation stops after ``sequence [1, N]``; the criteria get ``scores`` as stock passes them: the
+        processed scores of every generated token so far (a tuple of ``[1, V]``) with ``output_scores``, else
+        None."""
         if sequence.shape[1] >= self.max_length or int(sequence[0, -1]) in self.eos_token_ids:
             return True
         return bool(self.stopping_criteria) and bool(self.stopping_criteria(sequence, scores).any())
@@ -84,7 +87,7 @@ class Output:
         self.stats.new_tokens += 1
         if self.streamer is not None:
             self.streamer.put(self.sequence[0, -1:].cpu())
-        return self.rules.should_stop(self.sequence, scores)
+        return self.rules.should_stop(self.sequence, tuple(self.scores) if self.rules.keep_scores else None)
 
     def draft_length(self, gamma: int, verifier_cache: Cache) -> int:
         """Drafts for the next round: at most γ, none past ``max_length``, and (self-speculation on a quantized

@@ -1,0 +1,76 @@
+"""Host-side rules between the static engine's captured steps: what needs a row's sequence at every position or the
+scores of every token — the processors stock ``generate()`` builds that the device cannot apply (n-gram and
+bad-word bans, sequence bias, forced tokens, ...), a user's ``logits_processor``, ``stopping_criteria`` (which may
+read the scores), ``output_scores`` / ``output_logits``.
+
+With these the engine's verify step stops at the logits: it leaves the raw float32 logits ``[B, L, V]`` of its block
+(L = γ+1: after the row's sequence, then after each of its first i drafts) in :attr:`StaticEngine.logits`. For each
+row, :func:`verify_block` applies the row's processors after each exact prefix, as stock ``generate()`` would after
+that prefix, picks the verifier's tokens from the processed scores (greedy: the argmax; sampling: speculative
+sampling against the drafter's ``q``) and keeps the scores and logits of the tokens it emits; the engine then writes
+them on the device (:meth:`StaticEngine.commit`). The drafts stay on the device (they only decide how many tokens a
+round keeps, never which).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import accept_or_resample, draw
+from .speculative import GreedyRules
+
+
+@dataclass
+class RowOutput:
+    """A row's emitted tokens with their processed scores and raw logits ``[1, V]`` each (kept when asked for)."""
+
+    keep_scores: bool
+    scores: list = field(default_factory=list)
+    logits: list = field(default_factory=list)
+
+    def add(self, scores: list[torch.Tensor], raw: list[torch.Tensor]) -> None:
+        if self.keep_scores:
+            self.scores.extend(scores)
+            self.logits.extend(raw)
+
+
+def processed(rules: GreedyRules, sequence: torch.Tensor, raw: torch.Tensor, sampling: bool) -> torch.Tensor:
+    """Scores ``[1, V]`` of the token after ``sequence [1, N]`` from raw float32 ``raw [1, V]``: greedy, stock's
+    processors and the minimum-length EOS floor (:meth:`GreedyRules.process`); sampling, the processors and warpers
+    stock builds for sampling (they carry the minimum length themselves)."""
+    if sampling:
+        return rules.logits_processor(sequence, raw.clone())
+    return rules.process(sequence, raw)
+
+
+def choose(scores: torch.Tensor, sampling: bool) -> int:
+    """The token after processed ``scores [1, V]``: the argmax, or a draw from their softmax."""
+    return int(draw(torch.softmax(scores, -1))[0]) if sampling else int(scores.argmax(-1)[0])
+
+
+def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: torch.Tensor, q: torch.Tensor | None,
+                 room: int) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor]]:
+    """One row's round: ``tokens`` its sequence so far, ``drafts`` its γ drafts, ``raw [γ+1, V]`` the verifier's
+    float32 logits after the sequence and after each prefix of the drafts, ``q [γ, V]`` the drafter's probabilities
+    of its drafts (sampling; None: greedy), ``room`` the most drafts the row may keep (a quantized store's state).
+    Returns ``(accepted, emitted tokens, their scores, their raw logits)``."""
+    drafts = drafts[:room]
+    raw = raw[: len(drafts) + 1].clone()  # the engine's buffer is rewritten by the next round
+    device = raw.device
+    sequence = torch.tensor([tokens + drafts], device=device)
+    n, sampling = len(tokens), q is not None
+    scores = [processed(rules, sequence[:, : n + i], raw[i : i + 1], sampling) for i in range(len(drafts) + 1)]
+    if sampling:
+        p = torch.softmax(torch.cat(scores), -1)[None]
+        accepted, token = accept_or_resample(p, q[None, : len(drafts)], sequence[:, n:])
+        a = int(accepted[0])
+        emitted = drafts[:a] + [int(token[0])]
+    else:
+        verified = torch.cat(scores).argmax(-1).tolist()
+        a = 0
+        while a < len(drafts) and drafts[a] == verified[a]:
+            a += 1
+        emitted = verified[: a + 1]
+    return a, emitted, scores[: a + 1], [raw[i : i + 1] for i in range(a + 1)]
