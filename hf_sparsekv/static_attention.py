@@ -37,11 +37,17 @@ NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
 
 
-def _prefill_mask(length: int, sliding_window: int | None, device) -> torch.Tensor | None:
-    if sliding_window is None or sliding_window >= length:
+def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 0) -> torch.Tensor | None:
+    """The mask ``[1, 1, length, start + length]`` of a prefill whose queries are at ``start..start+length-1`` over
+    the keys of positions ``0..start+length-1``; None for plain causal attention over the prompt alone."""
+    if start == 0 and (sliding_window is None or sliding_window >= length):
         return None  # plain causal: SDPA's is_causal
-    i = torch.arange(length, device=device)
-    return ((i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - sliding_window))[None, None]
+    q = torch.arange(start, start + length, device=device)[:, None]
+    k = torch.arange(start + length, device=device)[None, :]
+    seen = k <= q
+    if sliding_window is not None:
+        seen &= k > q - sliding_window
+    return seen[None, None]
 
 
 @torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
@@ -144,7 +150,7 @@ def static_attention(
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     sliding = kwargs.get("sliding_window")
     if cache.prefilling:
-        mask = _prefill_mask(query.shape[-2], sliding, query.device)
+        mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start)
         out = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
         for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
             if getattr(target, "needs_selection", None) is not None and target.needs_selection():  # chunk layouts

@@ -151,6 +151,7 @@ class PreallocatedCache(Cache):
         self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
         self.prefill_row = 0
+        self.prefill_start = 0  # a prefill after a loaded prefix (prompt caching, StaticFullCache): its first position
         self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
         self.companion: PreallocatedCache | None = None  # a cache filled from this one's prefill (self-drafting)
         self.live: torch.Tensor | None = None  # [B] int64 on the device, 0 for a finished row (None: every row runs)
@@ -189,31 +190,39 @@ class PreallocatedCache(Cache):
             copy = self._local[key] = tensor.to(device)
         return copy
 
-    def begin_prefill(self, length: int, row: int = 0) -> None:
-        """The next forward (batch 1) feeds a prompt of ``length`` tokens to the empty row ``row`` (eager)."""
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+        """The next forward (batch 1) feeds a prompt of ``length`` tokens to the empty row ``row`` (eager); ``start``:
+        the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's tokens
+        are at ``start..start+length-1``."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} already holds a prompt (reset())")
+        if start and not isinstance(self, StaticFullCache):
+            raise NotImplementedError(f"{type(self).__name__} keeps no prefix: a prefill after a prefix needs the full cache")
         self.prefilling = True
-        self.prefill_length, self.prefill_row = length, row
+        self.prefill_length, self.prefill_row, self.prefill_start = length, row, start
         self._mask = None
         self._local = {}
 
     def end_prefill(self) -> None:
         self.prefilling = False
         self.filled_rows.add(self.prefill_row)
-        self.seen = self.prefill_length
+        self.seen = self.prefill_start + self.prefill_length
 
     def write(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor):
         """Store a step's keys/values ``[B, Hkv, L, D]`` (a prefill: ``[1, Hkv, P, D]`` of one row); returns what the
-        attention reads (the buffers, or the prompt's own keys/values during a prefill)."""
+        attention reads (the buffers, or during a prefill the prompt's own keys/values, after the row's prefix if it
+        has one)."""
         if self.prefilling:
             if key_states.shape[-2] != self.prefill_length:
                 raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
             self._store_prefill(layer, key_states, value_states)
             if self.companion is not None:
                 self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
+            if self.prefill_start:
+                r, end = self.prefill_row, self.prefill_start + self.prefill_length
+                return layer.keys[r : r + 1, :, :end], layer.values[r : r + 1, :, :end]
             return key_states, value_states
         if self.slots is None or tuple(key_states.shape[::2]) != tuple(self.slots.shape):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
@@ -304,17 +313,29 @@ class StaticFullCache(PreallocatedCache):
     def slots_of(self, positions):
         return positions
 
+    def load_prefix(self, layers: list[tuple[torch.Tensor, torch.Tensor]], row: int = 0) -> int:
+        """Prompt caching: copy each layer's keys/values ``[1, Hkv, n, D]`` (a ``DynamicCache`` holding the first n
+        tokens of the prompt) into slots ``0..n-1`` of the empty row ``row``; returns n. The prompt's other tokens
+        then go through ``begin_prefill(P - n, row, start=n)``."""
+        n = layers[0][0].shape[-2]
+        if len(layers) != len(self.layers) or n + 1 > self.capacity:
+            raise ValueError(f"a prefix of {len(layers)} layers x {n} tokens does not fit this cache")
+        for layer, (keys, values) in zip(self.layers, layers):
+            layer.keys[row, :, :n].copy_(keys[0].to(layer.keys.device))
+            layer.values[row, :, :n].copy_(values[0].to(layer.keys.device))
+        return n
+
     def _store_prefill(self, layer, key_states, value_states):
-        n = key_states.shape[-2]
-        if n > self.capacity:
-            raise ValueError(f"prompt of {n} tokens exceeds the cache capacity {self.capacity}")
+        s, n = self.prefill_start, key_states.shape[-2]
+        if s + n > self.capacity:
+            raise ValueError(f"prompt of {s + n} tokens exceeds the cache capacity {self.capacity}")
         r = self.prefill_row
-        layer.keys[r, :, :n].copy_(key_states[0])
-        layer.values[r, :, :n].copy_(value_states[0])
+        layer.keys[r, :, s : s + n].copy_(key_states[0])
+        layer.values[r, :, s : s + n].copy_(value_states[0])
         if layer.layer_idx == 0:
             self.slot_positions[r].fill_(-1)
-            self.slot_positions[r, :n] = torch.arange(n, device=self.slot_positions.device)
-            self.fp_length[r] = n
+            self.slot_positions[r, : s + n] = torch.arange(s + n, device=self.slot_positions.device)
+            self.fp_length[r] = s + n
 
 
 class _ChunkSelecting:

@@ -486,8 +486,9 @@ def speculative_generate(
                             warpers=warpers if config.do_sample else None,
                             penalty=None if host else repetition_penalty(rules.logits_processor), layout=layout,
                             host=host)
-        result = static_speculative_decode(engine, prompt, rules, streamer)
-        verifier_cache = None  # its buffers belong to the engine (and its CUDA graphs) and are reused by the next call
+        result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
+        # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache was extended as stock would
+        verifier_cache = past_key_values
     else:
         switched = _switch_attention(model, assistant_model)
         try:

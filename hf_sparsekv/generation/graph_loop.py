@@ -394,6 +394,15 @@ class StaticEngine:
                                 self.verifier_keyword)
         self.logits[:, :1].copy_(logits.float())
 
+    def write_back(self, prefix, row: int, length: int) -> None:
+        """Prompt caching: extend ``prefix`` (the caller's ``DynamicCache``) with the verifier's keys/values of row
+        ``row`` up to ``length`` tokens (the sequence but its last token, as stock ``generate()`` leaves its cache)."""
+        start = prefix.get_seq_length()
+        for i, layer in enumerate(self.verifier_cache.layers):
+            device = prefix.layers[i].keys.device if i < len(prefix.layers) else layer.keys.device
+            prefix.update(layer.keys[row : row + 1, :, start:length].to(device, copy=True),
+                          layer.values[row : row + 1, :, start:length].to(device, copy=True), i)
+
     def commit(self, emitted: list[list[int]], accepted: list[int]) -> None:
         """Host-side rules: write each row's ``emitted`` tokens (its ``accepted`` drafts and the token after them; an
         empty list for a finished row) as a verify step would (eager, between the captured steps)."""
@@ -438,10 +447,11 @@ class StaticEngine:
             torch.cuda.synchronize()
 
     # ---- prefill
-    def prefill(self, prompts: list[torch.Tensor], host_first=None) -> list[int]:
+    def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None) -> list[int]:
         """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
         row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
-        rules: chosen on the host from its float32 logits)."""
+        rules: chosen on the host from its float32 logits). ``prefixes[b]``: a ``DynamicCache`` holding the first
+        tokens of row b's prompt (prompt caching), copied into the verifier's row, which then reads only the rest."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
@@ -456,7 +466,12 @@ class StaticEngine:
                 self.drafter_cache.begin_prefill(p, row)
                 self.verifier_cache.companion = self.drafter_cache
             try:
-                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row))
+                prefix = None if prefixes is None else prefixes[row]
+                start = 0
+                if prefix is not None and prefix.get_seq_length() > 0:
+                    start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
+                                                            row)
+                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start))
             finally:
                 self.verifier_cache.companion = None
             if shared_prefill:
@@ -555,15 +570,18 @@ class _EventTimer:
         return total
 
 
-def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None):
-    """Greedy speculative decoding on ``engine`` from ``prompt [1, P]``; same contract and result type as
-    :func:`hf_sparsekv.generation.speculative.speculative_decode` (scores/logits lists stay empty: the caller routes
-    requests for them to the eager loop)."""
-    result, = static_decode_rows(engine, [prompt], [rules], streamer)
+def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
+    """Speculative decoding on ``engine`` from ``prompt [1, P]``; same contract and result type as
+    :func:`hf_sparsekv.generation.speculative.speculative_decode`. ``prefix``: the caller's ``DynamicCache`` holding
+    the first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
+    result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
+    if prefix is not None:
+        engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
     return result
 
 
-def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None) -> list:
+def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
+                       prefixes: list | None = None) -> list:
     """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
     len(prompts)``); one :class:`~.speculative.SpeculativeResult` per row, each what that prompt alone would give.
 
@@ -628,7 +646,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
-        firsts = engine.prefill(prompts, host_first if host else None)
+        firsts = engine.prefill(prompts, host_first if host else None, prefixes)
         if device.type == "cuda":
             torch.cuda.synchronize()
         stats[0].prefill_seconds = time.perf_counter() - t0
@@ -739,8 +757,8 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         reason = "a separate drafter on a quantized cache is not on the static path"
     elif kind == "int4" and group_size % 16:
         reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
-    elif prefix_cache:
-        reason = "past_key_values (a verifier cache holding a prefix) is extended by the eager loop"
+    elif prefix_cache and (kind == "int4" or drafter is model):
+        reason = "past_key_values (a prompt prefix) with self-drafting"
     if reason is not None:
         logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
         return None

@@ -63,11 +63,13 @@ def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     return out.logits
 
 
-def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0) -> torch.Tensor:
-    """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (eager); the last position's logits ``[V]``."""
-    cache.begin_prefill(prompt.shape[1], row)
-    positions = torch.arange(prompt.shape[1], device=prompt.device)[None]
-    out = model(input_ids=prompt, position_ids=positions, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
+def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int = 0) -> torch.Tensor:
+    """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (eager; ``start``: the row already holds
+    the first ``start`` tokens, only the rest is fed); the last position's logits ``[V]``."""
+    cache.begin_prefill(prompt.shape[1] - start, row, start)
+    positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
+    out = model(input_ids=prompt[:, start:], position_ids=positions, use_cache=True, logits_to_keep=1,
+                **{cache_keyword(model): cache})
     cache.end_prefill()
     return out.logits[0, -1]
 
