@@ -666,13 +666,18 @@ def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, s
     torch.testing.assert_close(cache.layers[0].keys[0, :, :k], template.layers[0].keys[0, :, :k])  # tokens
 
 
-def test_draft_cache_instances_the_static_loop_cannot_serve_run_the_eager_loop(static_path):
+def test_draft_cache_instances_and_the_loop_that_serves_them(static_path):
+    """A plain DynamicCache as draft_cache is the drafter's full cache on the static loop; a per-KV-head chunk
+    selection keeps the eager loop. Both lossless."""
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(60, seed=13)
     reference = verifier.generate(ids, max_new_tokens=16, do_sample=False)
-    for cache in (ChunkBudgetCache(32, per_kv_head=True), DynamicCache()):
+    for cache, static in ((ChunkBudgetCache(32, per_kv_head=True), False), (DynamicCache(), True)):
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=cache, max_new_tokens=16, do_sample=False)
-        assert torch.equal(out, reference) and graph_loop.current_engine(verifier) is None, type(cache)
+        engine = graph_loop.current_engine(verifier)
+        assert torch.equal(out, reference) and (engine is not None) == static, type(cache)
+        assert engine is None or isinstance(engine.drafter_cache, StaticFullCache)
+        graph_loop.release_engines()
 
 
 def test_chunk_window_cache_shows_the_kept_prompt_and_the_last_generated_tokens():

@@ -48,6 +48,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from ..cache_keyword import cache_keyword
@@ -747,10 +748,13 @@ def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, 
         layout = (draft_cache.chunk_size, draft_cache.selection, draft_cache.generated_window)
     elif isinstance(draft_cache, SinkWindowCache):
         kind, budget, layout = "window", draft_cache.sink + draft_cache.window, (draft_cache.sink, draft_cache.window)
+    elif type(draft_cache) is DynamicCache and drafter is not model and not any(
+            isinstance(layer, DynamicSlidingWindowLayer) for layer in draft_cache.layers):
+        kind = "full"  # a plain DynamicCache keeps every token: the drafter's full cache
     reason = None
     if kind is None:
         reason = f"a {type(draft_cache).__name__} draft_cache instance (the static loop takes ChunkBudgetCache, " \
-                 "SinkWindowCache and, for self-speculation, HierarchicalQuantCache instances)"
+                 "SinkWindowCache, a plain DynamicCache and, for self-speculation, HierarchicalQuantCache instances)"
     elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.selection.per_kv_head:
         reason = "a per-KV-head chunk selection is not on the static path"
     elif kind == "int4" and drafter is not model:
