@@ -120,6 +120,7 @@ def test_split_verifier_sampling_equals_one_gpu():
     _assert_spans_both_devices(split)
 
 
+@pytest.mark.extended  # 19 s of CPU (compiling): make test-extended
 def test_hooked_model_on_static_loop_cpu(monkeypatch):
     """A model carrying accelerate's device hooks (what device_map attaches) runs the compiled static loop on CPU
     (the hooks are traced with the step), token-identical to its greedy generate()."""
@@ -190,7 +191,8 @@ dist.destroy_process_group()
 '''
 
 
-@pytest.mark.parametrize("backend", ["gloo", pytest.param("nccl", marks=pytest.mark.multi_gpu)])
+@pytest.mark.parametrize("backend", [pytest.param("gloo", marks=pytest.mark.extended),  # 25 s of CPU
+                                     pytest.param("nccl", marks=pytest.mark.multi_gpu)])
 def test_tensor_parallel_verifier_under_torchrun(tmp_path, backend):
     """``tp_plan="auto"`` under torchrun, two processes (gloo: on CPU; nccl: two GPUs; the static steps uncaptured,
     graph_loop.TP_CAPTURE): each rank's static cache holds its half of the key/value heads, the drafter is replicated; greedy

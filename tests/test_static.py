@@ -454,7 +454,17 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
         assert engine.compiled and all(step.fn is not step.eager_fn for step in engine.steps.values())
 
 
-def test_static_steps_trace_without_graph_breaks(static_path):
+_TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the later ones are extended
+    ("chunk", False, 1, {}), ("window", False, 1, {}), ("chunk", True, 1, {}), ("chunk", False, 3, {}),
+    ("full", False, 2, {}),
+    pytest.param("chunk", True, 2, dict(penalty=(1.3, 0)), marks=pytest.mark.extended, id="penalty"),
+    pytest.param("chunk", False, 2, dict(host=True), marks=pytest.mark.extended, id="host"),
+    pytest.param("chunk", True, 1, dict(host=True, layout="bounded"), marks=pytest.mark.extended, id="bounded-host"),
+]
+
+
+@pytest.mark.parametrize("mode,sampled,batch,extra", _TRACE_CASES)
+def test_static_steps_trace_without_graph_breaks(static_path, mode, sampled, batch, extra):
     """Each step is one graph for torch.compile (a break would split the fused kernels around it): every mode, with
     sampling, batches, the repetition penalty, host-side rules and the bounded chunk cache."""
     import torch._dynamo
@@ -462,23 +472,20 @@ def test_static_steps_trace_without_graph_breaks(static_path):
     from hf_sparsekv.caches import ChunkSelection
 
     verifier, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
-    sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)]
-    bounded = (8, ChunkSelection(), 8)  # ChunkBudgetCache(16, generated_window=8): StaticChunkWindowCache
-    for mode, warpers, batch, extra in (
-        ("chunk", None, 1, {}), ("window", None, 1, {}), ("chunk", sampling, 1, {}), ("chunk", None, 3, {}),
-        ("full", None, 2, {}), ("chunk", sampling, 2, dict(penalty=(1.3, 0))), ("chunk", None, 2, dict(host=True)),
-        ("chunk", sampling, 1, dict(host=True, layout=bounded)),
-    ):
-        engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers,
-                                       batch=batch, **extra)
-        steps = ("draft", "verify_logits", "catch_up", "ar_logits") if extra.get("host") else \
-            ("draft", "verify", "catch_up", "ar_step")
-        with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
-            engine.prefill([prompt(40 - 9 * row, seed=2 + row) for row in range(batch)],
-                           (lambda row, raw: int(raw.argmax())) if extra.get("host") else None)
-            for name in steps:
-                explained = torch._dynamo.explain(getattr(engine, "_" + name))()
-                assert explained.graph_break_count == 0, (mode, warpers, extra, name, explained.break_reasons)
+    warpers = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8), TopPLogitsWarper(0.9), MinPLogitsWarper(0.05)] \
+        if sampled else None
+    if extra.get("layout") == "bounded":  # ChunkBudgetCache(16, generated_window=8): StaticChunkWindowCache
+        extra = dict(extra, layout=(8, ChunkSelection(), 8))
+    engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers,
+                                   batch=batch, **extra)
+    host = extra.get("host", False)
+    steps = ("draft", "verify_logits", "catch_up", "ar_logits") if host else ("draft", "verify", "catch_up", "ar_step")
+    with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+        engine.prefill([prompt(40 - 9 * row, seed=2 + row) for row in range(batch)],
+                       (lambda row, raw: int(raw.argmax())) if host else None)
+        for name in steps:
+            explained = torch._dynamo.explain(getattr(engine, "_" + name))()
+            assert explained.graph_break_count == 0, (name, explained.break_reasons)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
