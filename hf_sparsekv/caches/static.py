@@ -124,6 +124,7 @@ class PreallocatedCache(Cache):
     """
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
+    takes_prefix = False  # prompt caching: a row may hold a prefix before its prefill (begin_prefill's start)
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
                  layer_devices=None):
@@ -198,7 +199,7 @@ class PreallocatedCache(Cache):
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} already holds a prompt (reset())")
-        if start and not isinstance(self, StaticFullCache):
+        if start and not self.takes_prefix:
             raise NotImplementedError(f"{type(self).__name__} keeps no prefix: a prefill after a prefix needs the full cache")
         self.prefilling = True
         self.prefill_length, self.prefill_row, self.prefill_start = length, row, start
@@ -310,6 +311,8 @@ class PreallocatedCache(Cache):
 class StaticFullCache(PreallocatedCache):
     """Every token at ``slot = position`` (the verifier's cache)."""
 
+    takes_prefix = True
+
     def slots_of(self, positions):
         return positions
 
@@ -351,6 +354,17 @@ class _ChunkSelecting:
             raise NotImplementedError("per_kv_head selection is not supported on static storage")
         self.budget, self.chunk_size, self.selection = budget, chunk_size, selection
 
+    def _init_rows(self) -> None:
+        """After the storage exists: each row's ``offset`` (from position to slot or mask position, set by
+        :meth:`_place_kept`) and its count of kept prompt tokens."""
+        self.offset = torch.zeros(self.batch, dtype=torch.long, device=self.slot_positions.device)
+        self.kept = [0] * self.batch
+
+    def reset(self) -> None:
+        super().reset()
+        self.offset.zero_()
+        self.kept = [0] * self.batch
+
     def _store_prefill(self, layer, key_states, value_states):
         p = key_states.shape[-2]
         if p <= self.budget:  # nothing to drop: keep the prompt as it is
@@ -389,8 +403,7 @@ class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
                  selection: ChunkSelection | str = "observed", layer_devices=None):
         self._init_selection(budget, chunk_size, selection, per_kv_head, score_window)
         super().__init__(num_layers, kv_heads, head_dim, capacity, dtype, device, batch, layer_devices)
-        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - K of each row
-        self.kept = [0] * batch
+        self._init_rows()  # offset: P - K of each row
 
     def slots_of(self, positions):
         return positions - self.offset[:, None]
@@ -400,12 +413,6 @@ class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
         self.slot_positions[row, :k] = torch.arange(self.prefill_length - k, self.prefill_length,
                                                     device=self.offset.device)
         self.fp_length[row] = k
-
-    def reset(self) -> None:
-        super().reset()
-        self.offset.zero_()
-        self.kept = [0] * self.batch
-
 
 class StaticSinkWindowCache(PreallocatedCache):
     """Sink + sliding window on a ring buffer (see :class:`~hf_sparsekv.caches.SinkWindowCache`): a query at p sees
@@ -463,8 +470,7 @@ class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
         self._init_selection(budget, chunk_size, selection, False, None)
         super().__init__(budget, window, max_rollback, num_layers, kv_heads, head_dim, dtype, device, batch,
                          layer_devices)
-        self.offset = torch.zeros(batch, dtype=torch.long, device=self.slot_positions.device)  # P - budget
-        self.kept = [0] * batch
+        self._init_rows()  # offset: P - budget of each row
 
     def begin_step(self, positions: torch.Tensor) -> None:
         super().begin_step(positions - self.offset[:, None])  # real -> mask positions
@@ -472,12 +478,6 @@ class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
     def _place_kept(self, row: int, k: int) -> None:
         self.offset[row] = self.prefill_length - self.budget
         self.slot_positions[row, :k] = torch.arange(k, device=self.offset.device)
-
-    def reset(self) -> None:
-        super().reset()
-        self.offset.zero_()
-        self.kept = [0] * self.batch
-
 
 class StaticQuantCache(PreallocatedCache):
     """QuantSpec's hierarchical INT4/INT8 store (see :class:`~hf_sparsekv.caches.HierarchicalQuantCache`) on

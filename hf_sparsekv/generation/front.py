@@ -433,7 +433,7 @@ def speculative_generate(
             ]
             static = static_mode(
                 model, assistant_model, draft_cache, kv_budget, wants_outputs=False,
-                logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+                logits_processor=logits_processor,
                 processor_blocker=device_warpers(rows[0][1].logits_processor, sampling=False)[1])
         pad = pad_value(config)
         if static is not None:
@@ -474,7 +474,7 @@ def speculative_generate(
     warpers, blocker = device_warpers(rules.logits_processor, sampling=config.do_sample)
     static = static_mode(
         model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
-        logits_processor=logits_processor, stopping_criteria=stopping_criteria,
+        logits_processor=logits_processor,
         prefix_cache=past_key_values is not None, processor_blocker=blocker,
     )
     if static is not None:

@@ -63,7 +63,7 @@ from .batch_rows import assemble
 from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
 from .host_rules import RowOutput, choose, processed, verify_block
 from .sampling import accept_or_resample, draw, penalized
-from .speculative import GreedyRules, SpeculativeResult
+from .speculative import GreedyRules, SpeculativeResult, widened
 from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
 
@@ -205,12 +205,12 @@ class StaticEngine:
         self.vocab = vocab
         # Vocabularies that differ by padding (front checks the tokenizer stays below the shared range): drafts are
         # limited to the shared ids, and a sequence id the drafter lacks reaches it as id 0 (see drafters.py)
-        self.draft_vocab = None  # (shared ids, the drafter's input ids)
+        self.draft_vocab = None  # (the drafter's output ids, its input ids)
         if drafter is not None and drafter is not verifier:
             d_out = drafter.get_output_embeddings().weight.shape[0]
             d_in = drafter.get_input_embeddings().weight.shape[0]
             if (d_out, d_in) != (vocab, vocab):
-                self.draft_vocab = (min(vocab, d_out), d_in)
+                self.draft_vocab = (d_out, d_in)
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
         self.warpers = warpers  # None: greedy
@@ -296,15 +296,8 @@ class StaticEngine:
         return torch.where(tokens < self.draft_vocab[1], tokens, torch.zeros_like(tokens))
 
     def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The drafter's ``logits [B, V_drafter]`` over the verifier's vocabulary ``[B, V]``: the shared ids, -inf
-        beyond them."""
-        if self.draft_vocab is None:
-            return logits
-        shared = self.draft_vocab[0]
-        logits = logits[:, :shared]
-        if shared < self.vocab:
-            logits = torch.cat([logits, logits.new_full((logits.shape[0], self.vocab - shared), float("-inf"))], 1)
-        return logits
+        """The drafter's ``logits [B, V_drafter]`` over the verifier's vocabulary ``[B, V]`` (:func:`widened`)."""
+        return logits if self.draft_vocab is None else widened(logits, self.vocab)
 
     def _catch_up(self) -> None:
         static_forward(self.drafter, self._drafter_input(self._last(2)), (self.n - 2)[:, None], self.drafter_cache, 1,
@@ -365,11 +358,20 @@ class StaticEngine:
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
 
-    def _verify(self) -> None:
+    def _verify_forward(self) -> torch.Tensor:
+        """The verifier on ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ``: its logits ``[B, γ+1, V]``."""
         block = torch.cat([self._last(1), self.drafts], 1)
         positions = (self.n - 1)[:, None] + self._block_offsets
-        logits = static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
-        seen = self._seen_after(self.drafts, block.shape[1])
+        return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
+
+    def _ar_forward(self) -> torch.Tensor:
+        """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
+        return static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
+                              self.verifier_keyword)
+
+    def _verify(self) -> None:
+        logits = self._verify_forward()
+        seen = self._seen_after(self.drafts, logits.shape[1])
         if self.warpers is None:
             verified = self._next(logits, self.n, seen)
             accepted = accepted_length(self.drafts, verified)
@@ -384,16 +386,11 @@ class StaticEngine:
 
     def _verify_logits(self) -> None:
         """Host-side rules: the verify forward alone, its raw logits left in :attr:`logits`."""
-        block = torch.cat([self._last(1), self.drafts], 1)
-        positions = (self.n - 1)[:, None] + self._block_offsets
-        self.logits.copy_(static_forward(self.verifier, block, positions, self.verifier_cache, 0,
-                                         self.verifier_keyword).float())
+        self.logits.copy_(self._verify_forward().float())
 
     def _ar_logits(self) -> None:
         """Host-side rules: one verifier step (a round without drafts), its raw logits left in ``logits[:, 0]``."""
-        logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
-                                self.verifier_keyword)
-        self.logits[:, :1].copy_(logits.float())
+        self.logits[:, :1].copy_(self._ar_forward().float())
 
     def write_back(self, prefix, row: int, length: int) -> None:
         """Prompt caching: extend ``prefix`` (the caller's ``DynamicCache``) with the verifier's keys/values of row
@@ -413,8 +410,7 @@ class StaticEngine:
         self._advance(torch.tensor(block, device=device), torch.tensor(accepted, device=device))
 
     def _ar_step(self) -> None:
-        logits = static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
-                                self.verifier_keyword)
+        logits = self._ar_forward()
         token = self._next(logits, self.n, None if self.penalty is None else self.seen[:, None])
         self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
@@ -724,7 +720,7 @@ def placed_on(model) -> set[str]:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor, stopping_criteria,
+def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor,
                 prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple | None:
     """``(mode, budget, layout, host)`` when the static loop serves this (already validated) request, else None
     (``layout``: the settings of a ``draft_cache`` instance; ``host``: it needs host-side rules, :mod:`.host_rules`:

@@ -104,11 +104,12 @@ class Output:
 
 
 def widened(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``logits [1, V']`` of a drafter as ``[1, vocab]``: a narrower drafter (limited to the shared ids) padded with
-    -inf, a wider one cut."""
+    """``logits [..., V']`` of a drafter as ``[..., vocab]``: a narrower drafter (limited to the shared ids) padded
+    with -inf, a wider one cut."""
     if logits.shape[-1] < vocab:
-        logits = torch.cat([logits, logits.new_full((1, vocab - logits.shape[-1]), float("-inf"))], dim=-1)
-    return logits[:, :vocab]
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        logits = torch.cat([logits, pad], dim=-1)
+    return logits[..., :vocab]
 
 
 def prefill(verifier, verifier_cache: Cache, drafter, prompt: torch.Tensor, stats: SpecStats) -> torch.Tensor:
