@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
@@ -208,3 +209,53 @@ def test_graph_path_batch_of_64_rows(mode):
         assert torch.equal(row[: ref.shape[0]], ref) and not row[ref.shape[0]:].any(), b
     engine = graph_loop.current_engine(verifier)
     assert engine.spec.batch == 64 and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
+
+
+def _prefix_cache(model, ids, n):
+    cache = DynamicCache()
+    with torch.no_grad():
+        model(input_ids=ids[:, :n], past_key_values=cache, use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("feature", ["repetition_penalty", "no_repeat_ngram", "scores", "padded_drafter",
+                                     "chunk_instance", "chunk_window", "prefix"])
+def test_graph_path_options_equal_stock_float32(feature):
+    """The options the captured engine serves on the device (a repetition penalty baked into the steps), with the
+    host between captured steps (processors, scores), or through the cache or drafter it is handed (a ChunkBudgetCache
+    instance, a token window over generated tokens, a padded-vocabulary drafter, a DynamicCache prefix): the same
+    tokens (and scores) as stock greedy generate() on the GPU, and the captured graphs exist."""
+    from .test_generation import _padded, _word_tokenizer
+
+    verifier, drafter = _on_cuda("llama"), _on_cuda("llama", "drafter")
+    ids = prompt(300, 11).cuda()
+    stock = dict(max_new_tokens=40, do_sample=False, **NO_EOS)
+    spec = dict(assistant_model=drafter, kv_budget=64, num_assistant_tokens=4)
+    if feature == "repetition_penalty":
+        stock["repetition_penalty"] = 1.3
+    elif feature == "no_repeat_ngram":
+        stock["no_repeat_ngram_size"] = 2
+    elif feature == "scores":
+        stock.update(output_scores=True, return_dict_in_generate=True)
+    elif feature == "padded_drafter":
+        spec.update(assistant_model=_padded(drafter, 32), tokenizer=_word_tokenizer())
+    elif feature in ("chunk_instance", "chunk_window"):
+        window = 24 if feature == "chunk_window" else None
+        spec.update(kv_budget=None, draft_cache=hf_sparsekv.ChunkBudgetCache(64, chunk_size=16,
+                                                                             generated_window=window))
+    reference = verifier.generate(ids, **stock)
+    if feature == "prefix":
+        cache = _prefix_cache(verifier, ids, 200)
+        out = verifier.generate(ids, past_key_values=cache, **spec, **stock)
+        assert cache.get_seq_length() == out.shape[1] - 1
+    else:
+        out = verifier.generate(ids, **spec, **stock)
+    if feature == "scores":
+        assert torch.equal(out.sequences, reference.sequences)
+        torch.testing.assert_close(torch.stack(out.scores), torch.stack(reference.scores))
+    else:
+        assert torch.equal(out, reference)
+    engine = graph_loop.current_engine(verifier)
+    assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert engine.spec.host == (feature in ("no_repeat_ngram", "scores"))
+    assert (engine.spec.penalty is not None) == (feature == "repetition_penalty")
