@@ -353,7 +353,8 @@ class StaticEngine:
         self.seq[self._rows, self.n[:, None] + self._block_offsets[: tokens.shape[1]]] = tokens
         if self.penalty is not None:  # the kept tokens join each row's seen set (a dropped one repeats token 0)
             kept = self._block_offsets[: tokens.shape[1]] <= accepted[:, None]
-            self.seen[self._rows, torch.where(kept, tokens, tokens[:, :1])] = True
+            # the value a device tensor: a Python True is a CPU tensor, whose copy a CUDA graph cannot capture
+            self.seen[self._rows, torch.where(kept, tokens, tokens[:, :1])] = kept.new_ones(())
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
