@@ -42,6 +42,7 @@ drops them, as it drops tokens after a stop (they cannot change the earlier ones
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 import weakref
@@ -70,9 +71,6 @@ from .stats import SpecStats
 logger = logging.get_logger(__name__)
 
 CAPACITY_ROUNDING = 256
-# Tensor parallelism (tp_plan): capture the steps, NCCL all-reduces included, as CUDA graphs. Off: the one two-GPU run
-# of that capture did not finish (no diagnosis yet); the uncaptured static steps are what the CPU (gloo) test checks.
-TP_CAPTURE = False
 AR_STEPS_PER_SYNC = 8
 
 
@@ -507,12 +505,8 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
     bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
     ``layout``: the drafter cache's settings (:func:`static_mode`; empty: the defaults of ``mode``); ``host``:
-    host-side rules (:mod:`.host_rules`). Under tensor parallelism the steps run uncaptured (see
-    :data:`TP_CAPTURE`)."""
-    if use_graphs and _tp_size(verifier) > 1 and not TP_CAPTURE:
-        logger.warning_once("hf_sparsekv: tensor parallel (tp_plan): the static steps run uncaptured; capturing their "
-                            "NCCL all-reduces is not validated yet")
-        use_graphs = False
+    host-side rules (:mod:`.host_rules`). Under tensor parallelism the captured steps hold NCCL all-reduces:
+    :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
@@ -536,8 +530,11 @@ def current_engine(verifier) -> StaticEngine | None:
 
 
 def release_engines() -> None:
-    """Free every kept static cache and CUDA graph."""
+    """Free every kept static cache and CUDA graph. Under tensor parallelism call it before
+    ``torch.distributed.destroy_process_group()``: NCCL cannot destroy a communicator that a live CUDA graph still
+    uses, and the destroy hangs (PyTorch issue 115388)."""
     _engines.clear()
+    gc.collect()  # an engine caught in a reference cycle would keep its graphs alive
 
 
 class _EventTimer:
