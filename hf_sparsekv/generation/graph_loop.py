@@ -42,7 +42,6 @@ drops them, as it drops tokens after a stop (they cannot change the earlier ones
 
 from __future__ import annotations
 
-import gc
 import math
 import time
 import weakref
@@ -517,7 +516,9 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             kept.remove(engine)
             kept.append(engine)
             return engine
-    del kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]  # free before allocating
+    evicted = kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
+    _release_graphs(evicted)  # now, also where a caller still holds one of them
+    del kept[: len(evicted)]  # free before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
     kept.append(engine)
     return engine
@@ -529,12 +530,22 @@ def current_engine(verifier) -> StaticEngine | None:
     return kept[-1] if kept else None
 
 
+def _release_graphs(engines: list[StaticEngine]) -> None:
+    """Destroy the CUDA graphs of ``engines`` (each step runs uncaptured after)."""
+    if any(engine.use_graphs for engine in engines):
+        torch.cuda.synchronize()
+    for engine in engines:
+        for step in engine.steps.values():
+            step.release()
+
+
 def release_engines() -> None:
     """Free every kept static cache and CUDA graph. Under tensor parallelism call it before
     ``torch.distributed.destroy_process_group()``: NCCL cannot destroy a communicator that a live CUDA graph still
-    uses, and the destroy hangs (PyTorch issue 115388)."""
+    uses, and the destroy hangs (PyTorch issue 115388). The graphs are destroyed here, also where a caller still
+    holds a reference to an engine (as they are when an engine is replaced)."""
+    _release_graphs([engine for kept in _engines.values() for engine in kept])
     _engines.clear()
-    gc.collect()  # an engine caught in a reference cycle would keep its graphs alive
 
 
 class _EventTimer:

@@ -136,6 +136,12 @@ class CapturedStep:
             t.copy_(s)
         self.graph = graph
 
+    def release(self) -> None:
+        """Destroy the captured graph now (not when the last reference goes); the step runs uncaptured after."""
+        if self.graph is not None:
+            self.graph.reset()
+            self.graph = None
+
     def __call__(self) -> None:
         if self.graph is not None:
             self.graph.replay()
