@@ -212,10 +212,7 @@ def projection_tables(p: dict) -> str:
 
 def profile(args, models: dict, prompts, device) -> dict:
     """One speculative setting: wall time split by synchronized timers, then torch.profiler's top operators."""
-    from transformers.cache_utils import DynamicCache
-
-    from hf_sparsekv.generation import drafters as drafters_mod
-    from hf_sparsekv.generation import speculative as spec_mod
+    from hf_sparsekv.generation import graph_loop
 
     method, context, budget, gamma = args.profile_method, max(args.contexts), min(args.budgets), _fixed_gamma(args.gammas)
     ids = prompts[0][None, :context].to(device)
@@ -239,13 +236,13 @@ def profile(args, models: dict, prompts, device) -> dict:
                 counts[name] = counts.get(name, 0) + 1
         return wrapper
 
-    patches = [
-        (spec_mod, "forward", timed("verifier forward (prefill + verify)", spec_mod.forward)),
-        (drafters_mod, "forward", timed("drafter forward (prefill + draft steps)", drafters_mod.forward)),
-        (drafters_mod.ModelDrafter, "rollback", timed("drafter cache rollback", drafters_mod.ModelDrafter.rollback)),
-        (DynamicCache, "crop", timed("verifier cache crop", DynamicCache.crop)),
-        (spec_mod.GreedyRules, "process", timed("logits rules + argmax", spec_mod.GreedyRules.process)),
-    ]
+    engine_cls = graph_loop.StaticEngine
+    run_step = engine_cls.run_step
+
+    def stepped(self, name):  # each step (draft, verify, catch_up, ...) under its own name
+        return timed(f"engine step: {name}", run_step)(self, name)
+
+    patches = [(engine_cls, "prefill", timed("prefill (both models)", engine_cls.prefill)), (engine_cls, "run_step", stepped)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)

@@ -4,7 +4,7 @@ Importing the package registers the ``"sparsekv"`` attention implementation and 
 arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
 """
 
-from . import attention, query_attention, static_attention
+from . import attention, static_attention
 from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
 from .generation import SpecStats, graph_greedy_generate, register, release_engines, speculative_generate, unregister
@@ -12,7 +12,6 @@ from .generation import SpecStats, graph_greedy_generate, register, release_engi
 __version__ = "0.1.0"
 
 attention.register()
-query_attention.register()
 static_attention.register()
 register()
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from .compare import SPEED_ON_CPU, compare, report
-from .generation.front import check_budget
+from .generation.draft_modes import check_budget
 from .model_paths import refuse_missing_model_paths
 
 

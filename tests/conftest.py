@@ -118,18 +118,6 @@ def arch(request):
     return request.param
 
 
-@pytest.fixture(params=["eager", "static"])
-def loop(request, monkeypatch):
-    """Both speculative loops on the CPU: the eager one, and the static engine forced on (HF_SPARSEKV_GRAPHS=1,
-    uncaptured; a batch's rows together)."""
-    from hf_sparsekv.generation import graph_loop
-
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if request.param == "static" else "0")
-    graph_loop.release_engines()
-    yield request.param
-    graph_loop.release_engines()
-
-
 @pytest.fixture
 def exact_cuda_float32():
     """float32 CUDA tests: no TF32 matmuls, no engine kept from another test."""

@@ -18,12 +18,10 @@ from .conftest import ARCHS, left_padded, prompt, tiny_model
 PAD = 0  # the tiny models' pad_token_id
 
 
-def _check_loop(loop: str, verifier, mode: str, rows: int) -> None:
+def _check_engine(verifier, rows: int) -> None:
+    """Every greedy mode: one engine of all rows."""
     engine = graph_loop.current_engine(verifier)
-    if loop == "eager":
-        assert engine is None
-    else:  # every mode: one engine of all rows
-        assert engine is not None and engine.spec.batch == rows
+    assert engine is not None and engine.spec.batch == rows
 
 
 def _spec(mode: str, verifier, drafter) -> dict:
@@ -68,13 +66,13 @@ def _cases(n=15, seed=4):
 
 
 @pytest.mark.parametrize("arch,mode,gamma,lengths,seed", _cases())
-def test_each_row_equals_its_prompt_alone(loop, arch, mode, gamma, lengths, seed):
+def test_each_row_equals_its_prompt_alone(arch, mode, gamma, lengths, seed):
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     prompts = [prompt(n, seed + i) for i, n in enumerate(lengths)]
     ids, mask = left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, max_new_tokens=12, num_assistant_tokens=gamma,
                             return_dict_in_generate=True, **_spec(mode, verifier, drafter))
-    _check_loop(loop, verifier, mode, len(prompts))
+    _check_engine(verifier, len(prompts))
     references = [_reference(verifier, p, mode, max_new_tokens=12) for p in prompts]
     _assert_rows(out.sequences, prompts, references, ids.shape[1])
     stats = out.spec_stats
@@ -85,7 +83,7 @@ def test_each_row_equals_its_prompt_alone(loop, arch, mode, gamma, lengths, seed
     assert stats.mean_accepted_length == pytest.approx((stats.new_tokens - len(prompts)) / stats.rounds)
 
 
-def test_eos_in_one_row_while_the_others_go_on(loop):
+def test_eos_in_one_row_while_the_others_go_on():
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     prompts = [prompt(n, 50 + n) for n in (40, 9, 120)]
     free = [_reference(verifier, p, "chunk", max_new_tokens=20) for p in prompts]
@@ -96,7 +94,7 @@ def test_eos_in_one_row_while_the_others_go_on(loop):
     ids, mask = left_padded(prompts)
     kwargs = dict(max_new_tokens=20, eos_token_id=eos)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **kwargs)
-    _check_loop(loop, verifier, "chunk", len(prompts))
+    _check_engine(verifier, len(prompts))
     references = [_reference(verifier, p, "chunk", **kwargs) for p in prompts]
     assert references[0].shape[0] < 20 and references[0][-1] == eos
     assert all(r.shape[0] == 20 for r in references[1:])
@@ -104,7 +102,7 @@ def test_eos_in_one_row_while_the_others_go_on(loop):
     _assert_rows(out, prompts, references, ids.shape[1])
 
 
-def test_rejected_and_accepted_rows_side_by_side(loop):
+def test_rejected_and_accepted_rows_side_by_side():
     """One drafter that agrees with the verifier on every prompt without token 5 and is wrong wherever token 5
     was seen (its embedding of 5 is scrambled): a row of all-rejected drafts beside a row of all-accepted ones."""
     verifier = tiny_model("llama")
@@ -118,7 +116,7 @@ def test_rejected_and_accepted_rows_side_by_side(loop):
     ids, mask = left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, draft_cache="full",
                             max_new_tokens=16, num_assistant_tokens=3, return_dict_in_generate=True)
-    _check_loop(loop, verifier, "full", len(prompts))
+    _check_engine(verifier, len(prompts))
     references = [_reference(verifier, p, "full", max_new_tokens=16) for p in prompts]
     _assert_rows(out.sequences, prompts, references, ids.shape[1])
     accepted_row, rejected_row = out.spec_stats.rows
@@ -128,7 +126,7 @@ def test_rejected_and_accepted_rows_side_by_side(loop):
 
 
 @pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS])
-def test_int4_rows_cross_quantization_points_at_their_own_rounds(loop, arch, monkeypatch):
+def test_int4_rows_cross_quantization_points_at_their_own_rounds(arch, monkeypatch):
     """Self-speculation with G = 16 and γ = 5 on rows whose lengths put them at different phases of their groups:
     the quantization state moves every 16 tokens, so in many rounds one row may keep only part of its block (its
     cap) while the others draft in full. Each row equals greedy AR of its prompt alone on the INT8 view."""
@@ -136,21 +134,18 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(loop, arch, mon
     prompts = [prompt(n, 7 * n) for n in (20, 31, 47, 90)]
     ids, mask = left_padded(prompts)
     caps = []
-    if loop == "static":
-        verify = graph_loop.StaticEngine._verify
-        monkeypatch.setattr(graph_loop.StaticEngine, "_verify",
-                            lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
+    verify = graph_loop.StaticEngine._verify
+    monkeypatch.setattr(graph_loop.StaticEngine, "_verify", lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
     out = verifier.generate(ids, attention_mask=mask, assistant_model=verifier, num_assistant_tokens=5,
                             draft_cache=hf_sparsekv.HierarchicalQuantCache(group_size=16), max_new_tokens=40)
-    _check_loop(loop, verifier, "int4-self", len(prompts))
+    _check_engine(verifier, len(prompts))
     references = [
         verifier.generate(p, do_sample=False, max_new_tokens=40,
                           past_key_values=hf_sparsekv.HierarchicalQuantCache(group_size=16))[0, p.shape[1] :]
         for p in prompts
     ]
     _assert_rows(out, prompts, references, ids.shape[1])
-    if loop == "static":  # rounds in which one row's cap cut its block while another drafted in full
-        assert any(min(c) < 5 and max(c) == 5 for c in caps)
+    assert any(min(c) < 5 and max(c) == 5 for c in caps)  # one row's cap cut its block, another drafted in full
 
 
 def test_a_draft_cache_instance_serves_every_row():
@@ -232,7 +227,7 @@ def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
 
 
 def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
-    """A batched call on the eager loop says that it decodes rows one after another only at debug level: nothing at
+    """A sampled batch (decoded one row after another) says so only at debug level: nothing at
     the default verbosity (warnings), in any call of the process."""
     from transformers.utils import logging as hf_logging
 

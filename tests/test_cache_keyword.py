@@ -50,8 +50,10 @@ def test_pop_user_cache_takes_either_name_and_refuses_both():
 
 
 def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
-    """With return_dict_in_generate the verifier cache is stored under the output class's own field (``cache``
-    from transformers 5.24 on), so building the output logs no deprecation of ``past_key_values``."""
+    """With return_dict_in_generate the caller's prefix cache (extended to the sequence, as stock leaves its cache)
+    is stored under the output class's own field (``cache`` from transformers 5.24 on), so building the output logs
+    no deprecation of ``past_key_values``; without a cache passed in, the field holds None (the engine's static
+    buffers stay its own)."""
     import logging
 
     from transformers.utils import logging as hf_logging
@@ -64,13 +66,17 @@ def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
     hf_logging.enable_propagation()
     try:
         with caplog.at_level(logging.WARNING):
+            prefix = DynamicCache()
             out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=6, do_sample=False,
-                                    return_dict_in_generate=True)
+                                    return_dict_in_generate=True, past_key_values=prefix)
+            bare = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=6, do_sample=False,
+                                     return_dict_in_generate=True)
     finally:
         hf_logging.disable_propagation()
     assert not [r for r in caplog.records if "past_key_values" in r.getMessage()]
     cache = getattr(out, output_field(type(out)))
-    assert cache is not None and cache.get_seq_length() == out.sequences.shape[1] - 1
+    assert cache is prefix and cache.get_seq_length() == out.sequences.shape[1] - 1
+    assert getattr(bare, output_field(type(bare))) is None
 
 
 @pytest.mark.parametrize("kind", ["chunk", "dynamic"])

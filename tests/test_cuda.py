@@ -1,4 +1,4 @@
-"""Losslessness on a CUDA GPU: the CUDA-graph path (the default there) and the eager loop (run on the GPU machine;
+"""Losslessness on a CUDA GPU: the engine's steps captured as CUDA graphs (the default there) and uncaptured (run on the GPU machine;
 skipped on CPU). Most graph-path cases capture the uncompiled steps (conftest sets ``HF_SPARSEKV_COMPILE=0`` unless a test is marked ``compiled``: compiling every
 tiny configuration would take minutes); a few cases run the default, torch.compile'd steps. Cases marked ``slow``
 (``make test-cuda-slow``) complete the grids; ``make test-cuda`` keeps the default suite under 4 minutes."""
@@ -29,7 +29,7 @@ def _on_cuda(arch, role="verifier", dtype=torch.float32):
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
-def test_eager_loop_lossless_on_cuda_float32(arch, mode, gamma, monkeypatch):
+def test_uncaptured_engine_lossless_on_cuda_float32(arch, mode, gamma, monkeypatch):
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
     verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
     for seed, length in enumerate((5, 140, 400)):
@@ -120,8 +120,8 @@ def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
     pytest.param(arch, mode, marks=() if BFLOAT16_ARCH.get(mode) == arch else pytest.mark.slow, id=f"{mode}-{arch}")
     for arch in ARCHS for mode in ("chunk", "window", "full", "int4")
 ])
-def test_graph_path_equals_eager_loop_bfloat16(arch, mode, monkeypatch):
-    """Uncompiled captured steps run the eager loop's kernels, so in bfloat16 too they give the same tokens
+def test_graph_path_equals_uncaptured_steps_bfloat16(arch, mode, monkeypatch):
+    """Uncompiled captured steps run the uncaptured steps' kernels, so in bfloat16 too they give the same tokens
     (Inductor's fused kernels round differently: the compiled path is held to float32 identity only)."""
     verifier, drafter = _on_cuda(arch, dtype=torch.bfloat16), _on_cuda(arch, "drafter", torch.bfloat16)
     for seed, length in enumerate((60, 333)):

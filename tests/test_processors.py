@@ -60,23 +60,20 @@ def test_each_option_set_changes_stock_greedy(name):
 
 
 def _greedy_cases():
-    """Every (option set, mode) on one architecture and one loop by default, rotating through ARCHS and the two loops
-    (the eager one; the static engine with host-side rules); the other pairs are marked extended
-    (make test-extended)."""
+    """Every (option set, mode) on one architecture by default, rotating through ARCHS; the other pairs are marked
+    extended (make test-extended)."""
     cases = []
     for i, name in enumerate(OPTION_SETS):
         for j, mode in enumerate(MODES):
             for k, arch in enumerate(ARCHS):
-                for m, static in enumerate((False, True)):
-                    default = k == (i + j) % len(ARCHS) and m == (i + j) % 2
-                    cases.append(pytest.param(arch, name, mode, static, marks=() if default else (pytest.mark.extended,),
-                                              id=f"{arch}-{name}-{mode}-{'static' if static else 'eager'}"))
+                default = k == (i + j) % len(ARCHS)
+                cases.append(pytest.param(arch, name, mode, marks=() if default else (pytest.mark.extended,),
+                                          id=f"{arch}-{name}-{mode}"))
     return cases
 
 
-@pytest.mark.parametrize("arch,name,mode,static", _greedy_cases())
-def test_greedy_with_processors_equals_stock(arch, name, mode, static, monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if static else "0")
+@pytest.mark.parametrize("arch,name,mode", _greedy_cases())
+def test_greedy_with_processors_equals_stock(arch, name, mode):
     graph_loop.release_engines()
     verifier = tiny_model(arch)
     for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
@@ -86,8 +83,7 @@ def test_greedy_with_processors_equals_stock(arch, name, mode, static, monkeypat
         ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
         assert torch.equal(ours.sequences, stock.sequences), (seed, length, gamma)
         torch.testing.assert_close(torch.cat(ours.scores), torch.cat(stock.scores), rtol=1e-9, atol=1e-9)
-        engine = graph_loop.current_engine(verifier)
-        assert (engine is not None and engine.spec.host) == static
+        assert graph_loop.current_engine(verifier).spec.host  # the scores are kept: host-side rules
     graph_loop.release_engines()
 
 
@@ -98,7 +94,6 @@ def test_the_static_loop_applies_a_config_repetition_penalty(batch, monkeypatch)
     row is what stock greedy gives for its prompt alone."""
     import copy
 
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier = copy.deepcopy(tiny_model("qwen2"))
     verifier.generation_config.repetition_penalty = 1.6
@@ -129,7 +124,6 @@ def _penalty_cases():
 def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty, monkeypatch):
     """The static loop's device-side repetition penalty (drafts, verification, the first token): the same tokens as
     stock greedy generate() with the penalty, for several prompts and γ."""
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier = tiny_model(arch)
     changed = False
@@ -178,7 +172,6 @@ def _next_token_probs(model, ids: torch.Tensor, ngram: bool = True) -> torch.Ten
 def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypatch):
     """The second token's distribution depends on the first through both processors; 2,500 draws of the pair
     against the exactly enumerated joint (chi-square and total variation, as tests/test_sampling.py)."""
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")  # the static engine, its processors applied on the host
     graph_loop.release_engines()
     verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
     ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
@@ -207,7 +200,6 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypat
 def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distribution(monkeypatch):
     """The static loop's device-side penalty while sampling (drafts' q and the verifier's p both penalized after
     their exact prefixes): 2,500 draws of two tokens against the exactly enumerated joint."""
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
     ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
@@ -229,15 +221,13 @@ def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distrib
     graph_loop.release_engines()
 
 
-@pytest.mark.parametrize("static", [False, True], ids=["eager", "static"])
 @pytest.mark.parametrize("mode", ["full", "int4-self"])
-def test_drafts_follow_the_processors(mode, static, monkeypatch):
+def test_drafts_follow_the_processors(mode):
     """A drafter identical to the verifier on a full cache has every draft accepted only if its drafts go through the
     same sequence-dependent processors (raw argmax drafts are rejected where the penalty changes the choice); the
     int4 view drafts through them too."""
     import copy
 
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if static else "0")
     graph_loop.release_engines()
     verifier = tiny_model("llama")
     ids = prompt(40, 1)
@@ -252,5 +242,5 @@ def test_drafts_follow_the_processors(mode, static, monkeypatch):
         assert out.spec_stats.drafted > 0 and out.spec_stats.acceptance_rate == 1.0
     else:  # the INT4 view mostly agrees with the INT8 one once both apply the penalty
         assert out.spec_stats.acceptance_rate > 0.5
-    assert (graph_loop.current_engine(verifier) is not None) == static
+    assert graph_loop.current_engine(verifier) is not None
     graph_loop.release_engines()

@@ -225,46 +225,36 @@ def _phi3(layers: int = 1):
     )).eval().double()
 
 
-def test_self_chunk_under_an_unwrappable_attention_names_the_ways_out():
-    """Our loop takes the queries from the attention call under eager, SDPA and "sparsekv"; under any other
-    implementation (here a custom registered one) it falls back to recomputing them, and for a fused qkv_proj the
-    refusal names what works (SDPA/eager, a separate drafter, the window cache), not the "sparsekv" attention."""
+def test_self_chunk_under_any_attention_implementation():
+    """Self-drafting on a chunk budget runs on the engine's own attention during the call, whatever the model's
+    implementation (here a custom registered one, under which the query hooks could not take the queries):
+    lossless, and the model's implementation is restored."""
+    from hf_sparsekv.generation import graph_loop
+
     model = _phi3()
-    model.set_attn_implementation("sparsekv")
     ids = prompt(40, seed=3)
-    out = model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=4, do_sample=False)
-    assert torch.equal(out, model.generate(ids, max_new_tokens=4, do_sample=False))
+    reference = model.generate(ids, max_new_tokens=6, do_sample=False)
     model.set_attn_implementation("test_record")
-    with pytest.raises(NotImplementedError, match="separate assistant_model") as caught:
-        model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=2, do_sample=False)
-    assert "attn_implementation='sparsekv'" not in str(caught.value) and "'sdpa' or 'eager'" in str(caught.value)
+    out = model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=6, do_sample=False)
+    assert torch.equal(out, reference)
+    assert graph_loop.current_engine(model).spec.mode == "chunk"
     assert model.config._attn_implementation == "test_record"
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("arch", ["phi3", "stablelm", "gpt_neox", "llama"])
-def test_loop_prefills_select_from_the_queries_the_attention_receives(arch, impl):
-    """A separate drafter's prefill and a self-drafter's shared prefill select exactly the chunks the brute-force
-    selection picks from the queries the attention function receives (recorded by the test attention), for fused
-    qkv (Phi-3, GPT-NeoX) and partial rotary (StableLM, GPT-NeoX) alike; the model's implementation is restored."""
-    from hf_sparsekv.generation.drafters import ModelDrafter, SharedPrefillDrafter
-
+def test_sparsekv_attention_selects_from_the_queries_the_attention_receives(arch):
+    """Stock generate() on a ChunkBudgetCache under the "sparsekv" attention selects exactly the chunks the
+    brute-force selection picks from the queries the attention function receives (recorded by the test attention),
+    for fused qkv (Phi-3, GPT-NeoX) and partial rotary (StableLM, GPT-NeoX) alike."""
     model = copy.deepcopy(tiny_model(arch))
-    model.set_attn_implementation(impl)
     ids, budget = prompt(77, seed=5), 24
     recorded = _recorded_prompt_queries(model, ids)
     want = {i: _bruteforce_observed(q, k, scaling, 8, budget, False) for i, (q, k, scaling) in recorded.items()}
-    drafter = ModelDrafter(model, ChunkBudgetCache(budget))
-    with torch.no_grad():
-        drafter.prefill(ids)
-    shared = SharedPrefillDrafter(model, ChunkBudgetCache(budget))
-    verifier_cache = DynamicCache()
-    with torch.no_grad(), shared.sharing_prefill(model, verifier_cache):
-        model(input_ids=ids, past_key_values=verifier_cache, use_cache=True)
-    for cache in (drafter.cache, shared.cache):
-        got = {i: [set(row.tolist()) for row in layer.kept_indices[0]] for i, layer in enumerate(cache.layers)}
-        assert got == want and len(want) == 2 and len(want[0][0]) <= budget
-    assert model.config._attn_implementation == impl
+    model.set_attn_implementation("sparsekv")
+    cache = ChunkBudgetCache(budget)
+    model.generate(ids, past_key_values=cache, max_new_tokens=1, do_sample=False)
+    got = {i: [set(row.tolist()) for row in layer.kept_indices[0]] for i, layer in enumerate(cache.layers)}
+    assert got == want and len(want) == 2 and len(want[0][0]) <= budget
 
 
 def test_stock_generate_with_a_chunk_cache_on_partial_rotary():

@@ -4,8 +4,8 @@
   distributed as the verifier's ``p``; a wrong rule (accept every draft) fails the same test.
 * End to end on a 16-token vocabulary: the exact joint distribution of the first two tokens under stock sampling
   with temperature, top-k and top-p (computed from the model's logits and transformers' own warpers) against
-  speculative samples in each mode with a drafter that often disagrees, on the eager loop and on the static loop
-  (``HF_SPARSEKV_GRAPHS=1``: the device-side rounds the CUDA graphs capture, run uncaptured on CPU).
+  speculative samples in each mode with a drafter that often disagrees (the engine's device-side rounds, which the
+  CUDA graphs capture, run uncaptured on CPU).
 
 Chi-square tests at significance 0.001 (critical values from the Wilson-Hilferty approximation); the seeds are
 fixed, so each test is deterministic, and 0.001 is its false-failure rate over seeds.
@@ -136,21 +136,17 @@ def _joint(model, ids: torch.Tensor) -> torch.Tensor:
 _EXTENDED = pytest.mark.extended  # 60-470 s of CPU each: make test-extended
 
 
-@pytest.mark.parametrize("path,mode,gamma", [
-    pytest.param("eager", "chunk", 3, marks=_EXTENDED), pytest.param("eager", "window", 1, marks=_EXTENDED),
-    ("eager", "int4", 5), pytest.param("static", "chunk", 3, marks=_EXTENDED),
-    pytest.param("static", "window", 5, marks=_EXTENDED), ("static", "full", 1),
-    pytest.param("static", "int4", 3, marks=_EXTENDED),
+@pytest.mark.parametrize("mode,gamma", [
+    pytest.param("chunk", 3, marks=_EXTENDED), pytest.param("window", 1, marks=_EXTENDED),
+    pytest.param("window", 5, marks=_EXTENDED), ("full", 1), ("int4", 5),
 ])
-def test_speculative_sampling_matches_the_exact_joint_distribution(path, mode, gamma, monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
+def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
     graph_loop.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     drafter = _tiny(1, seed=1, width=16)
-    # int4: most of the prompt is quantized (G=8 eager; 16, what the static loop takes, on a longer prompt), so the
-    # INT4 drafts differ from p
-    group = 16 if path == "static" else 8
-    ids = torch.randint(3, VOCAB, (1, 64 if mode == "int4" and path == "static" else 40),
+    # int4: most of the prompt is quantized (G=16 on a 64-token prompt), so the INT4 drafts differ from p
+    group = 16
+    ids = torch.randint(3, VOCAB, (1, 64 if mode == "int4" else 40),
                         generator=torch.Generator().manual_seed(5))
     joint = _joint(verifier, ids)
     if mode == "int4":
@@ -167,7 +163,7 @@ def test_speculative_sampling_matches_the_exact_joint_distribution(path, mode, g
                                 num_assistant_tokens=gamma, **WARPERS, **spec())
         samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
-    assert (graph_loop.current_engine(verifier) is not None) == (path == "static")
+    assert graph_loop.current_engine(verifier).spec.mode == mode
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 64 cells
@@ -191,9 +187,7 @@ def _joint_on_int8_view(model, ids: torch.Tensor, group_size: int) -> torch.Tens
     return torch.stack([first[a] * probs(torch.cat([ids, torch.tensor([[a]])], 1)) for a in range(VOCAB)]).flatten()
 
 
-@pytest.mark.parametrize("path", ["eager", "static"])
-def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy(path, monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
+def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy():
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(2))
     kwargs = dict(assistant_model=drafter, kv_budget=16, max_new_tokens=20, eos_token_id=None, pad_token_id=0)
@@ -208,10 +202,9 @@ def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy(
 
 
 @pytest.mark.parametrize("output_scores", [False, True])
-def test_sampling_reports_acceptance_on_either_loop(output_scores, monkeypatch):
+def test_sampling_reports_acceptance(output_scores):
     """A drafter equal to the verifier (p == q) has every draft accepted on the static loop; scores are picked and kept
     on the host (host-side rules), 12 of them."""
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
@@ -227,9 +220,7 @@ def test_sampling_reports_acceptance_on_either_loop(output_scores, monkeypatch):
     assert graph_loop.current_engine(verifier).spec.host == output_scores
 
 
-@pytest.mark.parametrize("path", ["eager", "static"])
-def test_sampling_never_ends_below_min_new_tokens(path, monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1" if path == "static" else "0")
+def test_sampling_never_ends_below_min_new_tokens():
     graph_loop.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
@@ -243,7 +234,6 @@ def test_sampling_never_ends_below_min_new_tokens(path, monkeypatch):
 
 
 def test_a_warper_the_device_does_not_apply_runs_on_the_host(monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     graph_loop.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))

@@ -127,14 +127,11 @@ _PREFIX_CASES = [  # every spec on every architecture, the prefix length cycling
 
 
 @pytest.mark.parametrize("arch,spec_name,n_prefix", _PREFIX_CASES)
-def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix, loop):
-    """On both loops (the static engine copies the prefix into its row and extends the caller's cache afterwards;
-    self-drafting and a drafter on a quantized cache keep the eager loop)."""
+def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix):
+    """The engine copies the prefix into its row (self-drafting on a window: into the drafter's window too) and
+    extends the caller's cache afterwards."""
     from hf_sparsekv.generation import graph_loop
 
-    if loop == "static" and spec_name == "window-self":
-        pytest.skip("self-drafting with a prefix keeps the eager loop, without one it takes the static engine: the "
-                    "two runs compared here would take different loops (the eager case covers it)")
     verifier = tiny_model(arch)
     spec = dict(_SPECS[spec_name])
     drafter = verifier if spec.pop("self", False) else tiny_model(arch, role="drafter")
@@ -151,8 +148,7 @@ def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix, loop):
     assert reused[0] == p - n_prefix  # the verifier's prefill covers only the uncached part ...
     assert sum(fresh) - sum(reused) == n_prefix  # ... and every later forward is the same (same drafts)
     assert out.past_key_values is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
-    static = loop == "static" and spec_name not in ("int4-drafter", "window-self")
-    assert (graph_loop.current_engine(verifier) is not None) == static
+    assert graph_loop.current_engine(verifier) is not None
     stock = _prefix(verifier, out.sequences, out.sequences.shape[1] - 1)  # what stock leaves in a cache
     for ours, theirs in zip(cache.layers, stock.layers):
         torch.testing.assert_close(ours.keys, theirs.keys)

@@ -1,7 +1,6 @@
-"""The static path on CPU: preallocated caches against today's dynamic caches (stored keys/values and mask positions,
-bit for bit), device-side acceptance against the eager loop's rule, and the static speculative loop against greedy
-AR (``HF_SPARSEKV_GRAPHS=1`` runs it without CUDA-graph capture on CPU; the captured path is tested in
-test_cuda.py)."""
+"""The engine on CPU: preallocated caches against the dynamic caches (stored keys/values and mask positions, bit for
+bit), device-side acceptance, and the speculative loop against greedy AR (on CPU its steps run uncaptured; the
+captured path is tested in test_cuda.py)."""
 
 from __future__ import annotations
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from transformers import (
     DynamicCache,
+    StaticCache,
     LogitsProcessorList,
     MinLengthLogitsProcessor,
     MinPLogitsWarper,
@@ -34,8 +34,7 @@ H, D = 2, 8
 
 
 @pytest.fixture
-def static_path(monkeypatch):
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+def fresh_engines():
     graph_loop.release_engines()
     yield
     graph_loop.release_engines()
@@ -61,8 +60,10 @@ def _dynamic_view(kind, cache):
 
 
 def _make(kind, budget, gamma):
-    if kind == "chunk":
-        return ChunkBudgetCache(budget), StaticChunkBudgetCache(budget, 1, H, D, budget + 200, torch.float64, "cpu")
+    if kind.startswith("chunk"):
+        per_head = kind == "chunk-per-kv-head"  # each KV head keeps its own chunks
+        return (ChunkBudgetCache(budget, per_kv_head=per_head),
+                StaticChunkBudgetCache(budget, 1, H, D, budget + 200, torch.float64, "cpu", per_kv_head=per_head))
     window = budget - 4
     return (
         SinkWindowCache(4, window, max_rollback=gamma + 1),
@@ -70,7 +71,7 @@ def _make(kind, budget, gamma):
     )
 
 
-@pytest.mark.parametrize("kind", ["chunk", "window"])
+@pytest.mark.parametrize("kind", ["chunk", "chunk-per-kv-head", "window"])
 @pytest.mark.parametrize("prompt_len,budget,gamma", [(3, 16, 2), (40, 16, 3), (203, 64, 5), (64, 64, 1), (9, 24, 8)])
 def test_static_cache_stores_what_the_dynamic_cache_stores(kind, prompt_len, budget, gamma):
     dynamic, static = _make(kind, budget, gamma)
@@ -78,11 +79,11 @@ def test_static_cache_stores_what_the_dynamic_cache_stores(kind, prompt_len, bud
     k, v = _states(prompt_len, seed=prompt_len)
     query = torch.randn(1, 2 * H, prompt_len, D, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     dynamic.update(k, v, 0)
-    if kind == "chunk" and prompt_len > budget:
+    if kind != "window" and prompt_len > budget:
         dynamic.layers[0].select(query, D**-0.5)
     static.begin_prefill(prompt_len)
     static.update(k, v, 0)
-    if kind == "chunk" and static.needs_selection():
+    if kind != "window" and static.needs_selection():
         static.select(static.layers[0], query, k, v, D**-0.5)
     static.end_prefill()
     seen = prompt_len
@@ -203,8 +204,6 @@ def test_static_caches_refuse_bad_use():
     with pytest.raises(ValueError, match="capacity"):
         cache.begin_prefill(9)
         cache.update(*_states(9, seed=1), 0)
-    with pytest.raises(NotImplementedError, match="per_kv_head"):
-        StaticChunkBudgetCache(16, 1, H, D, 64, torch.float64, "cpu", per_kv_head=True)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -284,7 +283,7 @@ def test_rows_of_a_batched_quant_store_are_independent():
             assert torch.equal(s.values[row : row + 1, :, :fp], d.values[:, :, :fp]), row
 
 
-def test_device_acceptance_equals_the_eager_rule():
+def test_device_acceptance_equals_a_python_loop():
     g = torch.Generator().manual_seed(0)
     for _ in range(200):
         gamma, rows = (int(torch.randint(1, 9, (1,), generator=g)) for _ in range(2))
@@ -312,7 +311,7 @@ def _static_cases(seed=0):
 
 
 @pytest.mark.parametrize("case", _static_cases(), ids=lambda c: "-".join(f"{v}" for v in c.values()))
-def test_static_loop_is_lossless(static_path, case):
+def test_static_loop_is_lossless(fresh_engines, case):
     verifier = tiny_model(case["arch"])
     drafter = copy.deepcopy(verifier) if case["copy_drafter"] else tiny_model(case["arch"], role="drafter")
     ids = prompt(case["prompt_len"], seed=case["seed"])
@@ -333,7 +332,7 @@ def test_static_loop_is_lossless(static_path, case):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_static_int4_self_speculation_equals_ar_on_the_int8_view(static_path, arch):
+def test_static_int4_self_speculation_equals_ar_on_the_int8_view(fresh_engines, arch):
     """QuantSpec self-speculation on the static loop: the output is greedy AR on the INT8 view of the same store
     (γ 1/3/8, prompts shorter than 2G and longer, rounds near group boundaries without drafts)."""
     verifier = tiny_model(arch)
@@ -349,7 +348,7 @@ def test_static_int4_self_speculation_equals_ar_on_the_int8_view(static_path, ar
         assert out.spec_stats.drafted > 0
 
 
-def test_engine_is_reused_and_rebuilt_when_needed(static_path):
+def test_engine_is_reused_and_rebuilt_when_needed(fresh_engines):
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=None, pad_token_id=0)
     outs = []
@@ -400,7 +399,7 @@ def test_graph_greedy_generate_on_a_left_padded_batch(arch):
         hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=4, attention_mask=mask[:, 1:])
 
 
-def test_a_users_logits_processor_runs_on_the_host_between_the_steps(static_path):
+def test_a_users_logits_processor_runs_on_the_host_between_the_steps(fresh_engines):
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     ids = prompt(40, seed=3)
     processors = LogitsProcessorList([MinLengthLogitsProcessor(48, eos_token_id=2)])
@@ -411,21 +410,23 @@ def test_a_users_logits_processor_runs_on_the_host_between_the_steps(static_path
     assert graph_loop.current_engine(verifier).spec.host  # the static engine, the processor applied on the host
 
 
-def test_graphs_off_runs_the_eager_loop(monkeypatch):
+def test_graphs_off_runs_the_engine_uncaptured(monkeypatch):
+    """HF_SPARSEKV_GRAPHS=0: the same engine and steps, never captured; a wrong value is refused, naming it."""
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
     graph_loop.release_engines()
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(30, seed=1)
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
-    assert graph_loop.current_engine(verifier) is None
+    engine = graph_loop.current_engine(verifier)
+    assert engine is not None and not engine.use_graphs
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "yes")
     with pytest.raises(ValueError, match="HF_SPARSEKV_GRAPHS"):
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
 
 
 @pytest.fixture
-def compiled_steps(static_path, monkeypatch):
+def compiled_steps(fresh_engines, monkeypatch):
     # torch.compile's tracing (dynamo + AOT autograd) without Inductor's code generation: the same graphs the CUDA
     # path compiles, run by PyTorch's own kernels.
     from hf_sparsekv.generation import graph_steps
@@ -464,7 +465,7 @@ _TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the 
 
 
 @pytest.mark.parametrize("mode,sampled,batch,extra", _TRACE_CASES)
-def test_static_steps_trace_without_graph_breaks(static_path, mode, sampled, batch, extra):
+def test_static_steps_trace_without_graph_breaks(fresh_engines, mode, sampled, batch, extra):
     """Each step is one graph for torch.compile (a break would split the fused kernels around it): every mode, with
     sampling, batches, the repetition penalty, host-side rules and the bounded chunk cache."""
     import torch._dynamo
@@ -490,7 +491,7 @@ def test_static_steps_trace_without_graph_breaks(static_path, mode, sampled, bat
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window"])
-def test_static_self_drafting_is_lossless_with_one_prefill(static_path, arch, mode):
+def test_static_self_drafting_is_lossless_with_one_prefill(fresh_engines, arch, mode):
     """assistant_model=model with a chunk-budget or window cache on the static loop: the drafter's cache is filled
     from the model's own prefill (the same keys and chunk selection as a second prefill would give), and the output
     is greedy AR."""
@@ -518,7 +519,7 @@ def test_static_self_drafting_is_lossless_with_one_prefill(static_path, arch, mo
 
 
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])
-def test_static_loop_suppresses_eos_like_stock_min_length(static_path, mode):
+def test_static_loop_suppresses_eos_like_stock_min_length(fresh_engines, mode):
     """min_new_tokens / min_length on the static loop (EOS masked on the device below the floor): the same tokens
     as stock greedy generate(), EOS included once the floor is passed."""
     verifier = tiny_model("llama")
@@ -534,7 +535,7 @@ def test_static_loop_suppresses_eos_like_stock_min_length(static_path, mode):
         assert graph_loop.current_engine(verifier).spec.mode == mode  # served by the static loop
 
 
-def test_a_model_dispatched_over_several_devices_stays_on_the_static_loop(static_path):
+def test_a_model_dispatched_over_several_devices_stays_on_the_static_loop(fresh_engines):
     """A verifier spread by ``device_map`` (several devices in its ``hf_device_map``) keeps the static loop, its caches
     placed by each layer's parameters (here all on the CPU; two GPUs: tests/test_multi_gpu.py)."""
     verifier, drafter = copy.deepcopy(tiny_model("llama")), tiny_model("llama", role="drafter")
@@ -604,7 +605,7 @@ def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
     ("full", 1, False, ("ar_step", "verify")), ("chunk", 2, False, ("draft", "catch_up")),
     ("window", 1, True, ("draft", "verify")), ("int4", 1, False, ("draft", "verify")),
 ])
-def test_compiled_steps_write_caches_in_place(static_path, monkeypatch, mode, batch, warpers, steps):
+def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, batch, warpers, steps):
     """No compiled step copies a preallocated buffer: a step's write of its tokens into the key/value buffers, the
     slot positions, the token sequence and the draft probabilities stays in place after Inductor's passes (a
     ``scatter_`` on the buffers compiled to a whole-buffer copy per layer and token). The post-grad graph is what
@@ -641,10 +642,10 @@ def test_compiled_steps_write_caches_in_place(static_path, monkeypatch, mode, ba
     pytest.param(lambda: ChunkBudgetCache(32, generated_window=12), id="chunk-generated-window"),
     pytest.param(lambda: SinkWindowCache(sink=2, window=20), id="window-2-20"),
 ])
-def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, static_path):
+def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, fresh_engines):
     """A ChunkBudgetCache / SinkWindowCache instance as draft_cache runs on the static loop with its own settings
-    (chunk size and selection; sink and window), lossless; a chunk cache keeps the prompt positions the eager loop's
-    instance keeps (the same keys, stored after RoPE at their real positions)."""
+    (chunk size and selection; sink and window), lossless; a chunk cache keeps the prompt tokens the dynamic cache
+    keeps under stock generate() (the same keys, stored after RoPE at their real positions)."""
     verifier = tiny_model("llama")
     drafter = verifier if self_drafting else tiny_model("llama", role="drafter")
     ids = prompt(90, seed=12)
@@ -663,28 +664,28 @@ def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, s
                                                                 template.selection)
     if bounded:  # the kept chunks, then a ring of the generated window: bounded whatever the generation's length
         assert cache.window == 12 and cache.capacity == 32 + 12 + (3 + 1) + 1  # rollback: γ + 1
-    graph_loop.release_engines()
-    with pytest.MonkeyPatch.context() as m:
-        m.setenv("HF_SPARSEKV_GRAPHS", "0")
-        verifier.generate(ids, assistant_model=drafter, draft_cache=template, **kwargs)
-    assert graph_loop.current_engine(verifier) is None
+    drafter.generate(ids, past_key_values=template, max_new_tokens=1, do_sample=False)  # stock, the dynamic cache
     k = cache.kept[0]
     assert k == template.layers[0].prefix_stored < ids.shape[1]  # the same number of kept prompt tokens, and the same
     torch.testing.assert_close(cache.layers[0].keys[0, :, :k], template.layers[0].keys[0, :, :k])  # tokens
 
 
-def test_draft_cache_instances_and_the_loop_that_serves_them(static_path):
-    """A plain DynamicCache as draft_cache is the drafter's full cache on the static loop; a per-KV-head chunk
-    selection keeps the eager loop. Both lossless."""
+def test_draft_cache_instances_every_kind_on_the_engine():
+    """A plain DynamicCache as draft_cache is the drafter's full cache; a per-KV-head chunk selection and a separate
+    drafter's HierarchicalQuantCache configure their static caches. All lossless; another Cache class is refused
+    naming draft_cache."""
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(60, seed=13)
     reference = verifier.generate(ids, max_new_tokens=16, do_sample=False)
-    for cache, static in ((ChunkBudgetCache(32, per_kv_head=True), False), (DynamicCache(), True)):
+    for cache, kind in ((ChunkBudgetCache(32, per_kv_head=True), StaticChunkBudgetCache),
+                        (DynamicCache(), StaticFullCache), (HierarchicalQuantCache(group_size=16), StaticQuantCache)):
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=cache, max_new_tokens=16, do_sample=False)
         engine = graph_loop.current_engine(verifier)
-        assert torch.equal(out, reference) and (engine is not None) == static, type(cache)
-        assert engine is None or isinstance(engine.drafter_cache, StaticFullCache)
+        assert torch.equal(out, reference) and isinstance(engine.drafter_cache, kind), type(cache)
         graph_loop.release_engines()
+    with pytest.raises(NotImplementedError, match="draft_cache"):
+        verifier.generate(ids, assistant_model=drafter, draft_cache=StaticCache(config=drafter.config, max_cache_len=99),
+                          max_new_tokens=4)
 
 
 def test_chunk_window_cache_shows_the_kept_prompt_and_the_last_generated_tokens():
@@ -712,7 +713,7 @@ def test_chunk_window_cache_shows_the_kept_prompt_and_the_last_generated_tokens(
     assert cache.capacity == budget + window + rollback + 1
 
 
-def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(static_path):
+def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
     """ChunkBudgetCache(generated_window=...) on a left-padded batch (one engine row per prompt, each with its own
     prompt length and offset): every row is its prompt's greedy output alone."""
     verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")

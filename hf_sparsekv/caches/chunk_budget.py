@@ -161,10 +161,9 @@ class ChunkBudgetCache(CompressedCache):
         generated_window: None (default): every token appended after the prefill is kept, so the cache grows by
             one token per generated token. An integer W: only the last W to W + s - 1 appended tokens (whole chunks)
             are attended to and older ones are evicted, so a long generation stays within B + W + s - 1 (+
-            ``max_rollback`` stored for exact rollback). The static engine does not implement it; a cache instance
-            with it runs in the eager loop.
-        max_rollback: with generated_window: the rollback (``crop``) length that stays exact (the speculative loop
-            rolls back at most γ − 1 tokens; generate() checks it).
+            ``max_rollback`` stored for exact rollback). As a speculative call's ``draft_cache`` it configures the
+            engine's :class:`~.static.StaticChunkWindowCache` (a token-wise window over generated tokens).
+        max_rollback: with generated_window: the rollback (``crop``) length that stays exact.
 
     Memory: O(budget + tokens generated) per layer (O(budget + generated_window) with it), independent of the prompt
     length. Works under the model's own attention implementation: ``generate(ids,

@@ -219,11 +219,11 @@ class PreallocatedCache(Cache):
             if key_states.shape[-2] != self.prefill_length:
                 raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
             self._store_prefill(layer, key_states, value_states)
-            if self.companion is not None:
-                self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
-            if self.prefill_start:
+            if self.prefill_start:  # after a prefix: the row's whole prompt, prefix included
                 r, end = self.prefill_row, self.prefill_start + self.prefill_length
-                return layer.keys[r : r + 1, :, :end], layer.values[r : r + 1, :, :end]
+                key_states, value_states = layer.keys[r : r + 1, :, :end], layer.values[r : r + 1, :, :end]
+            if self.companion is not None:  # it gets the whole prompt
+                self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
             return key_states, value_states
         if self.slots is None or tuple(key_states.shape[::2]) != tuple(self.slots.shape):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
@@ -350,8 +350,6 @@ class _ChunkSelecting:
         if budget < chunk_size:
             raise ValueError(f"budget must be >= chunk_size ({chunk_size}), got {budget}")
         selection = as_selection(selection, per_kv_head, score_window)
-        if selection.per_kv_head:
-            raise NotImplementedError("per_kv_head selection is not supported on static storage")
         self.budget, self.chunk_size, self.selection = budget, chunk_size, selection
 
     def _init_rows(self) -> None:

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
+from transformers.cache_utils import Cache
 from transformers.generation import (
     LogitsProcessorList,
     MaxTimeCriteria,
@@ -16,19 +16,16 @@ from transformers.generation import (
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 from transformers.utils import logging
 
-from ..attention import NAME as SPARSEKV_ATTENTION
 from ..cache_keyword import output_field, pop_user_cache
-from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache, query_hooks
 from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
-from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
-from .drafters import ModelDrafter, SelfDrafter, SharedPrefillDrafter
-from .graph_loop import engine_for, static_decode_rows, static_mode, static_speculative_decode
-from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, speculative_sample, stock_processors
-from .speculative import GreedyRules, speculative_decode
+from .common import _strip_left_padding, _text_config
+from .draft_modes import check_budget, check_prefix, draft_mode
+from .graph_loop import captures, engine_for, static_decode_rows, static_speculative_decode
+from .host_rules import GreedyRules
+from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, stock_processors
 from .stats import SpecStats
 
-DRAFT_CACHES = ("chunk", "window", "int4", "full")
 DEFAULT_GAMMA = 5
 
 # Generation options this path does not serve (the logits processors stock builds from the rest of the config,
@@ -126,120 +123,6 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
         stopping_criteria=criteria,
         keep_scores=bool(config.return_dict_in_generate and (config.output_scores or config.output_logits)),
     )
-
-
-def check_budget(kv_budget, draft_cache) -> None:
-    """``kv_budget``: a positive integer, at least one chunk for ``'chunk'`` (the default), more than the sink
-    tokens for ``'window'``."""
-    if kv_budget is None:
-        return
-    if not is_integer(kv_budget) or kv_budget < 1:
-        raise ValueError(f"kv_budget must be a positive integer, got {kv_budget!r}")
-    if draft_cache in (None, "chunk") and kv_budget < CHUNK_SIZE:
-        raise ValueError(f"kv_budget must be >= the chunk size ({CHUNK_SIZE}) with draft_cache='chunk', got {kv_budget}")
-    if draft_cache == "window" and kv_budget <= WINDOW_SINK:
-        raise ValueError(f"kv_budget must exceed the {WINDOW_SINK} sink tokens with draft_cache='window', got {kv_budget}")
-
-
-def _draft_setup(model, drafter, draft_cache, kv_budget, gamma):
-    """-> (drafter object, verifier cache). A chunk-budget cache gets the prompt's queries through hooks under any
-    attention implementation. With ``assistant_model=model``, a chunk-budget or sink+window cache is built from the
-    verifier's own prefill (:class:`SharedPrefillDrafter`)."""
-    if isinstance(draft_cache, Cache):
-        if draft_cache.get_seq_length() != 0:
-            raise ValueError("draft_cache: a cache instance must be empty (fresh or reset())")
-        if isinstance(draft_cache, SinkWindowCache) and draft_cache.max_rollback < gamma - 1:
-            raise ValueError(
-                f"draft_cache: this SinkWindowCache rolls back at most max_rollback={draft_cache.max_rollback} "
-                f"tokens, but with num_assistant_tokens={gamma} up to {gamma - 1} rejected drafts are rolled back; "
-                f"build it with max_rollback >= {gamma - 1}"
-            )
-        if (isinstance(draft_cache, ChunkBudgetCache) and draft_cache.generated_window is not None
-                and draft_cache.max_rollback < gamma - 1):
-            raise ValueError(
-                f"draft_cache: this ChunkBudgetCache (generated_window={draft_cache.generated_window}) rolls back at "
-                f"most max_rollback={draft_cache.max_rollback} tokens, but with num_assistant_tokens={gamma} up to "
-                f"{gamma - 1} rejected drafts are rolled back; build it with max_rollback >= {gamma - 1}"
-            )
-        if drafter is model:
-            if isinstance(draft_cache, HierarchicalQuantCache):
-                return SelfDrafter(model, draft_cache), draft_cache
-            if isinstance(draft_cache, (ChunkBudgetCache, SinkWindowCache)):
-                return SharedPrefillDrafter(model, draft_cache), DynamicCache()
-            raise NotImplementedError(
-                "draft_cache: self-drafting (assistant_model is the model) needs a HierarchicalQuantCache, "
-                f"ChunkBudgetCache or SinkWindowCache, got {type(draft_cache).__name__}"
-            )
-        return ModelDrafter(drafter, draft_cache), DynamicCache()
-    kind = draft_cache if draft_cache is not None else "chunk"
-    if kind not in DRAFT_CACHES:
-        raise ValueError(f"draft_cache must be one of {DRAFT_CACHES} or a Cache instance, got {draft_cache!r}")
-    if kind == "int4":
-        if kv_budget is not None:
-            raise ValueError("kv_budget does not apply to draft_cache='int4' (the quantized cache keeps every token)")
-        store = HierarchicalQuantCache()
-        if gamma >= store.group_size:
-            raise ValueError(f"num_assistant_tokens must be < group_size ({store.group_size}) with draft_cache='int4'")
-        if drafter is model:
-            return SelfDrafter(model, store), store
-        store.set_view("int4")
-        return ModelDrafter(drafter, store), DynamicCache()
-    drafter_class = SharedPrefillDrafter if drafter is model else ModelDrafter
-    if kind == "chunk":
-        if kv_budget is None:
-            raise ValueError("draft_cache='chunk' needs kv_budget")
-        return drafter_class(drafter, ChunkBudgetCache(kv_budget)), DynamicCache()
-    if kind == "window":
-        budget = DEFAULT_WINDOW_BUDGET if kv_budget is None else kv_budget
-        cache = SinkWindowCache(sink=WINDOW_SINK, window=budget - WINDOW_SINK, max_rollback=gamma + 1)
-        return drafter_class(drafter, cache), DynamicCache()
-    return ModelDrafter(drafter, DynamicCache()), DynamicCache()
-
-
-def _prefix_cache(past_key_values, verifier_cache, drafter, prompt_length: int, padded: bool) -> Cache:
-    """Prompt caching: the user's ``past_key_values`` (a DynamicCache holding the first n < P prompt tokens) becomes
-    the verifier's cache; only the rest of the prompt is prefilled. The drafter's cache is still built from the whole
-    prompt. Anything else raises naming ``past_key_values``."""
-    if not isinstance(past_key_values, DynamicCache):
-        raise NotImplementedError(
-            f"past_key_values must be a DynamicCache holding a prefix of the prompt, got {type(past_key_values).__name__}"
-        )
-    if any(isinstance(layer, DynamicSlidingWindowLayer) for layer in past_key_values.layers):
-        raise NotImplementedError(
-            "past_key_values has sliding-window layers, which cannot be rolled back after rejected drafts; build it "
-            "as DynamicCache() (no config) to reuse a prefix with kv_budget/draft_cache"
-        )
-    if not isinstance(verifier_cache, DynamicCache):
-        raise NotImplementedError(
-            "past_key_values cannot be combined with self-drafting on draft_cache='int4' (the quantized store is the "
-            "verifier's cache)"
-        )
-    n = past_key_values.get_seq_length()
-    if n >= prompt_length:
-        raise ValueError(
-            f"past_key_values holds {n} tokens but the prompt has {prompt_length}: it must hold a proper prefix"
-        )
-    if n > 0 and isinstance(drafter, SharedPrefillDrafter) and query_hooks.needs_prompt_queries(drafter.cache):
-        raise NotImplementedError(
-            "past_key_values holding a prefix cannot seed a self-drafting chunk-budget cache: the chunk selection "
-            "needs the queries of the whole prompt (pass a separate assistant_model, or draft_cache='window')"
-        )
-    if n > 0 and padded:
-        raise NotImplementedError("past_key_values holding a prefix is not supported with a padded attention_mask")
-    return past_key_values
-
-
-def _switch_attention(model, drafter) -> list:
-    """Route attention through ``"sparsekv"`` for the call on CUDA for models on plain SDPA, so that our caches use
-    the Triton kernels. Returns ``[(model, previous)]``."""
-    switched = []
-    for m in {id(model): model, id(drafter): drafter}.values():
-        previous = m.config._attn_implementation
-        wanted = m.device.type == "cuda" and previous == "sdpa"
-        if wanted and previous != SPARSEKV_ATTENTION:
-            m.set_attn_implementation(SPARSEKV_ATTENTION)
-            switched.append((m, previous))
-    return switched
 
 
 def _check_models(model, drafter, tokenizer=None) -> int | None:
@@ -365,9 +248,6 @@ def speculative_generate(
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
     if synced_gpus:
         raise NotImplementedError("synced_gpus is not supported together with kv_budget/draft_cache")
-    if kv_budget is not None and (draft_cache == "full" or isinstance(draft_cache, Cache)):
-        what = "draft_cache='full'" if draft_cache == "full" else "a draft_cache instance"
-        raise ValueError(f"kv_budget does not apply to {what} (it sets the budget of 'chunk'/'window' only); drop it")
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
@@ -419,88 +299,57 @@ def speculative_generate(
     if not is_integer(gamma) or gamma < 1:
         raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
     gamma = int(gamma)
-    shared_vocab = _check_models(model, assistant_model, tokenizer)
+    _check_models(model, assistant_model, tokenizer)
+    mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
                     prefix_cache=past_key_values is not None, max_time=config.max_time)
-        static = rows = None
-        if not config.do_sample:
-            rows = [
-                _row_rules(model, config, input_ids[b : b + 1],
-                           None if attention_mask is None else attention_mask[b : b + 1], stopping_criteria,
-                           logits_processor, tokenizer)
-                for b in range(batch)
-            ]
-            static = static_mode(
-                model, assistant_model, draft_cache, kv_budget, wants_outputs=False,
-                logits_processor=logits_processor,
-                processor_blocker=device_warpers(rows[0][1].logits_processor, sampling=False)[1])
         pad = pad_value(config)
-        if static is not None:
-            prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-            mode, budget, layout, host = static
-            engine = engine_for(
-                model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
-                max(r.max_length - r.prompt_length for r in rules), use_graphs=model.device.type == "cuda", batch=batch,
-                penalty=None if host else repetition_penalty(rules[0].logits_processor), layout=layout, host=host)
-            results = static_decode_rows(engine, prompts, rules)
-            sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
-                         for b, res in enumerate(results)]
-            return assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
-                            SpeculativeGenerateOutput, shared_seconds=True)
+        if config.do_sample:  # one engine row at a time, each drawing from its own prompt's distribution
 
-        def one_row(ids, mask, cache):
-            return speculative_generate(
-                model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
-                **{**row_kwargs, "return_dict_in_generate": True},
-            )
+            def one_row(ids, mask, cache):
+                return speculative_generate(
+                    model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
+                    kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
+                    **{**row_kwargs, "return_dict_in_generate": True},
+                )
 
-        return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad,
-                             config.return_dict_in_generate)
+            return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad, config.return_dict_in_generate)
+        rows = [
+            _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
+                       stopping_criteria, logits_processor, tokenizer)
+            for b in range(batch)
+        ]
+        prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
+        host = bool(logits_processor) or device_warpers(rules[0].logits_processor, sampling=False)[1] is not None
+        engine = engine_for(
+            model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
+            max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), batch=batch,
+            penalty=None if host else repetition_penalty(rules[0].logits_processor), layout=layout, host=host)
+        results = static_decode_rows(engine, prompts, rules)
+        sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
+                     for b, res in enumerate(results)]
+        return assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
+                        SpeculativeGenerateOutput, shared_seconds=True)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
-
-    drafter, verifier_cache = _draft_setup(model, assistant_model, draft_cache, kv_budget, gamma)
     if past_key_values is not None:
-        verifier_cache = _prefix_cache(
-            past_key_values, verifier_cache, drafter, prompt.shape[1], prompt.shape[1] != input_ids.shape[1]
-        )
-    if shared_vocab is not None:
-        drafter.limit_vocabulary(shared_vocab, _text_config(assistant_model).vocab_size)
+        check_prefix(past_key_values, mode, assistant_model is model, prompt.shape[1],
+                     prompt.shape[1] != input_ids.shape[1])
     if streamer is not None:
         streamer.put(input_ids.cpu())
     warpers, blocker = device_warpers(rules.logits_processor, sampling=config.do_sample)
-    static = static_mode(
-        model, assistant_model, draft_cache, kv_budget, wants_outputs=bool(config.output_scores or config.output_logits),
-        logits_processor=logits_processor,
-        prefix_cache=past_key_values is not None, processor_blocker=blocker,
-    )
-    if static is not None:
-        mode, budget, layout, host = static
-        if host and config.do_sample:  # the drafts' q: whichever warpers the device applies (any q is exact)
-            warpers = [p for p in rules.logits_processor if type(p) in DEVICE_WARPERS]
-        engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
-                            rules.max_length - prompt.shape[1], use_graphs=model.device.type == "cuda",
-                            warpers=warpers if config.do_sample else None,
-                            penalty=None if host else repetition_penalty(rules.logits_processor), layout=layout,
-                            host=host)
-        result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
-        # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache was extended as stock would
-        verifier_cache = past_key_values
-    else:
-        switched = _switch_attention(model, assistant_model)
-        try:
-            with torch.no_grad():
-                if config.do_sample:
-                    result = speculative_sample(model, verifier_cache, drafter, prompt, gamma, rules,
-                                                rules.logits_processor, streamer)
-                else:
-                    result = speculative_decode(model, verifier_cache, drafter, prompt, gamma, rules, streamer)
-        finally:
-            for m, previous in switched:
-                m.set_attn_implementation(previous)
+    # host-side rules (:mod:`.host_rules`): a processor the device cannot apply, a user's processors, every score
+    host = blocker is not None or bool(logits_processor) or bool(config.output_scores or config.output_logits)
+    if host and config.do_sample:  # the drafts' q: whichever warpers the device applies (any q is exact)
+        warpers = [p for p in rules.logits_processor if type(p) in DEVICE_WARPERS]
+    engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
+                        rules.max_length - prompt.shape[1], use_graphs=captures(model),
+                        warpers=warpers if config.do_sample else None,
+                        penalty=None if host else repetition_penalty(rules.logits_processor), layout=layout, host=host)
+    # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
+    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     if not config.return_dict_in_generate:
@@ -509,6 +358,6 @@ def speculative_generate(
         sequences=sequences,
         scores=tuple(result.scores) if config.output_scores else None,
         logits=tuple(result.logits) if config.output_logits else None,
-        **{output_field(SpeculativeGenerateOutput): verifier_cache if config.use_cache else None},
+        **{output_field(SpeculativeGenerateOutput): past_key_values},
         spec_stats=result.stats,
     )

@@ -1,6 +1,6 @@
-"""The static speculative loop: preallocated caches, device-side drafting and acceptance, one host sync per round;
-on CUDA its steps are captured as CUDA graphs (the fast path of ``generate()``; the eager loop of
-:mod:`.speculative` stays the reference it is tested against).
+"""The speculative loop of ``generate()`` (the only one): preallocated caches, device-side drafting and acceptance,
+one host sync per round; on CUDA its steps are captured as CUDA graphs, on CPU (and with ``HF_SPARSEKV_GRAPHS=0``)
+the same steps run eagerly on PyTorch's reference attention.
 
 Device state (all preallocated): ``seq [capacity]`` the token sequence, ``n [1]`` its length. Between rounds the
 verifier's cache holds positions ``0..n-2`` (all but the last token), and so does the drafter's. A round:
@@ -22,6 +22,9 @@ writes every token into the one store). Before each round the host quantizes eac
 round's state (``flush_to``, outside the graphs); a row keeps no token of the block past the point where that state
 would move (``cap``), and a round in which no row could keep all its drafts runs one verifier step instead (no
 drafts), so every kept token sees the state greedy AR on the INT8 view would see.
+
+A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
+quantizes each row of it before each round, up to the state of the round's first drafter forward.
 
 Sampling (``do_sample=True``, :mod:`.sampling`): the same rounds with draws instead of argmaxes, all on the device.
 Both models' float32 logits get the EOS floor and the engine's warpers (temperature, top-k, top-p, ...); the draft
@@ -48,23 +51,21 @@ import weakref
 from dataclasses import dataclass
 
 import torch
-from transformers.cache_utils import DynamicCache, DynamicSlidingWindowLayer
 from transformers.utils import logging
 
 from ..cache_keyword import cache_keyword
-from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
 from ..caches.chunk_selection import ChunkSelection
-from ..caches.quantized import DEFAULT_GROUP_SIZE
 from ..caches.static import (
     StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
 )
 from ..kernels import runtime
 from .batch_rows import assemble
-from .common import CHUNK_SIZE, DEFAULT_WINDOW_BUDGET, WINDOW_SINK, _strip_left_padding, _text_config
-from .host_rules import RowOutput, choose, processed, verify_block
+from .common import CHUNK_SIZE, WINDOW_SINK, _strip_left_padding, _text_config
+from .graph_steps import (
+    CapturedStep, compile_setting, graphs_setting, static_attention_for, static_forward, static_prefill,
+)
+from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block
 from .sampling import accept_or_resample, draw, penalized
-from .speculative import GreedyRules, SpeculativeResult, widened
-from .graph_steps import CapturedStep, compile_setting, static_attention_for, static_forward, static_prefill
 from .stats import SpecStats
 
 logger = logging.get_logger(__name__)
@@ -118,6 +119,15 @@ def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tenso
     return (verified[:, : drafts.shape[1]] == drafts).long().cumprod(1).sum(1)
 
 
+def widened(logits: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``logits [..., V']`` of a drafter as ``[..., vocab]``: a narrower drafter (limited to the shared ids) padded
+    with -inf, a wider one cut."""
+    if logits.shape[-1] < vocab:
+        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
+        logits = torch.cat([logits, pad], dim=-1)
+    return logits[..., :vocab]
+
+
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
     return math.ceil(n / to) * to
 
@@ -127,7 +137,9 @@ class EngineSpec:
     """What a set of static caches and captured graphs is built for; an engine is reused by calls with the same spec
     (same models with the same weight storage: a graph reads weights by address) and a capacity that suffices."""
 
-    mode: str  # "ar", "chunk", "window", "full", "int4" (self-speculation on the verifier's quantized store)
+    # "ar", "chunk", "window", "full", "int4" (self-speculation on the verifier's quantized store), "int4-drafter" (a
+    # separate drafter on its own quantized store, read in the INT4 view)
+    mode: str
     budget: int | None  # chunk/window: the drafter's budget; int4: the group size G
     gamma: int
     dtype: torch.dtype
@@ -201,7 +213,7 @@ class StaticEngine:
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
         # Vocabularies that differ by padding (front checks the tokenizer stays below the shared range): drafts are
-        # limited to the shared ids, and a sequence id the drafter lacks reaches it as id 0 (see drafters.py)
+        # limited to the shared ids, and a sequence id the drafter lacks reaches it as id 0
         self.draft_vocab = None  # (the drafter's output ids, its input ids)
         if drafter is not None and drafter is not verifier:
             d_out = drafter.get_output_embeddings().weight.shape[0]
@@ -243,6 +255,11 @@ class StaticEngine:
                                          placed)
         if mode == "full":
             return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
+        if mode == "int4-drafter":  # the drafter's own store, always read in its INT4 view
+            store = StaticQuantCache(spec.budget, self.max_tokens + slack, spec.gamma + 1, *shape, spec.dtype,
+                                     spec.device, spec.batch, placed)
+            store.view = "int4"
+            return store
         raise ValueError(f"unknown static drafter mode {mode!r}")
 
     @property
@@ -265,7 +282,7 @@ class StaticEngine:
         return self.seq.gather(1, (self.n - back)[:, None])
 
     def _draft(self) -> None:
-        quant = isinstance(self.drafter_cache, StaticQuantCache)
+        quant = self.spec.mode == "int4"  # self-speculation: the shared store's INT4 view for the draft
         if quant:
             self.drafter_cache.view = "int4"
         token = self._drafter_input(self._last(1))
@@ -503,7 +520,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
     bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
-    ``layout``: the drafter cache's settings (:func:`static_mode`; empty: the defaults of ``mode``); ``host``:
+    ``layout``: the drafter cache's settings (:func:`~.draft_modes.draft_mode`; empty: the defaults of ``mode``); ``host``:
     host-side rules (:mod:`.host_rules`). Under tensor parallelism the captured steps hold NCCL all-reduces:
     :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
@@ -577,9 +594,9 @@ class _EventTimer:
 
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
-    """Speculative decoding on ``engine`` from ``prompt [1, P]``; same contract and result type as
-    :func:`hf_sparsekv.generation.speculative.speculative_decode`. ``prefix``: the caller's ``DynamicCache`` holding
-    the first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
+    """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
+    with their stats (and scores where ``rules`` keep them). ``prefix``: the caller's ``DynamicCache`` holding the
+    first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
     result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
     if prefix is not None:
         engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
@@ -606,7 +623,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     done = [False] * rows
     is_ar = engine.spec.mode == "ar"
     gamma = engine.spec.gamma
-    quant = engine.verifier_cache if isinstance(engine.verifier_cache, StaticQuantCache) else None
+    quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
+    drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
     host = engine.spec.host
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
@@ -676,6 +694,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 retire_finished()
                 continue
             drafting, rooms = True, [gamma + 1] * rows
+            if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
+                for row in range(rows):
+                    if not done[row]:
+                        drafter_store.flush_to(len(tokens[row]) - 2, row)
             if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
                 rooms = []  # that would see another state; a round in which no row can keep every draft runs one
                 for row in range(rows):  # verifier step instead
@@ -729,53 +751,11 @@ def placed_on(model) -> set[str]:
     return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
 
 
-def static_mode(model, drafter, draft_cache, kv_budget, *, wants_outputs: bool, logits_processor,
-                prefix_cache: bool = False, processor_blocker: str | None = None) -> tuple | None:
-    """``(mode, budget, layout, host)`` when the static loop serves this (already validated) request, else None
-    (``layout``: the settings of a ``draft_cache`` instance; ``host``: it needs host-side rules, :mod:`.host_rules`:
-    a processor the device cannot apply, a user's ``logits_processor``, or the scores of every token). Stopping
-    criteria run on the host after every token either way (with the scores stock gives them). On CUDA (or with
-    ``HF_SPARSEKV_GRAPHS=1``) a request the static loop cannot serve logs one line saying why. ``logits_processor``:
-    the user's (always the eager loop); ``processor_blocker``: the first of the processors built from the generation
-    config that the loop cannot apply on the device (:func:`~.sampling.device_warpers`), if any."""
-    from .graph_steps import graphs_setting
-
-    setting = graphs_setting()
-    if setting == "0" or (setting == "auto" and model.device.type != "cuda"):
-        return None
-    kind = draft_cache if isinstance(draft_cache, str) or draft_cache is None else None
-    kind = "chunk" if draft_cache is None else kind
-    group_size, layout, budget = DEFAULT_GROUP_SIZE, (), None
-    if isinstance(draft_cache, HierarchicalQuantCache) and drafter is model:
-        kind, group_size = "int4", draft_cache.group_size
-    elif isinstance(draft_cache, ChunkBudgetCache):  # its settings configure the static chunk cache
-        kind, budget = "chunk", draft_cache.budget
-        layout = (draft_cache.chunk_size, draft_cache.selection, draft_cache.generated_window)
-    elif isinstance(draft_cache, SinkWindowCache):
-        kind, budget, layout = "window", draft_cache.sink + draft_cache.window, (draft_cache.sink, draft_cache.window)
-    elif type(draft_cache) is DynamicCache and drafter is not model and not any(
-            isinstance(layer, DynamicSlidingWindowLayer) for layer in draft_cache.layers):
-        kind = "full"  # a plain DynamicCache keeps every token: the drafter's full cache
-    reason = None
-    if kind is None:
-        reason = f"a {type(draft_cache).__name__} draft_cache instance (the static loop takes ChunkBudgetCache, " \
-                 "SinkWindowCache, a plain DynamicCache and, for self-speculation, HierarchicalQuantCache instances)"
-    elif isinstance(draft_cache, ChunkBudgetCache) and draft_cache.selection.per_kv_head:
-        reason = "a per-KV-head chunk selection is not on the static path"
-    elif kind == "int4" and drafter is not model:
-        reason = "a separate drafter on a quantized cache is not on the static path"
-    elif kind == "int4" and group_size % 16:
-        reason = f"the quantized kernel needs group_size a multiple of 16, got {group_size}"
-    elif prefix_cache and (kind == "int4" or drafter is model):
-        reason = "past_key_values (a prompt prefix) with self-drafting"
-    if reason is not None:
-        logger.warning_once(f"hf_sparsekv: running the eager speculative loop: {reason}")
-        return None
-    if budget is None:
-        budget = {"chunk": kv_budget, "window": kv_budget or DEFAULT_WINDOW_BUDGET, "full": None,
-                  "int4": group_size}[kind]
-    host = processor_blocker is not None or bool(logits_processor) or wants_outputs
-    return kind, budget, layout, host
+def captures(model) -> bool:
+    """Whether the engine's steps are captured as CUDA graphs for ``model``: on CUDA unless ``HF_SPARSEKV_GRAPHS=0``
+    (on CPU, and with graphs off, the same steps run eagerly)."""
+    setting = graphs_setting()  # checked on every device: a wrong value is an error on CPU too
+    return model.device.type == "cuda" and setting != "0"
 
 
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
@@ -807,7 +787,7 @@ def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, e
     rules = [GreedyRules(prompt_length=p.shape[1], max_length=p.shape[1] + max_new_tokens, eos_token_ids=eos)
              for p in prompts]
     engine = engine_for(model, None, "ar", None, 1, max(r.max_length for r in rules), max_new_tokens,
-                        use_graphs=model.device.type == "cuda", batch=len(prompts))
+                        use_graphs=captures(model), batch=len(prompts))
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, p.shape[1] :]], 1)
                  for b, (p, res) in enumerate(zip(prompts, results))]

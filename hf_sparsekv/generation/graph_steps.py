@@ -33,8 +33,8 @@ RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew;
 
 
 def graphs_setting() -> str:
-    """``HF_SPARSEKV_GRAPHS``: ``"0"`` never use the static/graph path, ``"1"`` always (on CPU the static loop runs
-    without capture: tests), unset or ``"auto"``: on CUDA."""
+    """``HF_SPARSEKV_GRAPHS``: ``"0"`` run the engine's steps uncaptured, ``"1"``, unset or ``"auto"``: capture them
+    as CUDA graphs on CUDA (on CPU they always run uncaptured)."""
     value = os.environ.get(GRAPHS_ENV, "auto") or "auto"
     if value not in ("0", "1", "auto"):
         raise ValueError(f"{GRAPHS_ENV} must be '0', '1' or 'auto', got {value!r}")

@@ -17,9 +17,55 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
 from .sampling import accept_or_resample, draw
-from .speculative import GreedyRules
+from .stats import SpecStats
+
+
+@dataclass
+class GreedyRules:
+    """What ``generate()`` would do to one row's logits and when it stops. ``logits_processor``: stock's processors
+    for the call (with sampling, its warpers too), which :meth:`process` applies."""
+
+    prompt_length: int
+    max_length: int
+    eos_token_ids: list[int]
+    min_length: int = 0
+    min_new_tokens: int = 0
+    logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
+    stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
+    keep_scores: bool = False  # the static loop keeps each token's scores and logits (output_scores/output_logits)
+
+    def process(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """Scores for the token after ``sequence [1, N]`` from raw ``logits [1, V]``."""
+        n = sequence.shape[1]
+        floor = self.eos_token_ids and (n < self.min_length or n - self.prompt_length < self.min_new_tokens)
+        if floor or self.logits_processor:
+            logits = logits.clone()  # a processor may write into its input; the raw logits stay as they are
+        if floor:
+            logits[:, self.eos_token_ids] = float("-inf")
+        if self.logits_processor:
+            logits = self.logits_processor(sequence, logits)
+        return logits
+
+    def stop_token(self, tokens: list[int], scores: tuple | None = None) -> bool:
+        """Whether generation stops after ``tokens`` (the row's sequence); the criteria get ``scores`` as stock passes
+        them: the processed scores of every generated token so far (a tuple of ``[1, V]``) with ``output_scores``,
+        else None."""
+        if len(tokens) >= self.max_length or tokens[-1] in self.eos_token_ids:
+            return True
+        return bool(self.stopping_criteria) and bool(self.stopping_criteria(torch.tensor([tokens]), scores).any())
+
+
+@dataclass
+class SpeculativeResult:
+    """One row's generation."""
+
+    sequence: torch.Tensor  # [1, N] prompt + generated tokens
+    stats: SpecStats
+    scores: list[torch.Tensor]  # processed scores per generated token, [1, V] each
+    logits: list[torch.Tensor]  # raw verifier logits per generated token
 
 
 @dataclass

@@ -34,8 +34,6 @@ from transformers.generation import (
     TypicalLogitsWarper,
 )
 
-from .drafters import forward
-from .speculative import GreedyRules, Output, SpeculativeResult, prefill, widened
 
 
 def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_length: int,
@@ -134,56 +132,3 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), target)
     return accepted, draw(residual)
-
-
-def _probabilities(processors, sequence: torch.Tensor, logits: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Processed scores ``[1, vocab]`` and probabilities ``[vocab]`` of float32 ``logits [1, V']`` after
-    ``sequence [1, N]``; a narrower ``V'`` (a drafter limited to shared ids) is padded with -inf."""
-    scores = processors(sequence, widened(logits, vocab).clone())  # a processor may write into its input; raw stays
-    return scores, torch.softmax(scores, dim=-1)[0]
-
-
-def speculative_sample(verifier, verifier_cache, drafter, prompt: torch.Tensor, gamma: int, rules: GreedyRules,
-                       processors: LogitsProcessorList, streamer=None) -> SpeculativeResult:
-    """Sample from ``prompt [1, P]`` with ``drafter`` (see :mod:`.drafters`) proposing ``gamma`` tokens per round.
-    Same contract as :func:`.speculative.speculative_decode`; ``rules`` supplies the stopping rules only (the
-    processors carry min-length masking and the user's logits processors)."""
-    out = Output(prompt, rules, streamer)
-    stats, device = out.stats, prompt.device
-    raw = prefill(verifier, verifier_cache, drafter, prompt, stats)
-    vocab = raw.shape[-1]
-    scores, probs = _probabilities(processors, out.sequence, raw, vocab)
-    done = out.append(int(draw(probs)), raw, scores)
-
-    def draft_sampler(prefix: torch.Tensor, logits: torch.Tensor) -> tuple[int, torch.Tensor]:
-        _, q = _probabilities(processors, prefix, logits, vocab)
-        return int(draw(q)), q
-
-    while not done:
-        n_seq = out.sequence.shape[1]
-        n_draft = out.draft_length(gamma, verifier_cache)
-        drafts: list[int] = []
-        q_rows: list[torch.Tensor] = []
-        if n_draft > 0:
-            with stats.timer("draft_seconds", device):
-                drafts, q_rows = drafter.propose(out.sequence, n_draft, draft_sampler)
-        with stats.timer("verify_seconds", device):
-            block = torch.cat([out.sequence[:, -1:], out.sequence.new_tensor([drafts])], dim=1)
-            raw_block = forward(verifier, block, verifier_cache, n_seq - 1, 0)[0]
-            extended = torch.cat([out.sequence, out.sequence.new_tensor([drafts])], dim=1)
-            processed = [_probabilities(processors, extended[:, : n_seq + i], raw_block[i : i + 1], vocab)
-                         for i in range(len(drafts) + 1)]
-            p = torch.stack([probs for _, probs in processed])[None]
-            q = torch.stack(q_rows)[None] if q_rows else p.new_zeros(1, 0, vocab)
-            accepted, token = accept_or_resample(p, q, extended.new_tensor([drafts]).reshape(1, -1))
-            a = int(accepted)
-        stats.rounds += 1
-        stats.drafted += len(drafts)
-        for i, t in enumerate(drafts[:a] + [int(token)]):
-            done = out.append(t, raw_block[i : i + 1], processed[i][0])
-            if done:
-                break
-        stats.accepted += min(a, out.sequence.shape[1] - n_seq - 1)  # (a draft that stops generation is not counted)
-        verifier_cache.crop(out.sequence.shape[1] - 1 - (n_seq + len(drafts)))
-        drafter.rollback(out.sequence.shape[1] - 1)
-    return out.result()
