@@ -94,6 +94,10 @@ bench-multi-gpu: $(STAMP)
 		--hf-contexts 32768 --compile 0 --e2e-tokens 4 12 --repeats 10 --out runs/multi-gpu-70b
 	$(PY) benchmarks/ddp_training.py --processes 1 2 --out runs/ddp-training
 
+# The speculative path on CPU (the engine's steps uncaptured) against greedy AR, bundled pair, 3K context (~2 minutes).
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/cpu_path.py --context 3072 --new-tokens 64 --out runs/cpu-path
+
 bench-decode-kernel: $(STAMP)
 	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
 
