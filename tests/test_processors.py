@@ -88,8 +88,8 @@ def test_greedy_with_processors_equals_stock(arch, name, mode):
 
 
 @pytest.mark.parametrize("batch", [1, 3])
-def test_the_static_loop_applies_a_config_repetition_penalty(batch, monkeypatch):
-    """With the static (graph) loop forced on, a repetition penalty from the model's own generation config (as
+def test_the_static_loop_applies_a_config_repetition_penalty(batch):
+    """A repetition penalty from the model's own generation config (as
     Qwen2.5-Instruct ships one) is applied on the device by the static loop itself (a seen-token mask per row): each
     row is what stock greedy gives for its prompt alone."""
     import copy
@@ -121,7 +121,7 @@ def _penalty_cases():
 
 
 @pytest.mark.parametrize("arch,mode,penalty", _penalty_cases())
-def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty, monkeypatch):
+def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty):
     """The static loop's device-side repetition penalty (drafts, verification, the first token): the same tokens as
     stock greedy generate() with the penalty, for several prompts and γ."""
     graph_loop.release_engines()
@@ -169,7 +169,7 @@ def _next_token_probs(model, ids: torch.Tensor, ngram: bool = True) -> torch.Ten
 
 
 @pytest.mark.extended  # ~390 s of CPU: make test-extended
-def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypatch):
+def test_sampling_with_processors_matches_the_exact_joint_distribution():
     """The second token's distribution depends on the first through both processors; 2,500 draws of the pair
     against the exactly enumerated joint (chi-square and total variation, as tests/test_sampling.py)."""
     graph_loop.release_engines()
@@ -197,7 +197,7 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution(monkeypat
 
 
 @pytest.mark.extended  # ~400 s of CPU: make test-extended
-def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distribution(monkeypatch):
+def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distribution():
     """The static loop's device-side penalty while sampling (drafts' q and the verifier's p both penalized after
     their exact prefixes): 2,500 draws of two tokens against the exactly enumerated joint."""
     graph_loop.release_engines()

@@ -233,7 +233,7 @@ def test_sampling_never_ends_below_min_new_tokens():
     assert min(floored) == 10  # ...and never drawn below the floor
 
 
-def test_a_warper_the_device_does_not_apply_runs_on_the_host(monkeypatch):
+def test_a_warper_the_device_does_not_apply_runs_on_the_host():
     graph_loop.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))

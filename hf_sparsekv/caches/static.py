@@ -412,6 +412,7 @@ class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
                                                     device=self.offset.device)
         self.fp_length[row] = k
 
+
 class StaticSinkWindowCache(PreallocatedCache):
     """Sink + sliding window on a ring buffer (see :class:`~hf_sparsekv.caches.SinkWindowCache`): a query at p sees
     the first ``sink`` positions and positions ``p - window .. p``; rollback of up to ``max_rollback`` tokens is
@@ -476,6 +477,7 @@ class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
     def _place_kept(self, row: int, k: int) -> None:
         self.offset[row] = self.prefill_length - self.budget
         self.slot_positions[row, :k] = torch.arange(k, device=self.offset.device)
+
 
 class StaticQuantCache(PreallocatedCache):
     """QuantSpec's hierarchical INT4/INT8 store (see :class:`~hf_sparsekv.caches.HierarchicalQuantCache`) on

@@ -125,6 +125,18 @@ def _row_rules(model, config, input_ids: torch.Tensor, attention_mask, stopping_
     )
 
 
+def _engine_rules(rules: GreedyRules, logits_processor, sampling: bool, wants_outputs: bool):
+    """``(warpers, host, penalty)`` for the engine: host-side rules (:mod:`.host_rules`) where a processor the device
+    cannot apply, a user's ``logits_processor`` or every token's scores are needed; otherwise the device warpers
+    (sampling; None when greedy) and the repetition penalty are baked into the steps. With host-side rules and
+    sampling, the drafts' q takes whichever warpers the device applies (any q is exact)."""
+    warpers, blocker = device_warpers(rules.logits_processor, sampling=sampling)
+    host = blocker is not None or bool(logits_processor) or wants_outputs
+    if host and sampling:
+        warpers = [p for p in rules.logits_processor if type(p) in DEVICE_WARPERS]
+    return (warpers if sampling else None), host, (None if host else repetition_penalty(rules.logits_processor))
+
+
 def _check_models(model, drafter, tokenizer=None) -> int | None:
     """Refuse a drafter that cannot serve the model; return the shared vocabulary size when the two embeddings differ
     only by padding (else None). Padding is accepted only when ``tokenizer`` (the shared one, passed to generate() as
@@ -321,11 +333,11 @@ def speculative_generate(
             for b in range(batch)
         ]
         prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-        host = bool(logits_processor) or device_warpers(rules[0].logits_processor, sampling=False)[1] is not None
+        _, host, penalty = _engine_rules(rules[0], logits_processor, sampling=False, wants_outputs=False)
         engine = engine_for(
             model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
             max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), batch=batch,
-            penalty=None if host else repetition_penalty(rules[0].logits_processor), layout=layout, host=host)
+            penalty=penalty, layout=layout, host=host)
         results = static_decode_rows(engine, prompts, rules)
         sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                      for b, res in enumerate(results)]
@@ -339,15 +351,11 @@ def speculative_generate(
                      prompt.shape[1] != input_ids.shape[1])
     if streamer is not None:
         streamer.put(input_ids.cpu())
-    warpers, blocker = device_warpers(rules.logits_processor, sampling=config.do_sample)
-    # host-side rules (:mod:`.host_rules`): a processor the device cannot apply, a user's processors, every score
-    host = blocker is not None or bool(logits_processor) or bool(config.output_scores or config.output_logits)
-    if host and config.do_sample:  # the drafts' q: whichever warpers the device applies (any q is exact)
-        warpers = [p for p in rules.logits_processor if type(p) in DEVICE_WARPERS]
+    warpers, host, penalty = _engine_rules(rules, logits_processor, sampling=config.do_sample,
+                                           wants_outputs=bool(config.output_scores or config.output_logits))
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
-                        rules.max_length - prompt.shape[1], use_graphs=captures(model),
-                        warpers=warpers if config.do_sample else None,
-                        penalty=None if host else repetition_penalty(rules.logits_processor), layout=layout, host=host)
+                        rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
+                        penalty=penalty, layout=layout, host=host)
     # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
     result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 

@@ -606,7 +606,7 @@ def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules,
 def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
                        prefixes: list | None = None) -> list:
     """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
-    len(prompts)``); one :class:`~.speculative.SpeculativeResult` per row, each what that prompt alone would give.
+    len(prompts)``); one :class:`~.host_rules.SpeculativeResult` per row, each what that prompt alone would give.
 
     Every round runs all rows (one captured step for the batch) and brings ``[a, v]`` of every row to the host in one
     transfer; a row that has stopped keeps its length (``live``), its tokens are dropped and its steps read only the
