@@ -101,6 +101,34 @@ bench-cpu: $(STAMP)
 bench-decode-kernel: $(STAMP)
 	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
 
+# Batched prompts at 16K: HF's batched static AR against our speculative modes (issue 16; CUDA, ~10 minutes).
+bench-batch: $(STAMP)
+	$(PY) benchmarks/batch.py --context 16384 --batches 1,4,16 --new-tokens 128 --out runs/batch
+
+# Each Triton kernel against SDPA-flash and the copy bandwidth at Llama-2/3 attention shapes (CUDA).
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/kernels.py --sweep --out runs/kernels.json
+
+# What the compiler made of the quantized decode kernel for sm_90 (registers, spills, SASS mix); no GPU needed.
+kernel-asm: $(STAMP)
+	$(PY) benchmarks/kernel_asm.py --shape llama3-8b --view int4 --json
+
+# BudgetDraft / L_A-only / single-budget drafter training on the bundled pair and their acceptance (CUDA, ~20 min).
+bench-budgetdraft: $(STAMP)
+	$(PY) benchmarks/budgetdraft.py all --minutes 4 --out runs/budgetdraft
+
+# The chunk-budget selection's quality: drop-in greedy agreement and drafter acceptance (issue 36; CPU, ~30 min).
+bench-chunk-selection: $(STAMP)
+	$(PY) benchmarks/chunk_selection.py --docs 3 4 --lengths 2048 --acceptance --out runs/chunk_selection.json
+
+# How often greedy on the INT8 view agrees with full-precision greedy (bundled verifier; CUDA).
+bench-self-spec-agreement: $(STAMP)
+	$(PY) benchmarks/self_spec_agreement.py --out runs/self_spec_agreement.json
+
+# Step costs of the real pairs' shapes (random weights) on one CUDA GPU, combined with the measured acceptance.
+bench-real-cost: $(STAMP)
+	$(PY) benchmarks/real_models.py cost --out runs/real-cost
+
 # The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
 # skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)

@@ -35,7 +35,7 @@ import torch
 from tqdm import tqdm
 
 import hf_sparsekv
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -94,7 +94,7 @@ def finished_rows_cost(verifier, drafter, ids: torch.Tensor, new_tokens: int, re
     out = []
     for name in ("chunk-256-g3", "window-g3"):
         runner(name, verifier, drafter, ids, new_tokens)()  # this configuration's engine becomes the current one
-        engine = graph_loop.current_engine(verifier)
+        engine = static_engine.current_engine(verifier)
         n0 = engine.n.clone()
         ms = {}
         for label, live in (("all live", [1] * ids.shape[0]), ("row 0 live", [1] + [0] * (ids.shape[0] - 1))):
@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    graph_loop.MAX_ENGINES_PER_MODEL = 32
+    static_engine.MAX_ENGINES_PER_MODEL = 32
     verifier, drafter, _ = load_pair(device="cuda")
     names = [n for n in METHODS if not args.only or n in args.only.split(",")]
     records, first_call, finished = [], {}, []

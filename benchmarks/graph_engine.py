@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 import hf_sparsekv
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine, graph_steps
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -110,14 +110,14 @@ def step_times(verifier, drafter, ids, new_tokens, reps=50) -> dict:
     """Median ms of one captured draft step / verify step against the same step function run eagerly."""
     verifier.generate(ids, assistant_model=drafter, kv_budget=512, num_assistant_tokens=3, max_new_tokens=new_tokens,
                       do_sample=False, eos_token_id=None, pad_token_id=0)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     result = {}
     for name in ("draft", "verify"):
         step = engine.steps[name]
         n0 = engine.n.clone()
         for label, fn in (("graph", step), ("eager", step.eager_fn)):
             times = []
-            with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+            with torch.no_grad(), graph_steps.static_attention_for(verifier, drafter):
                 for _ in range(reps):
                     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     a.record()
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    graph_loop.MAX_ENGINES_PER_MODEL = 32  # every configuration keeps its captured graphs across the interleaved runs
+    static_engine.MAX_ENGINES_PER_MODEL = 32  # every configuration keeps its captured graphs across the interleaved runs
     verifier, drafter, _ = load_pair(device="cuda")
     docs = eval_documents()
     sampling = args.temperature is not None

@@ -74,7 +74,7 @@ def build_placed(name: str, devices: list[int], dtype=torch.bfloat16, layers: in
 def step_times(verifier, drafter, contexts: list[int], args) -> dict[int, dict[str, float]]:
     """context -> seconds of the captured ``ar``, ``verify`` and ``draft`` (per token) steps. One engine per mode,
     sized for the longest context and re-prefilled for the others (compiled and captured once)."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
     out = {L: {} for L in contexts}
@@ -83,7 +83,7 @@ def step_times(verifier, drafter, contexts: list[int], args) -> dict[int, dict[s
                                                      ["draft", "verify"])):
         _free()
         with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
-            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, args.gamma if draft_model else 1,
+            engine = static_engine.engine_for(verifier, draft_model, mode, budget, args.gamma if draft_model else 1,
                                            max(contexts) + 64, 64, True)
             for L in sorted(contexts, reverse=True):
                 engine.prefill([torch.randint(0, verifier.config.vocab_size, (1, L), device=verifier.device)])

@@ -2,7 +2,7 @@
 
 Real weights cannot travel to the GPU machine, so this times models of exactly the shapes of
 Qwen2.5-Coder-1.5B-Instruct / -0.5B-Instruct (and Llama-3.1-8B / Llama-3.2-1B) with random bf16 weights, on the
-path `generate()` takes on CUDA: the static engine of ``hf_sparsekv.generation.graph_loop`` (preallocated caches,
+path `generate()` takes on CUDA: the static engine of ``hf_sparsekv.generation.engine`` (preallocated caches,
 steps captured as CUDA graphs; ``--compile`` compiles them first, as ``generate()`` does by default), prefilled with
 ``L`` random tokens in each of ``B`` rows (``--batches``: the batched engine of a left-padded batch, every mode);
 every timed run starts again at the prompt's end.
@@ -144,7 +144,7 @@ def time_graph_step(engine, name: str, device, repeats: int, warmup: int) -> flo
 def measure_pair(pair: str, args, device, dtype) -> list[dict]:
     """Per-step seconds on the path ``generate()`` takes on CUDA: the static engine's steps (captured as CUDA graphs
     on CUDA; on CPU run as they are). ``draft-*`` is one draft round divided by γ."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
     v_name, d_name = PAIRS[pair]
@@ -158,11 +158,11 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
         steps = {}
 
         def timed(mode, budget, draft_model, *names):
-            graph_loop.release_engines()  # free the previous configuration's caches (they hold the whole batch)
+            static_engine.release_engines()  # free the previous configuration's caches (they hold the whole batch)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
+            engine = static_engine.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
                                            use_graphs, batch=batch)
             engine.prefill(prompts)
             return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
@@ -178,7 +178,7 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
             steps[f"draft-window-{args.window_budget}"] = draft_round / g
             draft_round, steps["int4-verify"] = timed("int4", args.group_size, verifier, "draft", "verify")
             steps["int4-draft"] = draft_round / g
-        graph_loop.release_engines()
+        static_engine.release_engines()
         rows.append({"pair": pair, "verifier": v_name, "drafter": d_name, "context": L, "batch": batch,
                      "seconds": steps})
         print(f"[{pair} {L} B={batch}] " + " ".join(f"{k}={v * 1e3:.2f}ms" for k, v in steps.items()), flush=True)

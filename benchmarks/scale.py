@@ -66,9 +66,9 @@ def kv_bytes(model, tokens: int, bits: int = 16) -> int:
 
 
 def _free():
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
-    graph_loop.release_engines()
+    static_engine.release_engines()
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -114,7 +114,7 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
     by γ). One engine per mode, sized for the longest context and re-prefilled for each shorter one (its steps are
     compiled and captured once; the kernels read each row's current length from the device), as a user's engine
     serving several lengths is."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
     g, longest, out = args.gamma, max(prompts), {L: {} for L in prompts}
@@ -129,7 +129,7 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
             continue
         _free()
         with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
-            engine = graph_loop.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
+            engine = static_engine.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
                                            batch=prompts[longest].shape[0])
             for L in sorted(prompts, reverse=True):
                 ids = prompts[L]
@@ -222,13 +222,13 @@ def profile_ar(verifier, L: int, path: Path) -> str:
     """torch.profiler table (CUDA time by kernel) of 5 replays of the captured AR step at context L."""
     from torch.profiler import ProfilerActivity, profile
 
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
     _free()
     ids = torch.randint(0, verifier.config.vocab_size, (1, L), device="cuda")
     with torch.no_grad(), static_attention_for(verifier):
-        engine = graph_loop.engine_for(verifier, None, "ar", None, 1, L + 64, 64, True)
+        engine = static_engine.engine_for(verifier, None, "ar", None, 1, L + 64, 64, True)
         engine.prefill([ids])
         time_graph_step(engine, "ar_step", torch.device("cuda"), 3, 2)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -212,7 +212,7 @@ def projection_tables(p: dict) -> str:
 
 def profile(args, models: dict, prompts, device) -> dict:
     """One speculative setting: wall time split by synchronized timers, then torch.profiler's top operators."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     method, context, budget, gamma = args.profile_method, max(args.contexts), min(args.budgets), _fixed_gamma(args.gammas)
     ids = prompts[0][None, :context].to(device)
@@ -236,7 +236,7 @@ def profile(args, models: dict, prompts, device) -> dict:
                 counts[name] = counts.get(name, 0) + 1
         return wrapper
 
-    engine_cls = graph_loop.StaticEngine
+    engine_cls = static_engine.StaticEngine
     run_step = engine_cls.run_step
 
     def stepped(self, name):  # each step (draft, verify, catch_up, ...) under its own name

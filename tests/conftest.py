@@ -121,12 +121,12 @@ def arch(request):
 @pytest.fixture
 def exact_cuda_float32():
     """float32 CUDA tests: no TF32 matmuls, no engine kept from another test."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    graph_loop.release_engines()
+    static_engine.release_engines()
     yield
-    graph_loop.release_engines()
+    static_engine.release_engines()
 
 
 CHILD_SUMMARY = pytest.StashKey[str]()  # test_kernels' child run: its pytest summary line

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import hf_sparsekv
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 
@@ -20,7 +20,7 @@ PAD = 0  # the tiny models' pad_token_id
 
 def _check_engine(verifier, rows: int) -> None:
     """Every greedy mode: one engine of all rows."""
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine is not None and engine.spec.batch == rows
 
 
@@ -134,8 +134,8 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(arch, monkeypat
     prompts = [prompt(n, 7 * n) for n in (20, 31, 47, 90)]
     ids, mask = left_padded(prompts)
     caps = []
-    verify = graph_loop.StaticEngine._verify
-    monkeypatch.setattr(graph_loop.StaticEngine, "_verify", lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
+    verify = static_engine.StaticEngine._verify
+    monkeypatch.setattr(static_engine.StaticEngine, "_verify", lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
     out = verifier.generate(ids, attention_mask=mask, assistant_model=verifier, num_assistant_tokens=5,
                             draft_cache=hf_sparsekv.HierarchicalQuantCache(group_size=16), max_new_tokens=40)
     _check_engine(verifier, len(prompts))
@@ -185,8 +185,8 @@ def test_a_sampled_int4_engine_takes_one_row():
     than cut a sampled block at a row's quantization cap."""
     verifier = tiny_model("llama")
     with pytest.raises(NotImplementedError, match="one row at a time"):
-        graph_loop.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
-    graph_loop.release_engines()
+        static_engine.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
+    static_engine.release_engines()
 
 
 def test_padded_batch_without_attention_mask_is_masked_as_stock_infers_it():

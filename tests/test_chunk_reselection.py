@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 from hf_sparsekv import ChunkBudgetCache
 from hf_sparsekv.caches.chunk_selection import ChunkSelection
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 
 from .conftest import prompt, tiny_model
 from .test_caches import _masked_reference_logits
@@ -125,7 +125,7 @@ def test_speculative_decoding_on_a_generated_window_is_lossless(arch, gamma):
     out = verifier.generate(ids, assistant_model=drafter, draft_cache=draft_cache, num_assistant_tokens=gamma,
                             **kwargs)
     assert torch.equal(out, reference)
-    cache = graph_loop.current_engine(verifier).drafter_cache  # bounded: kept chunks, then the window's ring
+    cache = static_engine.current_engine(verifier).drafter_cache  # bounded: kept chunks, then the window's ring
     assert cache.window == 8 and cache.capacity == 32 + 8 + gamma + 1 + 1
 
 

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 
@@ -81,7 +81,7 @@ def test_graph_path_lossless_float32(arch, mode, gamma):
             reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
             out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
             assert torch.equal(out, reference), (length, extra)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert {"draft", "verify"} <= set(engine.steps)
 
@@ -95,7 +95,7 @@ def test_graph_path_self_drafting_lossless_float32(mode):
         out = verifier.generate(ids, assistant_model=verifier, draft_cache=mode, kv_budget=64, num_assistant_tokens=4,
                                 **kwargs)
         assert torch.equal(out, verifier.generate(ids, **kwargs)), length
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.drafter is verifier and engine.use_graphs and engine.steps["draft"].graph is not None
 
 
@@ -112,7 +112,7 @@ def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
         reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
         out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
         assert torch.equal(out, reference), length
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.compiled and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
 
 
@@ -137,7 +137,7 @@ def test_graph_path_equals_uncaptured_steps_bfloat16(arch, mode, monkeypatch):
         monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "auto")
         graphed = verifier.generate(ids, **spec(), **kwargs)
         assert torch.equal(graphed, eager)
-        assert graph_loop.current_engine(verifier).spec.mode == mode
+        assert static_engine.current_engine(verifier).spec.mode == mode
 
 
 @pytest.mark.parametrize("arch", [pytest.param("llama", marks=pytest.mark.compiled),
@@ -150,7 +150,7 @@ def test_graph_greedy_ar_equals_generate(arch):
         reference = verifier.generate(ids, max_new_tokens=40, do_sample=False, **NO_EOS)
         assert torch.equal(hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=40, eos_token_id=[]),
                            reference)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.steps["ar_step"].graph is not None and engine.compiled == (arch == "llama")
 
 
@@ -170,7 +170,7 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
         new = reference[0, p.shape[1] :]
         row = out[b, width:]
         assert torch.equal(row[: new.shape[0]], new) and bool((row[new.shape[0] :] == 0).all()), b
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert engine.spec.batch == len(prompts)  # every mode: one engine of all rows
 
@@ -207,7 +207,7 @@ def test_graph_path_batch_of_64_rows(mode):
     for b, ref in enumerate(references):
         row = out[b, width:]
         assert torch.equal(row[: ref.shape[0]], ref) and not row[ref.shape[0]:].any(), b
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.spec.batch == 64 and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
 
 
@@ -255,7 +255,7 @@ def test_graph_path_options_equal_stock_float32(feature):
         torch.testing.assert_close(torch.stack(out.scores), torch.stack(reference.scores))
     else:
         assert torch.equal(out, reference)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert engine.spec.host == (feature in ("no_repeat_ngram", "scores"))
     assert (engine.spec.penalty is not None) == (feature == "repetition_penalty")

@@ -464,9 +464,9 @@ def _padded(model, rows: int, favour: dict | None = None):
 
 
 def _ran_on_engine(verifier) -> bool:
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
-    return graph_loop.current_engine(verifier) is not None
+    return static_engine.current_engine(verifier) is not None
 
 
 def test_drafter_with_padded_vocabulary_is_lossless():

@@ -607,7 +607,7 @@ def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
     (no fallback to SDPA over the whole buffer; the window drafter's ring through its by-position launch), and each
     row equals its prompt's greedy generate() alone."""
     import hf_sparsekv.static_attention as sa
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     model = _tiny_llama()
@@ -632,7 +632,7 @@ def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
     monkeypatch.setattr(sa, "sdpa_attention_forward", fallback)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=9, do_sample=False, assistant_model=model,
                          kv_budget=32, num_assistant_tokens=3, pad_token_id=0, draft_cache=draft_cache)
-    assert graph_loop.current_engine(model).spec.batch == 2
+    assert static_engine.current_engine(model).spec.batch == 2
     for row, p in enumerate(prompts):
         assert torch.equal(out[row, 90 - p.shape[1]:], want[row][0])
     assert kernel.calls > 0 and steps_on_sdpa == []
@@ -643,7 +643,7 @@ def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
 def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     """Row 0 stops at an EOS while row 1 goes on: after that, the kernel reads only the step's own slots of row 0
     (its length in both caches is the step's query count) and row 1 still equals its prompt's greedy output."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     model = _tiny_llama()
@@ -665,7 +665,7 @@ def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     for row, p in enumerate(prompts):
         got = out[row, 80 - p.shape[1]:]
         assert torch.equal(got[: want[row].shape[1]], want[row][0]) and not got[want[row].shape[1]:].any()
-    engine = graph_loop.current_engine(model)
+    engine = static_engine.current_engine(model)
     assert engine.spec.batch == 2 and engine.live.tolist() == [0, 0]
     # the last round drafted 3 tokens one by one and verified 4: row 0 had finished, row 1 read its whole sequence
     assert engine.drafter_cache.fp_length[0].item() == 1 and engine.verifier_cache.fp_length[0].item() == 4

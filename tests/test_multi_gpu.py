@@ -14,7 +14,7 @@ from accelerate import dispatch_model
 
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import common, engine as static_engine
 
 from .conftest import left_padded, prompt, tiny_model, torchrun_two
 
@@ -46,7 +46,7 @@ def _reference(verifier, mode, ids, kwargs):
 
 
 def _assert_spans_both_devices(verifier):
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.devices == [0, 1] and engine.use_graphs
     assert all(step.graph is not None for step in engine.steps.values())
     devices = {layer.keys.device.index for layer in engine.verifier_cache.layers}
@@ -115,7 +115,7 @@ def test_split_verifier_sampling_equals_one_gpu():
         torch.manual_seed(11)
         outs.append(verifier.generate(ids, assistant_model=drafter, kv_budget=64, num_assistant_tokens=4,
                                       do_sample=True, top_k=20, max_new_tokens=40, **NO_EOS))
-        assert graph_loop.current_engine(verifier).warpers is not None
+        assert static_engine.current_engine(verifier).warpers is not None
     assert torch.equal(outs[0], outs[1])
     _assert_spans_both_devices(split)
 
@@ -134,17 +134,17 @@ def test_hooked_model_on_static_loop_cpu(monkeypatch):
     kwargs = dict(max_new_tokens=20, do_sample=False, **NO_EOS)
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, num_assistant_tokens=3, **kwargs)
     assert torch.equal(out, verifier.generate(ids, **kwargs))
-    assert graph_loop.current_engine(verifier).compiled
-    graph_loop.release_engines()
+    assert static_engine.current_engine(verifier).compiled
+    static_engine.release_engines()
 
 
 def test_layer_devices_of_a_dispatched_model():
     """layer_devices reads each layer's device from its parameters; a model on one device gives None."""
     model = copy.deepcopy(tiny_model("llama", layers=4))
-    assert graph_loop.layer_devices(model) is None
+    assert common.layer_devices(model) is None
     model.hf_device_map = {"model.layers.0": "cpu", "model.layers.1": "meta"}
     model.model.layers[3].to("meta")
-    assert graph_loop.layer_devices(model) == [torch.device("cpu")] * 3 + [torch.device("meta")]
+    assert common.layer_devices(model) == [torch.device("cpu")] * 3 + [torch.device("meta")]
 
 
 _TP_SCRIPT = r'''
@@ -156,7 +156,7 @@ from transformers import AutoModelForCausalLM
 from tests.conftest import prompt, tiny_model
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 
 torch.backends.cuda.matmul.allow_tf32 = False
 rank = int(os.environ["LOCAL_RANK"])
@@ -172,7 +172,7 @@ for seed, length in enumerate((6, 150, 400)):
     reference = tp.generate(ids, **no_eos)
     out = tp.generate(ids, assistant_model=drafter, kv_budget=64, num_assistant_tokens=3, **no_eos)
     assert torch.equal(out, reference), ("chunk", length)
-    engine = graph_loop.current_engine(tp)
+    engine = static_engine.current_engine(tp)
     assert engine.use_graphs == torch.cuda.is_available()  # nccl: captured steps, their all-reduces included
     assert engine.verifier_cache.layers[0].keys.shape[1] == 1  # 2 key/value heads over 2 ranks
     out = tp.generate(ids, assistant_model=tp, draft_cache=HierarchicalQuantCache(group_size=32), **no_eos)

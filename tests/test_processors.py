@@ -17,7 +17,7 @@ from transformers import (
 )
 
 from hf_sparsekv import HierarchicalQuantCache
-from hf_sparsekv.generation import graph_loop
+from hf_sparsekv.generation import engine as static_engine
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 from .test_sampling import _consistent
@@ -74,7 +74,7 @@ def _greedy_cases():
 
 @pytest.mark.parametrize("arch,name,mode", _greedy_cases())
 def test_greedy_with_processors_equals_stock(arch, name, mode):
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = tiny_model(arch)
     for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
         ids = prompt(length, seed + 10)
@@ -83,8 +83,8 @@ def test_greedy_with_processors_equals_stock(arch, name, mode):
         ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
         assert torch.equal(ours.sequences, stock.sequences), (seed, length, gamma)
         torch.testing.assert_close(torch.cat(ours.scores), torch.cat(stock.scores), rtol=1e-9, atol=1e-9)
-        assert graph_loop.current_engine(verifier).spec.host  # the scores are kept: host-side rules
-    graph_loop.release_engines()
+        assert static_engine.current_engine(verifier).spec.host  # the scores are kept: host-side rules
+    static_engine.release_engines()
 
 
 @pytest.mark.parametrize("batch", [1, 3])
@@ -94,7 +94,7 @@ def test_the_static_loop_applies_a_config_repetition_penalty(batch):
     row is what stock greedy gives for its prompt alone."""
     import copy
 
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = copy.deepcopy(tiny_model("qwen2"))
     verifier.generation_config.repetition_penalty = 1.6
     drafter = tiny_model("qwen2", role="drafter")
@@ -102,14 +102,14 @@ def test_the_static_loop_applies_a_config_repetition_penalty(batch):
     ids, mask = left_padded(prompts)
     width = ids.shape[1]
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, **GREEDY)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine is not None and engine.spec.penalty == (1.6, 0) and engine.spec.batch == batch
     for row, p in enumerate(prompts):
         want = verifier.generate(p, **GREEDY)[0, p.shape[1]:]
         assert torch.equal(out[row, width:], want), row
     plain = copy.deepcopy(tiny_model("qwen2"))
     assert not torch.equal(plain.generate(prompts[0], **GREEDY), verifier.generate(prompts[0], **GREEDY))
-    graph_loop.release_engines()
+    static_engine.release_engines()
 
 
 def _penalty_cases():
@@ -124,7 +124,7 @@ def _penalty_cases():
 def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty):
     """The static loop's device-side repetition penalty (drafts, verification, the first token): the same tokens as
     stock greedy generate() with the penalty, for several prompts and γ."""
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = tiny_model(arch)
     changed = False
     for seed, (length, gamma) in enumerate([(40, 3), (9, 5), (70, 1), (1, 2)]):
@@ -133,10 +133,10 @@ def test_static_loop_repetition_penalty_equals_stock_greedy(arch, mode, penalty)
         stock = _stock(verifier, ids, mode, **kwargs)
         ours = verifier.generate(ids, **_spec(verifier, arch, mode, gamma), **kwargs)
         assert torch.equal(ours, stock), (seed, length, gamma)
-        assert graph_loop.current_engine(verifier).spec.penalty == (penalty, 0)
+        assert static_engine.current_engine(verifier).spec.penalty == (penalty, 0)
         changed |= not torch.equal(stock, _stock(verifier, ids, mode, **{**GREEDY, "max_new_tokens": 32}))
     assert changed  # the penalty changes the output of at least one prompt
-    graph_loop.release_engines()
+    static_engine.release_engines()
 
 
 SAMPLING_VOCAB = 16
@@ -172,7 +172,7 @@ def _next_token_probs(model, ids: torch.Tensor, ngram: bool = True) -> torch.Ten
 def test_sampling_with_processors_matches_the_exact_joint_distribution():
     """The second token's distribution depends on the first through both processors; 2,500 draws of the pair
     against the exactly enumerated joint (chi-square and total variation, as tests/test_sampling.py)."""
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
     ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
     first = _next_token_probs(verifier, ids)
@@ -186,7 +186,7 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution():
                                 **SAMPLING)
         samples.append(int(out[0, -2]) * SAMPLING_VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
-    assert graph_loop.current_engine(verifier).spec.host  # the n-gram ban: host-side rules on the static engine
+    assert static_engine.current_engine(verifier).spec.host  # the n-gram ban: host-side rules on the static engine
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=SAMPLING_VOCAB**2).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 36 cells
@@ -200,7 +200,7 @@ def test_sampling_with_processors_matches_the_exact_joint_distribution():
 def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distribution():
     """The static loop's device-side penalty while sampling (drafts' q and the verifier's p both penalized after
     their exact prefixes): 2,500 draws of two tokens against the exactly enumerated joint."""
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = _tiny_sampler(2, seed=0, width=32), _tiny_sampler(1, seed=1, width=16)
     ids = torch.randint(3, SAMPLING_VOCAB, (1, 10), generator=torch.Generator().manual_seed(6))
     first = _next_token_probs(verifier, ids, ngram=False)
@@ -214,11 +214,11 @@ def test_static_sampling_with_repetition_penalty_matches_the_exact_joint_distrib
                                 assistant_model=drafter, kv_budget=8, num_assistant_tokens=3, **options)
         samples.append(int(out[0, -2]) * SAMPLING_VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
-    assert graph_loop.current_engine(verifier).spec.penalty == (SAMPLING["repetition_penalty"], 0)
+    assert static_engine.current_engine(verifier).spec.penalty == (SAMPLING["repetition_penalty"], 0)
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=SAMPLING_VOCAB**2).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08
-    graph_loop.release_engines()
+    static_engine.release_engines()
 
 
 @pytest.mark.parametrize("mode", ["full", "int4-self"])
@@ -228,7 +228,7 @@ def test_drafts_follow_the_processors(mode):
     int4 view drafts through them too."""
     import copy
 
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = tiny_model("llama")
     ids = prompt(40, 1)
     kwargs = {**GREEDY, **OPTION_SETS["repetition"], "return_dict_in_generate": True, "num_assistant_tokens": 4}
@@ -242,5 +242,5 @@ def test_drafts_follow_the_processors(mode):
         assert out.spec_stats.drafted > 0 and out.spec_stats.acceptance_rate == 1.0
     else:  # the INT4 view mostly agrees with the INT8 one once both apply the penalty
         assert out.spec_stats.acceptance_rate > 0.5
-    assert graph_loop.current_engine(verifier) is not None
-    graph_loop.release_engines()
+    assert static_engine.current_engine(verifier) is not None
+    static_engine.release_engines()

@@ -229,7 +229,7 @@ def test_self_chunk_under_any_attention_implementation():
     """Self-drafting on a chunk budget runs on the engine's own attention during the call, whatever the model's
     implementation (here a custom registered one, under which the query hooks could not take the queries):
     lossless, and the model's implementation is restored."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     model = _phi3()
     ids = prompt(40, seed=3)
@@ -237,7 +237,7 @@ def test_self_chunk_under_any_attention_implementation():
     model.set_attn_implementation("test_record")
     out = model.generate(ids, assistant_model=model, kv_budget=16, max_new_tokens=6, do_sample=False)
     assert torch.equal(out, reference)
-    assert graph_loop.current_engine(model).spec.mode == "chunk"
+    assert static_engine.current_engine(model).spec.mode == "chunk"
     assert model.config._attn_implementation == "test_record"
 
 

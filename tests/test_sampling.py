@@ -22,8 +22,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessorList
 from transformers.generation import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from hf_sparsekv import HierarchicalQuantCache
-from hf_sparsekv.generation import graph_loop
-from hf_sparsekv.generation.sampling import accept_or_resample, draw
+from hf_sparsekv.generation import engine as static_engine
+from hf_sparsekv.generation.acceptance import accept_or_resample
+from hf_sparsekv.generation.sampling import draw
 
 Z_999 = 3.0902  # standard normal quantile at 0.999
 
@@ -141,7 +142,7 @@ _EXTENDED = pytest.mark.extended  # 60-470 s of CPU each: make test-extended
     pytest.param("window", 5, marks=_EXTENDED), ("full", 1), ("int4", 5),
 ])
 def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     drafter = _tiny(1, seed=1, width=16)
     # int4: most of the prompt is quantized (G=16 on a 64-token prompt), so the INT4 drafts differ from p
@@ -163,7 +164,7 @@ def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
                                 num_assistant_tokens=gamma, **WARPERS, **spec())
         samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
     samples = torch.tensor(samples)
-    assert graph_loop.current_engine(verifier).spec.mode == mode
+    assert static_engine.current_engine(verifier).spec.mode == mode
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08  # TV distance at 2,500 samples over <= 64 cells
@@ -205,7 +206,7 @@ def test_sampling_is_reproducible_with_a_seed_and_temperature_to_zero_is_greedy(
 def test_sampling_reports_acceptance(output_scores):
     """A drafter equal to the verifier (p == q) has every draft accepted on the static loop; scores are picked and kept
     on the host (host-side rules), 12 of them."""
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier = _tiny(2, seed=0, width=32)
     ids = torch.randint(3, VOCAB, (1, 30), generator=torch.Generator().manual_seed(3))
     torch.manual_seed(0)
@@ -217,11 +218,11 @@ def test_sampling_reports_acceptance(output_scores):
     assert out.sequences.shape[1] == 30 + 12
     if output_scores:
         assert len(out.scores) == 12
-    assert graph_loop.current_engine(verifier).spec.host == output_scores
+    assert static_engine.current_engine(verifier).spec.host == output_scores
 
 
 def test_sampling_never_ends_below_min_new_tokens():
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
     kwargs = dict(assistant_model=drafter, kv_budget=16, do_sample=True, temperature=3.0, eos_token_id=2,
@@ -234,13 +235,13 @@ def test_sampling_never_ends_below_min_new_tokens():
 
 
 def test_a_warper_the_device_does_not_apply_runs_on_the_host():
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 20), generator=torch.Generator().manual_seed(4))
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, do_sample=True, eta_cutoff=1e-3,
                             max_new_tokens=6, min_new_tokens=6, pad_token_id=0)
     assert out.shape[1] == 26
-    assert graph_loop.current_engine(verifier).spec.host
+    assert static_engine.current_engine(verifier).spec.host
 
 
 @pytest.mark.cuda
@@ -250,7 +251,7 @@ def test_a_warper_the_device_does_not_apply_runs_on_the_host():
 def test_graph_path_sampling_matches_the_exact_joint_distribution(mode, gamma):
     """The captured draft and verify steps draw on the device (compiled: Inductor's random numbers): the same
     distribution test at 1,500 samples, and the same tokens from the same seed."""
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
     ids = torch.randint(3, VOCAB, (1, 64), generator=torch.Generator().manual_seed(5))
     joint = _joint_on_int8_view(verifier, ids, 16) if mode == "int4" else _joint(verifier, ids)
@@ -265,7 +266,7 @@ def test_graph_path_sampling_matches_the_exact_joint_distribution(mode, gamma):
     torch.manual_seed(123)
     samples = torch.tensor([int(out[0, -2]) * VOCAB + int(out[0, -1])
                             for out in (verifier.generate(ids, **kwargs, **spec()) for _ in range(1500))])
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert engine.spec.sampling is not None
     assert _consistent(samples, joint)
@@ -277,4 +278,4 @@ def test_graph_path_sampling_matches_the_exact_joint_distribution(mode, gamma):
         torch.manual_seed(9)
         runs.append(verifier.generate(ids, **longer, **spec()))
     assert torch.equal(runs[0], runs[1])
-    graph_loop.release_engines()
+    static_engine.release_engines()

@@ -130,7 +130,7 @@ _PREFIX_CASES = [  # every spec on every architecture, the prefix length cycling
 def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix):
     """The engine copies the prefix into its row (self-drafting on a window: into the drafter's window too) and
     extends the caller's cache afterwards."""
-    from hf_sparsekv.generation import graph_loop
+    from hf_sparsekv.generation import engine as static_engine
 
     verifier = tiny_model(arch)
     spec = dict(_SPECS[spec_name])
@@ -148,7 +148,7 @@ def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix):
     assert reused[0] == p - n_prefix  # the verifier's prefill covers only the uncached part ...
     assert sum(fresh) - sum(reused) == n_prefix  # ... and every later forward is the same (same drafts)
     assert out.past_key_values is cache and cache.get_seq_length() == out.sequences.shape[1] - 1
-    assert graph_loop.current_engine(verifier) is not None
+    assert static_engine.current_engine(verifier) is not None
     stock = _prefix(verifier, out.sequences, out.sequences.shape[1] - 1)  # what stock leaves in a cache
     for ours, theirs in zip(cache.layers, stock.layers):
         torch.testing.assert_close(ours.keys, theirs.keys)

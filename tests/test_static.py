@@ -25,8 +25,8 @@ from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCach
 from hf_sparsekv.caches.static import (
     StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
 )
-from hf_sparsekv.generation import graph_loop
-from hf_sparsekv.generation.graph_loop import accepted_length
+from hf_sparsekv.generation import engine as static_engine, graph_steps
+from hf_sparsekv.generation.acceptance import accepted_length
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 
@@ -35,9 +35,9 @@ H, D = 2, 8
 
 @pytest.fixture
 def fresh_engines():
-    graph_loop.release_engines()
+    static_engine.release_engines()
     yield
-    graph_loop.release_engines()
+    static_engine.release_engines()
 
 
 def _states(n, seed):
@@ -323,7 +323,7 @@ def test_static_loop_is_lossless(fresh_engines, case):
     spec = dict(assistant_model=drafter, draft_cache=case["mode"], kv_budget=None if case["mode"] == "full" else budget)
     out = verifier.generate(ids, num_assistant_tokens=case["gamma"], return_dict_in_generate=True, **spec, **kwargs)
     assert torch.equal(out.sequences, reference)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine.spec.mode == case["mode"] and engine.use_graphs is False  # the static loop ran (no capture on CPU)
     stats = out.spec_stats
     assert stats["new_tokens"] == reference.shape[1] - ids.shape[1]
@@ -343,7 +343,7 @@ def test_static_int4_self_speculation_equals_ar_on_the_int8_view(fresh_engines, 
         out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
                                 num_assistant_tokens=gamma, return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, reference), (length, gamma)
-        engine = graph_loop.current_engine(verifier)
+        engine = static_engine.current_engine(verifier)
         assert engine.spec.mode == "int4" and engine.spec.budget == 32 and engine.drafter_cache is engine.verifier_cache
         assert out.spec_stats.drafted > 0
 
@@ -357,10 +357,10 @@ def test_engine_is_reused_and_rebuilt_when_needed(fresh_engines):
         outs.append(verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs))
         assert torch.equal(outs[-1], verifier.generate(ids, **kwargs))
         if length == 50 and len(outs) == 1:
-            first = graph_loop.current_engine(verifier)
-    assert graph_loop.current_engine(verifier) is first  # same spec, capacity suffices: caches (and graphs) reused
+            first = static_engine.current_engine(verifier)
+    assert static_engine.current_engine(verifier) is first  # same spec, capacity suffices: caches (and graphs) reused
     verifier.generate(prompt(20, 0), assistant_model=drafter, kv_budget=32, **kwargs)
-    assert graph_loop.current_engine(verifier) is not first  # another budget: a new engine
+    assert static_engine.current_engine(verifier) is not first  # another budget: a new engine
 
 
 def test_graph_greedy_generate_equals_generate(arch):
@@ -389,7 +389,7 @@ def test_graph_greedy_generate_on_a_left_padded_batch(arch):
     width = ids.shape[1]
     out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=24, eos_token_id=eos,
                                             attention_mask=mask, pad_token_id=0)
-    assert graph_loop.current_engine(verifier).spec.batch == len(prompts)
+    assert static_engine.current_engine(verifier).spec.batch == len(prompts)
     assert out.shape[0] == len(prompts) and references[1].shape[1] < prompts[1].shape[1] + 24
     for b, (p, ref) in enumerate(zip(prompts, references)):
         row = out[b, width - p.shape[1]:]
@@ -407,18 +407,18 @@ def test_a_users_logits_processor_runs_on_the_host_between_the_steps(fresh_engin
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=20, do_sample=False,
                             logits_processor=processors)
     assert torch.equal(out, reference)
-    assert graph_loop.current_engine(verifier).spec.host  # the static engine, the processor applied on the host
+    assert static_engine.current_engine(verifier).spec.host  # the static engine, the processor applied on the host
 
 
 def test_graphs_off_runs_the_engine_uncaptured(monkeypatch):
     """HF_SPARSEKV_GRAPHS=0: the same engine and steps, never captured; a wrong value is refused, naming it."""
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")
-    graph_loop.release_engines()
+    static_engine.release_engines()
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(30, seed=1)
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=10, do_sample=False))
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert engine is not None and not engine.use_graphs
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "yes")
     with pytest.raises(ValueError, match="HF_SPARSEKV_GRAPHS"):
@@ -451,7 +451,7 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
             spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 24)
         out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
         assert torch.equal(out, reference)
-        engine = graph_loop.current_engine(verifier)
+        engine = static_engine.current_engine(verifier)
         assert engine.compiled and all(step.fn is not step.eager_fn for step in engine.steps.values())
 
 
@@ -477,11 +477,11 @@ def test_static_steps_trace_without_graph_breaks(fresh_engines, mode, sampled, b
         if sampled else None
     if extra.get("layout") == "bounded":  # ChunkBudgetCache(16, generated_window=8): StaticChunkWindowCache
         extra = dict(extra, layout=(8, ChunkSelection(), 8))
-    engine = graph_loop.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers,
+    engine = static_engine.engine_for(verifier, drafter, mode, 16, 3, 80, 20, use_graphs=False, warpers=warpers,
                                    batch=batch, **extra)
     host = extra.get("host", False)
     steps = ("draft", "verify_logits", "catch_up", "ar_logits") if host else ("draft", "verify", "catch_up", "ar_step")
-    with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+    with torch.no_grad(), graph_steps.static_attention_for(verifier, drafter):
         engine.prefill([prompt(40 - 9 * row, seed=2 + row) for row in range(batch)],
                        (lambda row, raw: int(raw.argmax())) if host else None)
         for name in steps:
@@ -502,13 +502,13 @@ def test_static_self_drafting_is_lossless_with_one_prefill(fresh_engines, arch, 
         spec = dict(draft_cache=mode, kv_budget=32, num_assistant_tokens=gamma)
         out = verifier.generate(ids, assistant_model=verifier, return_dict_in_generate=True, **spec, **kwargs)
         assert torch.equal(out.sequences, verifier.generate(ids, **kwargs))
-        engine = graph_loop.current_engine(verifier)
+        engine = static_engine.current_engine(verifier)
         assert engine.drafter is verifier and engine.spec.mode == mode and out.spec_stats.drafted > 0
         twin = copy.deepcopy(verifier)  # the same weights as a separate drafter: its own prefill
-        with torch.no_grad(), graph_loop.static_attention_for(verifier, twin):
-            shared = graph_loop.engine_for(verifier, verifier, mode, 32, gamma, length + 64, 64, use_graphs=False)
+        with torch.no_grad(), graph_steps.static_attention_for(verifier, twin):
+            shared = static_engine.engine_for(verifier, verifier, mode, 32, gamma, length + 64, 64, use_graphs=False)
             shared.prefill([ids])
-            single = graph_loop.StaticEngine(verifier, twin, shared.spec, length + 64, 64, use_graphs=False)
+            single = static_engine.StaticEngine(verifier, twin, shared.spec, length + 64, 64, use_graphs=False)
             single.prefill([ids])
         stored = single.drafter_cache.slot_positions[0] >= 0  # (the shared engine's other slots: the last call's tokens)
         assert torch.equal(shared.drafter_cache.slot_positions[0] >= 0, stored) and stored.any()
@@ -532,7 +532,7 @@ def test_static_loop_suppresses_eos_like_stock_min_length(fresh_engines, mode):
         spec = dict(draft_cache="int4") if mode == "int4" else dict(draft_cache=mode, kv_budget=16)
         out = verifier.generate(ids, assistant_model=drafter, num_assistant_tokens=3, **spec, **kwargs)
         assert torch.equal(out, reference), floor
-        assert graph_loop.current_engine(verifier).spec.mode == mode  # served by the static loop
+        assert static_engine.current_engine(verifier).spec.mode == mode  # served by the static loop
 
 
 def test_a_model_dispatched_over_several_devices_stays_on_the_static_loop(fresh_engines):
@@ -543,7 +543,7 @@ def test_a_model_dispatched_over_several_devices_stays_on_the_static_loop(fresh_
     reference = verifier.generate(ids, max_new_tokens=12, do_sample=False)
     verifier.hf_device_map = {"model.embed_tokens": 0, "model.layers.0": 0, "model.layers.1": 1, "lm_head": 1}
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=12, do_sample=False)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert torch.equal(out, reference) and engine is not None
     assert engine.verifier_cache.layer_devices == [torch.device("cpu")] * 2
 
@@ -618,10 +618,10 @@ def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, 
     verifier = tiny_model("llama", layers=1)
     drafter = verifier if mode == "int4" else tiny_model("llama", role="drafter")
     sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8)] if warpers else None
-    engine = graph_loop.engine_for(verifier, drafter, mode, 32 if mode == "int4" else 16, 2, 300, 40, use_graphs=False,
+    engine = static_engine.engine_for(verifier, drafter, mode, 32 if mode == "int4" else 16, 2, 300, 40, use_graphs=False,
                                    warpers=sampling, batch=batch)
     assert engine.compiled
-    with torch.no_grad(), graph_loop.static_attention_for(verifier, drafter):
+    with torch.no_grad(), graph_steps.static_attention_for(verifier, drafter):
         engine.prefill([prompt(90 - 7 * row, seed=row) for row in range(batch)])
         for name in steps:
             engine.run_step(name)
@@ -654,7 +654,7 @@ def test_draft_cache_instances_configure_the_static_cache(make, self_drafting, f
     reference = verifier.generate(ids, max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
     assert torch.equal(out, reference)
     template = make()
-    cache = graph_loop.current_engine(verifier).drafter_cache
+    cache = static_engine.current_engine(verifier).drafter_cache
     if isinstance(template, SinkWindowCache):
         assert isinstance(cache, StaticSinkWindowCache) and (cache.sink, cache.window) == (2, 20)
         return
@@ -680,9 +680,9 @@ def test_draft_cache_instances_every_kind_on_the_engine():
     for cache, kind in ((ChunkBudgetCache(32, per_kv_head=True), StaticChunkBudgetCache),
                         (DynamicCache(), StaticFullCache), (HierarchicalQuantCache(group_size=16), StaticQuantCache)):
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=cache, max_new_tokens=16, do_sample=False)
-        engine = graph_loop.current_engine(verifier)
+        engine = static_engine.current_engine(verifier)
         assert torch.equal(out, reference) and isinstance(engine.drafter_cache, kind), type(cache)
-        graph_loop.release_engines()
+        static_engine.release_engines()
     with pytest.raises(NotImplementedError, match="draft_cache"):
         verifier.generate(ids, assistant_model=drafter, draft_cache=StaticCache(config=drafter.config, max_cache_len=99),
                           max_new_tokens=4)
@@ -723,7 +723,7 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, num_assistant_tokens=4,
                             draft_cache=ChunkBudgetCache(16, generated_window=8), **kwargs)
-    engine = graph_loop.current_engine(verifier)
+    engine = static_engine.current_engine(verifier)
     assert isinstance(engine.drafter_cache, StaticChunkWindowCache) and engine.spec.batch == 3
     for b, p in enumerate(prompts):
         assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b

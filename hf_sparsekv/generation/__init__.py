@@ -1,7 +1,8 @@
 """Speculative decoding wired into ``generate()``."""
 
 from .front import SpeculativeGenerateOutput, speculative_generate
-from .graph_loop import graph_greedy_generate, release_engines
+from .engine import release_engines
+from .rounds import graph_greedy_generate
 from .registration import register, unregister
 from .stats import SpecStats
 

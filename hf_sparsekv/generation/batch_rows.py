@@ -6,7 +6,7 @@ Contract (what a left-padded batch gets): row ``b`` of the output is exactly wha
 stock does), followed by ``pad_token_id`` up to the longest row, as stock pads rows that stopped early (EOS, a stop
 string, a stopping criterion). ``spec_stats`` holds the totals and each row's own counters (``rows``).
 
-Two ways to get there. Greedy decoding (every mode) runs all rows together on one engine (:func:`~.graph_loop.static_decode_rows`: one captured step per batch, each
+Two ways to get there. Greedy decoding (every mode) runs all rows together on one engine (:func:`~.static_engine.static_decode_rows`: one captured step per batch, each
 row with its own length, positions, chunk selection or quantization state, and accepted count). Sampling runs the
 rows one after another through the batch-1 path (:func:`generate_rows`), each on the engine: every mode works and no
 row's acceptance depends on another's, but the verifier's weights are read once per row, so throughput does not grow

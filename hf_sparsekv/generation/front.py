@@ -21,7 +21,8 @@ from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
 from .common import _strip_left_padding, _text_config
 from .draft_modes import check_budget, check_prefix, draft_mode
-from .graph_loop import captures, engine_for, static_decode_rows, static_speculative_decode
+from .engine import captures, engine_for
+from .rounds import static_decode_rows, static_speculative_decode
 from .host_rules import GreedyRules
 from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, stock_processors
 from .stats import SpecStats

@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .sampling import accept_or_resample, draw
+from .acceptance import accept_or_resample, accepted_length
+from .sampling import draw
 from .stats import SpecStats
 
 
@@ -114,9 +115,7 @@ def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: 
         a = int(accepted[0])
         emitted = drafts[:a] + [int(token[0])]
     else:
-        verified = torch.cat(scores).argmax(-1).tolist()
-        a = 0
-        while a < len(drafts) and drafts[a] == verified[a]:
-            a += 1
-        emitted = verified[: a + 1]
+        verified = torch.cat(scores).argmax(-1)[None]
+        a = int(accepted_length(sequence[:, n:], verified)[0])
+        emitted = verified[0, : a + 1].tolist()
     return a, emitted, scores[: a + 1], [raw[i : i + 1] for i in range(a + 1)]

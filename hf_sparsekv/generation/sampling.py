@@ -7,7 +7,7 @@ and bad-word bans, the user's ``logits_processor``, ...; see :func:`stock_proces
 after the exact prefix they follow, and a softmax: ``q`` for the drafter, ``p`` for the verifier. A round drafts
 ``x_1..x_k`` from ``q``; draft ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
 rejection the token is drawn from ``norm(max(0, p_i - q_i))`` and the round ends; if every draft is accepted a
-bonus token is drawn from ``p_{k+1}`` (:func:`accept_or_resample`). Each emitted token is then distributed as
+bonus token is drawn from ``p_{k+1}`` (:func:`~.acceptance.accept_or_resample`). Each emitted token is then distributed as
 ``p`` given the tokens before it, whatever the drafter proposes.
 
 Random numbers come from torch's global generator in a fixed order, so ``torch.manual_seed(s)`` before a call makes
@@ -108,27 +108,3 @@ def draw(probs: torch.Tensor) -> torch.Tensor:
     clocks = -torch.log(torch.rand_like(probs, dtype=torch.float64))  # u in [0, 1): clocks in (0, inf]
     ratios = probs.double() / clocks
     return torch.where(probs > 0, ratios, -1.0).argmax(-1)
-
-
-def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One speculative-sampling round over ``T`` independent trials (``T = 1`` in generation).
-
-    ``p [T, k+1, V]``: the verifier's probabilities after each prefix (``p[:, i]`` follows draft ``i - 1``);
-    ``q [T, k, V]``: the drafter's probabilities the drafts ``drafts [T, k]`` were drawn from.
-    Returns ``(accepted [T], token [T])``: the number of leading drafts accepted and the token drawn after them
-    (from the residual at the first rejection, from ``p[:, k]`` when all are accepted)."""
-    t, k = drafts.shape
-    if k:
-        p_x = p[:, :k].gather(-1, drafts[..., None])[..., 0]
-        q_x = q.gather(-1, drafts[..., None])[..., 0]
-        rejected = torch.rand(t, k, device=p.device, dtype=p.dtype) * q_x >= p_x  # u >= p/q, without dividing
-        accepted = torch.where(rejected.any(-1), rejected.long().argmax(-1), k)  # first rejection, else all k
-    else:
-        accepted = torch.zeros(t, dtype=torch.long, device=p.device)
-    rows = torch.arange(t, device=p.device)
-    target = p[rows, accepted]
-    q_pad = torch.cat([q, torch.zeros_like(p[:, :1])], dim=1)  # no draft after the last: residual = p itself
-    residual = (target - q_pad[rows, accepted]).clamp_min(0)
-    mass = residual.sum(-1, keepdim=True)
-    residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), target)
-    return accepted, draw(residual)

@@ -1,6 +1,9 @@
-"""The speculative loop of ``generate()`` (the only one): preallocated caches, device-side drafting and acceptance,
+"""The engine of ``generate()``'s speculative and AR decoding (the only loop): preallocated caches, device-side drafting and acceptance,
 one host sync per round; on CUDA its steps are captured as CUDA graphs, on CPU (and with ``HF_SPARSEKV_GRAPHS=0``)
 the same steps run eagerly on PyTorch's reference attention.
+
+The round itself (stopping rules, streaming, stats) is :mod:`.rounds`; the drafter's steps and cache layouts
+:mod:`.drafting`; acceptance :mod:`.acceptance`.
 
 Device state (all preallocated): ``seq [capacity]`` the token sequence, ``n [1]`` its length. Between rounds the
 verifier's cache holds positions ``0..n-2`` (all but the last token), and so does the drafter's. A round:
@@ -40,13 +43,12 @@ the captured steps. A repetition penalty alone stays on the device (``seen [B, V
 Nothing is rolled back explicitly: the caches hold stale entries past the sequence, which the next steps overwrite
 and never read (see :mod:`hf_sparsekv.caches.static`). A round may compute tokens past ``max_length``; the host
 drops them, as it drops tokens after a stop (they cannot change the earlier ones). Greedy AR on the same engine
-(:func:`graph_greedy`) is one verifier step per token, several steps between syncs.
+(:func:`~.rounds.graph_greedy_generate`) is one verifier step per token, several steps between syncs.
 """
 
 from __future__ import annotations
 
 import math
-import time
 import weakref
 from dataclasses import dataclass
 
@@ -54,78 +56,18 @@ import torch
 from transformers.utils import logging
 
 from ..cache_keyword import cache_keyword
-from ..caches.chunk_selection import ChunkSelection
-from ..caches.static import (
-    StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
-)
+from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
-from .batch_rows import assemble
-from .common import CHUNK_SIZE, WINDOW_SINK, _strip_left_padding, _text_config
-from .graph_steps import (
-    CapturedStep, compile_setting, graphs_setting, static_attention_for, static_forward, static_prefill,
-)
-from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block
-from .sampling import accept_or_resample, draw, penalized
-from .stats import SpecStats
+from .acceptance import accept_or_resample, accepted_length
+from .common import _attention_shape, layer_devices
+from .drafting import catch_up, draft, drafter_cache, drafter_input
+from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
+from .sampling import draw, penalized
 
 logger = logging.get_logger(__name__)
 
 CAPACITY_ROUNDING = 256
 AR_STEPS_PER_SYNC = 8
-
-
-def _tp_size(model) -> int:
-    """The tensor-parallel degree of a model loaded with ``tp_plan`` (transformers' ``_tp_size``), else 1."""
-    return getattr(model, "_tp_size", None) or 1
-
-
-def _attention_shape(model) -> tuple[int, int, int]:
-    """(layers, key/value heads this process holds, head_dim): under tensor parallelism each rank holds
-    ``1/tp_size`` of the heads."""
-    config = _text_config(model)
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return config.num_hidden_layers, kv_heads // _tp_size(model), head_dim
-
-
-def _same_draws_on_every_rank(model, device: torch.device) -> None:
-    """Tensor parallelism: every rank runs the same rounds and must draw the same tokens, so rank 0 seeds every
-    rank's generators (with a fresh seed drawn from its own)."""
-    if _tp_size(model) > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-        seed = torch.randint(0, 2**62, (1,), device=device)
-        torch.distributed.broadcast(seed, src=0)
-        torch.manual_seed(int(seed))
-
-
-def layer_devices(model) -> list[torch.device] | None:
-    """The device of each decoder layer (its attention module's parameters) of a model dispatched over several
-    devices with ``device_map``, in layer order; None for a model on one device (every layer on ``model.device``)."""
-    if len(placed_on(model)) < 2:
-        return None
-    found = {}
-    for module in model.modules():
-        index = getattr(module, "layer_idx", None)
-        if isinstance(index, int) and index not in found:
-            parameter = next(module.parameters(), None)
-            if parameter is not None:
-                found[index] = parameter.device
-    return [found.get(i, model.device) for i in range(_text_config(model).num_hidden_layers)]
-
-
-def accepted_length(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
-    """Greedy acceptance on the device, per row: the number of leading ``drafts [B, γ]`` equal to the verifier's
-    argmaxes ``verified [B, γ+1]`` (``verified[:, i]`` is the verifier's token after draft i-1), ``[B]`` int64."""
-    return (verified[:, : drafts.shape[1]] == drafts).long().cumprod(1).sum(1)
-
-
-def widened(logits: torch.Tensor, vocab: int) -> torch.Tensor:
-    """``logits [..., V']`` of a drafter as ``[..., vocab]``: a narrower drafter (limited to the shared ids) padded
-    with -inf, a wider one cut."""
-    if logits.shape[-1] < vocab:
-        pad = logits.new_full((*logits.shape[:-1], vocab - logits.shape[-1]), float("-inf"))
-        logits = torch.cat([logits, pad], dim=-1)
-    return logits[..., :vocab]
 
 
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
@@ -199,7 +141,7 @@ class StaticEngine:
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch, layer_devices(verifier))
-            self.drafter_cache = self._drafter_cache(slack) if drafter is not None else None
+            self.drafter_cache = drafter_cache(drafter, spec, self.max_tokens, self.max_new, slack) if drafter is not None else None
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
@@ -208,7 +150,7 @@ class StaticEngine:
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
         self.report = torch.zeros(rows, gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ] per row: what the host reads
-        self._block_offsets = torch.arange(gamma + 1, device=device)
+        self.block_offsets = torch.arange(gamma + 1, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
@@ -238,30 +180,6 @@ class StaticEngine:
         self.steps: dict[str, CapturedStep] = {}
         self.compiled = spec.compiled
 
-    def _drafter_cache(self, slack: int):
-        shape, placed = _attention_shape(self.drafter), layer_devices(self.drafter)
-        mode, spec = self.spec.mode, self.spec
-        if mode == "chunk":
-            chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
-            if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
-                return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, spec.dtype, spec.device,
-                                              chunk_size, spec.batch, selection, placed)
-            return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + self.max_new + slack, spec.dtype,
-                                          spec.device, chunk_size, batch=spec.batch, selection=selection,
-                                          layer_devices=placed)
-        if mode == "window":
-            sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
-            return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, spec.dtype, spec.device, spec.batch,
-                                         placed)
-        if mode == "full":
-            return StaticFullCache(*shape, self.max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
-        if mode == "int4-drafter":  # the drafter's own store, always read in its INT4 view
-            store = StaticQuantCache(spec.budget, self.max_tokens + slack, spec.gamma + 1, *shape, spec.dtype,
-                                     spec.device, spec.batch, placed)
-            store.view = "int4"
-            return store
-        raise ValueError(f"unknown static drafter mode {mode!r}")
-
     @property
     def verifier(self):
         return self._verifier()
@@ -277,45 +195,15 @@ class StaticEngine:
         )
 
     # ---- device-only steps (captured on CUDA); every tensor has one row per sequence
-    def _last(self, back: int) -> torch.Tensor:
+    def last(self, back: int) -> torch.Tensor:
         """``seq[b, n[b] - back]`` of every row, ``[B, 1]``."""
         return self.seq.gather(1, (self.n - back)[:, None])
 
     def _draft(self) -> None:
-        quant = self.spec.mode == "int4"  # self-speculation: the shared store's INT4 view for the draft
-        if quant:
-            self.drafter_cache.view = "int4"
-        token = self._drafter_input(self._last(1))
-        seen = None if self.penalty is None else self.seen  # the drafter's scores get the penalty too
-        for i in range(self.spec.gamma):
-            logits = self._draft_logits(static_forward(self.drafter, token, (self.n - 1 + i)[:, None],
-                                                       self.drafter_cache, 1, self.drafter_keyword)[:, 0])
-            token = self.drafts[:, i : i + 1]
-            if self.warpers is None:
-                scores = logits if seen is None else penalized(logits, seen, self.penalty[0])
-                token.copy_(scores.argmax(-1)[:, None])
-            else:
-                q = self._probabilities(logits[:, None], self.n + i, None if seen is None else seen[:, None])[:, 0]
-                self.q.index_copy_(1, self._block_offsets[i : i + 1], q[:, None])  # in place once compiled
-                token.copy_(draw(q)[:, None])
-            if seen is not None:
-                seen = seen.scatter(1, token, True)
-        if quant:
-            self.drafter_cache.view = "int8"
-
-    def _drafter_input(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``tokens`` as the drafter reads them: an id it lacks (padded vocabularies) as id 0."""
-        if self.draft_vocab is None:
-            return tokens
-        return torch.where(tokens < self.draft_vocab[1], tokens, torch.zeros_like(tokens))
-
-    def _draft_logits(self, logits: torch.Tensor) -> torch.Tensor:
-        """The drafter's ``logits [B, V_drafter]`` over the verifier's vocabulary ``[B, V]`` (:func:`widened`)."""
-        return logits if self.draft_vocab is None else widened(logits, self.vocab)
+        draft(self)
 
     def _catch_up(self) -> None:
-        static_forward(self.drafter, self._drafter_input(self._last(2)), (self.n - 2)[:, None], self.drafter_cache, 1,
-                       self.drafter_keyword)
+        catch_up(self)
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
@@ -341,11 +229,11 @@ class StaticEngine:
         branch)."""
         if seen is not None:
             logits = penalized(logits, seen, self.penalty[0])
-        index = first_index[:, None] + self._block_offsets[: logits.shape[1]]
+        index = first_index[:, None] + self.block_offsets[: logits.shape[1]]
         early = (index < self.eos_floor[:, None])[..., None] & self.eos_mask
         return logits.masked_fill(early, float("-inf"))
 
-    def _probabilities(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
+    def probabilities(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
         """Sampling: the processed distributions ``[B, L, V]`` (float32) of ``logits [B, L, V]`` (see
         :meth:`_floored`)."""
         scores = self._floored(logits.float(), first_index, seen)
@@ -358,15 +246,15 @@ class StaticEngine:
         """The verifier's tokens ``[B, L]`` after ``logits [B, L, V]``: argmax, or a draw when sampling."""
         if self.warpers is None:
             return self._floored(logits, first_index, seen).argmax(-1)
-        return draw(self._probabilities(logits, first_index, seen))
+        return draw(self.probabilities(logits, first_index, seen))
 
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Write ``tokens [B, L]`` at ``seq[b, n[b]..]``, move the live rows' ``n`` past ``accepted + 1`` of them and
         leave ``[a, tokens]`` in the report."""
         # an indexed assignment, which the compiler keeps in place (a scatter_ compiles to a copy of all of seq)
-        self.seq[self._rows, self.n[:, None] + self._block_offsets[: tokens.shape[1]]] = tokens
+        self.seq[self._rows, self.n[:, None] + self.block_offsets[: tokens.shape[1]]] = tokens
         if self.penalty is not None:  # the kept tokens join each row's seen set (a dropped one repeats token 0)
-            kept = self._block_offsets[: tokens.shape[1]] <= accepted[:, None]
+            kept = self.block_offsets[: tokens.shape[1]] <= accepted[:, None]
             # the value a device tensor: a Python True is a CPU tensor, whose copy a CUDA graph cannot capture
             self.seen[self._rows, torch.where(kept, tokens, tokens[:, :1])] = kept.new_ones(())
         self.n.add_((accepted + 1) * self.live)
@@ -375,13 +263,13 @@ class StaticEngine:
 
     def _verify_forward(self) -> torch.Tensor:
         """The verifier on ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ``: its logits ``[B, γ+1, V]``."""
-        block = torch.cat([self._last(1), self.drafts], 1)
-        positions = (self.n - 1)[:, None] + self._block_offsets
+        block = torch.cat([self.last(1), self.drafts], 1)
+        positions = (self.n - 1)[:, None] + self.block_offsets
         return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
 
     def _ar_forward(self) -> torch.Tensor:
         """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
-        return static_forward(self.verifier, self._last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
+        return static_forward(self.verifier, self.last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
                               self.verifier_keyword)
 
     def _verify(self) -> None:
@@ -393,9 +281,9 @@ class StaticEngine:
             if self.cap is not None:  # v_0..v_cap saw the row's one quantization state: keep no later token
                 accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
-            p = self._probabilities(logits, self.n, seen)
+            p = self.probabilities(logits, self.n, seen)
             accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled batch runs row by row: no cap)
-            verified = torch.where(self._block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
+            verified = torch.where(self.block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
                                    token[:, None])
         self._advance(verified, accepted)
 
@@ -489,7 +377,7 @@ class StaticEngine:
             if shared_prefill:
                 self.drafter_cache.end_prefill()
             elif separate:
-                static_prefill(self.drafter, self._drafter_input(prompt), self.drafter_cache, row)
+                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
             if self.penalty is not None:
@@ -565,230 +453,8 @@ def release_engines() -> None:
     _engines.clear()
 
 
-class _EventTimer:
-    """Seconds between CUDA events recorded around phases, summed once at the end (no sync per phase)."""
-
-    def __init__(self, cuda: bool):
-        self.cuda = cuda
-        self.spans: dict[str, list] = {}
-
-    def mark(self, name: str, start: bool):
-        if not self.cuda:
-            if start:
-                self.spans.setdefault(name, []).append([time.perf_counter(), None])
-            else:
-                self.spans[name][-1][1] = time.perf_counter()
-            return
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        if start:
-            self.spans.setdefault(name, []).append([event, None])
-        else:
-            self.spans[name][-1][1] = event
-
-    def seconds(self, name: str) -> float:
-        total = 0.0
-        for a, b in self.spans.get(name, []):
-            total += (a.elapsed_time(b) / 1000.0) if self.cuda else (b - a)
-        return total
-
-
-def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
-    """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
-    with their stats (and scores where ``rules`` keep them). ``prefix``: the caller's ``DynamicCache`` holding the
-    first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
-    result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
-    if prefix is not None:
-        engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
-    return result
-
-
-def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
-                       prefixes: list | None = None) -> list:
-    """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
-    len(prompts)``); one :class:`~.host_rules.SpeculativeResult` per row, each what that prompt alone would give.
-
-    Every round runs all rows (one captured step for the batch) and brings ``[a, v]`` of every row to the host in one
-    transfer; a row that has stopped keeps its length (``live``), its tokens are dropped and its steps read only the
-    step's own slots of its caches (at long context it costs little more than its share of the weight reads). Per-row
-    stats count the row's own rounds while it ran; the seconds are the batch's and are reported by the first row
-    only. An engine with host-side rules (``engine.spec.host``) picks the tokens on the host from the verify step's
-    logits (:mod:`.host_rules`), and keeps their scores and logits when the rules ask for them
-    (``rules[b].keep_scores``)."""
-    rows = len(prompts)
-    device = prompts[0].device
-    timer = _EventTimer(device.type == "cuda")
-    tokens = [prompt[0].tolist() for prompt in prompts]
-    stats = [SpecStats() for _ in range(rows)]
-    done = [False] * rows
-    is_ar = engine.spec.mode == "ar"
-    gamma = engine.spec.gamma
-    quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
-    drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
-    host = engine.spec.host
-    sampling = engine.warpers is not None
-    outputs = [RowOutput(r.keep_scores) for r in rules]
-
-    def accept(row: int, new: list[int]) -> None:
-        for token in new:
-            tokens[row].append(token)
-            stats[row].new_tokens += 1
-            if streamer is not None:
-                streamer.put(torch.tensor([token]))
-            kept = outputs[row].scores[: stats[row].new_tokens] if rules[row].keep_scores else None
-            if rules[row].stop_token(tokens[row], None if kept is None else tuple(kept)):  # scores as stock
-                done[row] = True
-                return
-
-    def host_first(row: int, raw: torch.Tensor) -> int:
-        scores = processed(rules[row], prompts[row], raw, sampling)
-        outputs[row].add([scores], [raw])
-        return choose(scores, sampling)
-
-    def host_round(drafting: bool, rooms: list[int]) -> list[tuple[int, list[int]]]:
-        """Each live row's (accepted, emitted) from the logits the verify step left; committed on the device."""
-        drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
-        results = []
-        for row in range(rows):
-            if done[row]:
-                results.append((0, []))
-                continue
-            room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
-            a, emitted, scores, raw = verify_block(rules[row], tokens[row], drafts[row], engine.logits[row],
-                                                   engine.q[row] if sampling and drafting else None, room)
-            outputs[row].add(scores, raw)
-            results.append((a, emitted))
-        engine.commit([e for _, e in results], [a for a, _ in results])
-        return results
-
-    def retire_finished() -> None:
-        engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
-
-    if engine.warpers is not None:
-        _same_draws_on_every_rank(engine.verifier, device)
-    engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
-                          sorted({e for r in rules for e in r.eos_token_ids}))
-    t0 = time.perf_counter()
-    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
-        firsts = engine.prefill(prompts, host_first if host else None, prefixes)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        stats[0].prefill_seconds = time.perf_counter() - t0
-        for row, first in enumerate(firsts):
-            accept(row, [first])
-        retire_finished()
-        catch_up = False
-        while not all(done):
-            if is_ar:
-                n = [len(t) for t in tokens]
-                k = min(AR_STEPS_PER_SYNC, max(r.max_length - m for r, m, d in zip(rules, n, done) if not d))
-                timer.mark("verify", True)
-                for _ in range(k):
-                    engine.run_step("ar_step")
-                timer.mark("verify", False)
-                new = engine.seq.tolist()
-                for row in range(rows):
-                    if not done[row]:
-                        stats[row].rounds += min(k, rules[row].max_length - n[row])
-                        accept(row, new[row][n[row] : n[row] + k])
-                retire_finished()
-                continue
-            drafting, rooms = True, [gamma + 1] * rows
-            if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
-                for row in range(rows):
-                    if not done[row]:
-                        drafter_store.flush_to(len(tokens[row]) - 2, row)
-            if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
-                rooms = []  # that would see another state; a round in which no row can keep every draft runs one
-                for row in range(rows):  # verifier step instead
-                    if not done[row]:
-                        quant.flush_to(len(tokens[row]) - 1, row)
-                    rooms.append(quant.room(len(tokens[row]) - 1))
-                drafting = any(r > gamma for r, d in zip(rooms, done) if not d)
-                if drafting:
-                    engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
-            timer.mark("draft", True)
-            if catch_up:
-                engine.run_step("catch_up")
-            if drafting:
-                engine.run_step("draft")
-            timer.mark("draft", False)
-            timer.mark("verify", True)
-            if host:
-                engine.run_step("verify_logits" if drafting else "ar_logits")
-                rounds = host_round(drafting, rooms)
-            else:
-                engine.run_step("verify" if drafting else "ar_step")
-                report = engine.report.tolist()  # the round's one sync
-                rounds = [(r[0], r[1 : r[0] + 2]) for r in report]
-            timer.mark("verify", False)
-            catch_up = False
-            for row in range(rows):
-                if done[row]:
-                    continue
-                a, emitted = rounds[row]
-                stats[row].rounds += 1
-                stats[row].drafted += gamma if drafting else 0
-                stats[row].accepted += a
-                accept(row, emitted)
-                # the drafter never read the last draft of a round that accepted every draft (the shared store of
-                # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
-                catch_up |= a == gamma and quant is None and not done[row]
-            retire_finished()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    stats[0].draft_seconds = timer.seconds("draft")
-    stats[0].verify_seconds = timer.seconds("verify")
-    if streamer is not None:
-        streamer.end()
-    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, out.scores[: len(t) - p.shape[1]],
-                              out.logits[: len(t) - p.shape[1]])
-            for t, st, out, p in zip(tokens, stats, outputs, prompts)]
-
-
-def placed_on(model) -> set[str]:
-    """The devices of a model dispatched with ``device_map`` (its ``hf_device_map`` values), else an empty set."""
-    return {str(device) for device in (getattr(model, "hf_device_map", None) or {}).values()}
-
-
 def captures(model) -> bool:
     """Whether the engine's steps are captured as CUDA graphs for ``model``: on CUDA unless ``HF_SPARSEKV_GRAPHS=0``
     (on CPU, and with graphs off, the same steps run eagerly)."""
     setting = graphs_setting()  # checked on every device: a wrong value is an error on CPU too
     return model.device.type == "cuda" and setting != "0"
-
-
-def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
-                          attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
-    """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
-    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
-    ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
-    ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
-    ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
-    run together, one engine row each."""
-    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
-        raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
-    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                         f"{tuple(input_ids.shape)}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
-    if eos_token_id is None:
-        eos_token_id = model.generation_config.eos_token_id
-    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
-    if pad_token_id is None:
-        pad_token_id = model.generation_config.pad_token_id
-    if pad_token_id is None and eos:
-        pad_token_id = eos[0]
-    prompts = [
-        _strip_left_padding(input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1])
-        .to(model.device) for b in range(input_ids.shape[0])
-    ]
-    rules = [GreedyRules(prompt_length=p.shape[1], max_length=p.shape[1] + max_new_tokens, eos_token_ids=eos)
-             for p in prompts]
-    engine = engine_for(model, None, "ar", None, 1, max(r.max_length for r in rules), max_new_tokens,
-                        use_graphs=captures(model), batch=len(prompts))
-    results = static_decode_rows(engine, prompts, rules)
-    sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, p.shape[1] :]], 1)
-                 for b, (p, res) in enumerate(zip(prompts, results))]
-    return assemble(sequences, [res.stats for res in results], pad_token_id, False, None)

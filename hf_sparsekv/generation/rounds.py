@@ -1,0 +1,243 @@
+"""The round loop on a :class:`~.engine.StaticEngine`: prefill, then rounds of (catch-up,) draft and verify with one
+transfer of ``[a, v]`` per round, the host applying the stopping rules, the streamer and the stats token by token
+(:mod:`.host_rules` where processors, criteria or outputs need the host), until every row stops. Greedy AR runs on the
+same engine, one verifier step per token and one sync per ``AR_STEPS_PER_SYNC`` tokens."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .batch_rows import assemble
+from .common import _strip_left_padding, _tp_size
+from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
+from .graph_steps import static_attention_for
+from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block
+from .stats import SpecStats
+
+
+def _same_draws_on_every_rank(model, device: torch.device) -> None:
+    """Tensor parallelism: every rank runs the same rounds and must draw the same tokens, so rank 0 seeds every
+    rank's generators (with a fresh seed drawn from its own)."""
+    if _tp_size(model) > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+        seed = torch.randint(0, 2**62, (1,), device=device)
+        torch.distributed.broadcast(seed, src=0)
+        torch.manual_seed(int(seed))
+
+
+class _EventTimer:
+    """Seconds between CUDA events recorded around phases, summed once at the end (no sync per phase)."""
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.spans: dict[str, list] = {}
+
+    def mark(self, name: str, start: bool):
+        if not self.cuda:
+            if start:
+                self.spans.setdefault(name, []).append([time.perf_counter(), None])
+            else:
+                self.spans[name][-1][1] = time.perf_counter()
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        if start:
+            self.spans.setdefault(name, []).append([event, None])
+        else:
+            self.spans[name][-1][1] = event
+
+    def seconds(self, name: str) -> float:
+        total = 0.0
+        for a, b in self.spans.get(name, []):
+            total += (a.elapsed_time(b) / 1000.0) if self.cuda else (b - a)
+        return total
+
+
+def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
+    """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
+    with their stats (and scores where ``rules`` keep them). ``prefix``: the caller's ``DynamicCache`` holding the
+    first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
+    result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
+    if prefix is not None:
+        engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
+    return result
+
+
+def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
+                       prefixes: list | None = None) -> list:
+    """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
+    len(prompts)``); one :class:`~.host_rules.SpeculativeResult` per row, each what that prompt alone would give.
+
+    Every round runs all rows (one captured step for the batch) and brings ``[a, v]`` of every row to the host in one
+    transfer; a row that has stopped keeps its length (``live``), its tokens are dropped and its steps read only the
+    step's own slots of its caches (at long context it costs little more than its share of the weight reads). Per-row
+    stats count the row's own rounds while it ran; the seconds are the batch's and are reported by the first row
+    only. An engine with host-side rules (``engine.spec.host``) picks the tokens on the host from the verify step's
+    logits (:mod:`.host_rules`), and keeps their scores and logits when the rules ask for them
+    (``rules[b].keep_scores``)."""
+    rows = len(prompts)
+    device = prompts[0].device
+    timer = _EventTimer(device.type == "cuda")
+    tokens = [prompt[0].tolist() for prompt in prompts]
+    stats = [SpecStats() for _ in range(rows)]
+    done = [False] * rows
+    is_ar = engine.spec.mode == "ar"
+    gamma = engine.spec.gamma
+    quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
+    drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
+    host = engine.spec.host
+    sampling = engine.warpers is not None
+    outputs = [RowOutput(r.keep_scores) for r in rules]
+
+    def accept(row: int, new: list[int]) -> None:
+        for token in new:
+            tokens[row].append(token)
+            stats[row].new_tokens += 1
+            if streamer is not None:
+                streamer.put(torch.tensor([token]))
+            kept = outputs[row].scores[: stats[row].new_tokens] if rules[row].keep_scores else None
+            if rules[row].stop_token(tokens[row], None if kept is None else tuple(kept)):  # scores as stock
+                done[row] = True
+                return
+
+    def host_first(row: int, raw: torch.Tensor) -> int:
+        scores = processed(rules[row], prompts[row], raw, sampling)
+        outputs[row].add([scores], [raw])
+        return choose(scores, sampling)
+
+    def host_round(drafting: bool, rooms: list[int]) -> list[tuple[int, list[int]]]:
+        """Each live row's (accepted, emitted) from the logits the verify step left; committed on the device."""
+        drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
+        results = []
+        for row in range(rows):
+            if done[row]:
+                results.append((0, []))
+                continue
+            room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
+            a, emitted, scores, raw = verify_block(rules[row], tokens[row], drafts[row], engine.logits[row],
+                                                   engine.q[row] if sampling and drafting else None, room)
+            outputs[row].add(scores, raw)
+            results.append((a, emitted))
+        engine.commit([e for _, e in results], [a for a, _ in results])
+        return results
+
+    def retire_finished() -> None:
+        engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
+
+    if engine.warpers is not None:
+        _same_draws_on_every_rank(engine.verifier, device)
+    engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
+                          sorted({e for r in rules for e in r.eos_token_ids}))
+    t0 = time.perf_counter()
+    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
+        firsts = engine.prefill(prompts, host_first if host else None, prefixes)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        stats[0].prefill_seconds = time.perf_counter() - t0
+        for row, first in enumerate(firsts):
+            accept(row, [first])
+        retire_finished()
+        catch_up = False
+        while not all(done):
+            if is_ar:
+                n = [len(t) for t in tokens]
+                k = min(AR_STEPS_PER_SYNC, max(r.max_length - m for r, m, d in zip(rules, n, done) if not d))
+                timer.mark("verify", True)
+                for _ in range(k):
+                    engine.run_step("ar_step")
+                timer.mark("verify", False)
+                new = engine.seq.tolist()
+                for row in range(rows):
+                    if not done[row]:
+                        stats[row].rounds += min(k, rules[row].max_length - n[row])
+                        accept(row, new[row][n[row] : n[row] + k])
+                retire_finished()
+                continue
+            drafting, rooms = True, [gamma + 1] * rows
+            if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
+                for row in range(rows):
+                    if not done[row]:
+                        drafter_store.flush_to(len(tokens[row]) - 2, row)
+            if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
+                rooms = []  # that would see another state; a round in which no row can keep every draft runs one
+                for row in range(rows):  # verifier step instead
+                    if not done[row]:
+                        quant.flush_to(len(tokens[row]) - 1, row)
+                    rooms.append(quant.room(len(tokens[row]) - 1))
+                drafting = any(r > gamma for r, d in zip(rooms, done) if not d)
+                if drafting:
+                    engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
+            timer.mark("draft", True)
+            if catch_up:
+                engine.run_step("catch_up")
+            if drafting:
+                engine.run_step("draft")
+            timer.mark("draft", False)
+            timer.mark("verify", True)
+            if host:
+                engine.run_step("verify_logits" if drafting else "ar_logits")
+                rounds = host_round(drafting, rooms)
+            else:
+                engine.run_step("verify" if drafting else "ar_step")
+                report = engine.report.tolist()  # the round's one sync
+                rounds = [(r[0], r[1 : r[0] + 2]) for r in report]
+            timer.mark("verify", False)
+            catch_up = False
+            for row in range(rows):
+                if done[row]:
+                    continue
+                a, emitted = rounds[row]
+                stats[row].rounds += 1
+                stats[row].drafted += gamma if drafting else 0
+                stats[row].accepted += a
+                accept(row, emitted)
+                # the drafter never read the last draft of a round that accepted every draft (the shared store of
+                # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
+                catch_up |= a == gamma and quant is None and not done[row]
+            retire_finished()
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    stats[0].draft_seconds = timer.seconds("draft")
+    stats[0].verify_seconds = timer.seconds("verify")
+    if streamer is not None:
+        streamer.end()
+    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, out.scores[: len(t) - p.shape[1]],
+                              out.logits[: len(t) - p.shape[1]])
+            for t, st, out, p in zip(tokens, stats, outputs, prompts)]
+
+
+def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
+                          attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
+    """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
+    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
+    ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
+    ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
+    ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
+    run together, one engine row each."""
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                         f"{tuple(input_ids.shape)}")
+    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be a positive integer, got {max_new_tokens!r}")
+    if eos_token_id is None:
+        eos_token_id = model.generation_config.eos_token_id
+    eos = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    if pad_token_id is None:
+        pad_token_id = model.generation_config.pad_token_id
+    if pad_token_id is None and eos:
+        pad_token_id = eos[0]
+    prompts = [
+        _strip_left_padding(input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1])
+        .to(model.device) for b in range(input_ids.shape[0])
+    ]
+    rules = [GreedyRules(prompt_length=p.shape[1], max_length=p.shape[1] + max_new_tokens, eos_token_ids=eos)
+             for p in prompts]
+    engine = engine_for(model, None, "ar", None, 1, max(r.max_length for r in rules), max_new_tokens,
+                        use_graphs=captures(model), batch=len(prompts))
+    results = static_decode_rows(engine, prompts, rules)
+    sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, p.shape[1] :]], 1)
+                 for b, (p, res) in enumerate(zip(prompts, results))]
+    return assemble(sequences, [res.stats for res in results], pad_token_id, False, None)
