@@ -180,9 +180,50 @@ def test_what_a_batch_refuses(extra, error, match):
         verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=4, **extra)
 
 
+@pytest.mark.parametrize("mode", ["chunk", "window-self", "full"])
+def test_a_sampled_batch_runs_its_rows_together(mode):
+    """Sampling with top_k=1 draws each row's argmax: the rows, decoded together on one engine with the sampling
+    steps (warpers baked in), equal each prompt's greedy output alone."""
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    prompts = [prompt(n, seed) for n, seed in ((30, 1), (7, 2), (90, 3))]
+    ids, mask = left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, do_sample=True, top_k=1, max_new_tokens=12,
+                            **_spec(mode, verifier, drafter))
+    engine = static_engine.current_engine(verifier)
+    assert engine.spec.batch == len(prompts) and engine.warpers is not None  # together, sampling
+    _assert_rows(out, prompts, [_reference(verifier, p, mode, max_new_tokens=12) for p in prompts], ids.shape[1])
+
+
+@pytest.mark.extended
+def test_sampled_rows_together_each_draw_from_their_own_prompts_distribution():
+    """Two rows of different lengths sampled together (chunk drafter, γ = 3, temperature/top-k/top-p): each row's
+    two new tokens follow the exact joint distribution of stock sampling on its own prompt (chi-square and TV over
+    2,500 draws per row); the second token is the first round's verification."""
+    from .test_sampling import VOCAB, WARPERS, _consistent, _joint, _tiny
+
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    prompts = [torch.randint(3, VOCAB, (1, n), generator=torch.Generator().manual_seed(n)) for n in (40, 23)]
+    ids, mask = left_padded(prompts)
+    joints = [_joint(verifier, p) for p in prompts]
+    torch.manual_seed(7)
+    draws = [[], []]
+    for _ in range(2500):
+        out = verifier.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=2, min_new_tokens=2,
+                                eos_token_id=None, pad_token_id=0, assistant_model=drafter, kv_budget=16,
+                                num_assistant_tokens=3, **WARPERS)
+        for b in range(2):
+            draws[b].append(int(out[b, -2]) * VOCAB + int(out[b, -1]))
+    assert static_engine.current_engine(verifier).spec.batch == 2
+    for b in range(2):
+        samples = torch.tensor(draws[b])
+        assert _consistent(samples, joints[b]), b
+        counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
+        assert float(0.5 * (counts - joints[b]).abs().sum()) < 0.08, b
+
+
 def test_a_sampled_int4_engine_takes_one_row():
-    """A sampled batch is decoded row by row (front); an int4 engine asked for sampled rows together refuses rather
-    than cut a sampled block at a row's quantization cap."""
+    """A sampled int4 batch is decoded row by row (front); an int4 engine asked for sampled rows together refuses
+    rather than cut a sampled block at a row's quantization cap."""
     verifier = tiny_model("llama")
     with pytest.raises(NotImplementedError, match="one row at a time"):
         static_engine.engine_for(verifier, verifier, "int4", 16, 3, 64, 16, use_graphs=False, warpers=[], batch=2)
@@ -227,18 +268,18 @@ def test_padded_batch_with_pad_equal_to_eos_warns_as_stock(caplog):
 
 
 def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
-    """A sampled batch (decoded one row after another) says so only at debug level: nothing at
+    """A sampled int4 batch (decoded one row after another) says so only at debug level: nothing at
     the default verbosity (warnings), in any call of the process."""
     from transformers.utils import logging as hf_logging
 
-    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    verifier = tiny_model("llama")
     ids, mask = left_padded([prompt(20, 1), prompt(9, 2)])
     hf_logging.enable_propagation()
     try:
         logging_module = __import__("logging")
         logging_module.Logger.warning_once.cache_clear()  # as in a fresh process
         with caplog.at_level("DEBUG", logger="hf_sparsekv"):
-            verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=3,
+            verifier.generate(ids, attention_mask=mask, assistant_model=verifier, draft_cache="int4", max_new_tokens=3,
                               do_sample=True)
     finally:
         hf_logging.disable_propagation()

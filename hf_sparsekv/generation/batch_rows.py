@@ -6,11 +6,12 @@ Contract (what a left-padded batch gets): row ``b`` of the output is exactly wha
 stock does), followed by ``pad_token_id`` up to the longest row, as stock pads rows that stopped early (EOS, a stop
 string, a stopping criterion). ``spec_stats`` holds the totals and each row's own counters (``rows``).
 
-Two ways to get there. Greedy decoding (every mode) runs all rows together on one engine (:func:`~.static_engine.static_decode_rows`: one captured step per batch, each
-row with its own length, positions, chunk selection or quantization state, and accepted count). Sampling runs the
-rows one after another through the batch-1 path (:func:`generate_rows`), each on the engine: every mode works and no
-row's acceptance depends on another's, but the verifier's weights are read once per row, so throughput does not grow
-with the batch.
+Two ways to get there. Every mode but sampled int4 self-speculation runs all rows together on one engine
+(:func:`~.rounds.static_decode_rows`: one captured step per batch, each row with its own length, positions, chunk
+selection or quantization state, accepted count and draws). Sampled int4 self-speculation runs the rows one after
+another through the batch-1 path (:func:`generate_rows`), each on the engine (a row's quantization cap would cut
+another row's sampled block): the verifier's weights are read once per row, so throughput does not grow with the
+batch.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def generate_rows(
     """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` (returning a dict-style output
     with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
     ``draft_cache`` instance is copied (empty) for each row."""
-    # Debug level: a batched call on CPU (or sampled) always takes this path, so a warning would greet every script
-    # run; README ("Batches") and BENCHMARKS.md say what it costs.
+    # Debug level: every sampled int4 batch takes this path, so a warning would greet every such script run;
+    # README ("Batches") says what it costs.
     logger.debug("hf_sparsekv: batch of %d decoded one row after another (README, 'Batches')", input_ids.shape[0])
     outputs = []
     for b in range(input_ids.shape[0]):

@@ -1,5 +1,5 @@
 """What the engine is built for: ``draft_cache``/``kv_budget`` (a name or a cache instance), the drafter and a
-prompt prefix checked and turned into the engine's mode (:class:`~.static_engine.EngineSpec`).
+prompt prefix checked and turned into the engine's mode (:class:`~.engine.EngineSpec`).
 
 Every request maps to one mode or raises naming the option: ``"chunk"`` (BudgetDraft's chunk-budget cache, optionally
 with a token window over generated tokens), ``"window"`` (sink + sliding window), ``"full"`` (the drafter keeps every

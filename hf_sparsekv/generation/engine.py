@@ -282,7 +282,7 @@ class StaticEngine:
                 accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
             p = self.probabilities(logits, self.n, seen)
-            accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled batch runs row by row: no cap)
+            accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled int4 batch runs row by row: no cap)
             verified = torch.where(self.block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
                                    token[:, None])
         self._advance(verified, accepted)

@@ -248,8 +248,9 @@ def speculative_generate(
     **kwargs,
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
-    than one (left-padded) prompt is decoded by the static engine with one row per prompt when greedy decoding takes
-    the static path, else row by row (:mod:`.batch_rows`); either way each row is what its prompt alone gives."""
+    than one (left-padded) prompt is decoded by the engine with one row per prompt (sampled int4 self-speculation:
+    row by row, :mod:`.batch_rows`); either way each row is what its prompt alone gives (sampled: drawn from the
+    distribution its prompt alone has)."""
     check_budget(kv_budget, draft_cache)
     kv_budget = None if kv_budget is None else int(kv_budget)  # a NumPy integer from a sweep, say
     for name, value in (
@@ -318,7 +319,7 @@ def speculative_generate(
         check_batch(input_ids, attention_mask, config, streamer=streamer,
                     prefix_cache=past_key_values is not None, max_time=config.max_time)
         pad = pad_value(config)
-        if config.do_sample:  # one engine row at a time, each drawing from its own prompt's distribution
+        if config.do_sample and mode == "int4":  # a row's quantization cap would cut a sampled block: row by row
 
             def one_row(ids, mask, cache):
                 return speculative_generate(
@@ -334,11 +335,13 @@ def speculative_generate(
             for b in range(batch)
         ]
         prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-        _, host, penalty = _engine_rules(rules[0], logits_processor, sampling=False, wants_outputs=False)
+        # the warpers and the penalty's settings are the same for every row (only the EOS floor differs, per row)
+        warpers, host, penalty = _engine_rules(rules[0], logits_processor, sampling=config.do_sample,
+                                               wants_outputs=False)
         engine = engine_for(
             model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
-            max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), batch=batch,
-            penalty=penalty, layout=layout, host=host)
+            max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
+            batch=batch, penalty=penalty, layout=layout, host=host)
         results = static_decode_rows(engine, prompts, rules)
         sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                      for b, res in enumerate(results)]
