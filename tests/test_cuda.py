@@ -259,3 +259,25 @@ def test_graph_path_options_equal_stock_float32(feature):
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert engine.spec.host == (feature in ("no_repeat_ngram", "scores"))
     assert (engine.spec.penalty is not None) == (feature == "repetition_penalty")
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
+    """Stock's prompt-lookup call runs on the captured engine (retrieval drafting in the captured draft step) with
+    greedy AR's tokens; sampled with top_k=1 too. A left-padded batch of two rows, one of them quoting itself."""
+    model = _on_cuda("llama")
+    base = prompt(30, 1)
+    prompts = [torch.cat([base, base[:, 5:], base[:, :8]], 1).cuda(), prompt(140, 2).cuda()]
+    sampling = dict(do_sample=True, top_k=1) if do_sample else dict(do_sample=False)
+    for p in prompts:
+        out = model.generate(p, prompt_lookup_num_tokens=6, max_new_tokens=40, return_dict_in_generate=True,
+                             **sampling)
+        engine = static_engine.current_engine(model)
+        assert engine.spec.mode == "lookup" and engine.use_graphs
+        assert torch.equal(out.sequences, model.generate(p, max_new_tokens=40, do_sample=False))
+    ids, mask = left_padded(prompts)
+    out = model.generate(ids, attention_mask=mask, prompt_lookup_num_tokens=6, max_new_tokens=40, **sampling)
+    assert static_engine.current_engine(model).spec.batch == 2
+    for b, p in enumerate(prompts):
+        reference = model.generate(p, max_new_tokens=40, do_sample=False)[0, p.shape[1] :]
+        assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b

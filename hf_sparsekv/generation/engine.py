@@ -26,6 +26,9 @@ round's state (``flush_to``, outside the graphs); a row keeps no token of the bl
 would move (``cap``), and a round in which no row could keep all its drafts runs one verifier step instead (no
 drafts), so every kept token sees the state greedy AR on the INT8 view would see.
 
+Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter; the draft step
+fills ``drafts`` from the continuation of an earlier occurrence of each row's last tokens; no catch-up.
+
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.
 
@@ -62,6 +65,7 @@ from .acceptance import accept_or_resample, accepted_length
 from .common import _attention_shape, layer_devices
 from .drafting import catch_up, draft, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
+from .retrieval import retrieve
 from .sampling import draw, penalized
 
 logger = logging.get_logger(__name__)
@@ -80,9 +84,9 @@ class EngineSpec:
     (same models with the same weight storage: a graph reads weights by address) and a capacity that suffices."""
 
     # "ar", "chunk", "window", "full", "int4" (self-speculation on the verifier's quantized store), "int4-drafter" (a
-    # separate drafter on its own quantized store, read in the INT4 view)
+    # separate drafter on its own quantized store, read in the INT4 view), "lookup" (retrieval drafting, no drafter)
     mode: str
-    budget: int | None  # chunk/window: the drafter's budget; int4: the group size G
+    budget: int | None  # chunk/window: the drafter's budget; int4: the group size G; lookup: the longest n-gram
     gamma: int
     dtype: torch.dtype
     device: torch.device
@@ -200,7 +204,10 @@ class StaticEngine:
         return self.seq.gather(1, (self.n - back)[:, None])
 
     def _draft(self) -> None:
-        draft(self)
+        if self.spec.mode == "lookup":
+            retrieve(self)
+        else:
+            draft(self)
 
     def _catch_up(self) -> None:
         catch_up(self)

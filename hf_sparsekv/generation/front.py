@@ -34,7 +34,6 @@ DEFAULT_GAMMA = 5
 _UNSUPPORTED_OPTIONS = {
     "guidance_scale": lambda v: v is not None and v != 1.0,  # runs the model a second time, unconditionally
     "watermarking_config": lambda v: v is not None,  # SynthID keeps state across calls; verification repeats them
-    "prompt_lookup_num_tokens": lambda v: v is not None,
     "assistant_early_exit": lambda v: v is not None,
     "output_attentions": lambda v: bool(v),
     "output_hidden_states": lambda v: bool(v),
@@ -173,6 +172,21 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
     return shared
 
 
+def _lookup_mode(config, assistant_model, kv_budget, draft_cache) -> tuple[str, int, tuple, int]:
+    """``(mode, budget, layout, γ)`` of retrieval drafting (prompt lookup, :mod:`.retrieval`), stock's settings:
+    ``prompt_lookup_num_tokens`` drafts per round, suffixes of up to ``max_matching_ngram_size`` (default 2)
+    tokens matched."""
+    if assistant_model is not None or kv_budget is not None or draft_cache is not None:
+        raise NotImplementedError(
+            "prompt_lookup_num_tokens together with assistant_model/kv_budget/draft_cache: retrieval drafting runs "
+            "alone (pass prompt_lookup_num_tokens without a drafter, or a drafter without it)")
+    gamma, ngram = config.prompt_lookup_num_tokens, config.max_matching_ngram_size or 2
+    for name, value in (("prompt_lookup_num_tokens", gamma), ("max_matching_ngram_size", ngram)):
+        if not is_integer(value) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return "lookup", int(ngram), (), int(gamma)
+
+
 def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> str:
     """Where an unsupported generation option came from, for the error message."""
     if name in kwargs:
@@ -285,7 +299,8 @@ def speculative_generate(
     row_kwargs = dict(kwargs)  # what each row gets when a batch is decoded row by row
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
     if unused:
-        raise ValueError(f"unsupported arguments with kv_budget/draft_cache: {sorted(unused)}")
+        raise NotImplementedError(f"arguments for the model's forward are not supported with kv_budget/draft_cache "
+                                  f"(or prompt lookup on the engine): {sorted(unused)}")
     if attention_mask is None:  # inferred from pad_token_id as stock infers it
         attention_mask = infer_attention_mask(config, input_ids)
 
@@ -309,12 +324,15 @@ def speculative_generate(
         if is_active(value):
             raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
                                       f"{_refuse_source(name, value, kwargs, generation_config, model)}")
-    gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
-    if not is_integer(gamma) or gamma < 1:
-        raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
-    gamma = int(gamma)
-    _check_models(model, assistant_model, tokenizer)
-    mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
+    if config.prompt_lookup_num_tokens is not None:
+        mode, budget, layout, gamma = _lookup_mode(config, assistant_model, kv_budget, draft_cache)
+    else:
+        gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
+        if not is_integer(gamma) or gamma < 1:
+            raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
+        gamma = int(gamma)
+        _check_models(model, assistant_model, tokenizer)
+        mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
                     prefix_cache=past_key_values is not None, max_time=config.max_time)

@@ -2,7 +2,9 @@
 
 Why a patch: it is the only mechanism that makes the stock ``model.generate(...)`` of every causal LM (and
 ``pipeline("text-generation")``, which calls it) accept ``kv_budget``/``draft_cache`` after one import, without a
-wrapper class or a Hub ``custom_generate`` repository. Our arguments come as keywords or, in a call with
+wrapper class or a Hub ``custom_generate`` repository. Stock's own prompt lookup (``prompt_lookup_num_tokens``
+without ``assistant_model``) runs on our engine too (retrieval drafting), unless it asks for an option the engine
+does not serve, which stock's path then serves. Our arguments come as keywords or, in a call with
 ``assistant_model``, as attributes of the passed or the model's ``generation_config``. The patch is narrow: a call
 without them goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
 them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call); it is guarded: installed only if ``generate`` still takes the arguments we forward,
@@ -16,6 +18,7 @@ import inspect
 import warnings
 
 from transformers.generation.utils import GenerationMixin
+from transformers.utils import logging
 
 from ..cache_keyword import user_cache
 from ..caches import query_hooks
@@ -24,6 +27,7 @@ from .front import speculative_generate
 OUR_ARGUMENTS = ("kv_budget", "draft_cache")
 _EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "assistant_model", "streamer")
 _original = None
+logger = logging.get_logger(__name__)
 
 
 def _keyword_renames(function) -> dict[str, tuple[str, bool, str]]:
@@ -54,6 +58,14 @@ def _renamed(model, kwargs: dict, renames: dict) -> dict:
                 warnings.warn(f"`{old}` is deprecated {version_message} for `{type(model).__name__}.generate`. Use "
                               f"`{new}` instead.", FutureWarning, stacklevel=3)
     return kwargs
+
+
+def _prompt_lookup(model, config, kwargs: dict):
+    """The call's ``prompt_lookup_num_tokens``: the keyword, else the passed generation config's, else the model's."""
+    if "prompt_lookup_num_tokens" in kwargs:
+        return kwargs["prompt_lookup_num_tokens"]
+    return next((c.prompt_lookup_num_tokens for c in (config, getattr(model, "generation_config", None))
+                 if getattr(c, "prompt_lookup_num_tokens", None) is not None), None)
 
 
 def register() -> bool:
@@ -87,6 +99,11 @@ def register() -> bool:
                                    if getattr(c, name, None) is not None), None)
         if all(value is None for value in ours.values()):
             kwargs = _renamed(self, kwargs, renames)
+            if not drafting and _prompt_lookup(self, config, kwargs) is not None:
+                try:  # stock's own prompt lookup, on our engine (retrieval drafting)
+                    return speculative_generate(self, **named, **kwargs)
+                except NotImplementedError as err:  # an option the engine does not serve: stock's own path
+                    logger.info("hf_sparsekv: prompt lookup runs on stock generate(): %s", err)
             if query_hooks.needs_prompt_queries(user_cache(kwargs)):
                 chunked = kwargs.get("prefill_chunk_size") or next(
                     (c.prefill_chunk_size for c in (config, getattr(self, "generation_config", None))

@@ -130,7 +130,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
-    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar else [engine.drafter])):
+    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar or engine.drafter is None else [engine.drafter])):
         firsts = engine.prefill(prompts, host_first if host else None, prefixes)
         if device.type == "cuda":
             torch.cuda.synchronize()
@@ -194,7 +194,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
-                catch_up |= a == gamma and quant is None and not done[row]
+                catch_up |= a == gamma and quant is None and engine.drafter is not None and not done[row]
             retire_finished()
     if device.type == "cuda":
         torch.cuda.synchronize()
