@@ -9,6 +9,8 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
+  lookup-gG        generate(ids, prompt_lookup_num_tokens=G)                      stock's call, on our graph path (retrieval)
+  hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
 
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
@@ -39,13 +41,14 @@ from hf_sparsekv.generation import engine as static_engine, graph_steps
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
-SLOW = ("hf-eager-ar", "hf-assisted")
+SLOW = ("hf-eager-ar", "hf-assisted") + tuple(f"hf-lookup-g{g}" for g in range(1, 33))
 
 
 def methods(budgets, gammas, sampling: bool = False) -> list[str]:
     names = ["hf-eager-ar", "hf-static-ar"] + ([] if sampling else ["graph-ar"]) + ["hf-assisted"]
     names += [f"chunk-{b}-g{g}" for b in budgets for g in gammas]
     names += [f"window-g{g}" for g in gammas] + [f"int4-self-g{g}" for g in gammas]
+    names += [f"lookup-g{g}" for g in gammas] + [f"hf-lookup-g{g}" for g in gammas]
     return names
 
 
@@ -82,6 +85,22 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
         return lambda: (hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[]), None)
     if name == "hf-assisted":
         return lambda: (verifier.generate(ids, assistant_model=drafter, **common), None)
+    if name.startswith("hf-lookup-g"):
+
+        def stock_lookup():
+            hf_sparsekv.unregister()
+            try:
+                return verifier.generate(ids, prompt_lookup_num_tokens=int(name[len("hf-lookup-g"):]), **common), None
+            finally:
+                hf_sparsekv.register()
+        return stock_lookup
+    if name.startswith("lookup-g"):
+
+        def lookup():
+            out = verifier.generate(ids, prompt_lookup_num_tokens=int(name[len("lookup-g"):]),
+                                    return_dict_in_generate=True, **common)
+            return out.sequences, out.spec_stats
+        return lookup
     kind, *rest = name.split("-")
     gamma = int(rest[-1][1:])
     if kind == "chunk":
