@@ -63,6 +63,8 @@ from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length
 from .common import _attention_shape, layer_devices
+from .draft_weights import attach, drafting
+from .draft_weights import release as release_draft_weights
 from .drafting import catch_up, draft, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
 from .retrieval import retrieve
@@ -99,6 +101,7 @@ class EngineSpec:
     # the drafter cache's settings: chunk (chunk_size, ChunkSelection, generated_window or None), window (sink, window)
     layout: tuple = ()
     host: bool = False  # host-side rules (processors, criteria, outputs): verification stops at the logits
+    draft_weights: str = "full"  # "int4": the draft steps run the drafting model's 4-bit weight copy (QuantSpec)
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -325,13 +328,16 @@ class StaticEngine:
         self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
     def run_step(self, name: str) -> None:
-        """Run (and on first use, capture) the step ``name``."""
-        step = self.steps.get(name)
-        if step is None:
-            step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled, self.devices)
-            if self.use_graphs:
-                self._capture(step)
-        step()
+        """Run (and on first use, capture) the step ``name``; the drafter's steps with its 4-bit weights where the
+        spec asks for them (:mod:`.draft_weights`)."""
+        with drafting(self.spec.draft_weights == "int4" and name in ("draft", "catch_up")):
+            step = self.steps.get(name)
+            if step is None:
+                step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled,
+                                                       self.devices)
+                if self.use_graphs:
+                    self._capture(step)
+            step()
 
     def _capture(self, step: CapturedStep) -> None:
         restore = (self.n, self.seq)
@@ -410,18 +416,25 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
-               penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False) -> StaticEngine:
+               penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False,
+               draft_weights: str = "full") -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
     bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
     ``layout``: the drafter cache's settings (:func:`~.draft_modes.draft_mode`; empty: the defaults of ``mode``); ``host``:
-    host-side rules (:mod:`.host_rules`). Under tensor parallelism the captured steps hold NCCL all-reduces:
+    host-side rules (:mod:`.host_rules`); ``draft_weights``: ``"int4"`` drafts on the drafting model's 4-bit weight
+    copy (:mod:`.draft_weights`, made here on first use). Under tensor parallelism the captured steps hold NCCL all-reduces:
     :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host)
+                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights)
+    if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones
+        stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
+        _release_graphs(stale)
+        for kept in _engines.values():
+            kept[:] = [e for e in kept if e.drafter is not drafter]
     kept = _engines.setdefault(verifier, [])
     for engine in kept:
         if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
@@ -452,12 +465,13 @@ def _release_graphs(engines: list[StaticEngine]) -> None:
 
 
 def release_engines() -> None:
-    """Free every kept static cache and CUDA graph. Under tensor parallelism call it before
+    """Free every kept static cache, CUDA graph and 4-bit draft-weight copy. Under tensor parallelism call it before
     ``torch.distributed.destroy_process_group()``: NCCL cannot destroy a communicator that a live CUDA graph still
     uses, and the destroy hangs (PyTorch issue 115388). The graphs are destroyed here, also where a caller still
     holds a reference to an engine (as they are when an engine is replaced)."""
     _release_graphs([engine for kept in _engines.values() for engine in kept])
     _engines.clear()
+    release_draft_weights()
 
 
 def captures(model) -> bool:

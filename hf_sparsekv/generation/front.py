@@ -21,6 +21,7 @@ from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
 from .common import _strip_left_padding, _text_config
 from .draft_modes import check_budget, check_prefix, draft_mode
+from .draft_weights import check_choice, default_choice
 from .engine import captures, engine_for
 from .rounds import static_decode_rows, static_speculative_decode
 from .host_rules import GreedyRules
@@ -53,6 +54,7 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
     spec_stats: SpecStats | None = None
 
 
+logger = logging.get_logger(__name__)
 _stock_logger = logging.get_logger("transformers.generation.utils")  # stock's warnings come from stock's logger
 
 
@@ -172,6 +174,20 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
     return shared
 
 
+def _draft_weights(choice: str | None, mode: str, drafter) -> str:
+    """The draft steps' weights: ``choice`` (checked), else 4-bit where QuantSpec drafts (``draft_cache="int4"``) and
+    tinygemm runs (logged), else the model's own."""
+    check_choice(choice, mode)
+    if choice is not None:
+        return choice
+    if mode not in ("int4", "int4-drafter"):
+        return "full"
+    choice = default_choice(drafter)
+    logger.info_once(f"hf_sparsekv: draft_cache='int4' drafts with {choice} weights (draft_weights='int4'|'full' "
+                     "chooses)")
+    return choice
+
+
 def _lookup_mode(config, assistant_model, kv_budget, draft_cache) -> tuple[str, int, tuple, int]:
     """``(mode, budget, layout, γ)`` of retrieval drafting (prompt lookup, :mod:`.retrieval`), stock's settings:
     ``prompt_lookup_num_tokens`` drafts per round, suffixes of up to ``max_matching_ngram_size`` (default 2)
@@ -259,6 +275,7 @@ def speculative_generate(
     *,
     kv_budget: int | None = None,
     draft_cache: str | Cache | None = None,
+    draft_weights: str | None = None,
     **kwargs,
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
@@ -333,6 +350,7 @@ def speculative_generate(
         gamma = int(gamma)
         _check_models(model, assistant_model, tokenizer)
         mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
+    draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
                     prefix_cache=past_key_values is not None, max_time=config.max_time)
@@ -342,7 +360,8 @@ def speculative_generate(
             def one_row(ids, mask, cache):
                 return speculative_generate(
                     model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                    kv_budget=kv_budget, draft_cache=cache, attention_mask=mask, tokenizer=tokenizer,
+                    kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights, attention_mask=mask,
+                    tokenizer=tokenizer,
                     **{**row_kwargs, "return_dict_in_generate": True},
                 )
 
@@ -359,7 +378,7 @@ def speculative_generate(
         engine = engine_for(
             model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
             max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
-            batch=batch, penalty=penalty, layout=layout, host=host)
+            batch=batch, penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
         results = static_decode_rows(engine, prompts, rules)
         sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                      for b, res in enumerate(results)]
@@ -377,7 +396,7 @@ def speculative_generate(
                                            wants_outputs=bool(config.output_scores or config.output_logits))
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                         rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
-                        penalty=penalty, layout=layout, host=host)
+                        penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
     # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
     result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 
