@@ -9,6 +9,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
+  int4-self-full-gG  the same with draft_weights="full" (no 4-bit draft weights)
   lookup-gG        generate(ids, prompt_lookup_num_tokens=G)                      stock's call, on our graph path (retrieval)
   hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
@@ -107,8 +108,10 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
         spec = dict(assistant_model=drafter, kv_budget=int(rest[0]))
     elif kind == "window":
         spec = dict(assistant_model=drafter, draft_cache="window", kv_budget=1024)
-    else:
+    else:  # int4-self-gG: the default draft weights (4-bit on CUDA); int4-self-full-gG: the model's own
         spec = dict(assistant_model=verifier, draft_cache="int4")
+        if "full" in rest:
+            spec["draft_weights"] = "full"
 
     def run():
         out = verifier.generate(ids, num_assistant_tokens=gamma, return_dict_in_generate=True, **spec, **common)

@@ -10,7 +10,8 @@ weights: only costs are measured here, never acceptance). Per (pair, context L, 
   captured AR);
 * step costs of the static engine (captured CUDA graphs, compiled as ``generate()`` does unless ``--compile 0``): ``ar``
   (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
-  drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store);
+  drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store),
+  ``int4-w4-draft`` (its draft step on 4-bit draft weights, ``draft_weights="int4"``);
 * the floor of each: the bytes the step must read once (weights, plus the keys/values it attends to: the full
   context, the budget, or the INT4/INT8 codes) over the device-to-device copy rate measured in the same run;
 * peak memory of each (``max_memory_allocated`` after a reset, the models included);
@@ -122,7 +123,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
             ("verify-6", "full", None, drafter, g, ["draft", "verify"])]
     plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
     plan += [(f"window-{args.window}", "window", args.window, drafter, g, ["draft"]),
-             ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"])]
+             ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"]),
+             ("int4-w4", "int4", args.group_size, verifier, g, ["draft"])]  # QuantSpec's 4-bit draft weights
     for label, mode, budget, draft_model, gamma, names in plan:
         wanted = [n for n in names if _step_name(label, n) in only]
         if not wanted:
@@ -130,7 +132,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
         _free()
         with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
             engine = static_engine.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
-                                           batch=prompts[longest].shape[0])
+                                              batch=prompts[longest].shape[0],
+                                              draft_weights="int4" if label == "int4-w4" else "full")
             for L in sorted(prompts, reverse=True):
                 ids = prompts[L]
                 torch.cuda.reset_peak_memory_stats()
@@ -147,8 +150,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
 def _step_name(label: str, step: str) -> str:
     if label == "ar":
         return "ar"
-    if label == "int4":
-        return f"int4-{'draft' if step == 'draft' else 'verify'}"
+    if label in ("int4", "int4-w4"):
+        return f"{label}-{'draft' if step == 'draft' else 'verify'}"
     if step == "verify":
         return label
     return "draft-full" if label == "verify-6" else f"draft-{label}"
@@ -159,7 +162,9 @@ def floors(verifier, drafter, L: int, batch: int, args, bandwidth: float) -> dic
     wv, wd = weight_bytes(verifier), weight_bytes(drafter)
     full = wv + batch * kv_bytes(verifier, L)
     f = {"ar": full, "verify-4": full, "verify-6": full, "draft-full": wd + batch * kv_bytes(drafter, L),
-         "int4-draft": wv + batch * kv_bytes(verifier, L, 4), "int4-verify": wv + batch * kv_bytes(verifier, L, 8)}
+         "int4-draft": wv + batch * kv_bytes(verifier, L, 4), "int4-verify": wv + batch * kv_bytes(verifier, L, 8),
+         # 4 bits a weight plus a bfloat16 scale and zero per 128 (the embedding row and norms stay: ~wv / 4)
+         "int4-w4-draft": wv * (4 + 32 / 128) / 16 + batch * kv_bytes(verifier, L, 4)}
     for b in args.budgets:
         f[f"draft-chunk-{b}"] = wd + batch * kv_bytes(drafter, b)
     f[f"draft-window-{args.window}"] = wd + batch * kv_bytes(drafter, args.window)
@@ -189,13 +194,14 @@ def speculative_modes(seconds: dict, args) -> dict[str, tuple[str, str, int]]:
         modes[f"sparse/full chunk {b}"] = (f"draft-chunk-{b}", "verify-6", g)
     modes[f"window/full {args.window}"] = (f"draft-window-{args.window}", "verify-6", g)
     modes["int4 self-spec"] = ("int4-draft", "int4-verify", g)
+    modes["int4 self-spec, 4-bit draft weights"] = ("int4-w4-draft", "int4-verify", g)
     return {m: v for m, v in modes.items() if v[0] in seconds and v[1] in seconds}
 
 
 def _grid_method(mode: str) -> str:
     if mode == "full/full":
         return "full"
-    if mode == "int4 self-spec":
+    if mode.startswith("int4 self-spec"):
         return "int4"
     b = mode.rsplit(" ", 1)[1]
     return f"chunk-{b}" if mode.startswith("sparse") else f"window4-{b}"
@@ -353,7 +359,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     names = list(E2E) + ["ar", "verify-4", "verify-6", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
-    names += [f"draft-window-{args.window}", "int4-draft", "int4-verify"]
+    names += [f"draft-window-{args.window}", "int4-draft", "int4-verify", "int4-w4-draft"]
     only = set(args.only or names)
     bandwidth = copy_rate()
     print(f"copy rate {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
