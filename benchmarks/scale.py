@@ -20,7 +20,7 @@ weights: only costs are measured here, never acceptance). Per (pair, context L, 
   acceptance of the Qwen2.5-Coder pair measured on CPU (``benchmarks/results/real-cpu-fp32/results.json``, 4K/8K).
 
 Writes ``scale.json``, ``scale.md`` and ``scale.png`` (ms per token against context, one line per method, the AR
-floor drawn) under ``--out``. ``--profile L`` also writes a torch.profiler table of one captured AR step at L.
+floor drawn) under ``--out``. ``--profile L`` also writes a torch.profiler table of captured steps at L (``--profile-steps``; default the AR step).
 
     python benchmarks/scale.py --out runs/scale                       # the whole grid (CUDA, tens of minutes)
     python benchmarks/scale.py --pairs llama-3.1-8b+3.2-1b --contexts 16384 --batches 1 --only ar verify-6
@@ -224,25 +224,33 @@ def project(row: dict, args, measured: dict) -> list[dict]:
     return out
 
 
-def profile_ar(verifier, L: int, path: Path) -> str:
-    """torch.profiler table (CUDA time by kernel) of 5 replays of the captured AR step at context L."""
+PROFILED = {"ar": ("ar", "ar_step", "full"), "int4-draft": ("int4", "draft", "full"),
+            "int4-w4-draft": ("int4", "draft", "int4"), "int4-verify": ("int4", "verify", "full")}
+
+
+def profile_step(verifier, name: str, L: int, args, path: Path) -> str:
+    """torch.profiler table (CUDA time by kernel) of 5 replays of the captured step ``name`` (a key of
+    :data:`PROFILED`) at context L."""
     from torch.profiler import ProfilerActivity, profile
 
     from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
+    mode, step, weights = PROFILED[name]
     _free()
     ids = torch.randint(0, verifier.config.vocab_size, (1, L), device="cuda")
+    gamma, budget, drafter = (1, None, None) if mode == "ar" else (args.gamma, args.group_size, verifier)
     with torch.no_grad(), static_attention_for(verifier):
-        engine = static_engine.engine_for(verifier, None, "ar", None, 1, L + 64, 64, True)
+        engine = static_engine.engine_for(verifier, drafter, mode, budget, gamma, L + 64, 64, True,
+                                          draft_weights=weights)
         engine.prefill([ids])
-        time_graph_step(engine, "ar_step", torch.device("cuda"), 3, 2)
+        time_graph_step(engine, step, torch.device("cuda"), 3, 2)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5):
-                engine.run_step("ar_step")
+                engine.run_step(step)
             torch.cuda.synchronize()
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=90)
-    path.write_text(f"captured AR step, context {L}, 5 replays\n{table}\n")
+    path.write_text(f"captured {name} step, context {L}, 5 replays\n{table}\n")
     return table
 
 
@@ -340,7 +348,8 @@ def main(argv=None) -> int:
     p.add_argument("--compile", choices=["default", "0", "1"], default="default",
                    help="our steps compiled before capture: as generate() decides (default), never, always")
     p.add_argument("--max-kv-gib", type=float, default=40.0, help="skip (context, batch) whose verifier KV exceeds this")
-    p.add_argument("--profile", type=int, default=None, help="also profile one captured AR step at this context")
+    p.add_argument("--profile", type=int, default=None, help="also profile captured steps at this context")
+    p.add_argument("--profile-steps", nargs="+", default=["ar"], choices=list(PROFILED), help="the steps --profile takes")
     p.add_argument("--merge", nargs="+", default=None, help="only combine these scale.json files into --out")
     args = p.parse_args(argv)
     if args.merge:
@@ -372,8 +381,9 @@ def main(argv=None) -> int:
         for m in (verifier, drafter):  # HF's own methods run on SDPA (the strongest attention a user has)
             m.generation_config.pad_token_id = 0
             m.set_attn_implementation("sdpa")
-        if args.profile:
-            print(profile_ar(verifier, args.profile, out / f"profile-ar-{pair}-{args.profile}.txt"), flush=True)
+        for name in args.profile_steps if args.profile else ():
+            print(profile_step(verifier, name, args.profile, args, out / f"profile-{name}-{pair}-{args.profile}.txt"),
+                  flush=True)
         for B in args.batches:
             contexts = sorted(L for L in args.contexts if B * kv_bytes(verifier, L) / 2**30 <= args.max_kv_gib)
             skipped = sorted(set(args.contexts) - set(contexts))
