@@ -14,6 +14,7 @@ Methods (γ = --gamma, greedy, batch 1):
     window0-B       window/full: SinkWindowCache(sink=0, window=B), B = --window-budget
     window4-B       window/full: draft_cache="window", kv_budget=B (4 sink tokens + B-4 window)
     int4            QuantSpec self-speculation of the 1.5B (INT4 draft / INT8 verify on one store)
+    lookup          retrieval alone: prompt lookup (``prompt_lookup_num_tokens=γ``), no drafter
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import torch
 from hf_sparsekv.cache_keyword import cache_keyword, user_cache
 from provenance import commit
 
-METHOD_ORDER = ("full", "chunk", "window0", "window4", "int4")
+METHOD_ORDER = ("full", "chunk", "window0", "window4", "int4", "lookup")
 
 
 def add_grid_args(p) -> None:
@@ -127,6 +128,8 @@ def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
         return dict(assistant_model=drafter, draft_cache="full")
     if cell == "int4":
         return dict(assistant_model=verifier, draft_cache="int4")
+    if cell == "lookup":
+        return dict(prompt_lookup_num_tokens=gamma)
     kind, budget = cell.rsplit("-", 1)
     budget = int(budget)
     if kind == "chunk":

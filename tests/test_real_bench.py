@@ -100,7 +100,7 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
     finally:
         del verifier.forward
     methods = [c["method"] for c in data["cells"]]
-    assert methods == ["full", "chunk-32", "window0-48", "window4-48", "int4"]
+    assert methods == ["full", "chunk-32", "window0-48", "window4-48", "int4", "lookup"]
     assert all(c["identical"] for c in data["cells"]), data["cells"]
     assert calls.count(200) == 1  # one verifier prefill shared by every method
     # the reference is stock greedy generate()
@@ -109,7 +109,7 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
     assert ref["tokens"] == stock[0, 200:].tolist()
     # resume: nothing left to do
     again = real_grid.run_grid(args, models=(verifier, drafter, Tok()))
-    assert len(again["cells"]) == 5
+    assert len(again["cells"]) == 6
     assert "| chunk-32 |" in real_grid.table(again)
 
 
