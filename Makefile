@@ -129,6 +129,10 @@ bench-self-spec-agreement: $(STAMP)
 bench-real-cost: $(STAMP)
 	$(PY) benchmarks/real_models.py cost --out runs/real-cost
 
+# The chunk selection's own cost at 8B shape: the prefill with and without a self-drafting chunk cache (CUDA).
+bench-selection-cost: $(STAMP)
+	$(PY) benchmarks/selection_cost.py --contexts 16384 65536 --out runs/selection-cost
+
 # The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
 # skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)
