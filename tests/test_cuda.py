@@ -281,3 +281,20 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
     for b, p in enumerate(prompts):
         reference = model.generate(p, max_new_tokens=40, do_sample=False)[0, p.shape[1] :]
         assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
+
+
+@pytest.mark.parametrize("mode", ["chunk", "window"])
+def test_sampled_batch_rows_together_on_the_captured_engine_float32(mode):
+    """A sampled batch decodes its rows together on the captured engine (the warpers baked into the batch's steps):
+    with top_k=1 every row's draws are its argmaxes, so each row equals its prompt's greedy output alone."""
+    verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
+    prompts = [prompt(n, 70 + n).cuda() for n in (3, 150, 400, 41)]
+    ids, mask = left_padded(prompts)
+    kwargs = dict(max_new_tokens=24, **NO_EOS)
+    out = verifier.generate(ids, attention_mask=mask, do_sample=True, top_k=1, assistant_model=drafter,
+                            draft_cache=mode, kv_budget=64, num_assistant_tokens=3, **kwargs)
+    engine = static_engine.current_engine(verifier)
+    assert engine.spec.batch == 4 and engine.warpers is not None and engine.use_graphs
+    for b, p in enumerate(prompts):
+        reference = verifier.generate(p, do_sample=False, **kwargs)[0, p.shape[1] :]
+        assert torch.equal(out[b, ids.shape[1] :], reference), b
