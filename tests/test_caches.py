@@ -374,3 +374,17 @@ def test_stale_scoring_request_is_never_served_to_another_model():
     scoring(input_ids=prompt(40, seed=1), past_key_values=fresh, use_cache=True)
     assert stale.layers[0].awaiting_scores and stale.get_seq_length() == 40
     assert all(layer.stored_length() <= 16 for layer in fresh.layers)
+
+
+@pytest.mark.parametrize("window", [None, 40])
+def test_cumulative_attention_equals_a_float64_reference(window):
+    """Each query head against its KV head's keys (GQA, 3 query heads per KV head), causal softmax in float64,
+    summed over the voting queries."""
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 6, 90, 8, generator=g), torch.randn(2, 2, 90, 8, generator=g)
+    logits = (q.double() @ k.double().repeat_interleave(3, dim=1).transpose(-1, -2)) * 0.3
+    logits.masked_fill_(torch.ones(90, 90, dtype=torch.bool).triu(1), float("-inf"))
+    first = 0 if window is None else 90 - window
+    want = torch.softmax(logits, -1)[:, :, first:].sum(-2)
+    got = cumulative_attention(q, k, 0.3, score_window=window, block_size=16)
+    torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)

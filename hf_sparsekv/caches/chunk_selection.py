@@ -117,20 +117,25 @@ def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float,
 
     query: ``[B, Hq, P, D]`` (prompt queries at positions 0..P-1), key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv.
     Only the last ``score_window`` queries vote when it is given. Computed ``block_size`` queries at a time, so
-    memory is O(block_size·P), never P×P. Returns ``[B, Hq, P]``.
+    memory is O(block_size·P), never P×P: each KV head's keys are read once by its group of query heads (no copy
+    repeated per query head) and the softmax is taken in place. Returns ``[B, Hq, P]``.
     """
     b, hq, p, d = query.shape
-    group = hq // key.shape[1]
-    k = key.float().repeat_interleave(group, dim=1)
+    kv_heads = key.shape[1]
+    group = hq // kv_heads
+    k = key.float().transpose(-1, -2)  # [B, Hkv, D, P]
     first = 0 if score_window is None else max(0, p - score_window)
     scores = torch.zeros(b, hq, p, dtype=torch.float32, device=query.device)
     key_pos = torch.arange(p, device=query.device)
     for start in range(first, p, block_size):
         stop = min(start + block_size, p)
-        logits = torch.matmul(query[:, :, start:stop].float(), k.transpose(-1, -2)) * scaling
+        rows = stop - start
+        q = query[:, :, start:stop].float().reshape(b, kv_heads, group * rows, d)  # a group's heads, then queries
+        logits = torch.matmul(q, k).mul_(scaling).view(b, hq, rows, p)
         q_pos = torch.arange(start, stop, device=query.device)
         logits.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
-        scores += torch.softmax(logits, dim=-1).sum(dim=-2)
+        logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # every query sees key 0: each row's max is finite
+        scores += logits.div_(logits.sum(-1, keepdim=True)).sum(dim=-2)
     return scores
 
 
