@@ -259,6 +259,54 @@ def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Ten
     return config, unused
 
 
+def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
+    """Refuse the generation options the engine does not serve, naming where each came from."""
+    if not config.use_cache:
+        raise ValueError(
+            f"use_cache=False is not supported with kv_budget/draft_cache: speculative decoding works on KV caches "
+            f"({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
+        )
+    if config.cache_implementation is not None:
+        source = _refuse_source("cache_implementation", config.cache_implementation, kwargs, generation_config, model)
+        raise NotImplementedError(
+            f"cache_implementation is not supported with kv_budget/draft_cache: {source}; the verifier runs on a "
+            "dynamic cache and the drafter on draft_cache"
+        )
+    if (config.num_beams or 1) > 1:
+        raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
+    if (config.num_return_sequences or 1) > 1:
+        raise NotImplementedError("num_return_sequences > 1 is not supported with kv_budget/draft_cache")
+    for name, is_active in _UNSUPPORTED_OPTIONS.items():
+        value = getattr(config, name, None)
+        if is_active(value):
+            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
+                                      f"{_refuse_source(name, value, kwargs, generation_config, model)}")
+
+
+def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: tuple, logits_processor,
+                        stopping_criteria, tokenizer):
+    """A batch's rows decoded together on one engine of ``len(input_ids)`` rows; ``plan`` = (mode, budget, layout,
+    γ, draft_weights). Returns the output as stock assembles a batch."""
+    mode, budget, layout, gamma, draft_weights = plan
+    rows = [
+        _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
+                   stopping_criteria, logits_processor, tokenizer)
+        for b in range(input_ids.shape[0])
+    ]
+    prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
+    # the warpers and the penalty's settings are the same for every row (only the EOS floor differs, per row)
+    warpers, host, penalty = _engine_rules(rules[0], logits_processor, sampling=config.do_sample, wants_outputs=False)
+    engine = engine_for(
+        model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
+        max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
+        batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
+    results = static_decode_rows(engine, prompts, rules)
+    sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
+                 for b, res in enumerate(results)]
+    return assemble(sequences, [res.stats for res in results], pad_value(config), config.return_dict_in_generate,
+                    SpeculativeGenerateOutput, shared_seconds=True)
+
+
 def speculative_generate(
     model,
     inputs: torch.Tensor | None = None,
@@ -321,26 +369,7 @@ def speculative_generate(
     if attention_mask is None:  # inferred from pad_token_id as stock infers it
         attention_mask = infer_attention_mask(config, input_ids)
 
-    if not config.use_cache:
-        raise ValueError(
-            f"use_cache=False is not supported with kv_budget/draft_cache: speculative decoding works on KV caches "
-            f"({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
-        )
-    if config.cache_implementation is not None:
-        source = _refuse_source("cache_implementation", config.cache_implementation, kwargs, generation_config, model)
-        raise NotImplementedError(
-            f"cache_implementation is not supported with kv_budget/draft_cache: {source}; the verifier runs on a "
-            "dynamic cache and the drafter on draft_cache"
-        )
-    if (config.num_beams or 1) > 1:
-        raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
-    if (config.num_return_sequences or 1) > 1:
-        raise NotImplementedError("num_return_sequences > 1 is not supported with kv_budget/draft_cache")
-    for name, is_active in _UNSUPPORTED_OPTIONS.items():
-        value = getattr(config, name, None)
-        if is_active(value):
-            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
-                                      f"{_refuse_source(name, value, kwargs, generation_config, model)}")
+    _refuse_config(config, kwargs, generation_config, model)
     if config.prompt_lookup_num_tokens is not None:
         mode, budget, layout, gamma = _lookup_mode(config, assistant_model, kv_budget, draft_cache)
     else:
@@ -354,7 +383,6 @@ def speculative_generate(
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
                     prefix_cache=past_key_values is not None, max_time=config.max_time)
-        pad = pad_value(config)
         if config.do_sample and mode == "int4":  # a row's quantization cap would cut a sampled block: row by row
 
             def one_row(ids, mask, cache):
@@ -365,25 +393,11 @@ def speculative_generate(
                     **{**row_kwargs, "return_dict_in_generate": True},
                 )
 
-            return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad, config.return_dict_in_generate)
-        rows = [
-            _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
-                       stopping_criteria, logits_processor, tokenizer)
-            for b in range(batch)
-        ]
-        prompts, rules = [r[0] for r in rows], [r[1] for r in rows]
-        # the warpers and the penalty's settings are the same for every row (only the EOS floor differs, per row)
-        warpers, host, penalty = _engine_rules(rules[0], logits_processor, sampling=config.do_sample,
-                                               wants_outputs=False)
-        engine = engine_for(
-            model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
-            max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
-            batch=batch, penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
-        results = static_decode_rows(engine, prompts, rules)
-        sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
-                     for b, res in enumerate(results)]
-        return assemble(sequences, [res.stats for res in results], pad, config.return_dict_in_generate,
-                        SpeculativeGenerateOutput, shared_seconds=True)
+            return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
+                                 config.return_dict_in_generate)
+        return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
+                                     (mode, budget, layout, gamma, draft_weights), logits_processor, stopping_criteria,
+                                     tokenizer)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
