@@ -98,6 +98,11 @@ def test_what_draft_weights_refuses():
         verifier.generate(ids, assistant_model=verifier, draft_cache="int4", draft_weights="int8", max_new_tokens=3)
     with pytest.raises(ValueError, match="draft_weights applies to draft_cache='int4'"):
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, draft_weights="int4", max_new_tokens=3)
+    sharded = copy.deepcopy(verifier)
+    sharded._tp_size = 2  # as transformers marks a model loaded with tp_plan
+    with pytest.raises(NotImplementedError, match="tensor-parallel"):
+        sharded.generate(ids, assistant_model=sharded, draft_cache="int4", draft_weights="int4", max_new_tokens=3)
+    assert draft_weights.default_choice(sharded) == "full"
 
 
 @pytest.mark.cuda

@@ -31,15 +31,24 @@ _active = False  # read by every converted layer's forward: the draft steps' wei
 _models: "weakref.WeakSet" = weakref.WeakSet()
 
 
+def _layers(model) -> list[nn.Linear]:
+    """The linear layers that get a 4-bit copy: plain ``nn.Linear`` of a shape tinygemm takes."""
+    return [m for m in model.modules() if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]
+
+
 def default_choice(model) -> str:
-    """``"int4"`` where tinygemm runs (a CUDA model with at least one qualifying layer), else ``"full"``."""
-    if model.device.type != "cuda" or not hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+    """``"int4"`` where tinygemm runs (a CUDA model, not tensor-parallel, with at least one qualifying layer), else
+    ``"full"``."""
+    if model.device.type != "cuda" or not hasattr(torch.ops.aten, "_weight_int4pack_mm") or _sharded(model):
         return "full"
-    layers = [m for m in model.modules() if type(m) is nn.Linear]
-    return "int4" if any(w4_shape_ok(*m.weight.shape) for m in layers) else "full"
+    return "int4" if _layers(model) else "full"
 
 
-def check_choice(draft_weights, mode: str) -> None:
+def _sharded(model) -> bool:
+    return (getattr(model, "_tp_size", None) or 1) > 1 or any(hasattr(p, "to_local") for p in model.parameters())
+
+
+def check_choice(draft_weights, mode: str, drafter) -> None:
     if draft_weights is None:
         return
     if draft_weights not in CHOICES:
@@ -47,6 +56,9 @@ def check_choice(draft_weights, mode: str) -> None:
     if mode not in ("int4", "int4-drafter"):
         raise ValueError("draft_weights applies to draft_cache='int4' (QuantSpec self-speculation or a drafter on a "
                          "quantized cache)")
+    if draft_weights == "int4" and _sharded(drafter):
+        raise NotImplementedError("draft_weights='int4' with a tensor-parallel model (tp_plan): its weights are "
+                                  "sharded; use draft_weights='full'")
 
 
 def _versions(layers: list[nn.Linear]) -> tuple:
@@ -70,7 +82,7 @@ def attach(model) -> bool:
     """Give every qualifying linear layer of ``model`` its 4-bit copy (once; again where a weight changed in place).
     Returns whether copies were made (earlier ones, and whatever captured them, are stale then)."""
     held = getattr(model, _VERSIONS, None)
-    layers = [m for m in model.modules() if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]
+    layers = _layers(model)
     if held is not None and held == _versions(layers):
         return False
     release_model(model)
