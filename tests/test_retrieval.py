@@ -16,17 +16,17 @@ from hf_sparsekv.generation.retrieval import retrieval_drafts
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 
 
-def _reference_drafts(tokens: list[int], gamma: int, max_ngram: int) -> list[int]:
+def _reference_drafts(tokens: list[int], gamma: int, max_ngram: int) -> tuple[list[int], bool]:
     """The rule, literally: the longest suffix (up to max_ngram) with an earlier occurrence, its most recent one; the
-    γ tokens after it, continued periodically; no match: the last token repeated."""
+    γ tokens after it, continued periodically; no match: the last token repeated (and found = False)."""
     n = len(tokens)
     for k in range(min(max_ngram, n - 1), 0, -1):
         suffix = tokens[n - k :]
         for end in range(n - 2, k - 2, -1):  # most recent first
             if tokens[end - k + 1 : end + 1] == suffix:
                 period = n - 1 - end
-                return [tokens[end + 1 + i % period] for i in range(gamma)]
-    return [tokens[-1]] * gamma
+                return [tokens[end + 1 + i % period] for i in range(gamma)], True
+    return [tokens[-1]] * gamma, False
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -44,10 +44,13 @@ def test_retrieval_drafts_follow_the_rule(seed):
     n = torch.tensor(lengths)
     for gamma in (1, 3, 8):
         for max_ngram in (1, 2, 4):
-            drafts = retrieval_drafts(seq, n, gamma, max_ngram)
+            drafts, found = retrieval_drafts(seq, n, gamma, max_ngram)
             for row in range(rows):
-                expected = _reference_drafts(seq[row, : lengths[row]].tolist(), gamma, max_ngram)
-                assert drafts[row].tolist() == expected, (row, gamma, max_ngram)
+                expected, matched = _reference_drafts(seq[row, : lengths[row]].tolist(), gamma, max_ngram)
+                assert drafts[row].tolist() == expected and bool(found[row]) == matched, (row, gamma, max_ngram)
+    unique = torch.arange(40)[None]  # no token repeats: no match, the last token repeated
+    drafts, found = retrieval_drafts(unique, torch.tensor([40]), 3, 2)
+    assert drafts.tolist() == [[39, 39, 39]] and not bool(found[0])
 
 
 def _repetitive_prompt(seed: int) -> torch.Tensor:
@@ -77,8 +80,25 @@ def test_stock_prompt_lookup_runs_on_the_engine_with_stocks_tokens(arch, tokens,
     assert torch.equal(out.sequences, _stock(model, ids, **settings))
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=30, do_sample=False))
     stats = out.spec_stats
-    assert stats.drafted == tokens * stats.rounds and stats.accepted > 0  # retrieval was right at least once
+    assert stats.drafted % tokens == 0 and 0 < stats.drafted <= tokens * stats.rounds
+    assert stats.accepted > 0  # retrieval was right at least once
     assert stats.new_tokens == 30
+
+
+def test_rounds_without_a_match_run_one_verifier_step(monkeypatch):
+    """A prompt of distinct tokens and a generation that does not repeat them: the rounds in which no match exists
+    run the one-token step, not a (γ+1)-token verification, and the output is still greedy's."""
+    model = tiny_model("llama")
+    ids = torch.randperm(90, generator=torch.Generator().manual_seed(2))[None, :60] + 3
+    steps = []
+    run_step = static_engine.StaticEngine.run_step
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", lambda self, name: (steps.append(name),
+                                                                                    run_step(self, name))[1])
+    out = model.generate(ids, prompt_lookup_num_tokens=4, max_new_tokens=12, do_sample=False,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=12, do_sample=False))
+    assert "ar_step" in steps and "draft" not in steps
+    assert out.spec_stats.drafted == 4 * steps.count("verify")
 
 
 def test_prompt_lookup_from_the_models_generation_config_and_in_a_batch():

@@ -26,8 +26,9 @@ round's state (``flush_to``, outside the graphs); a row keeps no token of the bl
 would move (``cap``), and a round in which no row could keep all its drafts runs one verifier step instead (no
 drafts), so every kept token sees the state greedy AR on the INT8 view would see.
 
-Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter; the draft step
-fills ``drafts`` from the continuation of an earlier occurrence of each row's last tokens; no catch-up.
+Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter and no draft
+step; every step that moves the sequence ends by filling ``drafts`` with the continuation of an earlier occurrence of
+each row's last tokens, and a round in which no row found one runs one verifier step instead.
 
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.
@@ -156,7 +157,8 @@ class StaticEngine:
         for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
-        self.report = torch.zeros(rows, gamma + 2, dtype=torch.long, device=device)  # [a, v_0..v_γ] per row: what the host reads
+        # [a, v_0..v_γ, found] per row: what the host reads (found: retrieval's next round has a match)
+        self.report = torch.zeros(rows, gamma + 3, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(gamma + 1, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
@@ -206,11 +208,8 @@ class StaticEngine:
         """``seq[b, n[b] - back]`` of every row, ``[B, 1]``."""
         return self.seq.gather(1, (self.n - back)[:, None])
 
-    def _draft(self) -> None:
-        if self.spec.mode == "lookup":
-            retrieve(self)
-        else:
-            draft(self)
+    def _draft(self) -> None:  # retrieval drafts at the end of the step before (:meth:`_advance`): no draft step
+        draft(self)
 
     def _catch_up(self) -> None:
         catch_up(self)
@@ -260,7 +259,7 @@ class StaticEngine:
 
     def _advance(self, tokens: torch.Tensor, accepted: torch.Tensor) -> None:
         """Write ``tokens [B, L]`` at ``seq[b, n[b]..]``, move the live rows' ``n`` past ``accepted + 1`` of them and
-        leave ``[a, tokens]`` in the report."""
+        leave ``[a, tokens]`` in the report (retrieval: then the next round's drafts, :func:`~.retrieval.retrieve`)."""
         # an indexed assignment, which the compiler keeps in place (a scatter_ compiles to a copy of all of seq)
         self.seq[self._rows, self.n[:, None] + self.block_offsets[: tokens.shape[1]]] = tokens
         if self.penalty is not None:  # the kept tokens join each row's seen set (a dropped one repeats token 0)
@@ -270,6 +269,8 @@ class StaticEngine:
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
+        if self.spec.mode == "lookup":
+            retrieve(self)
 
     def _verify_forward(self) -> torch.Tensor:
         """The verifier on ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ``: its logits ``[B, γ+1, V]``."""
@@ -407,6 +408,8 @@ class StaticEngine:
         self.seq.scatter_(1, self.n[:, None], first[:, None])
         self.n.add_(1)
         self.live.fill_(1)
+        if self.spec.mode == "lookup":
+            retrieve(self)
         return first.tolist()
 
 

@@ -6,8 +6,13 @@ Per row, with the sequence ``seq[b, :n[b]]``: the longest suffix of ``k <= max_n
 (ending at ``j <= n - 2``) selects the most recent such occurrence; the drafts are the ``γ`` tokens after it,
 ``seq[j + 1 ...]``, extended periodically where they would run past the sequence (``seq[j + 1 + (i mod p)]`` with
 ``p = n - 1 - j``: the repetition that the match implies). A row with no match drafts its last token repeated (the
-``k = 0`` case, ``j = n - 2``). Drafts are proposals only: verification keeps exactly the tokens greedy (or sampled)
-decoding would produce, whatever they are.
+``k = 0`` case, ``j = n - 2``) and says so: a round in which no row found a match runs one verifier step instead of
+a verification of γ + 1 tokens (on a compute-bound device, a CPU, the wider step would cost more for nothing).
+Drafts are proposals only: verification keeps exactly the tokens greedy (or sampled) decoding would produce,
+whatever they are.
+
+The engine computes the next round's drafts at the end of every step that moves the sequence (and after the
+prefill), and leaves the match flags in the report the host already reads once per round: no extra sync.
 
 Sampling reads the drafts as drawn from a one-hot ``q`` (they are a function of the sequence), which speculative
 sampling accepts with probability ``p(x)`` and otherwise resamples from ``p`` without ``x``: exact."""
@@ -17,9 +22,10 @@ from __future__ import annotations
 import torch
 
 
-def retrieval_drafts(seq: torch.Tensor, n: torch.Tensor, gamma: int, max_ngram: int) -> torch.Tensor:
+def retrieval_drafts(seq: torch.Tensor, n: torch.Tensor, gamma: int, max_ngram: int) -> tuple[torch.Tensor,
+                                                                                              torch.Tensor]:
     """``seq [B, C]`` token buffers (positions ``>= n[b]`` hold stale values and are never matched), ``n [B]`` each
-    row's length (``>= 2``) -> ``drafts [B, γ]`` int64 (see the module docstring)."""
+    row's length (``>= 2``) -> ``(drafts [B, γ] int64, found [B] bool)`` (see the module docstring)."""
     rows, capacity = seq.shape
     positions = torch.arange(capacity, device=seq.device)[None, :]  # [1, C]: j, where a match would end
     last = (n - 1)[:, None]  # [B, 1]
@@ -36,14 +42,16 @@ def retrieval_drafts(seq: torch.Tensor, n: torch.Tensor, gamma: int, max_ngram: 
     end = torch.where(best >= 0, best % capacity, n - 2)  # [B]: no match -> the last token repeated
     period = (n - 1 - end)[:, None]  # >= 1
     offsets = torch.arange(gamma, device=seq.device)[None, :]
-    return seq.gather(1, end[:, None] + 1 + offsets % period)
+    return seq.gather(1, end[:, None] + 1 + offsets % period), best >= 0
 
 
 def retrieve(engine) -> None:
-    """The draft step of retrieval: ``engine.drafts [B, γ]`` from the engine's own token buffer (``spec.budget`` is
-    the longest suffix matched), and, sampling, the one-hot ``engine.q [B, γ, V]`` they are drawn from."""
-    drafts = retrieval_drafts(engine.seq, engine.n, engine.spec.gamma, engine.spec.budget)
+    """The next round's drafts: ``engine.drafts [B, γ]`` from the engine's own token buffer (``spec.budget`` is the
+    longest suffix matched), the match flags in the report's last column, and, sampling, the one-hot
+    ``engine.q [B, γ, V]`` the drafts are drawn from."""
+    drafts, found = retrieval_drafts(engine.seq, engine.n, engine.spec.gamma, engine.spec.budget)
     engine.drafts.copy_(drafts)
+    engine.report[:, -1].copy_(found.long())
     if engine.warpers is not None:
         engine.q.zero_()
         engine.q.scatter_(2, drafts[..., None], 1.0)

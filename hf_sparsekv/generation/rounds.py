@@ -87,6 +87,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
     host = engine.spec.host
+    lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
 
@@ -138,6 +139,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         for row, first in enumerate(firsts):
             accept(row, [first])
         retire_finished()
+        found = engine.report[:, -1].tolist() if lookup else None
         catch_up = False
         while not all(done):
             if is_ar:
@@ -155,6 +157,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 retire_finished()
                 continue
             drafting, rooms = True, [gamma + 1] * rows
+            if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
+                drafting = any(f and not d for f, d in zip(found, done))
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
@@ -171,17 +175,19 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             timer.mark("draft", True)
             if catch_up:
                 engine.run_step("catch_up")
-            if drafting:
+            if drafting and not lookup:
                 engine.run_step("draft")
             timer.mark("draft", False)
             timer.mark("verify", True)
             if host:
                 engine.run_step("verify_logits" if drafting else "ar_logits")
                 rounds = host_round(drafting, rooms)
+                found = engine.report[:, -1].tolist() if lookup else None
             else:
                 engine.run_step("verify" if drafting else "ar_step")
                 report = engine.report.tolist()  # the round's one sync
                 rounds = [(r[0], r[1 : r[0] + 2]) for r in report]
+                found = [r[-1] for r in report]
             timer.mark("verify", False)
             catch_up = False
             for row in range(rows):
