@@ -86,6 +86,12 @@ def test_the_copy_follows_the_weights_and_is_freed():
     out = verifier.generate(ids, **spec)
     assert not torch.equal(layers[0]._hf_sparsekv_w4.codes, first)
     assert torch.equal(out, _int8_view_greedy(verifier, ids, 12))
+    twin = copy.deepcopy(verifier)  # a copy's converted layers compute with the copy's own weights
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(2.0)
+    x = torch.randn(1, 3, verifier.config.hidden_size, dtype=torch.float64)
+    torch.testing.assert_close(twin.lm_head(x), x @ twin.lm_head.weight.T)
+    torch.testing.assert_close(verifier.lm_head(x), x @ verifier.lm_head.weight.T)
     hf_sparsekv.release_engines()
     assert draft_weights.nbytes(verifier) == 0
     assert all("forward" not in m.__dict__ and not hasattr(m, "_hf_sparsekv_w4") for m in layers)

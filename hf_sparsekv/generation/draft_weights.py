@@ -13,6 +13,7 @@ kernels it was traced with).
 from __future__ import annotations
 
 import contextlib
+import types
 import weakref
 
 import torch
@@ -65,12 +66,12 @@ def _versions(layers: list[nn.Linear]) -> tuple:
     return tuple((m.weight.data_ptr(), m.weight._version) for m in layers)
 
 
-def _w4_forward(layer: nn.Linear, original):
-    def forward(x: torch.Tensor) -> torch.Tensor:
-        if not _active:
-            return original(x)
-        return w4_linear(x, getattr(layer, _ATTRIBUTE), layer.bias)
-    return forward
+def _w4_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """A converted layer's forward (bound to the layer, so that a deep copy of the model binds it to the copy)."""
+    if _active:
+        return w4_linear(x, getattr(self, _ATTRIBUTE), self.bias)
+    own = getattr(self, _OWN_FORWARD)
+    return own(x) if own is not None else type(self).forward(self, x)
 
 
 def nbytes(model) -> int:
@@ -93,7 +94,7 @@ def attach(model) -> bool:
             w4: W4Weight = quantize_w4(layer.weight, pack=pack)
             setattr(layer, _ATTRIBUTE, w4)
             setattr(layer, _OWN_FORWARD, layer.__dict__.get("forward"))
-            layer.forward = _w4_forward(layer, layer.forward)
+            layer.forward = types.MethodType(_w4_forward, layer)
             total += w4.nbytes()
     setattr(model, _VERSIONS, _versions(layers))
     _models.add(model)
