@@ -109,6 +109,10 @@ bench-batch: $(STAMP)
 bench-kernels: $(STAMP)
 	$(PY) benchmarks/kernels.py --sweep --out runs/kernels.json
 
+# The decode step's linear layers: cuBLAS against the grouped GEMV kernel at real projection shapes (CUDA, ~2 min).
+bench-linear: $(STAMP)
+	$(PY) benchmarks/linear_kernels.py --out runs/linear-kernels
+
 # What the compiler made of the quantized decode kernel for sm_90 (registers, spills, SASS mix); no GPU needed.
 kernel-asm: $(STAMP)
 	$(PY) benchmarks/kernel_asm.py --shape llama3-8b --view int4 --json

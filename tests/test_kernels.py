@@ -28,6 +28,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
 from hf_sparsekv.kernels import runtime  # noqa: E402
 from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference  # noqa: E402
+from hf_sparsekv.kernels.grouped_linear import grouped_linear, kernel_takes  # noqa: E402
 from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.quantize import (  # noqa: E402
     quantize_keys,
@@ -87,6 +88,56 @@ def _qkv(hq, hkv, length, d, s, dtype, seed, device=DEVICE):
     k = torch.randn(1, hkv, s, d, generator=g) * 1.5 + 0.3
     v = torch.randn(1, hkv, s, d, generator=g)
     return q.to(device, dtype), k.to(device, dtype), v.to(device, dtype)
+
+
+# ---------------------------------------------------------------- grouped linear layers (decode-step GEMV)
+
+GROUPED_CASES = [  # (rows, K, output sizes, bias): one row (the FMA route) and several (tensor cores); K and N not
+    (1, 64, (48, 16, 16), False),  # multiples of the blocks; one to three weights
+    (1, 80, (24,), True),
+    (3, 128, (32, 40), True),
+    (5, 48, (20, 36, 8), False),
+    (16, 272, (64, 17, 64), True),
+]
+
+
+def _grouped_inputs(rows, k, ns, bias, dtype, seed, device=DEVICE):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    ws = [torch.randn(n, k, generator=g) / k**0.5 for n in ns]
+    bs = [torch.randn(n, generator=g) for n in ns] if bias else []
+    return x.to(device, dtype), [w.to(device, dtype) for w in ws], [b.to(device, dtype) for b in bs]
+
+
+def _grouped_reference(x, ws, bs):
+    """float64 ``x @ w.T + b``."""
+    return [x.double() @ w.double().T + (bs[i].double() if bs else 0) for i, w in enumerate(ws)]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", GROUPED_CASES, ids=lambda c: "r{}-k{}-n{}-{}".format(c[0], c[1], "_".join(map(str, c[2])),
+                                                                                      "bias" if c[3] else "nobias"))
+def test_grouped_linear_matches_reference(case, dtype):
+    rows, k, ns, bias = case
+    x, ws, bs = _grouped_inputs(rows, k, ns, bias, dtype, seed=rows * k)
+    x = x.reshape(1, rows, k)  # as a step calls it: [B, L, K]
+    assert kernel_takes(x, ws, bs)
+    outs = grouped_linear(x, ws, bs)
+    for out, ref, n in zip(outs, _grouped_reference(x, ws, bs), ns):
+        assert out.shape == (1, rows, n) and out.dtype == dtype and out.is_contiguous()
+        assert _rel(out, ref) < TOL
+
+
+def test_grouped_linear_leaves_other_calls_to_the_reference():
+    """Calls the kernel does not take (float32, more rows than one pass serves, a transposed weight) are computed by
+    ``F.linear``: exact against it."""
+    x, ws, bs = _grouped_inputs(3, 64, (32, 16), True, torch.float32, seed=1)
+    cases = [(x, ws, bs), (torch.randn(17, 64).to(DEVICE, torch.float16), [w.half() for w in ws], []),
+             (x.half(), [ws[0].half().T.contiguous().T], [])]
+    for xi, wi, bi in cases:
+        assert not kernel_takes(xi, wi, bi)
+        for out, w, b in zip(grouped_linear(xi, wi, bi), wi, bi or [None] * len(wi)):
+            assert torch.equal(out, torch.nn.functional.linear(xi, w, b))
 
 
 # ---------------------------------------------------------------- chunk-budget decode attention
@@ -845,3 +896,14 @@ def test_cuda_lossless_with_kernels(mode):
                 spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
             out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
             assert torch.equal(out, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 6, 16])
+def test_cuda_grouped_linear_real_sizes(rows):
+    """Llama-3.1-8B's q/k/v and gate/up projections and a narrow-K case, bf16, against float64."""
+    for k, ns in [(4096, (4096, 1024, 1024)), (4096, (14336, 14336)), (896, (896, 128, 128))]:
+        x, ws, bs = _grouped_inputs(rows, k, ns, False, torch.bfloat16, seed=rows + k)
+        assert kernel_takes(x, ws, bs)
+        for out, ref in zip(grouped_linear(x, ws, bs), _grouped_reference(x, ws, bs)):
+            assert _rel(out, ref) < TOL

@@ -6,7 +6,8 @@ one call replays it exactly with whatever those tensors hold at replay time.
 
 Before capture a step may be compiled with ``torch.compile`` (Inductor fuses each layer's norms, rotary embedding,
 activation and residual adds, so the captured graph holds several times fewer kernels; the decode attention stays
-our Triton kernel, as a custom operator). The compiled code runs only during the warm-up and the capture; a replay
+our Triton kernel, as a custom operator, and the linear layers that share an input become one grouped GEMV kernel:
+:mod:`.projection_groups`). The compiled code runs only during the warm-up and the capture; a replay
 is the recorded kernels alone, so dynamo's guards are never consulted again.
 
 A step of a model dispatched over several devices (``device_map``) is captured as one graph spanning them: during
@@ -25,10 +26,12 @@ import torch
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
+from .projection_groups import group_projections
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, no code generation
+GROUPED_LINEAR_ENV = "HF_SPARSEKV_GROUPED_LINEAR"  # "0": keep each linear layer a cuBLAS call in compiled steps
 RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
 
@@ -48,6 +51,14 @@ def compile_setting(use_graphs: bool) -> bool:
     if value not in ("0", "1", "auto"):
         raise ValueError(f"{COMPILE_ENV} must be '0', '1' or 'auto', got {value!r}")
     return value == "1" or (value == "auto" and use_graphs)
+
+
+def step_backend(gm: torch.fx.GraphModule, example_inputs):
+    """The ``torch.compile`` backend of the steps: the linear layers that share an input become one grouped kernel
+    (:mod:`.projection_groups`; off with ``HF_SPARSEKV_GROUPED_LINEAR=0``), then :data:`COMPILE_BACKEND` compiles."""
+    if os.environ.get(GROUPED_LINEAR_ENV, "1") != "0":
+        group_projections(gm)
+    return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
 
 
 def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int,
@@ -81,7 +92,7 @@ class CapturedStep:
 
     def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = ()):
         self.eager_fn, self.pool = fn, pool
-        self.fn = torch.compile(fn, backend=COMPILE_BACKEND, dynamic=False) if compiled else fn
+        self.fn = torch.compile(fn, backend=step_backend, dynamic=False) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
         self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph

@@ -1,0 +1,94 @@
+"""A compile pass over a step's graph: the linear layers that read the same input become one
+``hf_sparsekv::grouped_linear`` call (a layer's q/k/v projections, an MLP's gate/up).
+
+Why: a decode step's linear layers are reads of their weights. cuBLAS runs each small one as a split-K GEMV with a
+separate reduce kernel; the grouped kernel (:mod:`hf_sparsekv.kernels.grouped_linear`) reads the weights of a group
+in one launch, without the reduce. The model's modules and parameters are not touched (nothing is concatenated):
+the pass rewrites the graph dynamo traced from the step, before Inductor compiles it, so it applies exactly where
+the engine compiles a step and nowhere else. A lone layer becomes a call only where the kernel beats cuBLAS on it
+(:func:`~hf_sparsekv.kernels.grouped_linear.worth_it`).
+
+A ``linear`` call joins a group when its weight (and bias, if any) are graph inputs of a dtype the kernel takes,
+contiguous, on a device where :func:`hf_sparsekv.kernels.runtime.enabled`, and its input has at most
+:data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` rows (decode and verify steps; larger batches keep cuBLAS).
+Groups keep the order in which the layers were called; a group holds at most three layers, all with a bias or all
+without.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.nn.functional as F
+
+from ..kernels import grouped_linear as kernel
+from ..kernels import runtime
+
+_LINEARS = (torch._C._nn.linear, F.linear)
+
+
+def _value(node):
+    return node.meta.get("example_value") if isinstance(node, torch.fx.Node) else None
+
+
+def _plain_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor" and not getattr(t, "_is_view_of_dtensor", 0)
+
+
+def _linear_parts(node: torch.fx.Node):
+    """``(input, weight, bias)`` nodes of a ``linear`` call the kernel can take, else None."""
+    if node.op != "call_function" or node.target not in _LINEARS:
+        return None
+    args = list(node.args) + [None] * (3 - len(node.args))
+    x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    w, xv = _value(weight), _value(x)
+    if not (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and _plain_tensor(w) and _plain_tensor(xv)):
+        return None
+    if bias is not None and not (isinstance(bias, torch.fx.Node) and bias.op == "placeholder"
+                                 and _plain_tensor(_value(bias))):
+        return None
+    biases = [_value(bias)] if bias is not None else []
+    if not (runtime.enabled(w.device) and w.device == xv.device and kernel.kernel_takes(xv, [w], biases)):
+        return None
+    return x, weight, bias
+
+
+def group_projections(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place (see the module docstring); the number of ``grouped_linear`` calls inserted."""
+    by_input: dict[torch.fx.Node, list[tuple[torch.fx.Node, torch.fx.Node, torch.fx.Node | None]]] = {}
+    for node in gm.graph.nodes:
+        parts = _linear_parts(node)
+        if parts is not None:
+            by_input.setdefault(parts[0], []).append((node, parts[1], parts[2]))
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    inserted = 0
+    for x, calls in by_input.items():
+        for with_bias in (False, True):
+            same = [c for c in calls if (c[2] is not None) == with_bias]
+            rows = _value(x).numel() // _value(x).shape[-1] if same else 0
+            for i in range(0, len(same), kernel.MAX_WEIGHTS):
+                group = same[i : i + kernel.MAX_WEIGHTS]
+                if kernel.worth_it(rows, [tuple(_value(c[1]).shape) for c in group]):
+                    _replace(gm.graph, x, group, position)
+                    inserted += 1
+    if inserted:
+        gm.graph.lint()
+        gm.recompile()
+    return inserted
+
+
+def _replace(graph: torch.fx.Graph, x: torch.fx.Node, calls, position: dict) -> None:
+    first = min((c[0] for c in calls), key=position.__getitem__)
+    weights = [c[1] for c in calls]
+    biases = [c[2] for c in calls if c[2] is not None]
+    with graph.inserting_before(first):
+        grouped = graph.call_function(torch.ops.hf_sparsekv.grouped_linear.default, (x, weights, biases))
+        grouped.meta["example_value"] = [_value(c[0]) for c in calls]
+        for i, (node, _, _) in enumerate(calls):
+            item = graph.call_function(operator.getitem, (grouped, i))
+            item.meta.update(node.meta)
+            node.replace_all_uses_with(item)
+    for node, _, _ in calls:
+        graph.erase_node(node)
+

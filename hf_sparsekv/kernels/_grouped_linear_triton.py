@@ -1,0 +1,70 @@
+"""Triton source of :mod:`hf_sparsekv.kernels.grouped_linear` (which documents and launches it). Imported lazily."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
+             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
+    """``Y[:, cols] = X @ W[cols].T (+ B[cols])`` for the ``BLOCK_N`` columns of block ``col_block``, over all of K.
+    One row (BLOCK_M == 1): products accumulated per input channel, one reduction at the end. Several rows: tensor
+    cores, the rows padded to BLOCK_M."""
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    ks = tl.arange(0, BLOCK_K)
+    w_ptrs = W + cols[:, None].to(tl.int64) * K + ks[None, :]
+    if BLOCK_M == 1:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(X + k0 + ks)
+            else:
+                k_ok = k0 + ks < K
+                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
+            acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+            w_ptrs += BLOCK_K
+        out = tl.sum(acc, axis=1)[None, :]
+        rows = tl.arange(0, 1)
+    else:
+        rows = tl.arange(0, BLOCK_M)
+        row_ok = rows < M
+        x_ptrs = X + rows[:, None] * stride_xm + ks[None, :]
+        out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            if EVEN_K:
+                w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            else:
+                k_ok = k0 + ks < K
+                w = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
+                x = tl.load(x_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            if WIDEN:  # the interpreter's bfloat16 dot is wrong (Triton 3.6): float32 operands, tests only
+                out = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), out, input_precision="ieee")
+            else:
+                out = tl.dot(x, tl.trans(w), out)
+            w_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+    if HAS_BIAS:
+        out += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    y_ptrs = Y + rows[:, None] * N + cols[None, :]
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=(rows[:, None] < M) & col_ok[None, :])
+
+
+@triton.jit
+def grouped_linear_kernel(
+    X, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, stride_xm,
+    NB0, NB1, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WIDEN: tl.constexpr,
+):
+    """Programs ``[0, NB0)`` compute weight 0's columns, the next ``NB1`` weight 1's, the rest weight 2's."""
+    pid = tl.program_id(0)
+    if pid < NB0:
+        _columns(X, W0, B0, Y0, pid, M, K, N0, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+    elif pid < NB0 + NB1:
+        _columns(X, W1, B1, Y1, pid - NB0, M, K, N1, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+    else:
+        _columns(X, W2, B2, Y2, pid - NB0 - NB1, M, K, N2, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
