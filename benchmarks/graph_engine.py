@@ -13,6 +13,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   lookup-gG        generate(ids, prompt_lookup_num_tokens=G)                      stock's call, on our graph path (retrieval)
   hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
+  NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
 
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
@@ -102,6 +103,10 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
                                     return_dict_in_generate=True, **common)
             return out.sequences, out.spec_stats
         return lookup
+    extra = {}
+    if name.endswith("-lookup"):  # retrieval beside the drafter: a round with a match verifies the retrieved chain
+        name = name.removesuffix("-lookup")
+        extra["prompt_lookup_num_tokens"] = int(name.split("-")[-1][1:])
     kind, *rest = name.split("-")
     gamma = int(rest[-1][1:])
     if kind == "chunk":
@@ -114,7 +119,8 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
             spec["draft_weights"] = "full"
 
     def run():
-        out = verifier.generate(ids, num_assistant_tokens=gamma, return_dict_in_generate=True, **spec, **common)
+        out = verifier.generate(ids, num_assistant_tokens=gamma, return_dict_in_generate=True, **spec, **extra,
+                                **common)
         return out.sequences, out.spec_stats
     return run
 

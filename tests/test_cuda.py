@@ -283,6 +283,29 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
         assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
 
 
+@pytest.mark.compiled
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
+    """Retrieval beside a drafter on the compiled, captured engine: retrieved rounds, drafted rounds and the catch-up
+    block (its own captured step) give greedy AR's tokens; a left-padded batch too."""
+    verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
+    base = prompt(40, 3)
+    prompts = [torch.cat([base, base[:, 4:], base[:, :9]], 1).cuda(), prompt(300, 4).cuda()]
+    spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64,
+                prompt_lookup_num_tokens=4)
+    kwargs = dict(max_new_tokens=40, do_sample=False, **NO_EOS)
+    for p in prompts:
+        out = verifier.generate(p, **spec, **kwargs)
+        assert torch.equal(out, verifier.generate(p, **kwargs))
+    engine = static_engine.current_engine(verifier)
+    assert engine.spec.retrieval and engine.use_graphs and {"draft", "verify", "catch_up_block"} <= set(engine.steps)
+    assert all(step.graph is not None for step in engine.steps.values())
+    ids, mask = left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, **spec, **kwargs)
+    for b, p in enumerate(prompts):
+        assert torch.equal(out[b, ids.shape[1] :], verifier.generate(p, **kwargs)[0, p.shape[1] :]), b
+
+
 @pytest.mark.parametrize("mode", ["chunk", "window"])
 def test_sampled_batch_rows_together_on_the_captured_engine_float32(mode):
     """A sampled batch decodes its rows together on the captured engine (the warpers baked into the batch's steps):

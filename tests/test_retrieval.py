@@ -1,9 +1,11 @@
 """Retrieval drafting (prompt lookup) on the engine: the drafts against a plain-Python reference of the rule, stock's
 own ``generate(ids, prompt_lookup_num_tokens=N)`` served by our engine with stock's tokens (references: stock's
-prompt lookup with the patch removed, and plain greedy ``generate()``), batches, sampling, and what is refused."""
+prompt lookup with the patch removed, and plain greedy ``generate()``), batches, sampling, retrieval beside a drafter
+(greedy's tokens, and the drafter's drafts those of a drafter that read the whole sequence), and what is refused."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -152,8 +154,11 @@ def test_sampled_prompt_lookup_matches_the_exact_joint_distribution():
 def test_what_prompt_lookup_refuses_or_leaves_to_stock():
     model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = _repetitive_prompt(5)
-    with pytest.raises(NotImplementedError, match="retrieval drafting runs alone"):
-        model.generate(ids, prompt_lookup_num_tokens=3, assistant_model=drafter, kv_budget=16, max_new_tokens=4)
+    with pytest.raises(NotImplementedError, match="retrieval beside a drafter runs with draft_cache"):
+        model.generate(ids, prompt_lookup_num_tokens=3, assistant_model=model, draft_cache="int4", max_new_tokens=4)
+    with pytest.raises(ValueError, match="a round drafts one chain"):
+        model.generate(ids, prompt_lookup_num_tokens=3, assistant_model=drafter, kv_budget=16, num_assistant_tokens=4,
+                       max_new_tokens=4)
     with pytest.raises(ValueError, match="max_matching_ngram_size must be a positive integer"):
         model.generate(ids, prompt_lookup_num_tokens=3, max_matching_ngram_size=-1, max_new_tokens=4)
     static_engine.release_engines()
@@ -171,3 +176,142 @@ def test_what_prompt_lookup_refuses_or_leaves_to_stock():
     finally:
         hf_sparsekv.register()
     assert not hasattr(out, "spec_stats") and static_engine.current_engine(model) is None
+
+
+# ---------------------------------------------------------------- retrieval beside a drafter
+
+
+def _recording_steps(monkeypatch, record=None):
+    steps = []
+    run_step = static_engine.StaticEngine.run_step
+
+    def run(self, name):
+        run_step(self, name)
+        steps.append(name)
+        if record is not None:
+            record(self, name)
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", run)
+    return steps
+
+
+def _rounds_by_source(steps: list[str]) -> tuple[int, int]:
+    """(rounds whose drafts came from the drafter, rounds that verified retrieved drafts)."""
+    drafter = retrieved = 0
+    previous = None
+    for name in steps:
+        if name == "verify":
+            drafter += previous == "draft"
+            retrieved += previous != "draft"
+        previous = name
+    return drafter, retrieved
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("gamma", [1, 3, 6])
+def test_retrieval_beside_a_drafter_is_greedy(arch, mode, gamma, monkeypatch):
+    """``prompt_lookup_num_tokens`` with a drafter: rounds whose drafts were retrieved and rounds the drafter drafted
+    (after catching up on what it did not read), token-identical to greedy."""
+    verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
+    steps = _recording_steps(monkeypatch)
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    for seed in range(2):
+        ids = _repetitive_prompt(seed + 10 * gamma)
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode,
+                                kv_budget=None if mode == "full" else 24, prompt_lookup_num_tokens=gamma,
+                                return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, verifier.generate(ids, **kwargs)), seed
+        assert out.spec_stats.drafted == gamma * out.spec_stats.rounds
+    engine = static_engine.current_engine(verifier)
+    assert engine.spec.mode == mode and engine.spec.retrieval == 2 and engine.drafter is drafter
+    drafted, retrieved = _rounds_by_source(steps)
+    assert drafted > 0 and retrieved > 0 and "catch_up_block" in steps and "catch_up" not in steps
+
+
+@pytest.mark.parametrize("kind", ["drafter", "verifier-copy"])
+def test_the_drafter_catches_up_on_what_it_did_not_read(monkeypatch, kind):
+    """After rounds that verified retrieved drafts (and, with a copy of the verifier as drafter, after rounds that
+    accepted every draft), the drafter holds exactly what a drafter that read the whole sequence holds: at every draft
+    step its full cache's keys and values for the positions before ``n - 1`` equal a plain forward's over
+    ``seq[:n-1]`` (float64), and its drafts are that drafter's greedy continuation of ``seq[:n]``."""
+    verifier = tiny_model("qwen2")
+    drafter = tiny_model("qwen2", role="drafter") if kind == "drafter" else copy.deepcopy(verifier)
+    plain = copy.deepcopy(drafter)  # outside the engine's attention (set on the drafter for the call)
+    checked = []
+
+    def record(engine, name):
+        if name != "draft":
+            return
+        n = int(engine.n[0])
+        with torch.no_grad():
+            held = plain(engine.seq[:1, : n - 1], use_cache=True).past_key_values
+        for i, layer in enumerate(engine.drafter_cache.layers):
+            for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
+                assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
+        expected = plain.generate(engine.seq[:1, :n], max_new_tokens=engine.spec.gamma, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, n:]
+        checked.append(torch.equal(engine.drafts[0], expected))
+    steps = _recording_steps(monkeypatch, record)
+    ids = _repetitive_prompt(7)
+    if kind == "verifier-copy":  # every draft accepted; matches hidden in some rounds, so that rounds drafted after
+        from hf_sparsekv.generation import retrieval  # a full acceptance follow each other too
+
+        def sometimes(seq, n, gamma, ngram):
+            drafts, found = retrieval_drafts(seq, n, gamma, ngram)
+            return drafts, found & (n % 3 == 0)
+        monkeypatch.setattr(retrieval, "retrieval_drafts", sometimes)
+    kwargs = dict(max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", prompt_lookup_num_tokens=4, **kwargs)
+    assert torch.equal(out, verifier.generate(ids, **kwargs))
+    drafted, retrieved = _rounds_by_source(steps)
+    assert retrieved > 0 and len(checked) == drafted > 1 and all(checked)
+    # draft steps prepared by a catch-up block after a round of retrieved drafts (and after a full acceptance)
+    after = {tuple(steps[i - 2 : i]) for i, name in enumerate(steps) if name == "draft" and i >= 2}
+    assert ("verify", "catch_up_block") in after
+    if kind == "verifier-copy":
+        assert any(steps[i : i + 4] == ["draft", "verify", "catch_up_block", "draft"] for i in range(len(steps)))
+
+
+def test_retrieval_beside_a_drafter_in_a_batch_and_sampled():
+    """Rows of different lengths together, and sampling with top_k=1 (the retrieved drafts read as one-hot
+    proposals): both are greedy's tokens."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    prompts = [_repetitive_prompt(s) for s in (3, 4)] + [prompt(9, 5)]
+    ids, mask = left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=24,
+                            prompt_lookup_num_tokens=3, max_new_tokens=24, do_sample=False)
+    assert static_engine.current_engine(verifier).spec.batch == 3
+    width = ids.shape[1]
+    for b, p in enumerate(prompts):
+        assert torch.equal(out[b, width:], verifier.generate(p, max_new_tokens=24, do_sample=False)[0, p.shape[1] :]), b
+    ids = prompts[0]
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=24, prompt_lookup_num_tokens=3, do_sample=True,
+                            top_k=1, max_new_tokens=24)
+    assert static_engine.current_engine(verifier).warpers is not None
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=24, do_sample=False))
+
+
+@pytest.mark.extended
+def test_sampled_retrieval_beside_a_drafter_matches_the_exact_joint_distribution():
+    """Two sampled tokens per call; the second one's round verifies a retrieved (one-hot) draft where the first token
+    occurs in the prompt, else the drafter's: the joint distribution is stock sampling's, exactly enumerated
+    (chi-square and TV over 2,500 draws)."""
+    from .test_sampling import VOCAB, WARPERS, _consistent, _joint, _tiny
+
+    model, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=3, width=32)
+    base = torch.randint(3, 9, (1, 10), generator=torch.Generator().manual_seed(6))  # 6 of the 16 ids
+    ids = torch.cat([base, base[:, :7]], 1)
+    joint = _joint(model, ids)
+    torch.manual_seed(12)
+    samples = []
+    for _ in range(2500):
+        out = model.generate(ids, assistant_model=drafter, draft_cache="full", do_sample=True, max_new_tokens=2,
+                             min_new_tokens=2, eos_token_id=None, prompt_lookup_num_tokens=1, **WARPERS)
+        samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
+    assert static_engine.current_engine(model).spec.retrieval == 2
+    samples = torch.tensor(samples)
+    first_in_prompt = torch.isin(samples // VOCAB, ids[0])
+    assert 0 < int(first_in_prompt.sum()) < samples.numel()  # both kinds of round were drawn
+    assert _consistent(samples, joint)
+    counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
+    assert float(0.5 * (counts - joint).abs().sum()) < 0.08

@@ -8,7 +8,8 @@ verifier's weights.
 
 A draft step reads ``seq[n-1]`` and writes ``drafts [B, γ]`` (and, sampling, the drafter's probabilities ``q [B, γ,
 V]``); after a round that accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it
-before the next round. A drafter whose vocabulary differs from the verifier's by padding reads an id it lacks as id
+before the next round (:func:`catch_up_block`: up to γ + 1 of them, after rounds that verified retrieved drafts). A
+drafter whose vocabulary differs from the verifier's by padding reads an id it lacks as id
 0 and drafts only the shared ids (:func:`widened`)."""
 
 from __future__ import annotations
@@ -93,6 +94,11 @@ def draft(engine) -> None:
             seen = seen.scatter(1, token, True)
     if quant:
         engine.drafter_cache.view = "int8"
+    if engine.spec.retrieval:  # what this step fed the drafter, checked against the sequence after verification
+        engine.fed[:, :1].copy_(engine.last(1))
+        engine.fed[:, 1:].copy_(engine.drafts[:, :-1])
+        engine.fed_at.copy_(engine.n - 1)
+        engine.fed_valid.fill_(True)
 
 
 def catch_up(engine) -> None:
@@ -100,3 +106,14 @@ def catch_up(engine) -> None:
     read it)."""
     static_forward(engine.drafter, drafter_input(engine.last(2), engine.draft_vocab), (engine.n - 2)[:, None],
                    engine.drafter_cache, 1, engine.drafter_keyword)
+
+
+def catch_up_block(engine) -> None:
+    """Retrieval beside a drafter: feed the drafter ``seq[held .. held+γ]`` at their positions, the tokens it has not
+    read (at most γ + 1: a round moves the sequence by at most that much); it then holds every position before
+    ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps write over them."""
+    positions = engine.held[:, None] + engine.block_offsets
+    tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
+    static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,
+                   engine.drafter_keyword)
+    engine.held.copy_(engine.n - 1)

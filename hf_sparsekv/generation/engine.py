@@ -28,7 +28,12 @@ drafts), so every kept token sees the state greedy AR on the INT8 view would see
 
 Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter and no draft
 step; every step that moves the sequence ends by filling ``drafts`` with the continuation of an earlier occurrence of
-each row's last tokens, and a round in which no row found one runs one verifier step instead.
+each row's last tokens, and a round in which no row found one runs one verifier step instead. Beside a drafter
+(``spec.retrieval``, chunk/window/full): a round in which some live row found a match verifies the retrieved drafts
+and skips the draft steps; otherwise the drafter drafts. The drafter then lags behind the tokens it did not read:
+``held [B]`` counts the leading positions its cache holds (updated after each verification from what the draft step
+fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held`` feeds it the rest
+before it drafts again (writes past the sequence stay within the γ + 1 slots a round may write ahead).
 
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.
@@ -66,7 +71,7 @@ from .acceptance import accept_or_resample, accepted_length
 from .common import _attention_shape, layer_devices
 from .draft_weights import attach, drafting
 from .draft_weights import release as release_draft_weights
-from .drafting import catch_up, draft, drafter_cache, drafter_input
+from .drafting import catch_up, catch_up_block, draft, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
 from .retrieval import retrieve
 from .sampling import draw, penalized
@@ -103,6 +108,7 @@ class EngineSpec:
     layout: tuple = ()
     host: bool = False  # host-side rules (processors, criteria, outputs): verification stops at the logits
     draft_weights: str = "full"  # "int4": the draft steps run the drafting model's 4-bit weight copy (QuantSpec)
+    retrieval: int = 0  # chunk/window/full: retrieval beside the drafter, suffixes of up to this many tokens (0: off)
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -160,6 +166,11 @@ class StaticEngine:
         # [a, v_0..v_γ, found] per row: what the host reads (found: retrieval's next round has a match)
         self.report = torch.zeros(rows, gamma + 3, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(gamma + 1, device=device)
+        if spec.retrieval:  # what the drafter holds and what its last draft step fed it (retrieval beside a drafter)
+            self.held = torch.zeros(rows, dtype=torch.long, device=device)
+            self.fed = torch.zeros(rows, gamma, dtype=torch.long, device=device)
+            self.fed_at = torch.zeros(rows, dtype=torch.long, device=device)
+            self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
@@ -213,6 +224,9 @@ class StaticEngine:
 
     def _catch_up(self) -> None:
         catch_up(self)
+
+    def _catch_up_block(self) -> None:
+        catch_up_block(self)
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
@@ -269,8 +283,21 @@ class StaticEngine:
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
-        if self.spec.mode == "lookup":
+        if self.spec.retrieval:
+            self._update_held()
+        if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
+
+    def _update_held(self) -> None:
+        """After a verification: the drafter holds the positions its last draft step fed it as long as those tokens
+        are the sequence's (never past ``n - 1``, which the next draft step feeds); without a draft step since the
+        last verification, ``held`` stays."""
+        fed_len = self.fed.shape[1]
+        actual = self.seq.gather(1, self.fed_at[:, None] + self.block_offsets[:fed_len])
+        lead = (self.fed == actual).long().cumprod(1).sum(1)
+        held = torch.minimum(self.fed_at + lead, self.n - 1)
+        self.held.copy_(torch.where(self.fed_valid, held, self.held))
+        self.fed_valid.zero_()
 
     def _verify_forward(self) -> torch.Tensor:
         """The verifier on ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ``: its logits ``[B, γ+1, V]``."""
@@ -408,7 +435,10 @@ class StaticEngine:
         self.seq.scatter_(1, self.n[:, None], first[:, None])
         self.n.add_(1)
         self.live.fill_(1)
-        if self.spec.mode == "lookup":
+        if self.spec.retrieval:
+            self.held.copy_(self.n - 1)  # the drafter's prefill: every prompt position
+            self.fed_valid.zero_()
+        if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
         return first.tolist()
 
@@ -420,19 +450,21 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
                penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False,
-               draft_weights: str = "full") -> StaticEngine:
+               draft_weights: str = "full", retrieval: int = 0) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
     bounds every row's length. ``penalty``: the repetition penalty (:func:`~.sampling.repetition_penalty`);
     ``layout``: the drafter cache's settings (:func:`~.draft_modes.draft_mode`; empty: the defaults of ``mode``); ``host``:
     host-side rules (:mod:`.host_rules`); ``draft_weights``: ``"int4"`` drafts on the drafting model's 4-bit weight
-    copy (:mod:`.draft_weights`, made here on first use). Under tensor parallelism the captured steps hold NCCL all-reduces:
+    copy (:mod:`.draft_weights`, made here on first use); ``retrieval``: retrieval
+    drafting beside the drafter, suffixes of up to this many tokens (:mod:`.retrieval`). Under tensor parallelism the captured steps hold NCCL all-reduces:
     :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights)
+                      _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights,
+                      retrieval)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones
         stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
         _release_graphs(stale)

@@ -188,19 +188,27 @@ def _draft_weights(choice: str | None, mode: str, drafter) -> str:
     return choice
 
 
-def _lookup_mode(config, assistant_model, kv_budget, draft_cache) -> tuple[str, int, tuple, int]:
-    """``(mode, budget, layout, γ)`` of retrieval drafting (prompt lookup, :mod:`.retrieval`), stock's settings:
-    ``prompt_lookup_num_tokens`` drafts per round, suffixes of up to ``max_matching_ngram_size`` (default 2)
-    tokens matched."""
-    if assistant_model is not None or kv_budget is not None or draft_cache is not None:
-        raise NotImplementedError(
-            "prompt_lookup_num_tokens together with assistant_model/kv_budget/draft_cache: retrieval drafting runs "
-            "alone (pass prompt_lookup_num_tokens without a drafter, or a drafter without it)")
+def _lookup_settings(config, gamma_given: bool) -> tuple[int, int]:
+    """``(γ, longest n-gram)`` of retrieval drafting (prompt lookup, :mod:`.retrieval`), stock's settings:
+    ``prompt_lookup_num_tokens`` drafts per round, suffixes of up to ``max_matching_ngram_size`` (default 2) tokens
+    matched. Beside a drafter one chain length serves both: ``num_assistant_tokens``, if set, must agree."""
     gamma, ngram = config.prompt_lookup_num_tokens, config.max_matching_ngram_size or 2
     for name, value in (("prompt_lookup_num_tokens", gamma), ("max_matching_ngram_size", ngram)):
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return "lookup", int(ngram), (), int(gamma)
+    if gamma_given and config.num_assistant_tokens != gamma:
+        raise ValueError(
+            f"num_assistant_tokens={config.num_assistant_tokens!r} and prompt_lookup_num_tokens={gamma!r}: a round "
+            "drafts one chain, from the drafter or from retrieval; pass one of them, or the same value")
+    return int(gamma), int(ngram)
+
+
+def _retrieval_beside(mode: str) -> None:
+    """Retrieval beside a drafter runs with the drafter caches that take a catch-up of several tokens."""
+    if mode not in ("chunk", "window", "full"):
+        raise NotImplementedError(
+            f"prompt_lookup_num_tokens together with draft_cache giving mode {mode!r}: retrieval beside a drafter runs "
+            "with draft_cache 'chunk', 'window' or 'full' (or alone, without assistant_model)")
 
 
 def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> str:
@@ -286,8 +294,8 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
 def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: tuple, logits_processor,
                         stopping_criteria, tokenizer):
     """A batch's rows decoded together on one engine of ``len(input_ids)`` rows; ``plan`` = (mode, budget, layout,
-    γ, draft_weights). Returns the output as stock assembles a batch."""
-    mode, budget, layout, gamma, draft_weights = plan
+    γ, draft_weights, retrieval). Returns the output as stock assembles a batch."""
+    mode, budget, layout, gamma, draft_weights, retrieval = plan
     rows = [
         _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
                    stopping_criteria, logits_processor, tokenizer)
@@ -299,7 +307,8 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
     engine = engine_for(
         model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
         max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
-        batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
+        batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
+        retrieval=retrieval)
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                  for b, res in enumerate(results)]
@@ -370,15 +379,23 @@ def speculative_generate(
         attention_mask = infer_attention_mask(config, input_ids)
 
     _refuse_config(config, kwargs, generation_config, model)
-    if config.prompt_lookup_num_tokens is not None:
-        mode, budget, layout, gamma = _lookup_mode(config, assistant_model, kv_budget, draft_cache)
+    retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
+    lookup = config.prompt_lookup_num_tokens is not None
+    if lookup and assistant_model is None and kv_budget is None and draft_cache is None:  # retrieval alone
+        gamma, ngram = _lookup_settings(config, False)
+        mode, budget, layout = "lookup", ngram, ()
     else:
-        gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
+        if lookup:
+            gamma, retrieval = _lookup_settings(config, gamma_given)
+        else:
+            gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
         if not is_integer(gamma) or gamma < 1:
             raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
         gamma = int(gamma)
         _check_models(model, assistant_model, tokenizer)
         mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
+        if lookup:
+            _retrieval_beside(mode)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
@@ -396,7 +413,7 @@ def speculative_generate(
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
                                  config.return_dict_in_generate)
         return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
-                                     (mode, budget, layout, gamma, draft_weights), logits_processor, stopping_criteria,
+                                     (mode, budget, layout, gamma, draft_weights, retrieval), logits_processor, stopping_criteria,
                                      tokenizer)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
@@ -410,7 +427,8 @@ def speculative_generate(
                                            wants_outputs=bool(config.output_scores or config.output_logits))
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                         rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
-                        penalty=penalty, layout=layout, host=host, draft_weights=draft_weights)
+                        penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
+                        retrieval=retrieval)
     # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
     result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 

@@ -12,7 +12,9 @@ Drafts are proposals only: verification keeps exactly the tokens greedy (or samp
 whatever they are.
 
 The engine computes the next round's drafts at the end of every step that moves the sequence (and after the
-prefill), and leaves the match flags in the report the host already reads once per round: no extra sync.
+prefill), and leaves the match flags in the report the host already reads once per round: no extra sync. Beside a
+drafter the same drafts replace the drafter's in a round where some row found a match (the engine's docstring says
+how the drafter catches up).
 
 Sampling reads the drafts as drawn from a one-hot ``q`` (they are a function of the sequence), which speculative
 sampling accepts with probability ``p(x)`` and otherwise resamples from ``p`` without ``x``: exact."""
@@ -46,10 +48,12 @@ def retrieval_drafts(seq: torch.Tensor, n: torch.Tensor, gamma: int, max_ngram: 
 
 
 def retrieve(engine) -> None:
-    """The next round's drafts: ``engine.drafts [B, γ]`` from the engine's own token buffer (``spec.budget`` is the
-    longest suffix matched), the match flags in the report's last column, and, sampling, the one-hot
-    ``engine.q [B, γ, V]`` the drafts are drawn from."""
-    drafts, found = retrieval_drafts(engine.seq, engine.n, engine.spec.gamma, engine.spec.budget)
+    """The next round's drafts: ``engine.drafts [B, γ]`` from the engine's own token buffer (the longest suffix
+    matched: ``spec.budget`` alone, ``spec.retrieval`` beside a drafter), the match flags in the report's last column,
+    and, sampling, the one-hot ``engine.q [B, γ, V]`` the drafts are drawn from."""
+    spec = engine.spec
+    ngram = spec.budget if spec.mode == "lookup" else spec.retrieval
+    drafts, found = retrieval_drafts(engine.seq, engine.n, spec.gamma, ngram)
     engine.drafts.copy_(drafts)
     engine.report[:, -1].copy_(found.long())
     if engine.warpers is not None:

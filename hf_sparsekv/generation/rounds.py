@@ -88,6 +88,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
     host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
+    beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match skips the draft steps
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
 
@@ -139,7 +140,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         for row, first in enumerate(firsts):
             accept(row, [first])
         retire_finished()
-        found = engine.report[:, -1].tolist() if lookup else None
+        found = engine.report[:, -1].tolist() if lookup or beside else None
         catch_up = False
         while not all(done):
             if is_ar:
@@ -159,6 +160,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             drafting, rooms = True, [gamma + 1] * rows
             if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
                 drafting = any(f and not d for f, d in zip(found, done))
+            retrieved = lookup or (beside and any(f and not d for f, d in zip(found, done)))
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
@@ -174,15 +176,15 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
             if catch_up:
-                engine.run_step("catch_up")
-            if drafting and not lookup:
+                engine.run_step("catch_up_block" if beside else "catch_up")
+            if drafting and not retrieved:
                 engine.run_step("draft")
             timer.mark("draft", False)
             timer.mark("verify", True)
             if host:
                 engine.run_step("verify_logits" if drafting else "ar_logits")
                 rounds = host_round(drafting, rooms)
-                found = engine.report[:, -1].tolist() if lookup else None
+                found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
                 engine.run_step("verify" if drafting else "ar_step")
                 report = engine.report.tolist()  # the round's one sync
@@ -199,8 +201,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 stats[row].accepted += a
                 accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
-                # self-speculation holds every token); feeding it again to the other rows rewrites what they hold
-                catch_up |= a == gamma and quant is None and engine.drafter is not None and not done[row]
+                # self-speculation holds every token), nor any token of a round that verified retrieved drafts;
+                # feeding it again to the other rows rewrites what they hold
+                behind = a == gamma or (beside and retrieved)
+                catch_up |= behind and quant is None and engine.drafter is not None and not done[row]
             retire_finished()
     if device.type == "cuda":
         torch.cuda.synchronize()
