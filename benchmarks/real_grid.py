@@ -50,7 +50,8 @@ def add_grid_args(p) -> None:
     p.add_argument("--cum-budgets", type=int, nargs="+", default=None,
                    help="budgets of chunkcum (cumulative selection; default: --budgets)")
     p.add_argument("--window-budget", type=int, default=1024)
-    p.add_argument("--methods", nargs="+", default=list(METHOD_ORDER), choices=list(METHOD_ORDER))
+    p.add_argument("--methods", nargs="+", default=[m for m in METHOD_ORDER if m != "chunkcum"],
+                   choices=list(METHOD_ORDER), help="default: all but chunkcum")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
