@@ -12,10 +12,22 @@ Caches: ``cumulative`` = ``ChunkBudgetCache(B, selection="cumulative")`` (the pa
 ``observed`` = ``ChunkBudgetCache(B)`` (the new default), ``window`` = ``SinkWindowCache(4, B - 4)`` (the same
 number of tokens), and any ``--variant NAME:observe,pool,recent,sink`` (to choose the defaults).
 
+``--pair real``: the drop-in part on the real verifier (Qwen2.5-Coder-1.5B-Instruct, float32, from
+``~/.cache/hf_sparsekv/real``; ``python benchmarks/real_models.py fetch``), on the held-out python-source documents
+of ``benchmarks/real_grid.py`` (``--docs`` indexes its list, documents of at least 8192 tokens: 0 = accelerate#1,
+1 = concurrent#0), with one shared prefill per prompt (``--shared-prefill``, implied).
+
+``--shared-prefill``: the prompt is prefilled once on a full cache while the hooks of
+:func:`hf_sparsekv.prompt_queries` record every layer's queries; each compressed cache then receives the stored
+keys/values through its own ``update`` and, where it waits for them, those queries (``select``), which is the state
+its own prefill would leave (the prefill attends to the whole prompt in every cache). Greedy decoding then runs one
+token per forward. Same numbers as the per-cache prefill path, one prefill instead of 1 + 2·budgets·caches.
+
 Drafter (``--acceptance``): greedy sparse/full speculative decoding of the bundled pair, γ = ``--gamma``, α =
 accepted/drafted and τ = mean tokens per round (accepted + 1), pooled over prompts, for the same caches.
 
     python benchmarks/chunk_selection.py --docs 2 3 4 5 --lengths 2048 4096 --out runs/chunk_selection.json
+    python benchmarks/chunk_selection.py --pair real --docs 0 1 --lengths 2048 --budgets 512 1024 --threads 1
 
 Prints markdown tables and writes JSON (settings, per-prompt values, pooled cells).
 """
@@ -24,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
+import sys
 import time
 
 import torch
@@ -66,6 +80,108 @@ def teacher_forced_top1(model, ids: torch.Tensor, continuation: torch.Tensor, ca
     rest = model(input_ids=continuation[None, :-1], past_key_values=cache, use_cache=True).logits[0]
     predicted = torch.cat([first.argmax()[None], rest.argmax(-1)])
     return (predicted == continuation).tolist()
+
+
+@torch.no_grad()
+def prefill_with_queries(model, ids: torch.Tensor):
+    """One prefill of ``ids`` on a full DynamicCache: ``(layers [(k, v)], queries [q per layer], scalings, last
+    logits [V])``, the queries recomputed by the same hook :func:`hf_sparsekv.prompt_queries` uses."""
+    from transformers import DynamicCache
+
+    from hf_sparsekv.cache_keyword import cache_keyword
+    from hf_sparsekv.caches.query_hooks import after_attention, recompute_queries
+
+    cache, queries, scalings = DynamicCache(), {}, {}
+
+    def grab(module, hidden_states, position_embeddings, _cache):
+        i = module.layer_idx
+        queries[i] = recompute_queries(module, hidden_states, position_embeddings, cache.layers[i].keys)
+        scalings[i] = module.scaling
+
+    with after_attention(model, grab):
+        out = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{cache_keyword(model): cache})
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    n = len(layers)
+    return layers, [queries[i] for i in range(n)], [scalings[i] for i in range(n)], out.logits[0, -1].float()
+
+
+def filled(cache, prefilled):
+    """``cache`` in the state its own prefill of the prompt would leave: the stored keys/values through its
+    ``update``, then the recorded queries to each layer that waits for them."""
+    layers, queries, scalings, _ = prefilled
+    for i, (k, v) in enumerate(layers):
+        cache.update(k.clone(), v.clone(), i)
+        if hasattr(cache, "layers") and getattr(cache.layers[i], "awaiting_scores", False):
+            cache.layers[i].select(queries[i], scalings[i])
+    return cache
+
+
+@torch.no_grad()
+def greedy_continue(model, cache, first_logits: torch.Tensor, n: int) -> torch.Tensor:
+    """``n`` greedy tokens (EOS ignored) from a prefilled ``cache``, one forward per token."""
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    key = cache_keyword(model)
+    tokens = [int(first_logits.argmax())]
+    while len(tokens) < n:
+        out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **{key: cache})
+        tokens.append(int(out.logits[0, -1].argmax()))
+    return torch.tensor(tokens)
+
+
+@torch.no_grad()
+def teacher_forced_shared(model, cache, first_logits: torch.Tensor, continuation: torch.Tensor) -> list[bool]:
+    """:func:`teacher_forced_top1` from a prefilled ``cache`` (``first_logits``: the prompt's last logits)."""
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    rest = model(input_ids=continuation[None, :-1], use_cache=True, **{cache_keyword(model): cache}).logits[0]
+    predicted = torch.cat([first_logits.argmax()[None], rest.argmax(-1)])
+    return (predicted == continuation).tolist()
+
+
+def drop_in_shared(model, prompts, lengths, budgets, caches, new_tokens, top1_only=False, save=None) -> dict:
+    """:func:`drop_in` with one prefill per prompt (see the module docstring); ``prompts``: ``[(name, ids [1, T])]``.
+    ``save(cells)`` runs after each prompt."""
+    cells: dict = {}
+    work = [(name, ids, n) for n in lengths for name, ids in prompts]
+    bar = tqdm(total=len(work) * len(budgets) * len(caches), desc="drop-in (shared prefill)")
+    for name, ids, length in work:
+        ids = ids[:, :length]
+        t0 = time.perf_counter()
+        prefilled = prefill_with_queries(model, ids)
+        first = prefilled[3]
+        prefill_seconds = time.perf_counter() - t0
+        from transformers import DynamicCache
+
+        full = greedy_continue(model, filled(DynamicCache(), prefilled), first, new_tokens)
+        print(f"[{length} {name}] prefill {prefill_seconds:.0f}s, full-cache greedy "
+              f"{time.perf_counter() - t0 - prefill_seconds:.0f}s", flush=True)
+        for budget in budgets:
+            for cname, make in caches.items():
+                top1 = teacher_forced_shared(model, filled(make(budget), prefilled), first, full)
+                cell = cells.setdefault(f"{length}/{budget}/{cname}", dict(match=[], prefix=[], top1=[], docs=[]))
+                cell["docs"].append(name)
+                if not top1_only:
+                    out = greedy_continue(model, filled(make(budget), prefilled), first, new_tokens)
+                    same = (out == full).tolist()
+                    cell["match"].append(sum(same))
+                    cell["prefix"].append(same.index(False) if False in same else len(same))
+                cell["top1"].append(sum(top1) / len(top1))
+                bar.update()
+        del prefilled
+        if save is not None:
+            save(cells)
+    bar.close()
+    return cells
+
+
+def real_prompts(tokenizer, docs: list[int]) -> list[tuple[str, torch.Tensor]]:
+    """The real grid's held-out documents (``benchmarks/real_grid.py``: at least 8192 tokens, one per package)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from real_grid import documents
+
+    found = documents(tokenizer, max(docs) + 1, 8192)
+    return [found[d] for d in docs]
 
 
 def drop_in(model, documents, lengths, budgets, caches, new_tokens, top1_only=False) -> dict:
@@ -164,6 +280,10 @@ def main() -> None:
     parser.add_argument("--acceptance", action="store_true", help="also the drafter's α/τ (bundled pair)")
     parser.add_argument("--no-drop-in", action="store_true")
     parser.add_argument("--top1-only", action="store_true", help="drop-in: only the teacher-forced top-1 (fast)")
+    parser.add_argument("--pair", choices=["bundled", "real"], default="bundled",
+                        help="real: the drop-in part on the real 1.5B verifier (implies --shared-prefill)")
+    parser.add_argument("--root", default=None, help="--pair real: cache directory (default ~/.cache/hf_sparsekv/real)")
+    parser.add_argument("--shared-prefill", action="store_true", help="drop-in: one prefill per prompt")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default="chunk_selection.json")
     args = parser.parse_args()
@@ -172,25 +292,49 @@ def main() -> None:
     caches = cache_factories(args.variant)
     if args.only:
         caches = {n: caches[n] for n in args.only}
-    verifier, drafter, _ = load_pair(device="cpu", dtype=torch.float32)
+    if args.pair == "real":
+        if args.acceptance:
+            parser.error("--pair real: the drafter's acceptance on the real pair is benchmarks/real_grid.py")
+        from hf_sparsekv.zoo.real import load_real_pair
+
+        verifier, drafter, tokenizer = load_real_pair(root=args.root, device="cpu", dtype=torch.float32)
+        args.shared_prefill = True
+        models = f"real verifier {getattr(verifier.config, '_name_or_path', '')}"
+    else:
+        verifier, drafter, _ = load_pair(device="cpu", dtype=torch.float32)
+        models = "bundled pair (hf_sparsekv.zoo)"
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     result: dict = {"settings": dict(
         date=time.strftime("%Y-%m-%d"), commit=commit, cpu=platform.processor() or platform.machine(),
-        threads=torch.get_num_threads(), dtype="float32", models="bundled pair (hf_sparsekv.zoo)",
+        threads=torch.get_num_threads(), dtype="float32", models=models, pair=args.pair,
+        shared_prefill=args.shared_prefill,
         documents=args.docs, lengths=args.lengths, budgets=args.budgets, new_tokens=args.new_tokens,
         gamma=args.gamma, caches=list(caches), variants=args.variant, window_sink=WINDOW_SINK,
         default_selection=str(ChunkSelection()),
     )}
     start = time.time()
-    if not args.no_drop_in:
+    def save(cells=None):
+        if cells is not None:
+            result["drop_in"] = cells
+        result["settings"]["seconds"] = round(time.time() - start, 1)
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
+
+    if not args.no_drop_in and args.shared_prefill:
+        if args.pair == "real":
+            prompts = real_prompts(tokenizer, args.docs)
+            result["settings"]["document_names"] = [name for name, _ in prompts]
+        else:
+            prompts = [(str(d), eval_documents()[d][None]) for d in args.docs]
+        result["drop_in"] = drop_in_shared(verifier, prompts, args.lengths, args.budgets, caches, args.new_tokens,
+                                           args.top1_only, save)
+    elif not args.no_drop_in:
         result["drop_in"] = drop_in(verifier, args.docs, args.lengths, args.budgets, caches, args.new_tokens,
                                     args.top1_only)
     if args.acceptance:
         result["acceptance"] = acceptance(verifier, drafter, args.docs, args.lengths, args.budgets, caches,
                                           args.new_tokens, args.gamma)
-    result["settings"]["seconds"] = round(time.time() - start, 1)
-    with open(args.out, "w") as f:
-        json.dump(result, f, indent=2)
+    save()
     print_tables(result)
 
 

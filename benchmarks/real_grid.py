@@ -11,6 +11,8 @@ Each finished cell is appended to ``--out/results.json`` at once; a rerun skips 
 Methods (γ = --gamma, greedy, batch 1):
     full            full/full: the 0.5B drafter on a full DynamicCache (what stock assisted generation gets)
     chunk-B         sparse/full (BudgetDraft): the drafter on ChunkBudgetCache(B), B in --budgets
+    chunkcum-B      the same with the paper's cumulative score, ChunkBudgetCache(B, selection="cumulative"), B in
+                    --cum-budgets (the chunk method's selection before issue 36)
     window0-B       window/full: SinkWindowCache(sink=0, window=B), B = --window-budget
     window4-B       window/full: draft_cache="window", kv_budget=B (4 sink tokens + B-4 window)
     int4            QuantSpec self-speculation of the 1.5B (INT4 draft / INT8 verify on one store)
@@ -31,7 +33,7 @@ import torch
 from hf_sparsekv.cache_keyword import cache_keyword, user_cache
 from provenance import commit
 
-METHOD_ORDER = ("full", "chunk", "window0", "window4", "int4", "lookup")
+METHOD_ORDER = ("full", "chunk", "chunkcum", "window0", "window4", "int4", "lookup")
 
 
 def add_grid_args(p) -> None:
@@ -45,8 +47,11 @@ def add_grid_args(p) -> None:
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--gamma", type=int, default=5)
     p.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
+    p.add_argument("--cum-budgets", type=int, nargs="+", default=None,
+                   help="budgets of chunkcum (cumulative selection; default: --budgets)")
     p.add_argument("--window-budget", type=int, default=1024)
-    p.add_argument("--methods", nargs="+", default=list(METHOD_ORDER), choices=list(METHOD_ORDER))
+    p.add_argument("--methods", nargs="+", default=[m for m in METHOD_ORDER if m != "chunkcum"],
+                   choices=list(METHOD_ORDER), help="default: all but chunkcum")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -114,6 +119,8 @@ def _method_cells(args) -> list[str]:
     for m in args.methods:
         if m == "chunk":
             cells += [f"chunk-{b}" for b in args.budgets]
+        elif m == "chunkcum":
+            cells += [f"chunkcum-{b}" for b in (args.cum_budgets or args.budgets)]
         elif m in ("window0", "window4"):
             cells.append(f"{m}-{args.window_budget}")
         else:
@@ -122,7 +129,7 @@ def _method_cells(args) -> list[str]:
 
 
 def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
-    from hf_sparsekv import SinkWindowCache
+    from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
 
     if cell == "full":
         return dict(assistant_model=drafter, draft_cache="full")
@@ -134,6 +141,8 @@ def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
     budget = int(budget)
     if kind == "chunk":
         return dict(assistant_model=drafter, kv_budget=budget)
+    if kind == "chunkcum":
+        return dict(assistant_model=drafter, draft_cache=ChunkBudgetCache(budget, selection="cumulative"))
     if kind == "window4":
         return dict(assistant_model=drafter, draft_cache="window", kv_budget=budget)
     if kind == "window0":

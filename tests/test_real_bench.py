@@ -111,6 +111,11 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
     again = real_grid.run_grid(args, models=(verifier, drafter, Tok()))
     assert len(again["cells"]) == 6
     assert "| chunk-32 |" in real_grid.table(again)
+    # the paper's cumulative selection by name, on request
+    cum = real_models.parse_args(["grid", "--out", str(tmp_path), "--contexts", "200", "--docs", "1", "--new-tokens",
+                                  "12", "--methods", "chunkcum", "--cum-budgets", "32", "--min-doc-tokens", "0"])
+    data = real_grid.run_grid(cum, models=(verifier, drafter, Tok()))
+    assert [c["method"] for c in data["cells"]][6:] == ["chunkcum-32"] and data["cells"][6]["identical"]
 
 
 @pytest.mark.real
