@@ -206,9 +206,20 @@ def _rounds_by_source(steps: list[str]) -> tuple[int, int]:
     return drafter, retrieved
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
-@pytest.mark.parametrize("gamma", [1, 3, 6])
+def _beside_cases():
+    """architecture × drafter cache × γ; the default suite runs a Latin square (each pair once), the rest extended."""
+    modes, gammas = ["chunk", "window", "full"], [1, 3, 6]
+    cases = []
+    for i, arch in enumerate(ARCHS):
+        for j, mode in enumerate(modes):
+            for gamma in gammas:
+                default = gamma == gammas[(i + j) % 3]
+                cases.append(pytest.param(arch, mode, gamma, marks=() if default else pytest.mark.extended,
+                                          id=f"{arch}-{mode}-g{gamma}"))
+    return cases
+
+
+@pytest.mark.parametrize("arch,mode,gamma", _beside_cases())
 def test_retrieval_beside_a_drafter_is_greedy(arch, mode, gamma, monkeypatch):
     """``prompt_lookup_num_tokens`` with a drafter: rounds whose drafts were retrieved and rounds the drafter drafted
     (after catching up on what it did not read), token-identical to greedy."""
