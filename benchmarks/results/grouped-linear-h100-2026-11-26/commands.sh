@@ -26,3 +26,9 @@ for g in 1 0; do
 HF_SPARSEKV_GROUPED_LINEAR=$g timeout 120 python3 benchmarks/graph_engine.py --contexts 16384 --docs 1 --repeats 3 --new-tokens 256 --budgets 256 --gammas 3 --only hf-static-ar,graph-ar,chunk-256-g3,window-g3 --out $OUT/ge$g > $OUT/ge$g.log 2>&1
 echo "ge$g rc=$? $(( $(date +%s) - T0 ))s"; grep "^|" $OUT/ge$g.log | head -8
 done
+#!/bin/bash
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD:$PWD/benchmarks
+T0=$(date +%s)
+timeout 520 python3 benchmarks/scale.py --pairs llama-3.1-8b+3.2-1b --contexts 32768 131072 --batches 1 --only ar int4-w4-draft int4-verify draft-window-1024 --out $OUT/int4 > $OUT/int4.log 2>&1
+echo "int4 rc=$? $(( $(date +%s) - T0 ))s"; grep "^  \|^\[" $OUT/int4.log | tail -12; grep "^|" $OUT/int4.log | tail -14
