@@ -422,7 +422,7 @@ def test_stop_strings_with_tokenizer_like_stock():
     "kwargs,error,match",
     [
         (dict(cache_implementation="static"), NotImplementedError, "cache_implementation"),
-        (dict(prompt_lookup_num_tokens=3), NotImplementedError, "prompt_lookup_num_tokens"),
+        (dict(prompt_lookup_num_tokens=3, num_assistant_tokens=4), ValueError, "a round drafts one chain"),
         (dict(use_cache=False), ValueError, "use_cache"),
         (dict(draft_cache="full", kv_budget=64), ValueError, "kv_budget does not apply to draft_cache='full'"),
         (dict(draft_cache="cache-instance", kv_budget=64), ValueError, "kv_budget does not apply"),

@@ -4,6 +4,7 @@ where it leaves cuBLAS alone. The kernel itself is tested against float64 in ``t
 
 from __future__ import annotations
 
+import copy
 from unittest import mock
 
 import pytest
@@ -16,6 +17,11 @@ from hf_sparsekv.kernels import runtime
 from .conftest import prompt, tiny_model
 
 GROUPED = torch.ops.hf_sparsekv.grouped_linear.default
+
+
+def _model(arch: str, dtype: torch.dtype, role: str = "verifier"):
+    """A copy of the shared tiny model in ``dtype`` (conftest's models are cached: never cast them in place)."""
+    return copy.deepcopy(tiny_model(arch, role=role)).to(dtype)
 
 
 def _kernels_run(on: bool):
@@ -54,7 +60,7 @@ def _grouped_weights(gm) -> list[list[str]]:
 def test_projections_sharing_an_input_become_one_call(arch, rows, role):
     """q/k/v and gate/up are one call each; lone layers too at one row, and at more rows only the output projection
     when it is wide (the drafter's: 96 outputs of 32 inputs; the verifier's 96 of 64 is not)."""
-    model = tiny_model(arch, role=role).to(torch.bfloat16)
+    model = _model(arch, torch.bfloat16, role)
     (gm, inputs), reference = _traced(model, prompt(rows, seed=rows))
     with _kernels_run(True):  # the pass groups only where the kernels run
         inserted = group_projections(gm)
@@ -71,24 +77,24 @@ def test_projections_sharing_an_input_become_one_call(arch, rows, role):
 
 
 def test_float32_and_wide_batches_keep_cublas():
-    model = tiny_model("llama").to(torch.float32)
+    model = _model("llama", torch.float32)
     (gm, _), _ = _traced(model, prompt(3, seed=0))
     with _kernels_run(True):
         assert group_projections(gm) == 0
-    model = model.to(torch.bfloat16)
+    model = _model("llama", torch.bfloat16)
     (gm, _), _ = _traced(model, prompt(17, seed=0))  # 17 rows: more than one pass over the weight serves
     with _kernels_run(True):
         assert group_projections(gm) == 0
 
 
 def test_nothing_is_grouped_where_the_kernels_do_not_run():
-    model = tiny_model("llama").to(torch.bfloat16)
+    model = _model("llama", torch.bfloat16)
     (gm, _), _ = _traced(model, prompt(1, seed=0))
     assert group_projections(gm) == 0  # CPU: runtime.enabled is False
 
 
 def test_step_backend_runs_the_pass_unless_switched_off(monkeypatch):
-    model = tiny_model("qwen2").to(torch.bfloat16)
+    model = _model("qwen2", torch.bfloat16)
     seen = []
 
     def inner(gm, example_inputs):
