@@ -158,9 +158,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 retire_finished()
                 continue
             drafting, rooms = True, [gamma + 1] * rows
+            matched = found is not None and any(f and not d for f, d in zip(found, done))  # a live row's match
             if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
-                drafting = any(f and not d for f, d in zip(found, done))
-            retrieved = lookup or (beside and any(f and not d for f, d in zip(found, done)))
+                drafting = matched
+            retrieved = lookup or (beside and matched)
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:

@@ -108,8 +108,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
     rows = flat.shape[0]
     outs = [x.new_empty(rows, w.shape[0]) for w in weights]
     ns = [w.shape[0] for w in weights]
-    index = x.device.index if x.device.type == "cuda" else 0
-    block_n, block_k, warps, stages = config or launch_config(rows, k, sum(ns), _sm_count(index or 0))
+    block_n, block_k, warps, stages = config or launch_config(rows, k, sum(ns), _sm_count(x.device.index or 0))
     blocks = [-(-n // block_n) for n in ns]
     pad = MAX_WEIGHTS - len(weights)
     w3 = list(weights) + [weights[0]] * pad
