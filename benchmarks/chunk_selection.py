@@ -10,7 +10,8 @@ budget B × cache, against the same model's greedy output on the full cache (64 
 
 Caches: ``cumulative`` = ``ChunkBudgetCache(B, selection="cumulative")`` (the paper's score, the old default),
 ``observed`` = ``ChunkBudgetCache(B)`` (the new default), ``window`` = ``SinkWindowCache(4, B - 4)`` (the same
-number of tokens), and any ``--variant NAME:observe,pool,recent,sink`` (to choose the defaults).
+number of tokens), and any ``--variant NAME:observe,pool,recent,sink[,recent_cap[,kv]]`` (to choose the defaults;
+a trailing ``kv`` selects per KV head).
 
 ``--pair real``: the drop-in part on the real verifier (Qwen2.5-Coder-1.5B-Instruct, float32, from
 ``~/.cache/hf_sparsekv/real``; ``python benchmarks/real_models.py fetch``), on the held-out python-source documents
@@ -66,7 +67,9 @@ def cache_factories(variants: list[str]) -> dict:
         values = knobs.split(",")
         observe, pool, recent, sink = (int(x) for x in values[:4])
         cap = float(values[4]) if len(values) > 4 else ChunkSelection().recent_cap
-        sel = ChunkSelection(observe=observe, pool=pool, recent=recent, sink=sink, recent_cap=cap)
+        per_kv_head = len(values) > 5 and values[5] == "kv"
+        sel = ChunkSelection(observe=observe, pool=pool, recent=recent, sink=sink, recent_cap=cap,
+                             per_kv_head=per_kv_head)
         caches[name] = lambda b, sel=sel: ChunkBudgetCache(b, selection=sel)
     return caches
 
@@ -275,7 +278,7 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[256, 512, 1024, 2048])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--gamma", type=int, default=5)
-    parser.add_argument("--variant", action="append", default=[], help="NAME:observe,pool,recent,sink[,recent_cap]")
+    parser.add_argument("--variant", action="append", default=[], help="NAME:observe,pool,recent,sink[,recent_cap[,kv]]")
     parser.add_argument("--only", nargs="+", help="caches to run (default: all)")
     parser.add_argument("--acceptance", action="store_true", help="also the drafter's α/τ (bundled pair)")
     parser.add_argument("--no-drop-in", action="store_true")

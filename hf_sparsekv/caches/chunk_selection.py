@@ -93,12 +93,12 @@ class ChunkSelection:
         for name in ("observe", "pool", "recent", "sink"):
             object.__setattr__(self, name, int(getattr(self, name)))
         object.__setattr__(self, "recent_cap", float(self.recent_cap))
+        if self.score_window is not None:
+            object.__setattr__(self, "score_window", int(self.score_window))
 
     def recent_tokens(self, budget: int) -> int:
         """Prompt tokens always kept at the end under ``budget``: min(recent, ⌊recent_cap·budget⌋)."""
         return min(self.recent, int(self.recent_cap * budget))
-        if self.score_window is not None:
-            object.__setattr__(self, "score_window", int(self.score_window))
 
 
 def as_selection(selection: "ChunkSelection | str", per_kv_head: bool = False,

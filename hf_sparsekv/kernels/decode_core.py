@@ -21,8 +21,10 @@ query tokens, packed as the rows of one tile) over two segments:
   positions the slots hold: ``0 <= s <= q`` and (``s < sink`` or ``s >= q - window``).
 
 The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
-base-2 log-sum-exp, and a second small kernel merges the splits. With a single split the first kernel writes the
-final output directly. Softmax runs in float32 (base 2), dots accumulate in float32.
+base-2 log-sum-exp, and the splits are merged: by the last program of each KV head to finish (counted on a
+per-stream int32 counter that the merging program resets), when a KV head has at most ``FP_CONFIG["merge_rows"]``
+query rows; else by a second small kernel, one program per (KV head, row). With a single split the first kernel
+writes the final output directly. Softmax runs in float32 (base 2), dots accumulate in float32.
 
 Invariants the launcher guarantees: every quantized block of ``qblock`` tokens lies in one key group
 (``group_size % qblock == 0``, blocks start at multiples of ``qblock``); ``S >= L``.
@@ -82,7 +84,10 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # stays busy when a captured launch reads a length far below the capacity it was sized for.
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
-FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
+# ``merge_rows``: the split kernel merges its own splits (no second launch) when a KV head has at most this many
+# query rows (decode and draft steps: group x 1); with more rows (verify steps) one program would merge them all
+# serially, and the separate merge kernel, one program per row, is faster. 0: always the separate kernel.
+FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, merge_rows=8)
 
 
 @contextlib.contextmanager
@@ -143,6 +148,22 @@ def _kernels():
     from . import _decode_triton as tk
 
     return tk.decode_split_kernel, tk.combine_kernel
+
+
+_ARRIVALS: dict = {}
+
+
+def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """``n`` int32 counters, zero between launches, for the split kernel's in-kernel merge: one buffer per (device,
+    stream), so launches that may overlap (other streams) never share a counter. Grown (zeroed) on demand; under
+    CUDA-graph capture the buffer, allocated once, is kept alive here, and every launch leaves it at zero."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (str(device), stream)
+    buf = _ARRIVALS.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
+        _ARRIVALS[key] = buf
+    return buf
 
 
 def dot_config(dtype: torch.dtype):
@@ -278,6 +299,9 @@ def launch_decode(
         op = torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=device)
         lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=device)
         op_strides, lp_strides = op.stride()[:3], lp.stride()[:2]
+    merge = not final and rows <= FP_CONFIG["merge_rows"]
+    arrived = _arrival_counters(device, hkv) if merge else out
+    merge_m = triton_next_pow2(rows)
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
@@ -295,17 +319,18 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
+        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args, arrived,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
+        MERGE=merge, MERGE_M=merge_m, MERGE_S=max(1, min(triton_next_pow2(n_splits), 4096 // (merge_m * d))),
         num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
-    if not final:
+    if not final and not merge:
         combine_kernel[(hkv, rows)](
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
             GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
