@@ -88,6 +88,7 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # query rows (decode and draft steps: group x 1); with more rows (verify steps) one program would merge them all
 # serially, and the separate merge kernel, one program per row, is faster. 0: always the separate kernel.
 FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, merge_rows=8)
+FP_CONFIG_ENV = "HF_SPARSEKV_FP_CONFIG"  # a JSON object of FP_CONFIG settings, read at import (benchmarks)
 
 
 @contextlib.contextmanager
@@ -142,6 +143,11 @@ def quant_config(**settings):
 
 if os.environ.get(QUANT_CONFIG_ENV):
     QUANT_CONFIG.update(load_quant_config(os.environ[QUANT_CONFIG_ENV]))
+if os.environ.get(FP_CONFIG_ENV):
+    _fp_settings = json.loads(os.environ[FP_CONFIG_ENV])
+    if not isinstance(_fp_settings, dict) or set(_fp_settings) - set(FP_CONFIG):
+        raise ValueError(f"{FP_CONFIG_ENV} must be a JSON object of settings among {sorted(FP_CONFIG)}")
+    FP_CONFIG.update(_fp_settings)
 
 
 def _kernels():
