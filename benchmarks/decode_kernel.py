@@ -65,13 +65,13 @@ def kv_bytes(shape, batch, context, dtype) -> int:
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), programs_per_sm=(2, 4, 8))
 
 
-def sweep(timer, dtype, contexts) -> tuple[dict, list]:
-    """Every setting of SWEEP (min_split fixed at one block's worth of splits) at Llama-3 shape, batch 1, q 1 and 6:
-    correct first (relative error < 2e-2 against float32 at 3000 tokens), then the sum of the times."""
+def sweep(timer, dtype, contexts, batch=1) -> tuple[dict, list]:
+    """Every setting of SWEEP (min_split fixed at one block's worth of splits) at Llama-3 shape, ``batch`` rows, q 1
+    and 6: correct first (relative error < 2e-2 against float32 at 3000 tokens), then the sum of the times."""
     from hf_sparsekv.kernels.decode_core import fp_config
 
     shape, results = SHAPES["llama3-8b"], []
-    cases = [inputs(shape, 1, n, c, c, dtype) for c in contexts for n in (1, 6)]
+    cases = [inputs(shape, batch, n, c, c, dtype) for c in contexts for n in (1, 6)]
     check = [inputs(shape, b, n, 3000, 4096, dtype) for b, n in ((1, 1), (2, 6))]
     for values in itertools.product(*SWEEP.values()):
         cfg = dict(zip(SWEEP, values))
@@ -103,8 +103,8 @@ def main(argv=None) -> int:
     p.add_argument("--capacity-factor", type=float, default=1.0)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
-    p.add_argument("--merge-baseline", action="store_true",
-                   help="also time each row with the splits merged by the separate kernel (merge_rows=0), interleaved")
+    p.add_argument("--sweep-batch", type=int, default=1, help="--sweep: rows of the swept launches")
+    p.add_argument("--sweep-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_kernel.py times CUDA kernels: run it on a CUDA GPU", file=sys.stderr)
@@ -116,7 +116,7 @@ def main(argv=None) -> int:
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", flush=True)
     config, sweep_rows = dict(FP_CONFIG), []
     if args.sweep:
-        chosen, sweep_rows = sweep(timer, torch.bfloat16, (8192, 32768, 131072))
+        chosen, sweep_rows = sweep(timer, torch.bfloat16, args.sweep_contexts, args.sweep_batch)
         config.update(chosen)
         print(f"sweep winner: {chosen}", flush=True)
     rows = []
@@ -129,13 +129,6 @@ def main(argv=None) -> int:
                 q, k, v, length = inputs(shape, batch, n, ctx, capacity, dtype)
                 err = relative_error(q, k, v, length) if ctx <= 16384 else None
                 ms = timer.gpu_ms(lambda: ours(q, k, v, length))
-                separate = None
-                if args.merge_baseline:  # ours / separate / ours / separate, the better median of each
-                    with fp_config(merge_rows=0):
-                        separate = timer.gpu_ms(lambda: ours(q, k, v, length))
-                    ms = min(ms, timer.gpu_ms(lambda: ours(q, k, v, length)))
-                    with fp_config(merge_rows=0):
-                        separate = min(separate, timer.gpu_ms(lambda: ours(q, k, v, length)))
                 ke, ve = k[:, :, :ctx], v[:, :, :ctx]
                 flash = timer.gpu_ms(lambda: sdpa_flash(q, ke, ve, q.shape[-1] ** -0.5))
             except torch.OutOfMemoryError:
@@ -147,13 +140,11 @@ def main(argv=None) -> int:
             nbytes = kv_bytes(shape, batch, ctx, dtype)
             row = dict(shape=name, dtype=dt, batch=batch, queries=n, context=ctx, capacity=capacity, ours_ms=ms,
                        flash_ms=flash, bytes=nbytes, ours_gbps=nbytes / ms / 1e6, flash_gbps=nbytes / flash / 1e6,
-                       fraction_of_copy=nbytes / ms / 1e6 / copy_gbps, vs_flash=flash / ms, rel_error=err,
-                       separate_merge_ms=separate)
+                       fraction_of_copy=nbytes / ms / 1e6 / copy_gbps, vs_flash=flash / ms, rel_error=err)
             rows.append(row)
             print(f"{name} {dt} B={batch} L={n:2d} {ctx:6d}: ours {ms * 1e3:7.1f} us ({row['ours_gbps']:5.0f} GB/s, "
                   f"{row['fraction_of_copy']:.0%} of copy)  flash {flash * 1e3:7.1f} us  flash/ours "
-                  f"{row['vs_flash']:.2f}" + (f"  err {err:.1e}" if err is not None else "")
-                  + (f"  separate merge {separate * 1e3:.1f} us" if separate is not None else ""), flush=True)
+                  f"{row['vs_flash']:.2f}" + (f"  err {err:.1e}" if err is not None else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(settings=dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
@@ -162,13 +153,12 @@ def main(argv=None) -> int:
                                 timing="CUDA-graph replay, L2 flushed before every call"),
                   rows=rows, sweep=sweep_rows)
     (out / "decode_kernel.json").write_text(json.dumps(result, indent=1))
-    lines = ["| shape | dtype | B | L | context | ours µs | GB/s | of copy | flash µs | flash/ours | separate merge µs |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| shape | dtype | B | L | context | ours µs | GB/s | of copy | flash µs | flash/ours |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
-        sep = f"{r['separate_merge_ms'] * 1e3:.1f}" if r["separate_merge_ms"] is not None else "-"
         lines.append(f"| {r['shape']} | {r['dtype']} | {r['batch']} | {r['queries']} | {r['context']} | "
                      f"{r['ours_ms'] * 1e3:.1f} | {r['ours_gbps']:.0f} | {r['fraction_of_copy']:.0%} | "
-                     f"{r['flash_ms'] * 1e3:.1f} | {r['vs_flash']:.2f} | {sep} |")
+                     f"{r['flash_ms'] * 1e3:.1f} | {r['vs_flash']:.2f} |")
     (out / "decode_kernel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -209,30 +209,6 @@ def test_batched_rows_read_their_own_lengths(dtype, hq, hkv, length):
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
 
 
-@pytest.mark.parametrize("hq,hkv,length", [(8, 2, 1), (8, 2, 2), (8, 2, 3), (4, 4, 1)], ids=str)
-def test_decode_merges_its_splits_in_the_kernel_as_the_merge_kernel_does(hq, hkv, length):
-    """Query rows per KV head <= ``merge_rows`` (4 and 8 here): the last program of each KV head merges the splits
-    inside the split kernel; above it (12) the separate merge kernel runs. Both routes give the reference's output
-    for a batch of rows of different lengths (one a finished row holding only its own step), with many splits; the
-    arrival counters are back at zero after every launch (the next launch, and a graph replay, count from 0)."""
-    from hf_sparsekv.kernels import decode_core
-
-    lengths = [length, 300, 77, 512]
-    parts = [_qkv(hq, hkv, length, 64, 512, torch.float32, seed=60 + b) for b in range(len(lengths))]
-    q, k, v = (torch.cat(p) for p in zip(*parts))
-    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
-    ref = chunk_decode_attention_reference(q, k, v, 0.125, length=n)
-    outs = {}
-    for merge_rows in (0, 8):
-        with decode_core.fp_config(merge_rows=merge_rows, min_split=64, programs_per_sm=64):
-            outs[merge_rows] = chunk_decode_attention(q, k, v, 0.125, length=n)
-            single = chunk_decode_attention(q[1:2], k[1:2, :, :300], v[1:2, :, :300], 0.125)
-        assert _rel(outs[merge_rows], ref) < 1e-5, merge_rows
-        assert _rel(single, ref[1:2]) < 1e-5, merge_rows
-    assert torch.equal(outs[0], outs[8]) or _rel(outs[0], outs[8]) < 1e-6
-    assert all(int(c.abs().sum()) == 0 for c in decode_core._ARRIVALS.values())
-
-
 def _ring_rows(ends, length, sink, ring, overshoot):
     """Slot positions of sink+window rings (capacity sink + ring) whose rows wrote positions 0..ends[b] +
     overshoot[b] (later positions overwrite earlier ones; the overshoot is what a rollback leaves behind), and the

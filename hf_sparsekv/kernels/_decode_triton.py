@@ -539,16 +539,13 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, ARRIVED,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
-    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, MERGE: tl.constexpr, MERGE_M: tl.constexpr,
-    MERGE_S: tl.constexpr,
+    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr,
 ):
-    """One program per (split, KV head). ``MERGE``: the last program of a KV head to finish merges its splits
-    (:func:`_merge_splits`), counted on ``ARRIVED`` (int32 per KV head, 0 before the launch, 0 again after it)."""
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
     if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
@@ -596,52 +593,6 @@ def decode_split_kernel(
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                  SP, QP, SINK, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION)
-    if MERGE:
-        # every thread's partial stores come before the count (barrier, then a release at GPU scope); the program
-        # that counts last acquires them all, merges, and leaves the counter at 0 for the next launch
-        tl.debug_barrier()
-        arrived = tl.atomic_add(ARRIVED + kvh, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(0) - 1:
-            _merge_splits(OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
-                          stride_oh, kvh, tl.num_programs(0), L, GROUP, HEAD_DIM, MERGE_M, MERGE_S)
-            tl.atomic_xchg(ARRIVED + kvh, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def _merge_splits(
-    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh, kvh, NS, L,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, MERGE_M: tl.constexpr, MERGE_S: tl.constexpr,
-):
-    """The ``NS`` split results of KV head ``kvh`` (all its ``GROUP·L <= MERGE_M`` rows) merged by their base-2
-    log-sum-exp into ``O``, ``MERGE_S`` splits per step (the same arithmetic as :func:`combine_kernel`). Partials
-    are read from L2 (``.cg``): other programs wrote them during this launch."""
-    r = tl.arange(0, MERGE_M)
-    r_ok = r < GROUP * L
-    d = tl.arange(0, HEAD_DIM)
-    lse_base = LP + kvh * stride_lph + r[None, :]
-    m = tl.full([MERGE_M], float("-inf"), tl.float32)
-    for c0 in range(0, NS, MERGE_S):
-        sc = c0 + tl.arange(0, MERGE_S)
-        ok = (sc < NS)[:, None] & r_ok[None, :]
-        lse = tl.load(lse_base + sc[:, None] * stride_lps, mask=ok, other=float("-inf"), cache_modifier=".cg")
-        m = tl.maximum(m, tl.max(lse, 0))
-    m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
-    denom = tl.zeros([MERGE_M], tl.float32)
-    acc = tl.zeros([MERGE_M, HEAD_DIM], tl.float32)
-    for c0 in range(0, NS, MERGE_S):
-        sc = c0 + tl.arange(0, MERGE_S)
-        ok = (sc < NS)[:, None] & r_ok[None, :]
-        w = tl.exp2(tl.load(lse_base + sc[:, None] * stride_lps, mask=ok, other=float("-inf"),
-                            cache_modifier=".cg") - m[None, :])
-        denom += tl.sum(w, 0)
-        o = tl.load(OP + kvh * stride_oph + sc[:, None, None] * stride_ops + r[None, :, None] * stride_opm
-                    + d[None, None, :], mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-        acc += tl.sum(o * w[:, :, None], 0)
-    denom = tl.where(denom > 0, denom, 1.0)
-    q_head = kvh * GROUP + r // L
-    qi = r % L
-    tl.store(O + qi[:, None] * stride_ol + q_head[:, None] * stride_oh + d[None, :],
-             (acc / denom[:, None]).to(O.dtype.element_ty), mask=r_ok[:, None])
 
 @triton.jit
 def combine_kernel(

@@ -21,10 +21,8 @@ query tokens, packed as the rows of one tile) over two segments:
   positions the slots hold: ``0 <= s <= q`` and (``s < sink`` or ``s >= q - window``).
 
 The token ranges are cut into splits (one program per split and KV head); each writes a partial output and its
-base-2 log-sum-exp, and the splits are merged: by the last program of each KV head to finish (counted on a
-per-stream int32 counter that the merging program resets), when a KV head has at most ``FP_CONFIG["merge_rows"]``
-query rows; else by a second small kernel, one program per (KV head, row). With a single split the first kernel
-writes the final output directly. Softmax runs in float32 (base 2), dots accumulate in float32.
+base-2 log-sum-exp, and a second small kernel merges the splits. With a single split the first kernel writes the
+final output directly. Softmax runs in float32 (base 2), dots accumulate in float32.
 
 Invariants the launcher guarantees: every quantized block of ``qblock`` tokens lies in one key group
 (``group_size % qblock == 0``, blocks start at multiples of ``qblock``); ``S >= L``.
@@ -84,11 +82,13 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # stays busy when a captured launch reads a length far below the capacity it was sized for.
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
-# ``merge_rows``: the split kernel merges its own splits (no second launch) when a KV head has at most this many
-# query rows (decode and draft steps: group x 1); with more rows (verify steps) one program would merge them all
-# serially, and the separate merge kernel, one program per row, is faster. 0: always the separate kernel.
-FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, merge_rows=8)
-FP_CONFIG_ENV = "HF_SPARSEKV_FP_CONFIG"  # a JSON object of FP_CONFIG settings, read at import (benchmarks)
+FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
+# Launches of several batch rows (KV heads of all rows in one grid) take these settings over FP_CONFIG's: the H100
+# sweep at batch 4 (benchmarks/decode_kernel.py --sweep --sweep-batch 4, 16K and 128K, q 1 and 6) put 4 pipeline
+# stages and 4 programs per SM first (1660 µs summed against 1937 µs for the batch-1 setting: Llama-3 128K one query
+# 714 against 769 µs, flash 717), while at batch 1 they lose (32K, 6 queries: 72.6 against 62.4 µs);
+# results/decode-batch-h100-2026-11-26/.
+FP_BATCH_CONFIG = dict(num_stages=4, programs_per_sm=4)
 
 
 @contextlib.contextmanager
@@ -103,12 +103,16 @@ def _overridden(config: dict, settings: dict):
         config.update(saved)
 
 
+@contextlib.contextmanager
 def fp_config(**settings):
-    """``with fp_config(block_n=64, num_warps=8):`` launches the full-precision segment with these settings."""
+    """``with fp_config(block_n=64, num_warps=8):`` launches the full-precision segment with these settings, for one
+    batch row and several alike."""
     unknown = set(settings) - set(FP_CONFIG)
     if unknown:
         raise ValueError(f"unknown full-precision launch settings {sorted(unknown)}; known: {sorted(FP_CONFIG)}")
-    return _overridden(FP_CONFIG, settings)
+    batch_settings = {k: v for k, v in settings.items() if k in FP_BATCH_CONFIG}
+    with _overridden(FP_CONFIG, settings), _overridden(FP_BATCH_CONFIG, batch_settings):
+        yield FP_CONFIG
 
 
 def _validated(cfg: dict) -> dict:
@@ -143,33 +147,12 @@ def quant_config(**settings):
 
 if os.environ.get(QUANT_CONFIG_ENV):
     QUANT_CONFIG.update(load_quant_config(os.environ[QUANT_CONFIG_ENV]))
-if os.environ.get(FP_CONFIG_ENV):
-    _fp_settings = json.loads(os.environ[FP_CONFIG_ENV])
-    if not isinstance(_fp_settings, dict) or set(_fp_settings) - set(FP_CONFIG):
-        raise ValueError(f"{FP_CONFIG_ENV} must be a JSON object of settings among {sorted(FP_CONFIG)}")
-    FP_CONFIG.update(_fp_settings)
 
 
 def _kernels():
     from . import _decode_triton as tk
 
     return tk.decode_split_kernel, tk.combine_kernel
-
-
-_ARRIVALS: dict = {}
-
-
-def _arrival_counters(device: torch.device, n: int) -> torch.Tensor:
-    """``n`` int32 counters, zero between launches, for the split kernel's in-kernel merge: one buffer per (device,
-    stream), so launches that may overlap (other streams) never share a counter. Grown (zeroed) on demand; under
-    CUDA-graph capture the buffer, allocated once, is kept alive here, and every launch leaves it at zero."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    buf = _ARRIVALS.get(key)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 256), dtype=torch.int32, device=device)
-        _ARRIVALS[key] = buf
-    return buf
 
 
 def dot_config(dtype: torch.dtype):
@@ -273,11 +256,12 @@ def launch_decode(
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
-    block_n = FP_CONFIG["block_n"] or (64 if d <= 64 else 32)
+    batch_rows = fp_length.numel() if fp_length is not None else 1  # a batch arrives folded into KV heads
+    fcfg = {**FP_CONFIG, **FP_BATCH_CONFIG} if batch_rows > 1 else FP_CONFIG
+    block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
     if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
         block_n = min(block_n, 32)
-    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or FP_CONFIG["min_split"],
-                           FP_CONFIG["programs_per_sm"])
+    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"])
     qcfg = QUANT_CONFIG
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
@@ -305,9 +289,6 @@ def launch_decode(
         op = torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=device)
         lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=device)
         op_strides, lp_strides = op.stride()[:3], lp.stride()[:2]
-    merge = not final and rows <= FP_CONFIG["merge_rows"]
-    arrived = _arrival_counters(device, hkv) if merge else out
-    merge_m = triton_next_pow2(rows)
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
@@ -325,18 +306,17 @@ def launch_decode(
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args, arrived,
+        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
-        MERGE=merge, MERGE_M=merge_m, MERGE_S=max(1, min(triton_next_pow2(n_splits), 4096 // (merge_m * d))),
-        num_warps=qcfg["num_warps"] if quant is not None else FP_CONFIG["num_warps"],
-        num_stages=qcfg["num_stages"] if quant is not None else FP_CONFIG["num_stages"], **runtime.LAUNCH_OPTIONS,
+        num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
+        num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
-    if not final and not merge:
+    if not final:
         combine_kernel[(hkv, rows)](
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
             GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
