@@ -3,6 +3,7 @@ verifier within a time budget, then measure held-out acceptance per context × b
 in our setting). Prints a markdown table and writes JSON.
 
     python benchmarks/budgetdraft.py all --minutes 4 --out runs/budgetdraft      # train the 3 variants + evaluate
+    python benchmarks/budgetdraft.py all --steps 650 --drafter shipped=hf_sparsekv/zoo/pair/drafter-budgetdraft
     python benchmarks/budgetdraft.py eval --drafter NAME=DIR ... --out runs/budgetdraft   # evaluate only
 
 Training runs ``hf-sparsekv train-drafter`` (one process per variant, in parallel on one GPU). The number of steps
@@ -118,7 +119,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=50)
-    p.add_argument("--drafter", nargs="*", default=[], help="NAME=DIR drafters to evaluate")
+    p.add_argument("--drafter", nargs="*", default=[], help="NAME=DIR drafters to evaluate (with all: beside the new ones)")
     p.add_argument("--prompts", type=int, default=4, help="held-out documents of the pair")
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--gamma", type=int, default=5)
@@ -130,8 +131,8 @@ def main() -> None:
         name, path = args.drafter[0].split("=", 1)
         (args.out / f"acceptance-{name}.json").write_text(json.dumps(evaluate_one(name, Path(path), args)))
         return
-    drafters = train(args, args.out) if args.what == "all" else {
-        n: Path(d) for n, d in (x.split("=", 1) for x in args.drafter)}
+    given = {n: Path(d) for n, d in (x.split("=", 1) for x in args.drafter)}
+    drafters = {**train(args, args.out), **given} if args.what == "all" else given
     procs = [subprocess.Popen([sys.executable, __file__, "eval-one", "--drafter", f"{n}={d}", "--out", str(args.out),
                                "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens),
                                "--gamma", str(args.gamma), "--contexts", *map(str, args.contexts),
