@@ -28,7 +28,9 @@ VARIANTS = {
     "budgetdraft": [],
     "la-only": ["--loss", "la-only"],
     "single-1024": ["--budgets", "1024", "--budget-weights", "1"],
+    "budgetdraft-cumulative": ["--selection", "cumulative"],  # sparse views by the paper's score (the old default)
 }
+DEFAULT_VARIANTS = ["budgetdraft", "la-only", "single-1024"]
 
 
 def _models(work: Path) -> tuple[Path, Path]:
@@ -67,10 +69,11 @@ def train(args, work: Path) -> dict[str, Path]:
         per_step, steps = None, args.steps
     else:
         per_step = probe_seconds_per_step(args, verifier, drafter, work)
-        steps = max(10, int(args.minutes * 60 / (per_step * len(VARIANTS))))  # the parallel runs share the GPU
-        print(f"probe: {per_step:.3f} s/step alone -> {steps} steps per variant ({len(VARIANTS)} in parallel)")
+        steps = max(10, int(args.minutes * 60 / (per_step * len(args.variants))))  # the parallel runs share the GPU
+        print(f"probe: {per_step:.3f} s/step alone -> {steps} steps per variant ({len(args.variants)} in parallel)")
     procs = {}
-    for name, flags in VARIANTS.items():
+    for name in args.variants:
+        flags = VARIANTS[name]
         log = (work / f"{name}.log").open("w")
         cmd = _common(args, verifier, drafter) + flags + ["--max-steps", str(steps), "--output", str(work / name)]
         procs[name] = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
@@ -82,7 +85,7 @@ def train(args, work: Path) -> dict[str, Path]:
     (work / "train.json").write_text(json.dumps({"steps": steps, "probe_seconds_per_step": per_step,
                                                  "seconds": time.perf_counter() - start, "lr": args.lr,
                                                  "seq_len": args.seq_len}, indent=2))
-    return {"untrained": PAIR_DIR / "drafter", **{n: work / n for n in VARIANTS}}
+    return {"untrained": PAIR_DIR / "drafter", **{n: work / n for n in args.variants}}
 
 
 def evaluate_one(name: str, path: Path, args) -> dict:
@@ -116,6 +119,8 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=Path("runs/budgetdraft"))
     p.add_argument("--minutes", type=float, default=4.0, help="training time budget for the parallel variants")
     p.add_argument("--steps", type=int, help="steps per variant (instead of probing for --minutes)")
+    p.add_argument("--variants", nargs="+", default=DEFAULT_VARIANTS, choices=list(VARIANTS),
+                   help="drafters to train (in parallel); budgetdraft-cumulative: sparse views by the paper's score")
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--lr", type=float, default=5e-4)
     p.add_argument("--warmup", type=int, default=50)

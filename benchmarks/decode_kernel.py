@@ -109,18 +109,19 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("decode_kernel.py times CUDA kernels: run it on a CUDA GPU", file=sys.stderr)
         return 2
-    from hf_sparsekv.kernels.decode_core import FP_CONFIG, fp_config
+    from hf_sparsekv.kernels.decode_core import FP_BATCH_CONFIG, FP_CONFIG, fp_config
 
     timer = Timer(5 if args.quick else 20)
     copy_gbps = copy_rate() / 1e9
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", flush=True)
-    config, sweep_rows = dict(FP_CONFIG), []
+    config, sweep_rows = {}, []  # the library's settings (batch-1 and batched launches), unless a sweep chose
     if args.sweep:
         chosen, sweep_rows = sweep(timer, torch.bfloat16, args.sweep_contexts, args.sweep_batch)
         config.update(chosen)
         print(f"sweep winner: {chosen}", flush=True)
     rows = []
     with fp_config(**config):
+        used = dict(fp_config=dict(FP_CONFIG), fp_batch_config=dict(FP_BATCH_CONFIG))
         for name, dt, batch, n, ctx in itertools.product(args.shapes, args.dtypes, args.batches, args.queries,
                                                           args.contexts):
             shape, dtype = SHAPES[name], getattr(torch, dt)
@@ -148,7 +149,7 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(settings=dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(),
-                                commit=commit(), torch=torch.__version__, copy_gbps=copy_gbps, fp_config=config,
+                                commit=commit(), torch=torch.__version__, copy_gbps=copy_gbps, **used,
                                 capacity_factor=args.capacity_factor,
                                 timing="CUDA-graph replay, L2 flushed before every call"),
                   rows=rows, sweep=sweep_rows)
