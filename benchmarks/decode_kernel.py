@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         print(f"sweep winner: {chosen}", flush=True)
     rows = []
     with fp_config(**config):
-        used = dict(fp_config=dict(FP_CONFIG), fp_batch_config=dict(FP_BATCH_CONFIG))
+        used = dict(fp_config=dict(FP_CONFIG), fp_batch_config=[dict(e) for e in FP_BATCH_CONFIG])
         for name, dt, batch, n, ctx in itertools.product(args.shapes, args.dtypes, args.batches, args.queries,
                                                           args.contexts):
             shape, dtype = SHAPES[name], getattr(torch, dt)

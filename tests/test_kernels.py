@@ -432,6 +432,25 @@ def test_quant_config_override(tmp_path):
     assert proc.stdout.split() == ["vec", "64"], proc.stderr[-2000:]
 
 
+def test_batched_decode_launches_take_their_own_settings():
+    """A launch of several batch rows takes the FP_BATCH_CONFIG entry its KV heads (rows x heads) reach; batch 1
+    keeps FP_CONFIG whatever its heads; ``fp_config`` settings hold for both and are restored after the block."""
+    from hf_sparsekv.kernels import decode_core
+
+    one = decode_core._fp_settings(1, 128)
+    assert one == decode_core.FP_CONFIG
+    four, sixteen = decode_core._fp_settings(4, 32), decode_core._fp_settings(16, 128)
+    assert (four["num_stages"], four["programs_per_sm"]) == (4, 4)
+    assert (sixteen["num_stages"], sixteen["programs_per_sm"]) == (2, 2)
+    assert decode_core._fp_settings(2, 8) == decode_core.FP_CONFIG  # under every min_heads
+    before = [dict(e) for e in decode_core.FP_BATCH_CONFIG]
+    with decode_core.fp_config(num_stages=3, block_n=32):
+        for rows, heads in ((1, 8), (4, 32), (16, 128)):
+            cfg = decode_core._fp_settings(rows, heads)
+            assert (cfg["num_stages"], cfg["block_n"]) == (3, 32)
+    assert decode_core.FP_BATCH_CONFIG == before and decode_core._fp_settings(4, 32) == four
+
+
 @pytest.mark.parametrize("tokens,kv_heads,min_tokens,expected", [
     (3968, 2, 1024, 64),  # the bundled verifier at 4K: 62 programs of one block (6 of 1024 tokens without the fill)
     (16256, 8, 1024, 256),  # Llama-3 at 16K: 4 programs per SM of 256 tokens

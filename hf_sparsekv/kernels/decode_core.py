@@ -83,12 +83,17 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
 FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
-# Launches of several batch rows (KV heads of all rows in one grid) take these settings over FP_CONFIG's: the H100
-# sweep at batch 4 (benchmarks/decode_kernel.py --sweep --sweep-batch 4, 16K and 128K, q 1 and 6) put 4 pipeline
-# stages and 4 programs per SM first (1660 µs summed against 1937 µs for the batch-1 setting: Llama-3 128K one query
-# 714 against 769 µs, flash 717), while at batch 1 they lose (32K, 6 queries: 72.6 against 62.4 µs);
-# results/decode-batch-h100-2026-11-26/.
-FP_BATCH_CONFIG = dict(num_stages=4, programs_per_sm=4)
+# Launches of several batch rows (the KV heads of all rows in one grid) take the settings of the first entry of
+# FP_BATCH_CONFIG whose ``min_heads`` the launch's KV heads (rows x heads per row) reach, over FP_CONFIG's. H100 sweeps
+# at Llama-3 shape (benchmarks/decode_kernel.py --sweep --sweep-batch B; results/decode-batch-h100-2026-11-26/):
+# batch 4 (32 KV heads) put 4 stages and 4 programs per SM first (interleaved A/B at 128K, one query: 711 µs against
+# 765 µs with the batch-1 settings, flash 714; six queries 727 against 925); batch 16 (128 KV heads) put 2 stages and
+# 2 programs per SM first (32K: 716 against 748 µs for batch 4's settings, flash 704). Batch 1 keeps FP_CONFIG
+# (batch 4's settings lose there: 32K, six queries, 72.6 against 62.4 µs).
+FP_BATCH_CONFIG = [
+    dict(min_heads=96, num_stages=2, programs_per_sm=2),
+    dict(min_heads=16, num_stages=4, programs_per_sm=4),
+]
 
 
 @contextlib.contextmanager
@@ -110,9 +115,23 @@ def fp_config(**settings):
     unknown = set(settings) - set(FP_CONFIG)
     if unknown:
         raise ValueError(f"unknown full-precision launch settings {sorted(unknown)}; known: {sorted(FP_CONFIG)}")
-    batch_settings = {k: v for k, v in settings.items() if k in FP_BATCH_CONFIG}
-    with _overridden(FP_CONFIG, settings), _overridden(FP_BATCH_CONFIG, batch_settings):
-        yield FP_CONFIG
+    saved = [dict(entry) for entry in FP_BATCH_CONFIG]
+    for entry in FP_BATCH_CONFIG:  # explicit settings hold for batched launches too
+        entry.update({k: v for k, v in settings.items() if k in entry})
+    try:
+        with _overridden(FP_CONFIG, settings):
+            yield FP_CONFIG
+    finally:
+        FP_BATCH_CONFIG[:] = saved
+
+
+def _fp_settings(batch_rows: int, kv_heads: int) -> dict:
+    """FP_CONFIG, with a batched launch's entry of FP_BATCH_CONFIG over it (``kv_heads``: rows x heads per row)."""
+    if batch_rows > 1:
+        for entry in FP_BATCH_CONFIG:
+            if kv_heads >= entry["min_heads"]:
+                return {**FP_CONFIG, **{k: v for k, v in entry.items() if k != "min_heads"}}
+    return FP_CONFIG
 
 
 def _validated(cfg: dict) -> dict:
@@ -257,7 +276,7 @@ def launch_decode(
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
     batch_rows = fp_length.numel() if fp_length is not None else 1  # a batch arrives folded into KV heads
-    fcfg = {**FP_CONFIG, **FP_BATCH_CONFIG} if batch_rows > 1 else FP_CONFIG
+    fcfg = _fp_settings(batch_rows, k.shape[1])
     block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
     if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
         block_n = min(block_n, 32)
