@@ -67,7 +67,7 @@ def _kept_chunks(indices: torch.Tensor, p: int, s: int) -> list[int]:
         (dict(lam=-1.0), "lam"),
         (dict(seq_len=0), "seq_len"),
         (dict(selection="snap"), "selection"),
-        (dict(score_window=16), "score_window"),  # belongs to selection="cumulative"
+        (dict(selection="observed", score_window=16), "score_window"),  # belongs to selection="cumulative"
     ],
 )
 def test_config_rejects_bad_values(kwargs, match):
@@ -582,7 +582,8 @@ assert cache_keyword(trainer.drafter) == cache_keyword(local)  # DDP's forward(*
 prefix = prefill_prefix(local, seq[:, :80], 32)
 targets = teacher_targets(trainer.verifier, seq, 80, 32)
 la, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.full_view(), 80), targets)
-lc, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.sparse_view(16).cache, 80), targets)
+lc, _ = top1_loss(continuation_logits(local, seq[:, 80:], prefix.sparse_view(16, selection=cfg.selection).cache, 80),
+                  targets)
 (la + 0.5 * lc).backward()
 trainer.accumulate_gradients(seq, budget=16)
 for (name, p), q in zip(trainer.model.named_parameters(), local.parameters()):
