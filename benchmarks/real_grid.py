@@ -17,6 +17,9 @@ Methods (γ = --gamma, greedy, batch 1):
     window4-B       window/full: draft_cache="window", kv_budget=B (4 sink tokens + B-4 window)
     int4            QuantSpec self-speculation of the 1.5B (INT4 draft / INT8 verify on one store)
     lookup          retrieval alone: prompt lookup (``prompt_lookup_num_tokens=γ``), no drafter
+    chunklookup-B   chunk-B with prompt lookup beside the drafter (a round takes the retrieved continuation where
+                    the prompt or the output so far has a match, else the drafter's tokens), B in --budgets
+    window4lookup-B window4-B with prompt lookup beside the drafter
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ import torch
 from hf_sparsekv.cache_keyword import cache_keyword, user_cache
 from provenance import commit
 
-METHOD_ORDER = ("full", "chunk", "chunkcum", "window0", "window4", "int4", "lookup")
+METHOD_ORDER = ("full", "chunk", "chunkcum", "window0", "window4", "int4", "lookup", "chunklookup", "window4lookup")
+OPT_IN = ("chunkcum", "chunklookup", "window4lookup")  # run when named in --methods
 
 
 def add_grid_args(p) -> None:
@@ -50,8 +54,8 @@ def add_grid_args(p) -> None:
     p.add_argument("--cum-budgets", type=int, nargs="+", default=None,
                    help="budgets of chunkcum (cumulative selection; default: --budgets)")
     p.add_argument("--window-budget", type=int, default=1024)
-    p.add_argument("--methods", nargs="+", default=[m for m in METHOD_ORDER if m != "chunkcum"],
-                   choices=list(METHOD_ORDER), help="default: all but chunkcum")
+    p.add_argument("--methods", nargs="+", default=[m for m in METHOD_ORDER if m not in OPT_IN],
+                   choices=list(METHOD_ORDER), help=f"default: all but {', '.join(OPT_IN)}")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -117,11 +121,11 @@ def greedy_reference(model, cache, prompt_len: int, first_logits: torch.Tensor, 
 def _method_cells(args) -> list[str]:
     cells = []
     for m in args.methods:
-        if m == "chunk":
-            cells += [f"chunk-{b}" for b in args.budgets]
+        if m in ("chunk", "chunklookup"):
+            cells += [f"{m}-{b}" for b in args.budgets]
         elif m == "chunkcum":
             cells += [f"chunkcum-{b}" for b in (args.cum_budgets or args.budgets)]
-        elif m in ("window0", "window4"):
+        elif m in ("window0", "window4", "window4lookup"):
             cells.append(f"{m}-{args.window_budget}")
         else:
             cells.append(m)
@@ -141,6 +145,10 @@ def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
     budget = int(budget)
     if kind == "chunk":
         return dict(assistant_model=drafter, kv_budget=budget)
+    if kind == "chunklookup":
+        return dict(assistant_model=drafter, kv_budget=budget, prompt_lookup_num_tokens=gamma)
+    if kind == "window4lookup":
+        return dict(assistant_model=drafter, draft_cache="window", kv_budget=budget, prompt_lookup_num_tokens=gamma)
     if kind == "chunkcum":
         return dict(assistant_model=drafter, draft_cache=ChunkBudgetCache(budget, selection="cumulative"))
     if kind == "window4":

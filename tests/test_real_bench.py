@@ -116,6 +116,13 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
                                   "12", "--methods", "chunkcum", "--cum-budgets", "32", "--min-doc-tokens", "0"])
     data = real_grid.run_grid(cum, models=(verifier, drafter, Tok()))
     assert [c["method"] for c in data["cells"]][6:] == ["chunkcum-32"] and data["cells"][6]["identical"]
+    # prompt lookup beside the drafter, on request
+    both = real_models.parse_args(["grid", "--out", str(tmp_path), "--contexts", "200", "--docs", "1", "--new-tokens",
+                                   "12", "--methods", "chunklookup", "window4lookup", "--budgets", "32",
+                                   "--window-budget", "48", "--min-doc-tokens", "0"])
+    data = real_grid.run_grid(both, models=(verifier, drafter, Tok()))
+    assert [c["method"] for c in data["cells"]][7:] == ["chunklookup-32", "window4lookup-48"]
+    assert all(c["identical"] for c in data["cells"][7:]), data["cells"][7:]
 
 
 @pytest.mark.real
