@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from .base import is_integer
 
 METHODS = ("observed", "cumulative")
-OBSERVED_BLOCK = 128  # voting queries scored at a time: float32 logits of 128·Hq·P per layer (1 GiB at 64K, 32 heads)
+SCORE_BLOCK = 64  # queries scored at a time: float32 logits and probabilities of 64·Hq·P each per layer (0.5 GiB at
+# 64K and 32 heads); the 512 observed queries take 8 blocks
 
 
 @dataclass(frozen=True)
@@ -116,13 +117,14 @@ def as_selection(selection: "ChunkSelection | str", per_kv_head: bool = False,
 
 
 def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, score_window: int | None = None,
-                         block_size: int = 512) -> torch.Tensor:
+                         block_size: int = SCORE_BLOCK) -> torch.Tensor:
     """Attention mass each key receives from causal queries, summed over queries, in float32.
 
     query: ``[B, Hq, P, D]`` (prompt queries at positions 0..P-1), key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv.
     Only the last ``score_window`` queries vote when it is given. Computed ``block_size`` queries at a time, so
     memory is O(block_size·P), never P×P: each KV head's keys are read once by its group of query heads (no copy
-    repeated per query head) and the softmax is taken in place. Returns ``[B, Hq, P]``.
+    repeated per query head), the causal mask touches only the keys a block's queries can hide (from the block's
+    first position on), and one fused softmax normalises each row. Returns ``[B, Hq, P]``.
     """
     b, hq, p, d = query.shape
     kv_heads = key.shape[1]
@@ -134,12 +136,11 @@ def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float,
     for start in range(first, p, block_size):
         stop = min(start + block_size, p)
         rows = stop - start
-        q = query[:, :, start:stop].float().reshape(b, kv_heads, group * rows, d)  # a group's heads, then queries
-        logits = torch.matmul(q, k).mul_(scaling).view(b, hq, rows, p)
-        q_pos = torch.arange(start, stop, device=query.device)
-        logits.masked_fill_(key_pos[None, :] > q_pos[:, None], float("-inf"))
-        logits.sub_(logits.amax(-1, keepdim=True)).exp_()  # every query sees key 0: each row's max is finite
-        scores += logits.div_(logits.sum(-1, keepdim=True)).sum(dim=-2)
+        q = (query[:, :, start:stop].float() * scaling).reshape(b, kv_heads, group * rows, d)  # group's heads, queries
+        logits = torch.matmul(q, k).view(b, hq, rows, p)
+        hidden = key_pos[None, start:] > key_pos[start:stop, None]  # query t sees keys 0..t
+        logits[..., start:].masked_fill_(hidden, float("-inf"))  # every query sees key 0: no row is all -inf
+        scores += torch.softmax(logits, dim=-1).sum(dim=-2)
     return scores
 
 
@@ -157,7 +158,7 @@ def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selecti
         raw = cumulative_attention(query, key, scaling, selection.score_window)
         return _grouped(raw, key.shape[1], selection.per_kv_head)
     w = min(selection.observe, p)
-    raw = cumulative_attention(query, key, scaling, w, block_size=OBSERVED_BLOCK)
+    raw = cumulative_attention(query, key, scaling, w)
     seen_by = torch.clamp(p - torch.arange(p, device=query.device), max=w).float()  # voting queries that see key j
     scores = _grouped(raw / seen_by, key.shape[1], selection.per_kv_head)
     if selection.pool > 1:
