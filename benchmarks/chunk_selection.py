@@ -78,9 +78,12 @@ def cache_factories(variants: list[str]) -> dict:
 def teacher_forced_top1(model, ids: torch.Tensor, continuation: torch.Tensor, cache) -> list[bool]:
     """Per position of ``continuation [n]``: whether ``model`` on ``cache`` predicts it given ``ids`` and the
     continuation before it (prefill under the query hooks, then one forward over continuation[:-1])."""
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    key = cache_keyword(model)
     with hf_sparsekv.prompt_queries(model):
-        first = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-    rest = model(input_ids=continuation[None, :-1], past_key_values=cache, use_cache=True).logits[0]
+        first = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache}).logits[0, -1]
+    rest = model(input_ids=continuation[None, :-1], use_cache=True, **{key: cache}).logits[0]
     predicted = torch.cat([first.argmax()[None], rest.argmax(-1)])
     return (predicted == continuation).tolist()
 
