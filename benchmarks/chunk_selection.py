@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 import hf_sparsekv
 from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
+from hf_sparsekv.cache_keyword import cache_keyword
 from hf_sparsekv.caches.chunk_selection import ChunkSelection
 from hf_sparsekv.generation import speculative_generate
 from hf_sparsekv.zoo import eval_documents, load_pair
@@ -78,8 +79,6 @@ def cache_factories(variants: list[str]) -> dict:
 def teacher_forced_top1(model, ids: torch.Tensor, continuation: torch.Tensor, cache) -> list[bool]:
     """Per position of ``continuation [n]``: whether ``model`` on ``cache`` predicts it given ``ids`` and the
     continuation before it (prefill under the query hooks, then one forward over continuation[:-1])."""
-    from hf_sparsekv.cache_keyword import cache_keyword
-
     key = cache_keyword(model)
     with hf_sparsekv.prompt_queries(model):
         first = model(input_ids=ids, use_cache=True, logits_to_keep=1, **{key: cache}).logits[0, -1]
@@ -94,7 +93,6 @@ def prefill_with_queries(model, ids: torch.Tensor):
     logits [V])``, the queries recomputed by the same hook :func:`hf_sparsekv.prompt_queries` uses."""
     from transformers import DynamicCache
 
-    from hf_sparsekv.cache_keyword import cache_keyword
     from hf_sparsekv.caches.query_hooks import after_attention, recompute_queries
 
     cache, queries, scalings = DynamicCache(), {}, {}
@@ -125,8 +123,6 @@ def filled(cache, prefilled):
 @torch.no_grad()
 def greedy_continue(model, cache, first_logits: torch.Tensor, n: int) -> torch.Tensor:
     """``n`` greedy tokens (EOS ignored) from a prefilled ``cache``, one forward per token."""
-    from hf_sparsekv.cache_keyword import cache_keyword
-
     key = cache_keyword(model)
     tokens = [int(first_logits.argmax())]
     while len(tokens) < n:
@@ -138,8 +134,6 @@ def greedy_continue(model, cache, first_logits: torch.Tensor, n: int) -> torch.T
 @torch.no_grad()
 def teacher_forced_shared(model, cache, first_logits: torch.Tensor, continuation: torch.Tensor) -> list[bool]:
     """:func:`teacher_forced_top1` from a prefilled ``cache`` (``first_logits``: the prompt's last logits)."""
-    from hf_sparsekv.cache_keyword import cache_keyword
-
     rest = model(input_ids=continuation[None, :-1], use_cache=True, **{cache_keyword(model): cache}).logits[0]
     predicted = torch.cat([first_logits.argmax()[None], rest.argmax(-1)])
     return (predicted == continuation).tolist()

@@ -311,7 +311,7 @@ def launch_decode(
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
-    row_heads = hkv // max(1, fp_length.numel()) if on_device else hkv
+    row_heads = hkv // batch_rows
     t_ptr = quant_length if quant_length is not None else s_ptr
     if positions is not None:
         slot_pos, query_pos, sink, window = positions
