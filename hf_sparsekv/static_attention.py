@@ -13,7 +13,7 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding
   window, a shape the kernel takes: the Triton split-KV kernel reading each row's length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in
-  one graph;
+  one graph (a tree block on the full cache: the same kernel with the block's ancestor bits);
 * decode / verify step on the sink+window ring (CUDA, no sliding window, a shape the kernel takes): the same kernel
   reading the whole ring and deciding what each query sees from the positions the slots hold
   (``hf_sparsekv::static_window_decode``);
@@ -52,17 +52,17 @@ def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 
 
 @torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
 def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
-                  scaling: float) -> torch.Tensor:
+                  scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton decode kernel over preallocated buffers: ``query [B, Hq, L, D]``, ``key/value [B, Hkv, S, D]`` of
     which the first ``length[b]`` (int32 ``[B]``, on the device) slots of row b are read -> ``[B, L, Hq, D]``
-    contiguous."""
+    contiguous. ``tree`` (int64 ``[L]``): the last L slots read are a tree block, each query seeing its ancestors."""
     from .kernels.chunk_attention import chunk_decode_attention
 
-    return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length)
+    return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length, tree=tree)
 
 
 @static_decode.register_fake
-def _static_decode_shape(query, key, value, length, scaling):
+def _static_decode_shape(query, key, value, length, scaling, tree=None):
     batch, heads, n, dim = query.shape
     return query.new_empty(batch, n, heads, dim)
 
@@ -161,7 +161,8 @@ def static_attention(
     device = query.device  # a layer of a model dispatched over several devices reads the cache's tensors there
     if cache.kernels and sliding is None and _kernel_shape_ok(query, key.shape[1]):
         if cache.contiguous:
-            return static_decode(query, key, value, cache.local("fp_length", device), scale), None
+            tree = None if cache.tree is None else cache.local("tree", device)
+            return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
         if isinstance(cache, StaticSinkWindowCache):
             return static_window_decode(query, key, value, cache.local("fp_length", device),
                                         cache.local("slot_positions", device), cache.local("positions", device),

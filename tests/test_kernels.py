@@ -36,7 +36,7 @@ from hf_sparsekv.kernels.quantize import (  # noqa: E402
     quantize_values,
     quantize_values_reference,
 )
-from hf_sparsekv.kernels.reference import masked_attention_reference  # noqa: E402
+from hf_sparsekv.kernels.reference import ancestor_bits, ancestor_mask, masked_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.verify_attention import verify_attention, verify_attention_reference  # noqa: E402
 
 from .conftest import CHILD_SUMMARY  # noqa: E402
@@ -207,6 +207,41 @@ def test_batched_rows_read_their_own_lengths(dtype, hq, hkv, length):
     n[1] = 31  # the same launch arguments, other lengths
     ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
+
+
+def _two_chains(gamma: int) -> torch.Tensor:
+    """The tree of a drafter's chain and a retrieved chain sharing the root: nodes 0 (root), 1..γ, γ+1..2γ."""
+    parents = [-1] + list(range(gamma)) + [0] + list(range(gamma + 1, 2 * gamma))
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, parent in enumerate(parents):
+        if parent >= 0:
+            mask[i] |= mask[parent]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,gamma", [(4, 2, 1), (8, 2, 3), (4, 4, 7)])
+def test_tree_blocks_see_only_their_ancestors(dtype, hq, hkv, gamma):
+    """A verify block that is a tree (two chains from one root): each query sees every key before the block and,
+    within it, its ancestors and itself (bits of ``tree``); rows of a batch at different lengths, and batch 1 without
+    device lengths. Against the reference with the same mask; the causal reading of the block must differ."""
+    mask = _two_chains(gamma)
+    length = mask.shape[0]
+    bits = ancestor_bits(mask).to(DEVICE)
+    assert torch.equal(ancestor_mask(bits).cpu(), mask)
+    lengths = [length, 300, 77, 131]
+    rows = [_qkv(hq, hkv, length, 64, 320, dtype, seed=40 + b) for b in range(len(lengths))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    tol = 1e-5 if dtype == torch.float32 else TOL
+    out = chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits)
+    assert _rel(out, ref) < tol
+    chain = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
+    assert _rel(chain, ref) > 10 * tol  # the mask matters
+    one = chunk_decode_attention(q[1:2], k[1:2, :, :131], v[1:2, :, :131], 0.125, tree=bits)
+    assert _rel(one, chunk_decode_attention_reference(q[1:2].float(), k[1:2, :, :131].float(),
+                                                      v[1:2, :, :131].float(), 0.125, tree=bits)) < tol
 
 
 def _ring_rows(ends, length, sink, ring, overshoot):
@@ -793,6 +828,21 @@ def test_cuda_batched_rows_at_real_size(batch):
     ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, length=n)
     assert out.shape == (batch, 4, 32, 128)
     assert max(_rel(out[b], ref[b]) for b in range(batch)) < TOL
+
+
+@pytest.mark.cuda
+def test_cuda_tree_block_at_real_size():
+    """A two-chain tree block of 11 queries (γ = 5) at Llama-3-8B's attention shape, bf16, 3 rows of 4-16K tokens."""
+    mask = _two_chains(5)
+    bits = ancestor_bits(mask).to("cuda")
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, 11, 32, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
+    k = (torch.randn(3, 8, 16384, 128, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    v = torch.randn(3, 8, 16384, 128, generator=g).to("cuda", torch.bfloat16)
+    n = torch.tensor([4096, 16384, 9001], dtype=torch.int32, device="cuda")
+    out = chunk_decode_attention(q, k, v, 128**-0.5, length=n, tree=bits)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, length=n, tree=bits)
+    assert max(_rel(out[b], ref[b]) for b in range(3)) < TOL
 
 
 @pytest.mark.cuda

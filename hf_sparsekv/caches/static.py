@@ -124,6 +124,7 @@ class PreallocatedCache(Cache):
     """
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
+    takes_trees = False  # a step's tokens may be a tree block (begin_step's tree)
     takes_prefix = False  # prompt caching: a row may hold a prefix before its prefill (begin_prefill's start)
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
@@ -149,6 +150,8 @@ class PreallocatedCache(Cache):
         self.rows = torch.arange(batch, device=device)[:, None]  # [B, 1]: the row index of a step's writes
         self._local: dict = {}  # (name, device index) -> this step's copy of a per-cache tensor on another device
         self.positions: torch.Tensor | None = None  # the current step's positions [B, L]
+        self.tree: torch.Tensor | None = None  # the current step's tree block (ancestor bits [L]), None: a chain
+        self._offsets: dict = {}  # L -> arange(L) on the home device (a tree block's slots from its root's)
         self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
         self.prefill_row = 0
@@ -164,12 +167,17 @@ class PreallocatedCache(Cache):
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def begin_step(self, positions: torch.Tensor) -> None:
+    def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:
         """Prepare a decode/verify step whose tokens are at ``positions [B, L]`` (int64, on the device, ascending
-        along L)."""
+        along L). ``tree`` (int64 ``[L]``, :func:`~hf_sparsekv.kernels.reference.ancestor_bits`; the full cache only):
+        the tokens are a tree block, written at consecutive slots from the first one's (the root's), each seeing the
+        slots before the block and, within it, the nodes whose bit it has set; several nodes may share a position."""
+        if tree is not None and not self.takes_trees:
+            raise NotImplementedError(f"{type(self).__name__} takes no tree block (the verifier's full cache does)")
         self.prefilling = False
         self.positions = positions
-        self.slots = self.slots_of(positions)
+        self.tree = tree
+        self.slots = self.slots_of(positions) if tree is None else positions[:, :1] + self.block_offsets(positions)
         self.slot_positions[self.rows, self.slots] = positions
         # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
         ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.capacity)
@@ -178,6 +186,14 @@ class PreallocatedCache(Cache):
         self.fp_length.copy_(ends)
         self._mask = None
         self._local = {}
+
+    def block_offsets(self, positions: torch.Tensor) -> torch.Tensor:
+        """``[0, 1, ..., L-1]`` for a step of ``positions [B, L]`` (made once per L, outside any captured step's
+        allocations after the first)."""
+        length = positions.shape[1]
+        if length not in self._offsets:
+            self._offsets[length] = torch.arange(length, device=positions.device)
+        return self._offsets[length]
 
     def local(self, name: str, device: torch.device) -> torch.Tensor:
         """The per-cache tensor ``name`` (``positions``, ``slots``, ``fp_length``, ...) as a layer on ``device`` reads
@@ -251,6 +267,13 @@ class PreallocatedCache(Cache):
         sp = self.local("slot_positions", query_positions.device)[:, None, :]
         qp = query_positions[:, :, None]
         seen = (sp >= 0) & (sp <= qp) & self._rule(sp, qp)
+        if self.tree is not None:  # a tree block: before it, every slot; within it, the node's ancestors
+            tree = self.local("tree", query_positions.device)
+            start = self.local("slots", query_positions.device)[:, :1, None]
+            rel = torch.arange(sp.shape[-1], device=sp.device)[None, None, :] - start  # [B, 1, C]
+            in_block = (rel >= 0) & (rel < tree.shape[0])
+            ancestor = (tree[None, :, None] >> rel.clamp(0, 62)) & 1 == 1
+            seen = torch.where(in_block, ancestor, seen & (rel < 0))
         if sliding_window is not None:
             seen &= sp > qp - sliding_window
         return seen
@@ -309,9 +332,22 @@ class PreallocatedCache(Cache):
 
 
 class StaticFullCache(PreallocatedCache):
-    """Every token at ``slot = position`` (the verifier's cache)."""
+    """Every token at ``slot = position`` (the verifier's cache); a tree block (:meth:`begin_step`'s ``tree``) at
+    consecutive slots from its root's, the kept path then moved to its positions' slots (:meth:`keep_path`)."""
 
     takes_prefix = True
+    takes_trees = True
+
+    def keep_path(self, source: torch.Tensor, target: torch.Tensor, stale: torch.Tensor) -> None:
+        """After a tree step: copy each layer's keys/values of row b from slots ``source[b]`` to ``target[b]``
+        (``[B, K]``; a slot may be its own source) and mark the slots ``stale [B, M]`` empty (slot position -1), so
+        that no later step sees a node that was not kept. In place, on the device (capturable)."""
+        rows = self.rows
+        for layer in self.layers:
+            r, src, dst = (t.to(layer.keys.device) for t in (rows, source, target))
+            layer.keys[r, :, dst] = layer.keys[r, :, src]
+            layer.values[r, :, dst] = layer.values[r, :, src]
+        self.slot_positions[rows, stale] = -1
 
     def slots_of(self, positions):
         return positions
@@ -471,8 +507,8 @@ class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
                          layer_devices)
         self._init_rows()  # offset: P - budget of each row
 
-    def begin_step(self, positions: torch.Tensor) -> None:
-        super().begin_step(positions - self.offset[:, None])  # real -> mask positions
+    def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:
+        super().begin_step(positions - self.offset[:, None], tree)  # real -> mask positions
 
     def _place_kept(self, row: int, k: int) -> None:
         self.offset[row] = self.prefill_length - self.budget
@@ -542,8 +578,8 @@ class StaticQuantCache(PreallocatedCache):
     def slots_of(self, positions):
         return positions - self.offset[:, None]
 
-    def begin_step(self, positions: torch.Tensor) -> None:
-        super().begin_step(positions)
+    def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:
+        super().begin_step(positions, tree)
         quant = self.offset if self.live is None else self.offset * (self.live > 0)  # a finished row reads no codes
         self.quant_length.copy_(quant)
 

@@ -62,12 +62,13 @@ def step_backend(gm: torch.fx.GraphModule, example_inputs):
 
 
 def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, logits_to_keep: int,
-                   keyword: str) -> torch.Tensor:
+                   keyword: str, tree: torch.Tensor | None = None) -> torch.Tensor:
     """``model`` on ``tokens [B, L]`` at ``positions [B, L]`` (device int64) over a static cache of B rows; logits
     ``[B, L', V]`` (L' = logits_to_keep, 0 for all), in the model dtype. ``keyword``:
     :func:`~hf_sparsekv.cache_keyword.cache_keyword` of ``model``, resolved by the caller outside the traced step
-    (torch.compile cannot take a module as a constant)."""
-    cache.begin_step(positions)
+    (torch.compile cannot take a module as a constant). ``tree``: the tokens are a tree block (see
+    :meth:`~hf_sparsekv.caches.static.PreallocatedCache.begin_step`)."""
+    cache.begin_step(positions, tree)
     out = model(
         input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=logits_to_keep, **{keyword: cache},
     )

@@ -30,9 +30,9 @@ def _fp_part(
     Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
     scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-    SP, QP, SINK, WINDOW,
+    SP, QP, SINK, WINDOW, TB,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
-    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, BY_POSITION: tl.constexpr,
+    DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, BY_POSITION: tl.constexpr, TREE: tl.constexpr,
 ):
     dt = DOT_DTYPE
     d = tl.arange(0, HEAD_DIM)
@@ -42,6 +42,9 @@ def _fp_part(
         low = q_pos - WINDOW  # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low)
     else:
         limit = S_FP - L + qi  # key n is visible to row r iff n <= limit[r]
+        if TREE:  # the last L slots are a tree block: query row r sees block slot j iff bit j of TB[r] is set
+            block_start = S_FP - L
+            tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
     start = fsplit * FSPLIT_TOKENS
     end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -59,6 +62,10 @@ def _fp_part(
             visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
         else:
             visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
+            if TREE:
+                rel = tl.maximum(offs_n - block_start, 0).to(tl.int64)
+                ancestor = ((tree_bits[:, None] >> rel[None, :]) & 1) != 0
+                visible = visible & ((offs_n < block_start)[None, :] | ancestor)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -539,12 +546,12 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
-    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr,
+    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
 ):
     pid_s = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -587,12 +594,14 @@ def decode_split_kernel(
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                      OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                     SP, QP, SINK, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION)
+                     SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
+                     TREE)
     else:
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                 SP, QP, SINK, WINDOW, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION)
+                 SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
+                     TREE)
 
 @triton.jit
 def combine_kernel(

@@ -14,31 +14,36 @@ import torch
 
 from . import runtime
 from .decode_core import launch_decode
-from .reference import masked_attention_reference
+from .reference import ancestor_mask, masked_attention_reference
 
 
 def chunk_decode_attention(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton split-KV kernel; see the module docstring. With ``length`` (int32 ``[B]`` on the device), ``key/value``
     are preallocated buffers ``[B, Hkv, S, D]`` and only the first ``length[b]`` tokens of row b are stored ones
-    (CUDA-graph capture: nothing is read on the host). Without it, batch 1."""
+    (CUDA-graph capture: nothing is read on the host). Without it, batch 1. ``tree`` (int64 ``[L]``): the queries
+    are a tree block, query i seeing its own block key j iff bit j of ``tree[i]`` is set
+    (:func:`~.reference.ancestor_bits`)."""
     runtime.check_attention_inputs(query, key, value)
     if key.shape[-2] < query.shape[-2] or value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"key/value must hold the same number of tokens, at least the {query.shape[-2]} queries; got "
             f"{key.shape[-2]} and {value.shape[-2]}"
         )
-    return launch_decode(query, scaling, key, value, fp_length=length)
+    return launch_decode(query, scaling, key, value, fp_length=length, tree=tree)
 
 
 def chunk_decode_attention_reference(
-    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PyTorch reference (float32 math), row by row."""
+    mask = None if tree is None else ancestor_mask(tree)
     if length is None:
-        return masked_attention_reference(query, key, value, scaling)
+        return masked_attention_reference(query, key, value, scaling, mask)
     return torch.cat([
-        masked_attention_reference(query[b : b + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], scaling)
+        masked_attention_reference(query[b : b + 1], key[b : b + 1, :, :n], value[b : b + 1, :, :n], scaling, mask)
         for b, n in enumerate(length.tolist())
     ])

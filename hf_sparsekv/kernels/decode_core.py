@@ -240,6 +240,7 @@ def launch_decode(
     fp_length: torch.Tensor | None = None,
     quant_length: torch.Tensor | None = None,
     positions: tuple | None = None,
+    tree: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [B, Hq, L, D]``; ``k/v [B, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
@@ -255,7 +256,14 @@ def launch_decode(
     ``positions = (slot_positions [B, S], query_positions [B, L], sink, window)`` (int64 on the device; needs
     ``fp_length``, no ``quant``): of the first ``fp_length[b]`` slots of row b, query i sees the slots whose
     position s has ``0 <= s <= query_positions[b, i]`` and ``s < sink or s >= query_positions[b, i] - window``
-    (a sink+window ring buffer; a slot holding -1 is empty)."""
+    (a sink+window ring buffer; a slot holding -1 is empty).
+
+    ``tree`` (int64 ``[L]`` on the device; not with ``positions``): the last L keys read (the queries' own) form a
+    tree block, and query i sees block key j iff bit j of ``tree[i]`` is set (its ancestors and itself: the
+    ``spec_mask`` of :func:`~hf_sparsekv.kernels.reference.masked_attention_reference`); every key before the block
+    is seen by every query."""
+    if tree is not None and (positions is not None or tree.shape != (q.shape[2],) or tree.dtype != torch.int64):
+        raise ValueError(f"tree must be int64 [{q.shape[2]}] (one ancestor mask per query) and comes without positions")
     if quant is not None and (fp_length is None) != (quant_length is None):
         raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
     if positions is not None and (fp_length is None or quant is not None):
@@ -264,7 +272,7 @@ def launch_decode(
     batch = q.shape[0]
     if batch > 1:
         return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8,
-                            q_min_split, quant_length)
+                            q_min_split, quant_length, tree)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -326,12 +334,13 @@ def launch_decode(
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
+        s_ptr if tree is None else tree,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
-        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(),
+        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
         num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
@@ -345,7 +354,7 @@ def launch_decode(
 
 
 def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8, q_min_split,
-                 quant_length) -> torch.Tensor:
+                 quant_length, tree) -> torch.Tensor:
     """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` (and code buffers ``[B, Hkv, ...]``) with
     ``fp_length [B]`` (and ``quant_length [B]``): the rows become B·Hkv KV heads of one launch (each reads its row's
     lengths, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
@@ -368,6 +377,6 @@ def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, gr
     out = launch_decode(
         q.reshape(1, batch * hq, length, d), scaling, folded(k), folded(v), quant=quant, group_size=group_size,
         int8=int8, fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length, quant_length=quant_length,
-        positions=positions,
+        positions=positions, tree=tree,
     )
     return out.view(length, batch, hq, d).transpose(0, 1).contiguous()

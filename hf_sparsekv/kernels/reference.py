@@ -37,3 +37,19 @@ def masked_attention_reference(
     logits = logits.masked_fill(~visible, float("-inf"))
     out = torch.matmul(torch.softmax(logits, dim=-1), v)
     return out.transpose(1, 2).to(query.dtype)
+
+
+def ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
+    """A tree block's visibility ``mask [L, L]`` (bool: query i sees block key j) as the kernels read it: int64
+    ``[L]``, bit j of entry i set iff ``mask[i, j]`` (L <= 63)."""
+    length = mask.shape[-1]
+    if mask.shape != (length, length) or not 1 <= length <= 63:
+        raise ValueError(f"a tree block's mask must be [L, L] with 1 <= L <= 63, got {tuple(mask.shape)}")
+    weights = torch.tensor([1 << j for j in range(length)], dtype=torch.int64, device=mask.device)
+    return (mask.to(torch.int64) * weights).sum(-1)
+
+
+def ancestor_mask(bits: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`ancestor_bits`: int64 ``[L]`` -> bool ``[L, L]``."""
+    length = bits.shape[0]
+    return (bits[:, None] >> torch.arange(length, device=bits.device)[None, :]) & 1 == 1
