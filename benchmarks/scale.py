@@ -9,7 +9,8 @@ weights: only costs are measured here, never acceptance). Per (pair, context L, 
   ``StaticCache``: transformers compiles its decode step), ``graph-ar`` (``hf_sparsekv.graph_greedy_generate``: our
   captured AR);
 * step costs of the static engine (captured CUDA graphs, compiled as ``generate()`` does unless ``--compile 0``): ``ar``
-  (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
+  (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``verify-tree`` (the tree of a drafter's chain and a retrieved
+  one, 2γ+1 tokens, as retrieval beside a drafter verifies it), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
   drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store),
   ``int4-w4-draft`` (its draft step on 4-bit draft weights, ``draft_weights="int4"``);
 * the floor of each: the bytes the step must read once (weights, plus the keys/values it attends to: the full
@@ -120,7 +121,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
 
     g, longest, out = args.gamma, max(prompts), {L: {} for L in prompts}
     plan = [("ar", "ar", None, None, 1, ["ar_step"]), ("verify-4", "full", None, drafter, 3, ["verify"]),
-            ("verify-6", "full", None, drafter, g, ["draft", "verify"])]
+            ("verify-6", "full", None, drafter, g, ["draft", "verify"]),
+            ("verify-tree", "full", None, drafter, g, ["verify_tree"])]
     plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
     plan += [(f"window-{args.window}", "window", args.window, drafter, g, ["draft"]),
              ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"]),
@@ -133,7 +135,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
         with torch.no_grad(), static_attention_for(verifier, *([draft_model] if draft_model is not None else [])):
             engine = static_engine.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
                                               batch=prompts[longest].shape[0],
-                                              draft_weights="int4" if label == "int4-w4" else "full")
+                                              draft_weights="int4" if label == "int4-w4" else "full",
+                                              retrieval=2 if label == "verify-tree" else 0)
             for L in sorted(prompts, reverse=True):
                 ids = prompts[L]
                 torch.cuda.reset_peak_memory_stats()
@@ -161,7 +164,7 @@ def floors(verifier, drafter, L: int, batch: int, args, bandwidth: float) -> dic
     """Seconds each step must take at least: bytes read once / measured copy rate (bytes read + written)."""
     wv, wd = weight_bytes(verifier), weight_bytes(drafter)
     full = wv + batch * kv_bytes(verifier, L)
-    f = {"ar": full, "verify-4": full, "verify-6": full, "draft-full": wd + batch * kv_bytes(drafter, L),
+    f = {"ar": full, "verify-4": full, "verify-6": full, "verify-tree": full, "draft-full": wd + batch * kv_bytes(drafter, L),
          "int4-draft": wv + batch * kv_bytes(verifier, L, 4), "int4-verify": wv + batch * kv_bytes(verifier, L, 8),
          # 4 bits a weight plus a bfloat16 scale and zero per 128 (the embedding row and norms stay: ~wv / 4)
          "int4-w4-draft": wv * (4 + 32 / 128) / 16 + batch * kv_bytes(verifier, L, 4)}
@@ -367,7 +370,7 @@ def main(argv=None) -> int:
         os.environ["HF_SPARSEKV_COMPILE"] = args.compile
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = list(E2E) + ["ar", "verify-4", "verify-6", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
+    names = list(E2E) + ["ar", "verify-4", "verify-6", "verify-tree", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
     names += [f"draft-window-{args.window}", "int4-draft", "int4-verify", "int4-w4-draft"]
     only = set(args.only or names)
     bandwidth = copy_rate()

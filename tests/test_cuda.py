@@ -286,8 +286,9 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
 @pytest.mark.compiled
 @pytest.mark.parametrize("mode", ["chunk", "window", "full"])
 def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
-    """Retrieval beside a drafter on the compiled, captured engine: retrieved rounds, drafted rounds and the catch-up
-    block (its own captured step) give greedy AR's tokens; a left-padded batch too."""
+    """Retrieval beside a drafter on the compiled, captured engine: tree rounds (the drafter's and the retrieved chain
+    in one verifier forward, the decode kernel's ancestor mask), chain rounds and the catch-up block (each its own
+    captured step) give greedy AR's tokens; a left-padded batch too."""
     verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
     base = prompt(40, 3)
     prompts = [torch.cat([base, base[:, 4:], base[:, :9]], 1).cuda(), prompt(300, 4).cuda()]
@@ -298,7 +299,7 @@ def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
         out = verifier.generate(p, **spec, **kwargs)
         assert torch.equal(out, verifier.generate(p, **kwargs))
     engine = static_engine.current_engine(verifier)
-    assert engine.spec.retrieval and engine.use_graphs and {"draft", "verify", "catch_up_block"} <= set(engine.steps)
+    assert engine.spec.retrieval and engine.use_graphs and {"draft", "verify_tree", "catch_up_block"} <= set(engine.steps)
     assert all(step.graph is not None for step in engine.steps.values())
     ids, mask = left_padded(prompts)
     out = verifier.generate(ids, attention_mask=mask, **spec, **kwargs)

@@ -194,16 +194,9 @@ def _recording_steps(monkeypatch, record=None):
     return steps
 
 
-def _rounds_by_source(steps: list[str]) -> tuple[int, int]:
-    """(rounds whose drafts came from the drafter, rounds that verified retrieved drafts)."""
-    drafter = retrieved = 0
-    previous = None
-    for name in steps:
-        if name == "verify":
-            drafter += previous == "draft"
-            retrieved += previous != "draft"
-        previous = name
-    return drafter, retrieved
+def _rounds_by_kind(steps: list[str]) -> tuple[int, int]:
+    """(rounds that verified the drafter's chain alone, rounds that verified it beside a retrieved one as a tree)."""
+    return steps.count("verify"), steps.count("verify_tree")
 
 
 def _beside_cases():
@@ -221,11 +214,13 @@ def _beside_cases():
 
 @pytest.mark.parametrize("arch,mode,gamma", _beside_cases())
 def test_retrieval_beside_a_drafter_is_greedy(arch, mode, gamma, monkeypatch):
-    """``prompt_lookup_num_tokens`` with a drafter: rounds whose drafts were retrieved and rounds the drafter drafted
-    (after catching up on what it did not read), token-identical to greedy."""
+    """``prompt_lookup_num_tokens`` with a drafter: rounds that verify the drafter's chain and the retrieved one as two
+    branches of a tree (some keeping either branch), rounds of the drafter's chain alone (no match), and the drafter
+    catching up on a kept retrieved branch: token-identical to greedy."""
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     steps = _recording_steps(monkeypatch)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    kept_retrieved = []
     for seed in range(2):
         ids = _repetitive_prompt(seed + 10 * gamma)
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode,
@@ -233,32 +228,38 @@ def test_retrieval_beside_a_drafter_is_greedy(arch, mode, gamma, monkeypatch):
                                 return_dict_in_generate=True, **kwargs)
         assert torch.equal(out.sequences, verifier.generate(ids, **kwargs)), seed
         assert out.spec_stats.drafted == gamma * out.spec_stats.rounds
+        kept_retrieved.append(out.spec_stats.retrieved_rounds)
     engine = static_engine.current_engine(verifier)
     assert engine.spec.mode == mode and engine.spec.retrieval == 2 and engine.drafter is drafter
-    drafted, retrieved = _rounds_by_source(steps)
-    assert drafted > 0 and retrieved > 0 and "catch_up_block" in steps and "catch_up" not in steps
+    chains, trees = _rounds_by_kind(steps)
+    assert chains > 0 and trees > sum(kept_retrieved) > 0 and "catch_up_block" in steps
 
 
 @pytest.mark.parametrize("kind", ["drafter", "verifier-copy"])
 def test_the_drafter_catches_up_on_what_it_did_not_read(monkeypatch, kind):
-    """After rounds that verified retrieved drafts (and, with a copy of the verifier as drafter, after rounds that
-    accepted every draft), the drafter holds exactly what a drafter that read the whole sequence holds: at every draft
-    step its full cache's keys and values for the positions before ``n - 1`` equal a plain forward's over
-    ``seq[:n-1]`` (float64), and its drafts are that drafter's greedy continuation of ``seq[:n]``."""
+    """After tree rounds that kept the retrieved branch (and, with a copy of the verifier as drafter, after rounds that
+    accepted every draft), both caches hold exactly what models that read the whole sequence hold: at every draft
+    step the drafter's and the verifier's full caches' keys and values for the positions before ``n - 1`` equal a
+    plain forward's over ``seq[:n-1]`` (float64; the verifier's: its kept branch moved to its slots, nothing of the
+    other branch seen), and the drafts are the drafter's greedy continuation of ``seq[:n]``."""
     verifier = tiny_model("qwen2")
     drafter = tiny_model("qwen2", role="drafter") if kind == "drafter" else copy.deepcopy(verifier)
-    plain = copy.deepcopy(drafter)  # outside the engine's attention (set on the drafter for the call)
+    plain, plain_verifier = copy.deepcopy(drafter), copy.deepcopy(verifier)  # outside the engine's attention
     checked = []
 
     def record(engine, name):
         if name != "draft":
             return
         n = int(engine.n[0])
-        with torch.no_grad():
-            held = plain(engine.seq[:1, : n - 1], use_cache=True).past_key_values
-        for i, layer in enumerate(engine.drafter_cache.layers):
-            for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
-                assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
+        for model, cache in ((plain, engine.drafter_cache), (plain_verifier, engine.verifier_cache)):
+            with torch.no_grad():
+                held = model(engine.seq[:1, : n - 1], use_cache=True).past_key_values
+            for i, layer in enumerate(cache.layers):
+                for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
+                    assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
+            assert bool((cache.slot_positions[0, : n - 1] == torch.arange(n - 1)).all())
+            assert bool((cache.slot_positions[0, n - 1 :] >= n - 1).logical_or(
+                cache.slot_positions[0, n - 1 :] == -1).all())
         expected = plain.generate(engine.seq[:1, :n], max_new_tokens=engine.spec.gamma, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)[0, n:]
         checked.append(torch.equal(engine.drafts[0], expected))
@@ -274,13 +275,14 @@ def test_the_drafter_catches_up_on_what_it_did_not_read(monkeypatch, kind):
     kwargs = dict(max_new_tokens=48, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", prompt_lookup_num_tokens=4, **kwargs)
     assert torch.equal(out, verifier.generate(ids, **kwargs))
-    drafted, retrieved = _rounds_by_source(steps)
-    assert retrieved > 0 and len(checked) == drafted > 1 and all(checked)
-    # draft steps prepared by a catch-up block after a round of retrieved drafts (and after a full acceptance)
+    chains, trees = _rounds_by_kind(steps)
+    assert trees > 0 and len(checked) == steps.count("draft") > 1 and all(checked)
+    # draft steps prepared by a catch-up block after a kept retrieved branch, by a one-token catch-up after a tree
+    # round that accepted every draft of the drafter's branch
     after = {tuple(steps[i - 2 : i]) for i, name in enumerate(steps) if name == "draft" and i >= 2}
-    assert ("verify", "catch_up_block") in after
+    assert ("verify_tree", "catch_up_block" if kind == "drafter" else "catch_up") in after
     if kind == "verifier-copy":
-        assert any(steps[i : i + 4] == ["draft", "verify", "catch_up_block", "draft"] for i in range(len(steps)))
+        assert chains > 0 and "catch_up_block" not in steps  # its branch is never shorter than the retrieved one
 
 
 def test_retrieval_beside_a_drafter_in_a_batch_and_sampled():
@@ -302,10 +304,33 @@ def test_retrieval_beside_a_drafter_in_a_batch_and_sampled():
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=24, do_sample=False))
 
 
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+def test_tree_rounds_under_host_side_rules(arch):
+    """A processor the device cannot apply (an n-gram ban) moves the rounds' choices to the host, which verifies both
+    branches of each tree after their own prefixes: greedy gives stock's tokens and scores; sampling with top_k=1
+    gives greedy's tokens."""
+    verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
+    ids = _repetitive_prompt(21)
+    kwargs = dict(max_new_tokens=30, eos_token_id=None, pad_token_id=0, no_repeat_ngram_size=4,
+                  return_dict_in_generate=True, output_scores=True)
+    ours = verifier.generate(ids, assistant_model=drafter, kv_budget=24, prompt_lookup_num_tokens=3,
+                             do_sample=False, **kwargs)
+    engine = static_engine.current_engine(verifier)
+    assert engine.spec.host and engine.spec.retrieval == 2
+    stock = _stock(verifier, ids, do_sample=False, **kwargs)
+    assert torch.equal(ours.sequences, stock.sequences)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours.scores, stock.scores))
+    assert ours.spec_stats.retrieved_rounds > 0
+    sampled = verifier.generate(ids, assistant_model=drafter, kv_budget=24, prompt_lookup_num_tokens=3,
+                                do_sample=True, top_k=1, **kwargs)
+    assert torch.equal(sampled.sequences, stock.sequences)
+
+
 @pytest.mark.extended
 def test_sampled_retrieval_beside_a_drafter_matches_the_exact_joint_distribution():
-    """Two sampled tokens per call; the second one's round verifies a retrieved (one-hot) draft where the first token
-    occurs in the prompt, else the drafter's: the joint distribution is stock sampling's, exactly enumerated
+    """Two sampled tokens per call; the second one's round verifies a tree (the drafter's draft and a retrieved,
+    one-hot, one) where the first token occurs in the prompt, else the drafter's draft alone: the joint distribution
+    is stock sampling's, exactly enumerated
     (chi-square and TV over 2,500 draws)."""
     from .test_sampling import VOCAB, WARPERS, _consistent, _joint, _tiny
 

@@ -29,11 +29,14 @@ drafts), so every kept token sees the state greedy AR on the INT8 view would see
 Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter and no draft
 step; every step that moves the sequence ends by filling ``drafts`` with the continuation of an earlier occurrence of
 each row's last tokens, and a round in which no row found one runs one verifier step instead. Beside a drafter
-(``spec.retrieval``, chunk/window/full): a round in which some live row found a match verifies the retrieved drafts
-and skips the draft steps; otherwise the drafter drafts. The drafter then lags behind the tokens it did not read:
-``held [B]`` counts the leading positions its cache holds (updated after each verification from what the draft step
-fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held`` feeds it the rest
-before it drafts again (writes past the sequence stay within the γ + 1 slots a round may write ahead).
+(``spec.retrieval``, chunk/window/full) the drafter drafts every round, and a round in which some live row found a
+match verifies a tree (:mod:`.draft_tree`): the drafter's chain ``drafts`` and the retrieved one ``retrieved [B, γ]``
+as two branches of the root ``seq[n-1]``, one verifier forward of 2γ + 1 tokens with tree attention; each row keeps
+the longer accepted branch (sampling: recursive rejection over the siblings), whose keys/values the verifier's cache
+then holds at their positions' slots. A row that kept the retrieved branch leaves the drafter behind the tokens it
+did not read: ``held [B]`` counts the leading positions its cache holds (updated after each verification from what
+the draft step fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held`` feeds it
+the rest before it drafts again (writes past the sequence stay within the slots a round may write ahead).
 
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.
@@ -67,8 +70,9 @@ from transformers.utils import logging
 from ..cache_keyword import cache_keyword
 from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
-from .acceptance import accept_or_resample, accepted_length
+from .acceptance import accept_or_resample, accept_or_resample_two_chains, accept_two_chains, accepted_length
 from .common import _attention_shape, layer_devices
+from .draft_tree import TwoChains
 from .draft_weights import attach, drafting
 from .draft_weights import release as release_draft_weights
 from .drafting import catch_up, catch_up_block, draft, drafter_cache, drafter_input
@@ -139,6 +143,8 @@ class StaticEngine:
         self.drafter_keyword = None if drafter is None else cache_keyword(drafter)
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
+        if spec.retrieval:  # a tree round writes 2γ + 1 slots from n - 1
+            slack = 2 * gamma + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
             slack += AR_STEPS_PER_SYNC
         self.max_tokens = _round_up(max_tokens)
@@ -163,14 +169,17 @@ class StaticEngine:
         for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
-        # [a, v_0..v_γ, found] per row: what the host reads (found: retrieval's next round has a match)
-        self.report = torch.zeros(rows, gamma + 3, dtype=torch.long, device=device)
+        # [a, v_0..v_γ, second, found] per row: what the host reads (second: a tree round kept the retrieved branch;
+        # found: retrieval's next round has a match)
+        self.report = torch.zeros(rows, gamma + 4, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(gamma + 1, device=device)
         if spec.retrieval:  # what the drafter holds and what its last draft step fed it (retrieval beside a drafter)
             self.held = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed = torch.zeros(rows, gamma, dtype=torch.long, device=device)
             self.fed_at = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
+            self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # the tree's second branch
+            self.tree = TwoChains.build(gamma, device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
@@ -190,8 +199,9 @@ class StaticEngine:
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
-        if spec.host:  # the verify step's raw logits, for the host-side rules (:mod:`.host_rules`)
-            self.logits = torch.zeros(rows, gamma + 1, vocab, dtype=torch.float32, device=device)
+        if spec.host:  # the verify step's raw logits (a tree's: 2γ + 1), for the host-side rules (:mod:`.host_rules`)
+            width = 2 * gamma + 1 if spec.retrieval else gamma + 1
+            self.logits = torch.zeros(rows, width, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
         self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
@@ -305,6 +315,42 @@ class StaticEngine:
         positions = (self.n - 1)[:, None] + self.block_offsets
         return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
 
+    def _tree_forward(self) -> torch.Tensor:
+        """The verifier on the round's tree (:mod:`.draft_tree`): ``[seq[n-1], drafts, retrieved]``, each branch's
+        i-th draft at position ``n-1+i``; its logits ``[B, 2γ+1, V]``."""
+        block = torch.cat([self.last(1), self.drafts, self.retrieved], 1)
+        positions = (self.n - 1)[:, None] + self.tree.depths
+        return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword,
+                              tree=self.tree.bits)
+
+    def _keep_branch(self, second: torch.Tensor) -> None:
+        """After a tree forward: rows that keep the retrieved branch (``second [B]`` bool) move its keys/values to
+        the slots of its positions (where the drafter's branch sits), and no row's cache shows that branch's slots."""
+        own = self.n[:, None] + self.block_offsets[: self.spec.gamma]  # the drafter's branch: nodes 1..γ
+        self.verifier_cache.keep_path(torch.where(second[:, None], own + self.spec.gamma, own), own,
+                                      own + self.spec.gamma)
+
+    def _verify_tree(self) -> None:
+        logits = self._tree_forward()[:, self.tree.branches]  # [B, 2, γ+1, V]: along each branch
+        drafts = torch.stack([self.drafts, self.retrieved], 1)  # [B, 2, γ]
+        seen = [self._seen_after(drafts[:, k], logits.shape[2]) for k in range(2)]
+        if self.warpers is None:
+            verified = torch.stack([self._next(logits[:, k], self.n, seen[k]) for k in range(2)], 1)
+            accepted, tokens, second = accept_two_chains(verified, drafts)
+        else:
+            p = torch.stack([self.probabilities(logits[:, k], self.n, seen[k]) for k in range(2)], 1)
+            accepted, token, second = accept_or_resample_two_chains(p, self.q, drafts)
+            path = torch.where(second[:, None], self.retrieved, self.drafts)
+            tokens = torch.where(self.block_offsets < accepted[:, None], torch.cat([path, token[:, None]], 1),
+                                 token[:, None])
+        self._keep_branch(second)
+        self.report[:, -2].copy_(second.long())
+        self._advance(tokens, accepted)
+
+    def _tree_logits(self) -> None:
+        """Host-side rules: the tree forward alone, its raw logits left in :attr:`logits`."""
+        self.logits.copy_(self._tree_forward().float())
+
     def _ar_forward(self) -> torch.Tensor:
         """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
         return static_forward(self.verifier, self.last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
@@ -327,7 +373,7 @@ class StaticEngine:
 
     def _verify_logits(self) -> None:
         """Host-side rules: the verify forward alone, its raw logits left in :attr:`logits`."""
-        self.logits.copy_(self._verify_forward().float())
+        self.logits[:, : self.spec.gamma + 1].copy_(self._verify_forward().float())
 
     def _ar_logits(self) -> None:
         """Host-side rules: one verifier step (a round without drafts), its raw logits left in ``logits[:, 0]``."""
@@ -342,12 +388,15 @@ class StaticEngine:
             prefix.update(layer.keys[row : row + 1, :, start:length].to(device, copy=True),
                           layer.values[row : row + 1, :, start:length].to(device, copy=True), i)
 
-    def commit(self, emitted: list[list[int]], accepted: list[int]) -> None:
+    def commit(self, emitted: list[list[int]], accepted: list[int], second: list[bool] | None = None) -> None:
         """Host-side rules: write each row's ``emitted`` tokens (its ``accepted`` drafts and the token after them; an
-        empty list for a finished row) as a verify step would (eager, between the captured steps)."""
+        empty list for a finished row) as a verify step would (eager, between the captured steps); after a tree
+        forward, ``second[b]``: row b kept the retrieved branch."""
         width = self.spec.gamma + 1
         block = [e + [e[0]] * (width - len(e)) if e else [0] * width for e in emitted]
         device = self.seq.device
+        if second is not None:
+            self._keep_branch(torch.tensor(second, device=device))
         self._advance(torch.tensor(block, device=device), torch.tensor(accepted, device=device))
 
     def _ar_step(self) -> None:

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .acceptance import accept_or_resample, accepted_length
+from .acceptance import accept_or_resample, accept_or_resample_two_chains, accept_two_chains, accepted_length
 from .sampling import draw
 from .stats import SpecStats
 
@@ -119,3 +119,32 @@ def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: 
         a = int(accepted_length(sequence[:, n:], verified)[0])
         emitted = verified[0, : a + 1].tolist()
     return a, emitted, scores[: a + 1], [raw[i : i + 1] for i in range(a + 1)]
+
+
+def verify_two_branches(rules: GreedyRules, tokens: list[int], drafts: tuple[list[int], list[int]], raw: torch.Tensor,
+                        q: torch.Tensor | None) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor], bool]:
+    """One row's tree round (:mod:`.draft_tree`): ``drafts`` the drafter's and the retrieved branch (γ each),
+    ``raw [2γ+1, V]`` the verifier's float32 logits at the tree's nodes, ``q [γ, V]`` the drafter's probabilities
+    (sampling; None: greedy). Each branch's scores are processed after its own prefixes, then the branches are
+    accepted as on the device (:func:`~.acceptance.accept_two_chains`, :func:`~.acceptance.accept_or_resample_two_chains`).
+    Returns ``(accepted, emitted tokens, their scores, their raw logits, whether the retrieved branch was kept)``."""
+    gamma = len(drafts[0])
+    raw = raw[: 2 * gamma + 1].clone()  # the engine's buffer is rewritten by the next round
+    nodes = (list(range(gamma + 1)), [0] + list(range(gamma + 1, 2 * gamma + 1)))
+    n, sampling = len(tokens), q is not None
+    scores, raws = [], []
+    for branch, path in zip(drafts, nodes):
+        sequence = torch.tensor([tokens + branch], device=raw.device)
+        raws.append([raw[i : i + 1] for i in path])
+        scores.append([processed(rules, sequence[:, : n + d], raws[-1][d], sampling) for d in range(gamma + 1)])
+    stacked = torch.stack([torch.cat(s) for s in scores])[None]  # [1, 2, γ+1, V]
+    both = torch.tensor([list(drafts)], device=raw.device)  # [1, 2, γ]
+    if sampling:
+        accepted, token, second = accept_or_resample_two_chains(torch.softmax(stacked, -1), q[None], both)
+        a, k = int(accepted[0]), int(second[0])
+        emitted = drafts[k][:a] + [int(token[0])]
+    else:
+        accepted, verified, second = accept_two_chains(stacked.argmax(-1), both)
+        a, k = int(accepted[0]), int(second[0])
+        emitted = verified[0, : a + 1].tolist()
+    return a, emitted, scores[k][: a + 1], raws[k][: a + 1], bool(k)

@@ -13,8 +13,8 @@ whatever they are.
 
 The engine computes the next round's drafts at the end of every step that moves the sequence (and after the
 prefill), and leaves the match flags in the report the host already reads once per round: no extra sync. Beside a
-drafter the same drafts replace the drafter's in a round where some row found a match (the engine's docstring says
-how the drafter catches up).
+drafter, a round in which some row found a match verifies the drafter's chain and the retrieved one together, as two
+branches of one tree (:mod:`.draft_tree`), and keeps the longer accepted one.
 
 Sampling reads the drafts as drawn from a one-hot ``q`` (they are a function of the sequence), which speculative
 sampling accepts with probability ``p(x)`` and otherwise resamples from ``p`` without ``x``: exact."""
@@ -48,14 +48,18 @@ def retrieval_drafts(seq: torch.Tensor, n: torch.Tensor, gamma: int, max_ngram: 
 
 
 def retrieve(engine) -> None:
-    """The next round's drafts: ``engine.drafts [B, γ]`` from the engine's own token buffer (the longest suffix
-    matched: ``spec.budget`` alone, ``spec.retrieval`` beside a drafter), the match flags in the report's last column,
-    and, sampling, the one-hot ``engine.q [B, γ, V]`` the drafts are drawn from."""
+    """The next round's retrieved drafts from the engine's own token buffer, and the match flags in the report's
+    last column. Alone (``spec.budget``: the longest suffix matched) they are the round's drafts, ``engine.drafts
+    [B, γ]``, with, sampling, the one-hot ``engine.q [B, γ, V]`` they are drawn from; beside a drafter
+    (``spec.retrieval``) the second branch of the round's tree, ``engine.retrieved [B, γ]``."""
     spec = engine.spec
-    ngram = spec.budget if spec.mode == "lookup" else spec.retrieval
-    drafts, found = retrieval_drafts(engine.seq, engine.n, spec.gamma, ngram)
-    engine.drafts.copy_(drafts)
+    alone = spec.mode == "lookup"
+    drafts, found = retrieval_drafts(engine.seq, engine.n, spec.gamma, spec.budget if alone else spec.retrieval)
     engine.report[:, -1].copy_(found.long())
+    if not alone:
+        engine.retrieved.copy_(drafts)
+        return
+    engine.drafts.copy_(drafts)
     if engine.warpers is not None:
         engine.q.zero_()
         engine.q.scatter_(2, drafts[..., None], 1.0)

@@ -13,7 +13,7 @@ from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for
-from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block
+from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_two_branches
 from .stats import SpecStats
 
 
@@ -88,7 +88,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
     host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
-    beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match skips the draft steps
+    beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
 
@@ -108,20 +108,28 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         outputs[row].add([scores], [raw])
         return choose(scores, sampling)
 
-    def host_round(drafting: bool, rooms: list[int]) -> list[tuple[int, list[int]]]:
-        """Each live row's (accepted, emitted) from the logits the verify step left; committed on the device."""
+    def host_round(drafting: bool, rooms: list[int], tree: bool) -> list[tuple[int, list[int], bool]]:
+        """Each live row's (accepted, emitted, kept the retrieved branch) from the logits the verify step left;
+        committed on the device."""
         drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
+        retrieved = engine.retrieved.tolist() if tree else None
         results = []
         for row in range(rows):
             if done[row]:
-                results.append((0, []))
+                results.append((0, [], False))
                 continue
-            room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
-            a, emitted, scores, raw = verify_block(rules[row], tokens[row], drafts[row], engine.logits[row],
-                                                   engine.q[row] if sampling and drafting else None, room)
+            q = engine.q[row] if sampling and drafting else None
+            if tree:
+                a, emitted, scores, raw, second = verify_two_branches(rules[row], tokens[row],
+                                                                      (drafts[row], retrieved[row]), engine.logits[row], q)
+            else:
+                room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
+                (a, emitted, scores, raw), second = verify_block(rules[row], tokens[row], drafts[row],
+                                                                 engine.logits[row], q, room), False
             outputs[row].add(scores, raw)
-            results.append((a, emitted))
-        engine.commit([e for _, e in results], [a for a, _ in results])
+            results.append((a, emitted, second))
+        engine.commit([e for _, e, _ in results], [a for a, _, _ in results],
+                      [k for _, _, k in results] if tree else None)
         return results
 
     def retire_finished() -> None:
@@ -141,7 +149,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             accept(row, [first])
         retire_finished()
         found = engine.report[:, -1].tolist() if lookup or beside else None
-        catch_up = False
+        catch_up = None  # the drafter's step before the next draft: "catch_up" (one token), "catch_up_block"
         while not all(done):
             if is_ar:
                 n = [len(t) for t in tokens]
@@ -161,7 +169,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             matched = found is not None and any(f and not d for f, d in zip(found, done))  # a live row's match
             if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
                 drafting = matched
-            retrieved = lookup or (beside and matched)
+            tree = beside and matched  # the drafter's chain and the retrieved one, verified as two branches
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
@@ -176,36 +184,41 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 if drafting:
                     engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
-            if catch_up:
-                engine.run_step("catch_up_block" if beside else "catch_up")
-            if drafting and not retrieved:
+            if catch_up is not None:
+                engine.run_step(catch_up)
+            if drafting and not lookup:
                 engine.run_step("draft")
             timer.mark("draft", False)
             timer.mark("verify", True)
             if host:
-                engine.run_step("verify_logits" if drafting else "ar_logits")
-                rounds = host_round(drafting, rooms)
+                engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits")
+                rounds = host_round(drafting, rooms, tree)
                 found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
-                engine.run_step("verify" if drafting else "ar_step")
+                engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step")
                 report = engine.report.tolist()  # the round's one sync
-                rounds = [(r[0], r[1 : r[0] + 2]) for r in report]
+                rounds = [(r[0], r[1 : r[0] + 2], tree and bool(r[-2])) for r in report]
                 found = [r[-1] for r in report]
             timer.mark("verify", False)
-            catch_up = False
+            catch_up = None
             for row in range(rows):
                 if done[row]:
                     continue
-                a, emitted = rounds[row]
+                a, emitted, second = rounds[row]
                 stats[row].rounds += 1
                 stats[row].drafted += gamma if drafting else 0
                 stats[row].accepted += a
+                stats[row].retrieved_rounds += second
                 accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
-                # self-speculation holds every token), nor any token of a round that verified retrieved drafts;
-                # feeding it again to the other rows rewrites what they hold
-                behind = a == gamma or (beside and retrieved)
-                catch_up |= behind and quant is None and engine.drafter is not None and not done[row]
+                # self-speculation holds every token), nor the tokens of a kept retrieved branch; feeding it again
+                # to the other rows rewrites what they hold
+                if quant is not None or engine.drafter is None or done[row]:
+                    continue
+                if second:
+                    catch_up = "catch_up_block"
+                elif a == gamma and catch_up is None:
+                    catch_up = "catch_up"
             retire_finished()
     if device.type == "cuda":
         torch.cuda.synchronize()
