@@ -155,7 +155,7 @@ def _step_name(label: str, step: str) -> str:
         return "ar"
     if label in ("int4", "int4-w4"):
         return f"{label}-{'draft' if step == 'draft' else 'verify'}"
-    if step == "verify":
+    if step in ("verify", "verify_tree"):
         return label
     return "draft-full" if label == "verify-6" else f"draft-{label}"
 

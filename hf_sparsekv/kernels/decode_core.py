@@ -88,10 +88,11 @@ FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_s
 # at Llama-3 shape (benchmarks/decode_kernel.py --sweep --sweep-batch B; results/decode-batch-h100-2026-11-26/):
 # batch 4 (32 KV heads) put 4 stages and 4 programs per SM first (interleaved A/B at 128K, one query: 711 µs against
 # 765 µs with the batch-1 settings, flash 714; six queries 727 against 925); batch 16 (128 KV heads) put 2 stages and
-# 2 programs per SM first (32K: 716 against 748 µs for batch 4's settings, flash 704). Batch 1 keeps FP_CONFIG
-# (batch 4's settings lose there: 32K, six queries, 72.6 against 62.4 µs).
+# 2 programs per SM first (32K: 716 against 748 µs for batch 4's settings, flash 704), and so did batch 8 (64 KV
+# heads; results/decode-batch8-h100-2026-11-26/: one query, 8K / 32K, 103.7 / 363.3 µs against 110.1 / 394.3 µs with
+# batch 4's settings). Batch 1 keeps FP_CONFIG (batch 4's settings lose there: 32K, six queries, 72.6 against 62.4 µs).
 FP_BATCH_CONFIG = [
-    dict(min_heads=96, num_stages=2, programs_per_sm=2),
+    dict(min_heads=64, num_stages=2, programs_per_sm=2),
     dict(min_heads=16, num_stages=4, programs_per_sm=4),
 ]
 
