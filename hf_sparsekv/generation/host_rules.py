@@ -9,7 +9,8 @@ row, :func:`verify_block` applies the row's processors after each exact prefix, 
 that prefix, picks the verifier's tokens from the processed scores (greedy: the argmax; sampling: speculative
 sampling against the drafter's ``q``) and keeps the scores and logits of the tokens it emits; the engine then writes
 them on the device (:meth:`StaticEngine.commit`). The drafts stay on the device (they only decide how many tokens a
-round keeps, never which).
+round keeps, never which). A tree round (retrieval beside a drafter, :mod:`.draft_tree`) leaves the logits of its
+2γ + 1 nodes, and :func:`verify_two_branches` processes each branch after its own prefixes.
 """
 
 from __future__ import annotations
