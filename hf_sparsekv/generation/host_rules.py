@@ -123,18 +123,19 @@ def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: 
 
 
 def verify_two_branches(rules: GreedyRules, tokens: list[int], drafts: tuple[list[int], list[int]], raw: torch.Tensor,
-                        q: torch.Tensor | None) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor], bool]:
+                        q: torch.Tensor | None, branches: list[list[int]]) -> tuple[int, list[int], list[torch.Tensor],
+                                                                               list[torch.Tensor], bool]:
     """One row's tree round (:mod:`.draft_tree`): ``drafts`` the drafter's and the retrieved branch (γ each),
-    ``raw [2γ+1, V]`` the verifier's float32 logits at the tree's nodes, ``q [γ, V]`` the drafter's probabilities
+    ``raw [2γ+1, V]`` the verifier's float32 logits at the tree's nodes, ``branches`` each branch's nodes
+    (:attr:`~.draft_tree.TwoChains.branches`), ``q [γ, V]`` the drafter's probabilities
     (sampling; None: greedy). Each branch's scores are processed after its own prefixes, then the branches are
     accepted as on the device (:func:`~.acceptance.accept_two_chains`, :func:`~.acceptance.accept_or_resample_two_chains`).
     Returns ``(accepted, emitted tokens, their scores, their raw logits, whether the retrieved branch was kept)``."""
     gamma = len(drafts[0])
     raw = raw[: 2 * gamma + 1].clone()  # the engine's buffer is rewritten by the next round
-    nodes = (list(range(gamma + 1)), [0] + list(range(gamma + 1, 2 * gamma + 1)))
     n, sampling = len(tokens), q is not None
     scores, raws = [], []
-    for branch, path in zip(drafts, nodes):
+    for branch, path in zip(drafts, branches):
         sequence = torch.tensor([tokens + branch], device=raw.device)
         raws.append([raw[i : i + 1] for i in path])
         scores.append([processed(rules, sequence[:, : n + d], raws[-1][d], sampling) for d in range(gamma + 1)])

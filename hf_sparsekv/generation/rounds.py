@@ -113,6 +113,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         committed on the device."""
         drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
         retrieved = engine.retrieved.tolist() if tree else None
+        branches = engine.tree.branches.tolist() if tree else None
         results = []
         for row in range(rows):
             if done[row]:
@@ -121,7 +122,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             q = engine.q[row] if sampling and drafting else None
             if tree:
                 a, emitted, scores, raw, second = verify_two_branches(rules[row], tokens[row],
-                                                                      (drafts[row], retrieved[row]), engine.logits[row], q)
+                                                                      (drafts[row], retrieved[row]), engine.logits[row], q,
+                                                                      branches)
             else:
                 room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
                 (a, emitted, scores, raw), second = verify_block(rules[row], tokens[row], drafts[row],
