@@ -84,13 +84,14 @@ def _kernel_heads_ok(query: torch.Tensor, n_kv_heads: int) -> bool:
     )
 
 
-def _kernel_shape_ok(query: torch.Tensor, n_kv_heads: int) -> bool:
+def _kernel_shape_ok(query: torch.Tensor, n_kv_heads: int, max_queries: int = MAX_KERNEL_QUERIES,
+                     max_rows: int | None = 128) -> bool:
     length = query.shape[-2]
     hq = query.shape[1]
     return (
         _kernel_heads_ok(query, n_kv_heads)
-        and 1 <= length <= MAX_KERNEL_QUERIES
-        and (hq // n_kv_heads) * length <= 128
+        and 1 <= length <= max_queries
+        and (max_rows is None or (hq // n_kv_heads) * length <= max_rows)
     )
 
 

@@ -32,6 +32,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import _kernel_shape_ok, quant_kernel_ok
 from .caches.static import LAST_WRITTEN, StaticLayer, StaticQuantCache, StaticSinkWindowCache
+from .kernels.chunk_attention import MAX_QUERIES
 
 NAME = "sparsekv_static"
 _UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
@@ -55,7 +56,8 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
                   scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton decode kernel over preallocated buffers: ``query [B, Hq, L, D]``, ``key/value [B, Hkv, S, D]`` of
     which the first ``length[b]`` (int32 ``[B]``, on the device) slots of row b are read -> ``[B, L, Hq, D]``
-    contiguous. ``tree`` (int64 ``[L]``): the last L slots read are a tree block, each query seeing its ancestors."""
+    contiguous. ``tree`` (int64 ``[L]``, or ``[B, L]`` one per row): the last L slots read are a tree block, each query
+    seeing its ancestors."""
     from .kernels.chunk_attention import chunk_decode_attention
 
     return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length, tree=tree)
@@ -159,11 +161,11 @@ def static_attention(
     if isinstance(cache, StaticQuantCache):
         return _quant_attention(module, query, layer, cache, scale, sliding)
     device = query.device  # a layer of a model dispatched over several devices reads the cache's tensors there
-    if cache.kernels and sliding is None and _kernel_shape_ok(query, key.shape[1]):
-        if cache.contiguous:
+    if cache.kernels and sliding is None:
+        if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
             tree = None if cache.tree is None else cache.local("tree", device)
             return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
-        if isinstance(cache, StaticSinkWindowCache):
+        if isinstance(cache, StaticSinkWindowCache) and _kernel_shape_ok(query, key.shape[1]):
             return static_window_decode(query, key, value, cache.local("fp_length", device),
                                         cache.local("slot_positions", device), cache.local("positions", device),
                                         cache.sink, cache.window, scale), None

@@ -244,6 +244,37 @@ def test_tree_blocks_see_only_their_ancestors(dtype, hq, hkv, gamma):
                                                       v[1:2, :, :131].float(), 0.125, tree=bits)) < tol
 
 
+def _random_tree(length: int, seed: int) -> torch.Tensor:
+    """The visibility mask ``[L, L]`` of a random tree of ``length`` nodes (node 0 the root, every parent before its
+    child)."""
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.eye(length, dtype=torch.bool)
+    for i in range(1, length):
+        mask[i] |= mask[int(torch.randint(0, i, (1,), generator=g))]
+    return mask
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length", [(4, 2, 5), (8, 2, 33)])
+def test_tree_blocks_of_one_tree_per_row(dtype, hq, hkv, length):
+    """Each row of a batch verifies its own tree (ancestor bits ``[B, L]``): every row against the reference with its
+    own mask, and a row's result must differ from what the first row's tree gives it."""
+    lengths = [300, length, 77, 131]  # row 1 holds only its block
+    bits = torch.stack([ancestor_bits(_random_tree(length, seed=b)) for b in range(len(lengths))]).to(DEVICE)
+    assert not torch.equal(bits[0], bits[1])
+    rows = [_qkv(hq, hkv, length, 64, 320, dtype, seed=60 + b) for b in range(len(lengths))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    tol = 1e-5 if dtype == torch.float32 else TOL
+    out = chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits)
+    assert _rel(out, ref) < tol
+    shared = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits[0])
+    assert _rel(shared[1], ref[1]) > 10 * tol  # the rows' own trees are read
+    with pytest.raises(ValueError, match="one ancestor mask per query"):
+        chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits[:2])
+
+
 def _ring_rows(ends, length, sink, ring, overshoot):
     """Slot positions of sink+window rings (capacity sink + ring) whose rows wrote positions 0..ends[b] +
     overshoot[b] (later positions overwrite earlier ones; the overshoot is what a rollback leaves behind), and the
@@ -583,7 +614,7 @@ def test_unsupported_inputs_raise():
     with pytest.raises(NotImplementedError, match="dtype"):
         chunk_decode_attention(q.double(), k.double(), v.double(), 0.1)
     with pytest.raises(NotImplementedError, match="query length"):
-        chunk_decode_attention(torch.zeros(1, 4, 17, 64, dtype=torch.float16, device=DEVICE), k, v, 0.1)
+        chunk_decode_attention(torch.zeros(1, 4, 64, 64, dtype=torch.float16, device=DEVICE), k, v, 0.1)
     with pytest.raises(ValueError, match="multiple"):
         chunk_decode_attention(torch.zeros(1, 3, 1, 64, dtype=torch.float16, device=DEVICE), k, v, 0.1)
     with pytest.raises(NotImplementedError, match="group_size"):
@@ -831,12 +862,16 @@ def test_cuda_batched_rows_at_real_size(batch):
 
 
 @pytest.mark.cuda
-def test_cuda_tree_block_at_real_size():
-    """A two-chain tree block of 11 queries (γ = 5) at Llama-3-8B's attention shape, bf16, 3 rows of 4-16K tokens."""
-    mask = _two_chains(5)
-    bits = ancestor_bits(mask).to("cuda")
+@pytest.mark.parametrize("length", [11, 33])
+def test_cuda_tree_block_at_real_size(length):
+    """A two-chain tree block of 11 queries (γ = 5), and a random tree of 33 per row, at Llama-3-8B's attention shape,
+    bf16, 3 rows of 4-16K tokens."""
+    if length == 11:
+        bits = ancestor_bits(_two_chains(5)).to("cuda")
+    else:
+        bits = torch.stack([ancestor_bits(_random_tree(length, seed=b)) for b in range(3)]).to("cuda")
     g = torch.Generator().manual_seed(3)
-    q = torch.randn(3, 11, 32, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
+    q = torch.randn(3, length, 32, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
     k = (torch.randn(3, 8, 16384, 128, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
     v = torch.randn(3, 8, 16384, 128, generator=g).to("cuda", torch.bfloat16)
     n = torch.tensor([4096, 16384, 9001], dtype=torch.int32, device="cuda")

@@ -546,7 +546,7 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
@@ -565,7 +565,9 @@ def decode_split_kernel(
         if BY_POSITION:  # this row's slot positions [S] and query positions [L]
             SP += row * stride_spb
             QP += row * stride_qpb
-    rows = tl.arange(0, BLOCK_M)
+        if TREE:  # this row's ancestor bits [L] (stride 0: one tree for every row)
+            TB += row * stride_tbb
+    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # full precision: query rows in blocks of BLOCK_M
     row_ok = rows < GROUP * L
     qi = rows % L
     q_head = kvh * GROUP + rows // L

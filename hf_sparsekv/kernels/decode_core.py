@@ -219,6 +219,9 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
     return min(qblock, rows_per_warp * num_warps)
 
 
+MAX_BLOCK_M = 128  # query rows per program; more rows (long tree blocks) take several programs per split
+
+
 def _block_m(rows: int) -> int:
     return max(16, triton_next_pow2(rows))
 
@@ -259,12 +262,17 @@ def launch_decode(
     position s has ``0 <= s <= query_positions[b, i]`` and ``s < sink or s >= query_positions[b, i] - window``
     (a sink+window ring buffer; a slot holding -1 is empty).
 
-    ``tree`` (int64 ``[L]`` on the device; not with ``positions``): the last L keys read (the queries' own) form a
-    tree block, and query i sees block key j iff bit j of ``tree[i]`` is set (its ancestors and itself: the
+    ``tree`` (int64 ``[L]``, or ``[B, L]`` for one tree per row, on the device; not with ``positions``): the last L
+    keys read (the queries' own) form a tree block, and query i of row b sees block key j iff bit j of ``tree[b, i]``
+    is set (its ancestors and itself: the
     ``spec_mask`` of :func:`~hf_sparsekv.kernels.reference.masked_attention_reference`); every key before the block
     is seen by every query."""
-    if tree is not None and (positions is not None or tree.shape != (q.shape[2],) or tree.dtype != torch.int64):
-        raise ValueError(f"tree must be int64 [{q.shape[2]}] (one ancestor mask per query) and comes without positions")
+    if tree is not None:
+        if positions is not None or tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
+                tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
+            raise ValueError(f"tree must be int64 [{q.shape[2]}] or [B, {q.shape[2]}] (one ancestor mask per query, "
+                             "per row) and comes without positions")
+        tree = tree if tree.dim() == 2 else tree[None]  # [B or 1, L]; one row of bits: every row's
     if quant is not None and (fp_length is None) != (quant_length is None):
         raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
     if positions is not None and (fp_length is None or quant is not None):
@@ -280,6 +288,10 @@ def launch_decode(
     group = hq // hkv
     rows = group * length
     block_m = _block_m(rows)
+    if block_m > MAX_BLOCK_M and quant is None:  # more query rows than one tile: several programs per split
+        block_m = MAX_BLOCK_M
+    elif block_m > MAX_BLOCK_M:
+        raise NotImplementedError(f"{rows} query rows per KV head over a quantized segment (at most {MAX_BLOCK_M})")
     device = q.device
     for t in (q, k, v):
         if t.stride(-1) != 1:
@@ -327,7 +339,7 @@ def launch_decode(
         pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
     else:
         pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
-    decode_split_kernel[(n_splits, hkv)](
+    decode_split_kernel[(n_splits, hkv, math.ceil(rows / block_m))](
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
@@ -335,7 +347,7 @@ def launch_decode(
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
-        s_ptr if tree is None else tree,
+        s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0),
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),

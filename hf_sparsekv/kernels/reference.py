@@ -50,6 +50,6 @@ def ancestor_bits(mask: torch.Tensor) -> torch.Tensor:
 
 
 def ancestor_mask(bits: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`ancestor_bits`: int64 ``[L]`` -> bool ``[L, L]``."""
-    length = bits.shape[0]
-    return (bits[:, None] >> torch.arange(length, device=bits.device)[None, :]) & 1 == 1
+    """The inverse of :func:`ancestor_bits`: int64 ``[..., L]`` -> bool ``[..., L, L]``."""
+    length = bits.shape[-1]
+    return (bits[..., :, None] >> torch.arange(length, device=bits.device)) & 1 == 1

@@ -119,9 +119,11 @@ def on_input_device(fn):
     return launch
 
 
-def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) -> tuple[int, int, int, int, int]:
+def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16,
+                           max_rows: int | None = 128) -> tuple[int, int, int, int, int]:
     """Validate ``q [B, Hq, L, D]`` and ``kv`` tensors ``[B, Hkv, *, D]`` for the decode kernels (B > 1 only over
-    preallocated buffers with lengths on the device, see decode_core.launch_decode).
+    preallocated buffers with lengths on the device, see decode_core.launch_decode): at most ``max_q`` queries and
+    ``max_rows`` query rows per KV head (query heads per KV head x L; None: any).
 
     Returns ``(Hq, Hkv, L, D, group)``. Raises ValueError/NotImplementedError naming what is unsupported.
     """
@@ -138,8 +140,9 @@ def check_attention_inputs(q: torch.Tensor, *kv: torch.Tensor, max_q: int = 16) 
     if hq % hkv:
         raise ValueError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     group = hq // hkv
-    if group * length > 128:
-        raise NotImplementedError(f"query heads per KV head x query length = {group * length} > 128 is not supported")
+    if max_rows is not None and group * length > max_rows:
+        raise NotImplementedError(f"query heads per KV head x query length = {group * length} > {max_rows} is not "
+                                  "supported")
     for t in kv:
         if t.shape[0] != batch or t.shape[1] != hkv:
             raise ValueError(f"key/value tensors must be [{batch}, {hkv}, *, *], got shape {tuple(t.shape)}")
