@@ -1,9 +1,8 @@
 """Acceptance: how many of a round's drafts the verifier keeps. Greedy (:func:`accepted_length`: the leading drafts
 equal to the verifier's argmaxes) and speculative sampling (:func:`accept_or_resample`: Leviathan et al. 2023, each
 emitted token distributed exactly as the verifier's processed distribution; see :mod:`.sampling`); for a round that
-verifies two branches from one root (:mod:`.draft_tree`), :func:`accept_two_chains` and
-:func:`accept_or_resample_two_chains` (SpecInfer's recursive rejection over siblings). All run on the device without
-a host sync, inside the engine's captured verify step and on the host-side path alike."""
+verifies a tree (:mod:`.draft_tree`), :func:`walk_tree` (greedy, and SpecInfer's recursive rejection over siblings).
+All run on the device without a host sync, inside the engine's captured verify step and on the host-side path alike."""
 
 from __future__ import annotations
 
@@ -42,56 +41,56 @@ def accept_or_resample(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -
     return accepted, draw(residual)
 
 
-def accept_two_chains(verified: torch.Tensor, drafts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Greedy acceptance over two branches from one root: ``verified [B, 2, γ+1]`` the verifier's argmaxes along each
-    branch (after the root and after each of its drafts), ``drafts [B, 2, γ]`` the branches' drafts (0: the
-    drafter's, 1: the retrieved). Returns ``(accepted [B], tokens [B, γ+1], second [B] bool)``: the longer accepted
-    branch (the first on a tie), its argmaxes, and whether it is the second. Each branch's argmaxes are greedy
-    decoding's tokens after its own prefix, so whichever is kept, the tokens are greedy's."""
-    lengths = torch.stack([accepted_length(drafts[:, k], verified[:, k]) for k in range(2)], 1)  # [B, 2]
-    second = lengths[:, 1] > lengths[:, 0]
-    return lengths.amax(1), torch.where(second[:, None], verified[:, 1], verified[:, 0]), second
-
-
-def accept_or_resample_two_chains(p: torch.Tensor, q: torch.Tensor, drafts: torch.Tensor) -> tuple[
+def walk_tree(tokens: torch.Tensor, parents: torch.Tensor, gamma: int, targets: torch.Tensor | None = None,
+              p: torch.Tensor | None = None, q: torch.Tensor | None = None) -> tuple[
         torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Speculative sampling over two branches from one root (SpecInfer / SpecTr's recursive rejection), ``T`` trials.
+    """Acceptance over a tree of drafts (:mod:`.draft_tree`), ``T`` rows: ``tokens [T, L]`` the nodes' tokens and
+    ``parents [T, L]`` their parents (node 0 the root; nodes ``1..γ`` the drafter's chain, node i's chain child i+1;
+    every parent before its child). Greedy: ``targets [T, L]`` the verifier's token after each node. Sampling: ``p
+    [T, L, V]`` its processed distribution after each node and ``q [T, γ, V]`` the drafter's distributions the chain
+    was drawn from (``q[:, d]`` after chain node d).
 
-    ``p [T, 2, k+1, V]``: the verifier's probabilities along each branch (``p[:, b, i]`` after the root and branch
-    b's first i drafts; ``p[:, 0, 0] == p[:, 1, 0]``, and equal prefixes give equal rows); ``q [T, k, V]``: the
-    drafter's probabilities of branch 0's drafts; branch 1's drafts are a function of the sequence (retrieval: a
-    one-hot proposal). ``drafts [T, 2, k]``.
+    From the root, at each node reached: greedy, the child whose token is the verifier's (the first such), else the
+    round ends with that token. Sampling (SpecInfer / SpecTr's recursive rejection over the siblings): the chain
+    child x, drawn from q, is accepted with probability ``min(1, p(x) / q(x))``; if not (or off the chain), a token z
+    is drawn from the residual ``r = norm(max(p - q, 0))`` (p itself off the chain), and the walk moves to the child
+    whose token is z, or the round ends with z. Trying the other children one by one as one-hot proposals against r
+    (accept y with probability r(y), else go on with r without y) picks each child with probability r(its token) and
+    otherwise draws from what is left of r: the single draw of z is that procedure. So each emitted token is
+    distributed exactly as p after the tokens before it, whichever children the tree holds.
 
-    At each depth the candidates are the children of the node reached: branch 0's draft (while the path is on branch
-    0) is accepted with probability ``min(1, p(x) / q(x))``; if not, the distribution becomes the residual
-    ``r = norm(max(p - q, 0))`` and branch 1's draft (while the path is on branch 1 and its draft differs) is
-    accepted with probability ``r(y)``; if neither is, the token is drawn from ``r`` without ``y`` and the round ends.
-    Each emitted token is then distributed exactly as ``p`` after the tokens before it. Returns ``(accepted [T],
-    token [T], second [T] bool)``: the accepted drafts, the token drawn after them, and whether the path kept is
-    branch 1's alone (the drafts emitted are then ``drafts[:, 1, :accepted]``)."""
-    t, _, k = drafts.shape
-    on = torch.ones(t, 2, dtype=torch.bool, device=p.device)  # the branches the path so far lies on
-    alive = torch.ones(t, dtype=torch.bool, device=p.device)
-    accepted = torch.zeros(t, dtype=torch.long, device=p.device)
-    token = torch.zeros(t, dtype=torch.long, device=p.device)
-    for i in range(k + 1):
-        target = torch.where(on[:, :1], p[:, 0, i], p[:, 1, i])  # the node's distribution (equal on both branches)
-        if i == k:  # every draft on the path accepted: the bonus token
-            token = torch.where(alive, draw(target), token)
-            break
-        x, y = drafts[:, 0, i], drafts[:, 1, i]
-        take_x = on[:, 0] & (torch.rand(t, device=p.device, dtype=p.dtype) * q[:, i].gather(1, x[:, None])[:, 0]
-                             < target.gather(1, x[:, None])[:, 0])
-        residual = torch.where(on[:, :1], (target - q[:, i]).clamp_min(0), target)
-        residual = residual / residual.sum(-1, keepdim=True).clamp_min(torch.finfo(p.dtype).tiny)
-        try_y = on[:, 1] & ~(on[:, 0] & (y == x))  # a sibling equal to x was x's chance already
-        take_y = ~take_x & try_y & (torch.rand(t, device=p.device, dtype=p.dtype)
-                                    < residual.gather(1, y[:, None])[:, 0])
-        rest = torch.where(try_y[:, None], residual.scatter(1, y[:, None], 0.0), residual)
-        ends = alive & ~take_x & ~take_y
-        token = torch.where(ends, draw(rest), token)
-        moved = alive & (take_x | take_y)
+    Returns ``(node [T], accepted [T], token [T])``: the last node kept (its depth the accepted drafts), and the
+    token after it."""
+    t, length = tokens.shape
+    device = tokens.device
+    index = torch.arange(length, device=device)
+    rows = torch.arange(t, device=device)
+    node = torch.zeros(t, dtype=torch.long, device=device)
+    accepted = torch.zeros(t, dtype=torch.long, device=device)
+    token = torch.zeros(t, dtype=torch.long, device=device)
+    alive = torch.ones(t, dtype=torch.bool, device=device)
+    for _ in range(gamma + 1):  # a path holds at most γ drafts: the last pass always ends the walk
+        children = (parents == node[:, None]) & (index != 0)
+        chain_child = (node + 1).clamp_max(gamma)
+        if p is None:
+            z = targets.gather(1, node[:, None])[:, 0]
+            take_x = torch.zeros_like(alive)
+        else:
+            dist = p[rows, node]  # [T, V]
+            on_chain = node < gamma  # the root or a chain node with a chain child
+            qd = q[rows, node.clamp_max(gamma - 1)]
+            x = tokens.gather(1, chain_child[:, None])
+            take_x = on_chain & (torch.rand(t, device=device, dtype=p.dtype) * qd.gather(1, x)[:, 0]
+                                 < dist.gather(1, x)[:, 0])
+            residual = torch.where(on_chain[:, None], (dist - qd).clamp_min(0), dist)
+            mass = residual.sum(-1, keepdim=True)
+            residual = torch.where(mass > 0, residual / mass.clamp_min(torch.finfo(p.dtype).tiny), dist)
+            z = draw(residual)
+            children &= ~(on_chain[:, None] & (index == chain_child[:, None]))  # x had its chance
+        match = children & (tokens == z[:, None])
+        moved = alive & (take_x | match.any(1))
+        token = torch.where(alive & ~moved, z, token)
+        node = torch.where(moved, torch.where(take_x, chain_child, match.long().argmax(1)), node)
         accepted += moved.long()
-        on = torch.where(moved[:, None], torch.stack([take_x, (take_x & on[:, 1] & (y == x)) | take_y], 1), on)
         alive = moved
-    return accepted, token, on[:, 1] & ~on[:, 0]
+    return node, accepted, token

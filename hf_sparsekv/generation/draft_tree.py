@@ -1,14 +1,23 @@
-"""The tree a round verifies when retrieval drafts beside a drafter: the drafter's chain and the retrieved chain as
-two branches from the round's root, checked by one verifier forward with tree attention (each node sees the
-sequence before the round and its own ancestors, never the other branch: LongSpec §3.3's tree attention, done in
-one pass of the decode kernel by an ancestor mask over the block).
+"""The tree a round verifies instead of one chain (``draft_tree_size``, or retrieval beside a drafter): the drafter's
+chain, the drafter's most probable alternatives at each depth (Graft's confidence pruning: a fixed node budget, each
+row keeping its most probable candidates) and the retrieved continuation grafted into the budget the pruning freed.
+One verifier forward checks every node with tree attention (each node sees the sequence before the round and its
+own ancestors: LongSpec §3.3's tree attention, one pass of the decode kernel with an ancestor mask per row).
 
-Nodes (``N = 2γ + 1``): 0 the root ``seq[n-1]``; ``1..γ`` the drafter's drafts; ``γ+1..2γ`` the retrieved ones.
-Node ``i`` sits at position ``n - 1 + depth(i)`` and at slot ``n - 1 + i`` of the verifier's full cache, so the
-drafter's branch is already at its positions' slots; where the retrieved branch is kept, its keys/values move there
-(:meth:`~hf_sparsekv.caches.static.StaticFullCache.keep_path`). Acceptance keeps the longer accepted branch (the
-drafter's on a tie), or, sampling, walks the tree by recursive rejection over the siblings
-(:func:`~.acceptance.accept_or_resample_two_chains`)."""
+Layout (``N`` draft nodes, the block ``N + 1`` with the root; node ``i`` at slot ``n - 1 + i`` of the verifier's full
+cache and at position ``n - 1 + depth(i)``):
+
+- node 0, the root ``seq[n-1]``;
+- nodes ``1..γ``, the drafter's chain (node i at depth i), already at its positions' slots;
+- nodes ``γ+1..N``, the extra nodes, filled per row: a row whose retrieval found a match puts its retrieved chain
+  of ``R`` tokens first (a chain from the root), then its most probable siblings; a row without one, siblings only.
+  A sibling at depth d is one of the drafter's next most probable tokens after chain node d-1, ranked by the
+  drafter's probability of the path to it (its cumulative log-probability), the best first.
+
+The block is ancestor-closed by construction (a sibling's parent is a chain node, a retrieved node's the root or the
+previous retrieved node), and every parent comes before its child. A node whose token repeats a sibling's, or a
+retrieved node of a row without a match, is harmless: acceptance only follows a node whose token the verifier
+itself chooses (:func:`~.acceptance.walk_tree`)."""
 
 from __future__ import annotations
 
@@ -16,29 +25,105 @@ from dataclasses import dataclass
 
 import torch
 
-from ..kernels.reference import ancestor_bits
+CHAIN, RETRIEVED, SIBLING = 0, 1, 2  # node kinds
+MAX_TREE_NODES = 62  # draft nodes per round: the block (with its root) fits one int64 of ancestor bits per node
 
 
 @dataclass(frozen=True)
-class TwoChains:
-    """The constants of the two-branch tree of γ drafts per branch, on ``device``.
+class DraftTree:
+    """A round's tree layout: ``gamma`` the depth (the chain's drafts), ``size`` the draft nodes N (>= γ),
+    ``retrieved`` the retrieved chain's nodes R in a row with a match, ``siblings`` the drafter's candidates per
+    depth K (0: no siblings; then the extra nodes hold the retrieved chain in every row)."""
 
-    ``depths [N]``: each node's position offset from the root; ``bits [N]``: its ancestor mask as the kernel reads it
-    (:func:`~hf_sparsekv.kernels.reference.ancestor_bits`); ``branches [2, γ+1]``: the nodes of each root-to-leaf
-    path (row 0 the drafter's, row 1 the retrieved one), so ``logits[:, branches[k]]`` are branch k's verifier
-    logits after the root and after each of its drafts."""
-
-    depths: torch.Tensor
-    bits: torch.Tensor
-    branches: torch.Tensor
+    gamma: int
+    size: int
+    retrieved: int
+    siblings: int
 
     @classmethod
-    def build(cls, gamma: int, device) -> "TwoChains":
-        drafter = list(range(gamma + 1))
-        retrieved = [0] + list(range(gamma + 1, 2 * gamma + 1))
-        mask = torch.zeros(2 * gamma + 1, 2 * gamma + 1, dtype=torch.bool)
-        for path in (drafter, retrieved):
-            for depth, node in enumerate(path):
-                mask[node, path[: depth + 1]] = True
-        depths = torch.tensor(list(range(gamma + 1)) + list(range(1, gamma + 1)))
-        return cls(depths.to(device), ancestor_bits(mask).to(device), torch.tensor([drafter, retrieved]).to(device))
+    def plan(cls, gamma: int, size: int | None, retrieval: bool) -> "DraftTree | None":
+        """The layout for ``draft_tree_size=size`` (None: the chain, or with retrieval the chain and the retrieved
+        chain, ``2γ`` nodes); None where a round verifies one chain."""
+        if size is None:
+            return cls(gamma, 2 * gamma, gamma, 0) if retrieval else None
+        extra = size - gamma
+        if extra == 0:
+            return None
+        return cls(gamma, size, min(gamma, extra) if retrieval else 0, extra)
+
+    def build(self, chain: torch.Tensor, chain_logq: torch.Tensor | None, candidates: torch.Tensor | None,
+              candidate_logq: torch.Tensor | None, retrieved: torch.Tensor | None, matched: torch.Tensor | None):
+        """Each row's tree, on the device (capturable: shapes fixed by the layout).
+
+        ``chain [B, γ]`` the drafter's drafts; ``chain_logq [B, γ]`` their log-probabilities under the drafter;
+        ``candidates [B, γ, K]`` the drafter's next most probable tokens at each depth (its draft excluded) and
+        ``candidate_logq [B, γ, K]`` theirs; ``retrieved [B, R]`` each row's retrieved continuation and ``matched
+        [B]`` whether it has one. Returns ``(tokens [B, N+1], parents [B, N+1], depths [B, N+1], bits [B, N+1],
+        kinds [B, N+1])``: the node tokens (the root's is 0; the verify block takes ``seq[n-1]``), each node's parent
+        (the root its own), depth, ancestor bits as the decode kernel reads them, and kind (``CHAIN`` for the root
+        and the chain, ``RETRIEVED``, ``SIBLING``)."""
+        gamma, size, r, k = self.gamma, self.size, self.retrieved, self.siblings
+        rows, device = chain.shape[0], chain.device
+        extra = size - gamma
+        depth_of = torch.arange(1, gamma + 1, device=device)
+        tokens = [torch.zeros(rows, 1, dtype=torch.long, device=device), chain]
+        parents = [(torch.arange(gamma + 1, device=device) - 1).clamp_min(0).expand(rows, -1)]  # root, chain
+        depths = [torch.arange(gamma + 1, device=device).expand(rows, -1)]
+        slot = torch.arange(extra, device=device).expand(rows, -1)  # the extra nodes, 0..E-1
+        kinds = torch.full((rows, size + 1), CHAIN, dtype=torch.long, device=device)
+        if k:
+            # every candidate's path probability: the chain to its parent, then itself
+            before = torch.cat([chain_logq.new_zeros(rows, 1), chain_logq.cumsum(1)[:, :-1]], 1)  # [B, γ]
+            score = (before[:, :, None] + candidate_logq).flatten(1)  # [B, γK]
+            best = score.topk(extra, dim=1).indices  # [B, E], the most probable first
+            sib_tokens = candidates.flatten(1).gather(1, best)
+            sib_depths = depth_of[best // k]
+        if r:
+            offset = matched.long() * r if k else torch.full((rows,), r, device=device, dtype=torch.long)
+            in_chain = slot < offset[:, None]  # [B, E]: a retrieved node
+            j = slot.clamp_max(r - 1)
+            ret_tokens = retrieved.gather(1, j)
+            ret_parents = torch.where(j == 0, 0, gamma + j)  # the root, then the previous retrieved node
+            ret_depths = j + 1
+        if k:
+            rank = (slot - (offset[:, None] if r else 0)).clamp_min(0)
+            sib_tokens = sib_tokens.gather(1, rank)
+            sib_depths = sib_depths.gather(1, rank)
+            sib_parents = sib_depths - 1  # chain node d-1 (the root at depth 1)
+            if r:
+                ex_tokens = torch.where(in_chain, ret_tokens, sib_tokens)
+                ex_parents = torch.where(in_chain, ret_parents, sib_parents)
+                ex_depths = torch.where(in_chain, ret_depths, sib_depths)
+                ex_kinds = torch.where(in_chain, RETRIEVED, SIBLING)
+            else:
+                ex_tokens, ex_parents, ex_depths = sib_tokens, sib_parents, sib_depths
+                ex_kinds = torch.full_like(slot, SIBLING)
+        else:
+            ex_tokens, ex_parents, ex_depths = ret_tokens, ret_parents, ret_depths
+            ex_kinds = torch.full_like(slot, RETRIEVED)
+        tokens = torch.cat(tokens + [ex_tokens], 1)
+        parents = torch.cat(parents + [ex_parents], 1)
+        depths = torch.cat(depths + [ex_depths], 1)
+        kinds = torch.cat([kinds[:, : gamma + 1], ex_kinds], 1)
+        return tokens, parents, depths, ancestor_bits_of(parents, gamma), kinds
+
+
+def ancestor_bits_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
+    """Ancestor bits ``[B, L]`` (int64, bit j of node i set iff j is i or one of its ancestors) of trees given by
+    ``parents [B, L]`` (the root its own parent, every parent before its child) no deeper than ``depth``."""
+    own = torch.ones((), dtype=torch.long, device=parents.device) << torch.arange(parents.shape[1],
+                                                                                   device=parents.device)
+    bits = own.expand_as(parents)
+    for _ in range(depth):
+        bits = own | bits.gather(1, parents)
+    return bits
+
+
+def path_nodes(bits: torch.Tensor, depths: torch.Tensor, node: torch.Tensor, gamma: int) -> torch.Tensor:
+    """The nodes ``[B, γ]`` on the path from the root to ``node [B]``: entry d-1 the ancestor at depth d (0 past the
+    node's depth)."""
+    mine = bits.gather(1, node[:, None])  # [B, 1]
+    index = torch.arange(bits.shape[1], device=bits.device)
+    on_path = ((mine >> index) & 1) == 1  # [B, L]
+    at = on_path[:, None, :] & (depths[:, None, :] == torch.arange(1, gamma + 1, device=bits.device)[None, :, None])
+    return at.long().argmax(-1)

@@ -7,8 +7,9 @@ own store (no drafter cache of its own). Self-drafting (the drafter is the verif
 verifier's weights.
 
 A draft step reads ``seq[n-1]`` and writes ``drafts [B, γ]`` (and, sampling, the drafter's probabilities ``q [B, γ,
-V]``); after a round that accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it
-before the next round (:func:`catch_up_block`: up to γ + 1 of them, after rounds that verified retrieved drafts). A
+V]``; for a tree with siblings, its next most probable tokens at each depth, :func:`_alternatives`); after a round that accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it
+before the next round (:func:`catch_up_block`: up to γ + 1 of them, after a tree round whose kept path left the
+chain). A
 drafter whose vocabulary differs from the verifier's by padding reads an id it lacks as id
 0 and drafts only the shared ids (:func:`widened`)."""
 
@@ -77,6 +78,7 @@ def draft(engine) -> None:
         engine.drafter_cache.view = "int4"
     token = drafter_input(engine.last(1), engine.draft_vocab)
     seen = None if engine.penalty is None else engine.seen  # the drafter's scores get the penalty too
+    siblings = engine.tree is not None and engine.tree.siblings
     for i in range(engine.spec.gamma):
         logits = static_forward(engine.drafter, token, (engine.n - 1 + i)[:, None], engine.drafter_cache, 1,
                                 engine.drafter_keyword)[:, 0]
@@ -86,19 +88,33 @@ def draft(engine) -> None:
         if engine.warpers is None:
             scores = logits if seen is None else penalized(logits, seen, engine.penalty[0])
             token.copy_(scores.argmax(-1)[:, None])
+            if siblings:
+                _alternatives(engine, i, torch.log_softmax(scores.float(), -1), token)
         else:
             q = engine.probabilities(logits[:, None], engine.n + i, None if seen is None else seen[:, None])[:, 0]
             engine.q.index_copy_(1, engine.block_offsets[i : i + 1], q[:, None])  # in place once compiled
             token.copy_(draw(q)[:, None])
+            if siblings:
+                _alternatives(engine, i, q.log(), token)
         if seen is not None:
             seen = seen.scatter(1, token, True)
     if quant:
         engine.drafter_cache.view = "int8"
-    if engine.spec.retrieval:  # what this step fed the drafter, checked against the sequence after verification
+    if engine.tree is not None:  # what this step fed the drafter, checked against the sequence after verification
         engine.fed[:, :1].copy_(engine.last(1))
         engine.fed[:, 1:].copy_(engine.drafts[:, :-1])
         engine.fed_at.copy_(engine.n - 1)
         engine.fed_valid.fill_(True)
+
+
+def _alternatives(engine, depth: int, logq: torch.Tensor, token: torch.Tensor) -> None:
+    """A tree's candidates at ``depth`` (:mod:`.draft_tree`): the drafter's ``K`` most probable tokens after the
+    chain so far other than its draft ``token [B, 1]``, and the log-probabilities ``logq [B, V]`` of both."""
+    at = engine.block_offsets[depth : depth + 1]
+    engine.chain_logq.index_copy_(1, at, logq.gather(1, token))
+    best = logq.scatter(1, token, float("-inf")).topk(engine.tree.siblings, dim=1)
+    engine.candidates.index_copy_(1, at, best.indices[:, None])
+    engine.candidate_logq.index_copy_(1, at, best.values[:, None])
 
 
 def catch_up(engine) -> None:
@@ -109,7 +125,7 @@ def catch_up(engine) -> None:
 
 
 def catch_up_block(engine) -> None:
-    """Retrieval beside a drafter: feed the drafter ``seq[held .. held+γ]`` at their positions, the tokens it has not
+    """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their positions, the tokens it has not
     read (at most γ + 1: a round moves the sequence by at most that much); it then holds every position before
     ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps write over them."""
     positions = engine.held[:, None] + engine.block_offsets

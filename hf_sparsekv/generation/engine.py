@@ -28,15 +28,17 @@ drafts), so every kept token sees the state greedy AR on the INT8 view would see
 
 Retrieval drafting (mode ``"lookup"``, ``prompt_lookup_num_tokens``; :mod:`.retrieval`): no drafter and no draft
 step; every step that moves the sequence ends by filling ``drafts`` with the continuation of an earlier occurrence of
-each row's last tokens, and a round in which no row found one runs one verifier step instead. Beside a drafter
-(``spec.retrieval``, chunk/window/full) the drafter drafts every round, and a round in which some live row found a
-match verifies a tree (:mod:`.draft_tree`): the drafter's chain ``drafts`` and the retrieved one ``retrieved [B, γ]``
-as two branches of the root ``seq[n-1]``, one verifier forward of 2γ + 1 tokens with tree attention; each row keeps
-the longer accepted branch (sampling: recursive rejection over the siblings), whose keys/values the verifier's cache
-then holds at their positions' slots. A row that kept the retrieved branch leaves the drafter behind the tokens it
-did not read: ``held [B]`` counts the leading positions its cache holds (updated after each verification from what
-the draft step fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held`` feeds it
-the rest before it drafts again (writes past the sequence stay within the slots a round may write ahead).
+each row's last tokens, and a round in which no row found one runs one verifier step instead.
+
+Trees (:mod:`.draft_tree`; chunk/window/full drafters): with ``tree_size`` (``draft_tree_size``) every round, and with
+retrieval beside the drafter (``spec.retrieval``) every round in which some live row found a match, verifies a tree
+instead of the chain: the drafter's chain ``drafts``, its next most probable tokens at each depth (``candidates``,
+recorded by the draft step) and the retrieved continuation ``retrieved [B, γ]``, one verifier forward of N + 1 tokens
+with tree attention. Each row keeps one root-to-node path (:func:`~.acceptance.walk_tree`), whose keys/values the
+verifier's cache then holds at their positions' slots. A row whose path left the chain leaves the drafter behind the
+tokens it did not read: ``held [B]`` counts the leading positions its cache holds (updated after each verification
+from what the draft step fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held``
+feeds it the rest before it drafts again (writes past the sequence stay within the slots a round may write ahead).
 
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.
@@ -70,9 +72,9 @@ from transformers.utils import logging
 from ..cache_keyword import cache_keyword
 from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
-from .acceptance import accept_or_resample, accept_or_resample_two_chains, accept_two_chains, accepted_length
+from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
-from .draft_tree import TwoChains
+from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting
 from .draft_weights import release as release_draft_weights
 from .drafting import catch_up, catch_up_block, draft, drafter_cache, drafter_input
@@ -113,6 +115,7 @@ class EngineSpec:
     host: bool = False  # host-side rules (processors, criteria, outputs): verification stops at the logits
     draft_weights: str = "full"  # "int4": the draft steps run the drafting model's 4-bit weight copy (QuantSpec)
     retrieval: int = 0  # chunk/window/full: retrieval beside the drafter, suffixes of up to this many tokens (0: off)
+    tree_size: int | None = None  # chunk/window/full: draft nodes per round (draft_tree_size; None: the chain)
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -143,8 +146,9 @@ class StaticEngine:
         self.drafter_keyword = None if drafter is None else cache_keyword(drafter)
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
-        if spec.retrieval:  # a tree round writes 2γ + 1 slots from n - 1
-            slack = 2 * gamma + 2
+        self.tree = DraftTree.plan(gamma, spec.tree_size, bool(spec.retrieval))  # None: every round one chain
+        if self.tree is not None:  # a tree round writes N + 1 slots from n - 1
+            slack = self.tree.size + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
             slack += AR_STEPS_PER_SYNC
         self.max_tokens = _round_up(max_tokens)
@@ -169,17 +173,24 @@ class StaticEngine:
         for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
-        # [a, v_0..v_γ, second, found] per row: what the host reads (second: a tree round kept the retrieved branch;
-        # found: retrieval's next round has a match)
+        # [a, v_0..v_γ, kind, found] per row: what the host reads (kind: the kind of the last node a tree round
+        # kept, draft_tree.CHAIN / RETRIEVED / SIBLING; found: retrieval's next round has a match)
         self.report = torch.zeros(rows, gamma + 4, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(gamma + 1, device=device)
-        if spec.retrieval:  # what the drafter holds and what its last draft step fed it (retrieval beside a drafter)
+        if self.tree is not None:  # what the drafter holds and what its last draft step fed it
             self.held = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed = torch.zeros(rows, gamma, dtype=torch.long, device=device)
             self.fed_at = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
-            self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # the tree's second branch
-            self.tree = TwoChains.build(gamma, device)
+            # the last tree verified: node tokens, parents, depths, ancestor bits, kinds [B, N+1] (see draft_tree)
+            self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
+        if spec.retrieval:
+            self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # grafted into the tree
+        if self.tree is not None and self.tree.siblings:  # the drafter's alternatives at each depth
+            k = self.tree.siblings
+            self.candidates = torch.zeros(rows, gamma, k, dtype=torch.long, device=device)
+            self.candidate_logq = torch.zeros(rows, gamma, k, dtype=torch.float32, device=device)
+            self.chain_logq = torch.zeros(rows, gamma, dtype=torch.float32, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
@@ -199,8 +210,8 @@ class StaticEngine:
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
-        if spec.host:  # the verify step's raw logits (a tree's: 2γ + 1), for the host-side rules (:mod:`.host_rules`)
-            width = 2 * gamma + 1 if spec.retrieval else gamma + 1
+        if spec.host:  # the verify step's raw logits (a tree's: N + 1), for the host-side rules (:mod:`.host_rules`)
+            width = gamma + 1 if self.tree is None else self.tree.size + 1
             self.logits = torch.zeros(rows, width, vocab, dtype=torch.float32, device=device)
         self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
         # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
@@ -256,20 +267,34 @@ class StaticEngine:
             masks.append(masks[-1].scatter(1, drafts[:, i : i + 1], True))
         return torch.stack(masks, 1)
 
-    def _floored(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
-        """``logits [B, L, V]`` for the tokens at sequence indices ``first_index[b] + 0..L-1``, with the repetition
-        penalty where ``seen [B, L, V]`` is given, and EOS masked below ``eos_floor`` (on the device: no host
-        branch)."""
+    def _tree_seen(self, tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor | None:
+        """The repetition penalty's masks ``[B, N+1, V]`` after each node of a tree (the sequence and the node's path),
+        None without a penalty."""
+        if self.penalty is None:
+            return None
+        own = torch.zeros(*tokens.shape, self.vocab, dtype=torch.bool, device=tokens.device)
+        own[:, 1:].scatter_(2, tokens[:, 1:, None], True)  # the root's token is in seen already
+        masks = self.seen[:, None] | own
+        for _ in range(self.spec.gamma):
+            masks = own | masks.gather(1, parents[..., None].expand_as(masks))
+        return masks
+
+    def _floored(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None,
+                 offsets: torch.Tensor | None = None):
+        """``logits [B, L, V]`` for the tokens at sequence indices ``first_index[b] + offsets[b]`` (default ``0..L-1``),
+        with the repetition penalty where ``seen [B, L, V]`` is given, and EOS masked below ``eos_floor`` (on the
+        device: no host branch)."""
         if seen is not None:
             logits = penalized(logits, seen, self.penalty[0])
-        index = first_index[:, None] + self.block_offsets[: logits.shape[1]]
+        index = first_index[:, None] + (self.block_offsets[: logits.shape[1]] if offsets is None else offsets)
         early = (index < self.eos_floor[:, None])[..., None] & self.eos_mask
         return logits.masked_fill(early, float("-inf"))
 
-    def probabilities(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None):
+    def probabilities(self, logits: torch.Tensor, first_index: torch.Tensor, seen: torch.Tensor | None = None,
+                      offsets: torch.Tensor | None = None):
         """Sampling: the processed distributions ``[B, L, V]`` (float32) of ``logits [B, L, V]`` (see
         :meth:`_floored`)."""
-        scores = self._floored(logits.float(), first_index, seen)
+        scores = self._floored(logits.float(), first_index, seen, offsets)
         flat = scores.flatten(0, 1)
         for warper in self.warpers:
             flat = warper(None, flat)  # the device warpers read only the scores, row by row
@@ -293,7 +318,7 @@ class StaticEngine:
         self.n.add_((accepted + 1) * self.live)
         self.report[:, :1].copy_(accepted[:, None])
         self.report[:, 1 : tokens.shape[1] + 1].copy_(tokens)
-        if self.spec.retrieval:
+        if self.tree is not None:
             self._update_held()
         if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
@@ -316,36 +341,51 @@ class StaticEngine:
         return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
 
     def _tree_forward(self) -> torch.Tensor:
-        """The verifier on the round's tree (:mod:`.draft_tree`): ``[seq[n-1], drafts, retrieved]``, each branch's
-        i-th draft at position ``n-1+i``; its logits ``[B, 2γ+1, V]``."""
-        block = torch.cat([self.last(1), self.drafts, self.retrieved], 1)
-        positions = (self.n - 1)[:, None] + self.tree.depths
-        return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword,
-                              tree=self.tree.bits)
+        """The verifier on the round's tree (:mod:`.draft_tree`, built here from the drafts, the drafter's
+        alternatives and the retrieved continuations; kept in :attr:`nodes`): its logits ``[B, N+1, V]``."""
+        tree, gamma = self.tree, self.spec.gamma
+        siblings = tree.siblings > 0
+        built = tree.build(self.drafts, self.chain_logq if siblings else None, self.candidates if siblings else None,
+                           self.candidate_logq if siblings else None,
+                           self.retrieved[:, : tree.retrieved] if tree.retrieved else None,
+                           self.report[:, -1] > 0 if tree.retrieved else None)
+        for buffer, value in zip(self.nodes, built):
+            buffer.copy_(value)
+        tokens, _, depths, bits, _ = self.nodes
+        block = torch.cat([self.last(1), tokens[:, 1:]], 1)
+        return static_forward(self.verifier, block, (self.n - 1)[:, None] + depths, self.verifier_cache, 0,
+                              self.verifier_keyword, tree=bits)
 
-    def _keep_branch(self, second: torch.Tensor) -> None:
-        """After a tree forward: rows that keep the retrieved branch (``second [B]`` bool) move its keys/values to
-        the slots of its positions (where the drafter's branch sits), and no row's cache shows that branch's slots."""
-        own = self.n[:, None] + self.block_offsets[: self.spec.gamma]  # the drafter's branch: nodes 1..γ
-        self.verifier_cache.keep_path(torch.where(second[:, None], own + self.spec.gamma, own), own,
-                                      own + self.spec.gamma)
+    def _keep(self, node: torch.Tensor) -> torch.Tensor:
+        """After a tree forward: each row keeps the path to its ``node [B]``, whose keys/values move to the slots of
+        their positions (where the chain's sit), and no row's cache shows the other extra nodes' slots. Returns the
+        path's nodes ``[B, γ]`` (past the node's depth: the chain's, which stay in place)."""
+        gamma = self.spec.gamma
+        _, _, depths, bits, kinds = self.nodes
+        path = path_nodes(bits, depths, node, gamma)
+        depth = self.block_offsets[1 : gamma + 1]
+        path = torch.where(depth <= depths.gather(1, node[:, None]), path, depth)
+        root = (self.n - 1)[:, None]
+        extra = torch.arange(gamma + 1, self.tree.size + 1, device=node.device)
+        self.verifier_cache.keep_path(root + path, root + depth, root + extra)
+        self.report[:, -2].copy_(kinds.gather(1, node[:, None])[:, 0])
+        return path
 
     def _verify_tree(self) -> None:
-        logits = self._tree_forward()[:, self.tree.branches]  # [B, 2, γ+1, V]: along each branch
-        drafts = torch.stack([self.drafts, self.retrieved], 1)  # [B, 2, γ]
-        seen = [self._seen_after(drafts[:, k], logits.shape[2]) for k in range(2)]
+        logits = self._tree_forward()
+        tokens, parents, depths, _, _ = self.nodes
+        seen = self._tree_seen(tokens, parents)
+        gamma = self.spec.gamma
         if self.warpers is None:
-            verified = torch.stack([self._next(logits[:, k], self.n, seen[k]) for k in range(2)], 1)
-            accepted, tokens, second = accept_two_chains(verified, drafts)
+            targets = self._floored(logits, self.n, seen, depths).argmax(-1)
+            node, accepted, token = walk_tree(tokens, parents, gamma, targets=targets)
         else:
-            p = torch.stack([self.probabilities(logits[:, k], self.n, seen[k]) for k in range(2)], 1)
-            accepted, token, second = accept_or_resample_two_chains(p, self.q, drafts)
-            path = torch.where(second[:, None], self.retrieved, self.drafts)
-            tokens = torch.where(self.block_offsets < accepted[:, None], torch.cat([path, token[:, None]], 1),
-                                 token[:, None])
-        self._keep_branch(second)
-        self.report[:, -2].copy_(second.long())
-        self._advance(tokens, accepted)
+            p = self.probabilities(logits, self.n, seen, depths)
+            node, accepted, token = walk_tree(tokens, parents, gamma, p=p, q=self.q)
+        path = tokens.gather(1, self._keep(node))
+        emitted = torch.where(self.block_offsets < accepted[:, None], torch.cat([path, token[:, None]], 1),
+                              token[:, None])
+        self._advance(emitted, accepted)
 
     def _tree_logits(self) -> None:
         """Host-side rules: the tree forward alone, its raw logits left in :attr:`logits`."""
@@ -388,15 +428,15 @@ class StaticEngine:
             prefix.update(layer.keys[row : row + 1, :, start:length].to(device, copy=True),
                           layer.values[row : row + 1, :, start:length].to(device, copy=True), i)
 
-    def commit(self, emitted: list[list[int]], accepted: list[int], second: list[bool] | None = None) -> None:
+    def commit(self, emitted: list[list[int]], accepted: list[int], nodes: list[int] | None = None) -> None:
         """Host-side rules: write each row's ``emitted`` tokens (its ``accepted`` drafts and the token after them; an
         empty list for a finished row) as a verify step would (eager, between the captured steps); after a tree
-        forward, ``second[b]``: row b kept the retrieved branch."""
+        forward, ``nodes[b]``: the last node row b kept."""
         width = self.spec.gamma + 1
         block = [e + [e[0]] * (width - len(e)) if e else [0] * width for e in emitted]
         device = self.seq.device
-        if second is not None:
-            self._keep_branch(torch.tensor(second, device=device))
+        if nodes is not None:
+            self._keep(torch.tensor(nodes, device=device))
         self._advance(torch.tensor(block, device=device), torch.tensor(accepted, device=device))
 
     def _ar_step(self) -> None:
@@ -484,7 +524,7 @@ class StaticEngine:
         self.seq.scatter_(1, self.n[:, None], first[:, None])
         self.n.add_(1)
         self.live.fill_(1)
-        if self.spec.retrieval:
+        if self.tree is not None:
             self.held.copy_(self.n - 1)  # the drafter's prefill: every prompt position
             self.fed_valid.zero_()
         if self.spec.mode == "lookup" or self.spec.retrieval:
@@ -499,7 +539,7 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
                penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False,
-               draft_weights: str = "full", retrieval: int = 0) -> StaticEngine:
+               draft_weights: str = "full", retrieval: int = 0, tree_size: int | None = None) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
@@ -507,13 +547,14 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     ``layout``: the drafter cache's settings (:func:`~.draft_modes.draft_mode`; empty: the defaults of ``mode``); ``host``:
     host-side rules (:mod:`.host_rules`); ``draft_weights``: ``"int4"`` drafts on the drafting model's 4-bit weight
     copy (:mod:`.draft_weights`, made here on first use); ``retrieval``: retrieval
-    drafting beside the drafter, suffixes of up to this many tokens (:mod:`.retrieval`). Under tensor parallelism the captured steps hold NCCL all-reduces:
+    drafting beside the drafter, suffixes of up to this many tokens (:mod:`.retrieval`); ``tree_size``: draft nodes
+    per round (:mod:`.draft_tree`; None: one chain). Under tensor parallelism the captured steps hold NCCL all-reduces:
     :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
                       _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights,
-                      retrieval)
+                      retrieval, tree_size)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones
         stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
         _release_graphs(stale)

@@ -21,6 +21,7 @@ from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
 from .common import _strip_left_padding, _text_config
 from .draft_modes import check_budget, check_prefix, draft_mode
+from .draft_tree import MAX_TREE_NODES
 from .draft_weights import check_choice, default_choice
 from .engine import captures, engine_for
 from .rounds import static_decode_rows, static_speculative_decode
@@ -203,6 +204,21 @@ def _lookup_settings(config, gamma_given: bool) -> tuple[int, int]:
     return int(gamma), int(ngram)
 
 
+def _tree_size(size, mode: str, gamma: int) -> int | None:
+    """``draft_tree_size`` checked: draft nodes per round (at least γ, the chain; at most MAX_TREE_NODES), with the
+    drafter caches whose rounds take a catch-up of several tokens; None keeps the chain."""
+    if size is None:
+        return None
+    if not is_integer(size) or not gamma <= size <= MAX_TREE_NODES:
+        raise ValueError(f"draft_tree_size must be an integer from num_assistant_tokens (γ = {gamma}: the chain) to "
+                         f"{MAX_TREE_NODES}, got {size!r}")
+    if mode not in ("chunk", "window", "full"):
+        raise NotImplementedError(
+            f"draft_tree_size with mode {mode!r}: trees are drafted by a separate or self-drafting model on "
+            "draft_cache 'chunk', 'window' or 'full'")
+    return int(size)
+
+
 def _retrieval_beside(mode: str) -> None:
     """Retrieval beside a drafter runs with the drafter caches that take a catch-up of several tokens."""
     if mode not in ("chunk", "window", "full"):
@@ -294,8 +310,8 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
 def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: tuple, logits_processor,
                         stopping_criteria, tokenizer):
     """A batch's rows decoded together on one engine of ``len(input_ids)`` rows; ``plan`` = (mode, budget, layout,
-    γ, draft_weights, retrieval). Returns the output as stock assembles a batch."""
-    mode, budget, layout, gamma, draft_weights, retrieval = plan
+    γ, draft_weights, retrieval, tree_size). Returns the output as stock assembles a batch."""
+    mode, budget, layout, gamma, draft_weights, retrieval, tree_size = plan
     rows = [
         _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
                    stopping_criteria, logits_processor, tokenizer)
@@ -308,7 +324,7 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
         model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
         max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
         batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-        retrieval=retrieval)
+        retrieval=retrieval, tree_size=tree_size)
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                  for b, res in enumerate(results)]
@@ -333,6 +349,7 @@ def speculative_generate(
     kv_budget: int | None = None,
     draft_cache: str | Cache | None = None,
     draft_weights: str | None = None,
+    draft_tree_size: int | None = None,
     **kwargs,
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
@@ -396,6 +413,7 @@ def speculative_generate(
         mode, budget, layout = draft_mode(model, assistant_model, draft_cache, kv_budget, gamma)
         if lookup:
             _retrieval_beside(mode)
+    tree_size = _tree_size(draft_tree_size, mode, gamma)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
@@ -405,7 +423,8 @@ def speculative_generate(
             def one_row(ids, mask, cache):
                 return speculative_generate(
                     model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                    kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights, attention_mask=mask,
+                    kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights,
+                    draft_tree_size=draft_tree_size, attention_mask=mask,
                     tokenizer=tokenizer,
                     **{**row_kwargs, "return_dict_in_generate": True},
                 )
@@ -413,8 +432,8 @@ def speculative_generate(
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
                                  config.return_dict_in_generate)
         return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
-                                     (mode, budget, layout, gamma, draft_weights, retrieval), logits_processor, stopping_criteria,
-                                     tokenizer)
+                                     (mode, budget, layout, gamma, draft_weights, retrieval, tree_size), logits_processor,
+                                     stopping_criteria, tokenizer)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
@@ -428,7 +447,7 @@ def speculative_generate(
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                         rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
                         penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-                        retrieval=retrieval)
+                        retrieval=retrieval, tree_size=tree_size)
     # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
     result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 

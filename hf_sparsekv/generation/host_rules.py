@@ -9,8 +9,8 @@ row, :func:`verify_block` applies the row's processors after each exact prefix, 
 that prefix, picks the verifier's tokens from the processed scores (greedy: the argmax; sampling: speculative
 sampling against the drafter's ``q``) and keeps the scores and logits of the tokens it emits; the engine then writes
 them on the device (:meth:`StaticEngine.commit`). The drafts stay on the device (they only decide how many tokens a
-round keeps, never which). A tree round (retrieval beside a drafter, :mod:`.draft_tree`) leaves the logits of its
-2γ + 1 nodes, and :func:`verify_two_branches` processes each branch after its own prefixes.
+round keeps, never which). A tree round (:mod:`.draft_tree`) leaves the logits of its N + 1 nodes, and
+:func:`verify_tree` processes each node after its own path.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.generation import LogitsProcessorList, StoppingCriteriaList
 
-from .acceptance import accept_or_resample, accept_or_resample_two_chains, accept_two_chains, accepted_length
+from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .sampling import draw
 from .stats import SpecStats
 
@@ -122,31 +122,30 @@ def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: 
     return a, emitted, scores[: a + 1], [raw[i : i + 1] for i in range(a + 1)]
 
 
-def verify_two_branches(rules: GreedyRules, tokens: list[int], drafts: tuple[list[int], list[int]], raw: torch.Tensor,
-                        q: torch.Tensor | None, branches: list[list[int]]) -> tuple[int, list[int], list[torch.Tensor],
-                                                                               list[torch.Tensor], bool]:
-    """One row's tree round (:mod:`.draft_tree`): ``drafts`` the drafter's and the retrieved branch (γ each),
-    ``raw [2γ+1, V]`` the verifier's float32 logits at the tree's nodes, ``branches`` each branch's nodes
-    (:attr:`~.draft_tree.TwoChains.branches`), ``q [γ, V]`` the drafter's probabilities
-    (sampling; None: greedy). Each branch's scores are processed after its own prefixes, then the branches are
-    accepted as on the device (:func:`~.acceptance.accept_two_chains`, :func:`~.acceptance.accept_or_resample_two_chains`).
-    Returns ``(accepted, emitted tokens, their scores, their raw logits, whether the retrieved branch was kept)``."""
-    gamma = len(drafts[0])
-    raw = raw[: 2 * gamma + 1].clone()  # the engine's buffer is rewritten by the next round
-    n, sampling = len(tokens), q is not None
-    scores, raws = [], []
-    for branch, path in zip(drafts, branches):
-        sequence = torch.tensor([tokens + branch], device=raw.device)
-        raws.append([raw[i : i + 1] for i in path])
-        scores.append([processed(rules, sequence[:, : n + d], raws[-1][d], sampling) for d in range(gamma + 1)])
-    stacked = torch.stack([torch.cat(s) for s in scores])[None]  # [1, 2, γ+1, V]
-    both = torch.tensor([list(drafts)], device=raw.device)  # [1, 2, γ]
+def verify_tree(rules: GreedyRules, tokens: list[int], nodes: list[int], parents: list[int], raw: torch.Tensor,
+                q: torch.Tensor | None, gamma: int) -> tuple[int, list[int], list[torch.Tensor], list[torch.Tensor], int]:
+    """One row's tree round (:mod:`.draft_tree`): ``nodes`` / ``parents`` the tree's node tokens and parents (node 0
+    the root), ``raw [N+1, V]`` the verifier's float32 logits at the nodes, ``q [γ, V]`` the drafter's probabilities
+    of its chain (sampling; None: greedy). Each node's scores are processed after its own path, then the tree is
+    walked as on the device (:func:`~.acceptance.walk_tree`). Returns ``(accepted, emitted tokens, their scores,
+    their raw logits, the last node kept)``."""
+    raw = raw[: len(nodes)].clone()  # the engine's buffer is rewritten by the next round
+    sampling = q is not None
+    paths = [[]]  # each node's tokens after the sequence
+    for i in range(1, len(nodes)):
+        paths.append(paths[parents[i]] + [nodes[i]])
+    scores = [processed(rules, torch.tensor([tokens + path], device=raw.device), raw[i : i + 1], sampling)
+              for i, path in enumerate(paths)]
+    stacked = torch.cat(scores)[None]  # [1, N+1, V]
+    node_tokens, node_parents = torch.tensor([nodes], device=raw.device), torch.tensor([parents], device=raw.device)
     if sampling:
-        accepted, token, second = accept_or_resample_two_chains(torch.softmax(stacked, -1), q[None], both)
-        a, k = int(accepted[0]), int(second[0])
-        emitted = drafts[k][:a] + [int(token[0])]
+        node, accepted, token = walk_tree(node_tokens, node_parents, gamma, p=torch.softmax(stacked, -1), q=q[None])
     else:
-        accepted, verified, second = accept_two_chains(stacked.argmax(-1), both)
-        a, k = int(accepted[0]), int(second[0])
-        emitted = verified[0, : a + 1].tolist()
-    return a, emitted, scores[k][: a + 1], raws[k][: a + 1], bool(k)
+        node, accepted, token = walk_tree(node_tokens, node_parents, gamma, targets=stacked.argmax(-1))
+    node, a = int(node[0]), int(accepted[0])
+    on_path = [node]  # the nodes from the root to the kept one
+    while on_path[-1] != 0:
+        on_path.append(parents[on_path[-1]])
+    on_path.reverse()
+    emitted = paths[node] + [int(token[0])]
+    return a, emitted, [scores[i] for i in on_path], [raw[i : i + 1] for i in on_path], node

@@ -24,7 +24,7 @@ from ..cache_keyword import user_cache
 from ..caches import query_hooks
 from .front import speculative_generate
 
-OUR_ARGUMENTS = ("kv_budget", "draft_cache", "draft_weights")
+OUR_ARGUMENTS = ("kv_budget", "draft_cache", "draft_weights", "draft_tree_size")
 _EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "assistant_model", "streamer")
 _original = None
 logger = logging.get_logger(__name__)

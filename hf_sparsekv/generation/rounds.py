@@ -13,7 +13,8 @@ from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for
-from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_two_branches
+from .draft_tree import CHAIN, RETRIEVED, SIBLING
+from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .stats import SpecStats
 
 
@@ -89,6 +90,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
+    always_tree = engine.tree is not None and engine.tree.siblings > 0  # draft_tree_size: every round a tree
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
 
@@ -108,30 +110,30 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         outputs[row].add([scores], [raw])
         return choose(scores, sampling)
 
-    def host_round(drafting: bool, rooms: list[int], tree: bool) -> list[tuple[int, list[int], bool]]:
-        """Each live row's (accepted, emitted, kept the retrieved branch) from the logits the verify step left;
+    def host_round(drafting: bool, rooms: list[int], tree: bool) -> list[tuple[int, list[int], int]]:
+        """Each live row's (accepted, emitted, kind of the last node kept) from the logits the verify step left;
         committed on the device."""
         drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
-        retrieved = engine.retrieved.tolist() if tree else None
-        branches = engine.tree.branches.tolist() if tree else None
-        results = []
+        nodes = engine.nodes.tolist() if tree else None  # [5, B, N+1]: tokens, parents, depths, bits, kinds
+        results, kept = [], []
         for row in range(rows):
             if done[row]:
-                results.append((0, [], False))
+                results.append((0, [], CHAIN))
+                kept.append(0)
                 continue
             q = engine.q[row] if sampling and drafting else None
             if tree:
-                a, emitted, scores, raw, second = verify_two_branches(rules[row], tokens[row],
-                                                                      (drafts[row], retrieved[row]), engine.logits[row], q,
-                                                                      branches)
+                a, emitted, scores, raw, node = verify_tree(rules[row], tokens[row], nodes[0][row], nodes[1][row],
+                                                            engine.logits[row], q, gamma)
+                kept.append(node)
+                kind = nodes[4][row][node]
             else:
                 room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
-                (a, emitted, scores, raw), second = verify_block(rules[row], tokens[row], drafts[row],
-                                                                 engine.logits[row], q, room), False
+                (a, emitted, scores, raw), kind = verify_block(rules[row], tokens[row], drafts[row],
+                                                               engine.logits[row], q, room), CHAIN
             outputs[row].add(scores, raw)
-            results.append((a, emitted, second))
-        engine.commit([e for _, e, _ in results], [a for a, _, _ in results],
-                      [k for _, _, k in results] if tree else None)
+            results.append((a, emitted, kind))
+        engine.commit([e for _, e, _ in results], [a for a, _, _ in results], kept if tree else None)
         return results
 
     def retire_finished() -> None:
@@ -171,7 +173,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             matched = found is not None and any(f and not d for f, d in zip(found, done))  # a live row's match
             if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
                 drafting = matched
-            tree = beside and matched  # the drafter's chain and the retrieved one, verified as two branches
+            tree = always_tree or (beside and matched)  # the round verifies a tree (the drafts, grafted retrieval)
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
@@ -199,25 +201,26 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             else:
                 engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step")
                 report = engine.report.tolist()  # the round's one sync
-                rounds = [(r[0], r[1 : r[0] + 2], tree and bool(r[-2])) for r in report]
+                rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
                 found = [r[-1] for r in report]
             timer.mark("verify", False)
             catch_up = None
             for row in range(rows):
                 if done[row]:
                     continue
-                a, emitted, second = rounds[row]
+                a, emitted, kind = rounds[row]
                 stats[row].rounds += 1
                 stats[row].drafted += gamma if drafting else 0
                 stats[row].accepted += a
-                stats[row].retrieved_rounds += second
+                stats[row].retrieved_rounds += kind == RETRIEVED
+                stats[row].sibling_rounds += kind == SIBLING
                 accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
-                # self-speculation holds every token), nor the tokens of a kept retrieved branch; feeding it again
+                # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
                 # to the other rows rewrites what they hold
                 if quant is not None or engine.drafter is None or done[row]:
                     continue
-                if second:
+                if kind != CHAIN:
                     catch_up = "catch_up_block"
                 elif a == gamma and catch_up is None:
                     catch_up = "catch_up"

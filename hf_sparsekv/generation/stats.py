@@ -39,6 +39,8 @@ class SpecStats:
     - ``accepted``: draft tokens the verifier accepted (``accepted <= drafted``).
     - ``retrieved_rounds``: rounds (retrieval beside a drafter) whose kept tokens followed the retrieved branch of
       the round's tree rather than the drafter's; ``drafted`` counts γ per round there too (one branch's length).
+    - ``sibling_rounds``: tree rounds (``draft_tree_size``) whose kept path ended on one of the drafter's
+      alternatives to its own draft.
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
@@ -57,6 +59,7 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     retrieved_rounds: int = 0
+    sibling_rounds: int = 0
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -107,7 +110,7 @@ class SpecStats:
     def of_rows(cls, rows: list["SpecStats"]) -> "SpecStats":
         """Totals over the rows of a batch (counters and seconds summed), keeping each row's stats in ``rows``."""
         total = cls(prompts=len(rows), rows=list(rows))
-        for name in ("rounds", "drafted", "accepted", "retrieved_rounds", "new_tokens", "prefill_seconds", "draft_seconds", "verify_seconds"):
+        for name in ("rounds", "drafted", "accepted", "retrieved_rounds", "sibling_rounds", "new_tokens", "prefill_seconds", "draft_seconds", "verify_seconds"):
             setattr(total, name, sum(getattr(r, name) for r in rows))
         return total
 
