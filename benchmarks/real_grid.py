@@ -20,6 +20,8 @@ Methods (γ = --gamma, greedy, batch 1):
     chunklookup-B   chunk-B with prompt lookup beside the drafter (a round takes the retrieved continuation where
                     the prompt or the output so far has a match, else the drafter's tokens), B in --budgets
     window4lookup-B window4-B with prompt lookup beside the drafter
+    <cell>-tN       a drafter cell above with ``draft_tree_size=N`` (trees: the drafter's chain and its most probable
+                    alternatives, N nodes a round; with lookup beside, retrieval grafted in), N in --tree-sizes
 """
 
 from __future__ import annotations
@@ -56,6 +58,9 @@ def add_grid_args(p) -> None:
     p.add_argument("--window-budget", type=int, default=1024)
     p.add_argument("--methods", nargs="+", default=[m for m in METHOD_ORDER if m not in OPT_IN],
                    choices=list(METHOD_ORDER), help=f"default: all but {', '.join(OPT_IN)}")
+    p.add_argument("--tree-sizes", type=int, nargs="+", default=[],
+                   help="also run each drafter cell with draft_tree_size=N (cells named <cell>-tN)")
+    p.add_argument("--only-trees", action="store_true", help="run only the -tN cells of --tree-sizes")
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
 
 
@@ -129,10 +134,18 @@ def _method_cells(args) -> list[str]:
             cells.append(f"{m}-{args.window_budget}")
         else:
             cells.append(m)
-    return cells
+    trees = [f"{c}-t{n}" for n in args.tree_sizes for c in cells if c.split("-")[0] not in ("int4", "lookup")]
+    return trees if args.only_trees else cells + trees
 
 
 def _spec_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
+    base, _, tree = cell.rpartition("-t")
+    if base and tree.isdigit():  # <cell>-tN: the cell's drafter drafting trees of N nodes
+        return dict(_chain_kwargs(base, verifier, drafter, gamma), draft_tree_size=int(tree))
+    return _chain_kwargs(cell, verifier, drafter, gamma)
+
+
+def _chain_kwargs(cell: str, verifier, drafter, gamma: int) -> dict:
     from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
 
     if cell == "full":

@@ -123,6 +123,13 @@ def test_grid_on_tiny_models_replays_the_prefill_and_matches_greedy(tmp_path, mo
     data = real_grid.run_grid(both, models=(verifier, drafter, Tok()))
     assert [c["method"] for c in data["cells"]][7:] == ["chunklookup-32", "window4lookup-48"]
     assert all(c["identical"] for c in data["cells"][7:]), data["cells"][7:]
+    # trees of the chunk drafter, alone and with retrieval grafted in
+    trees = real_models.parse_args(["grid", "--out", str(tmp_path), "--contexts", "200", "--docs", "1", "--new-tokens",
+                                    "12", "--methods", "chunk", "chunklookup", "--budgets", "32", "--tree-sizes", "9",
+                                    "--only-trees", "--min-doc-tokens", "0"])
+    data = real_grid.run_grid(trees, models=(verifier, drafter, Tok()))
+    assert [c["method"] for c in data["cells"]][9:] == ["chunk-32-t9", "chunklookup-32-t9"]
+    assert all(c["identical"] for c in data["cells"][9:]), data["cells"][9:]
 
 
 @pytest.mark.real
