@@ -1,103 +1,170 @@
-"""Two branches from one root (retrieval beside a drafter, :mod:`hf_sparsekv.generation.draft_tree`): the tree's
-constants, greedy acceptance on hand-made cases, and sampled acceptance against the exactly enumerated distribution
-of the first two emitted tokens (200,000 vectorized rounds; a rule that skips the residual for the retrieved draft
-fails the same test)."""
+"""Draft trees (:mod:`hf_sparsekv.generation.draft_tree`) and their acceptance (:func:`~hf_sparsekv.generation.
+acceptance.walk_tree`): each row's tree against a plain-Python reference of the layout, greedy acceptance against a
+brute-force walk, and sampled acceptance against the exactly enumerated distribution of the first two emitted tokens
+(200,000 vectorized rounds over a tree with the drafter's chain, its alternatives and a retrieved chain; a rule that
+tries an alternative with its probability under p instead of under the residual fails the same test)."""
 
 from __future__ import annotations
 
 import math
+import random
 
+import pytest
 import torch
 
-from hf_sparsekv.generation.acceptance import accept_or_resample_two_chains, accept_two_chains
-from hf_sparsekv.generation.draft_tree import TwoChains
+from hf_sparsekv.generation.acceptance import walk_tree
+from hf_sparsekv.generation.draft_tree import CHAIN, RETRIEVED, SIBLING, DraftTree, ancestor_bits_of, path_nodes
 from hf_sparsekv.generation.sampling import draw
 from hf_sparsekv.kernels.reference import ancestor_mask
 
 from .test_sampling import _consistent
 
 
-def test_two_chains_tree_constants():
-    tree = TwoChains.build(3, "cpu")
-    assert tree.depths.tolist() == [0, 1, 2, 3, 1, 2, 3]
-    assert tree.branches.tolist() == [[0, 1, 2, 3], [0, 4, 5, 6]]
-    mask = ancestor_mask(tree.bits)
-    assert mask[6].tolist() == [True, False, False, False, True, True, True]  # root and its own branch only
-    assert mask[2].tolist() == [True, True, True, False, False, False, False]
-    assert torch.equal(mask.sum(1), tree.depths + 1)
+def _reference_tree(layout: DraftTree, chain, chain_logq, candidates, candidate_logq, retrieved, matched):
+    """One row's nodes as lists ``(tokens, parents, depths, kinds)``, built literally from the layout's rules."""
+    gamma, k = layout.gamma, layout.siblings
+    tokens, parents, depths, kinds = [0] + chain, [0] + list(range(gamma)), list(range(gamma + 1)), [CHAIN] * (gamma + 1)
+    extra = layout.size - gamma
+    graft = layout.retrieved if (matched or not k) else 0
+    for j in range(graft):
+        tokens.append(retrieved[j])
+        parents.append(0 if j == 0 else gamma + j)
+        depths.append(j + 1)
+        kinds.append(RETRIEVED)
+    scored = []
+    for d in range(gamma):
+        for c in range(k):
+            scored.append((sum(chain_logq[:d]) + candidate_logq[d][c], d, c))
+    scored.sort(key=lambda s: -s[0])
+    for score, d, c in scored[: extra - graft]:
+        tokens.append(candidates[d][c])
+        parents.append(d)
+        depths.append(d + 1)
+        kinds.append(SIBLING)
+    return tokens, parents, depths, kinds
 
 
-def test_greedy_keeps_the_longer_branch_and_the_drafters_on_a_tie():
-    drafts = torch.tensor([
-        [[5, 6, 7], [5, 9, 9]],  # the drafter's branch accepts 3
-        [[5, 1, 1], [5, 6, 7]],  # the retrieved one accepts 3
-        [[5, 6, 1], [5, 6, 2]],  # both accept 2: the drafter's
-        [[1, 1, 1], [2, 2, 2]],  # neither
-    ])
-    verified = torch.tensor([
-        [[5, 6, 7, 8], [5, 6, 7, 8]],
-        [[5, 6, 0, 0], [5, 6, 7, 4]],
-        [[5, 6, 3, 0], [5, 6, 4, 0]],
-        [[5, 0, 0, 0], [5, 0, 0, 0]],
-    ])
-    accepted, tokens, second = accept_two_chains(verified, drafts)
-    assert accepted.tolist() == [3, 3, 2, 0]
-    assert second.tolist() == [False, True, False, False]
-    assert tokens.tolist() == [[5, 6, 7, 8], [5, 6, 7, 4], [5, 6, 3, 0], [5, 0, 0, 0]]
+@pytest.mark.parametrize("gamma,size,retrieval", [(3, 12, True), (3, 12, False), (5, 32, True), (1, 6, True),
+                                                  (4, 8, False), (4, 6, True), (2, None, True)])
+def test_each_rows_tree_is_the_layouts(gamma, size, retrieval):
+    """The chain, then the retrieved chain of a row with a match, then the most probable alternatives by path
+    probability; parents before children; the ancestor bits those of the parents; the path to any node."""
+    layout = DraftTree.plan(gamma, size, retrieval)
+    g = torch.Generator().manual_seed(gamma * 100 + (size or 0))
+    rows, k = 6, layout.siblings
+    chain = torch.randint(0, 50, (rows, gamma), generator=g)
+    chain_logq = -torch.rand(rows, gamma, generator=g)
+    candidates = torch.randint(0, 50, (rows, gamma, max(k, 1)), generator=g)[..., :k]
+    candidate_logq = -1 - torch.rand(rows, gamma, max(k, 1), generator=g)[..., :k] * 3  # distinct scores
+    retrieved = torch.randint(0, 50, (rows, layout.retrieved), generator=g)
+    matched = torch.tensor([True, False, True, False, True, True])
+    args = (chain, chain_logq, candidates, candidate_logq) if k else (chain, None, None, None)
+    tokens, parents, depths, bits, kinds = layout.build(*args, retrieved if retrieval else None,
+                                                        matched if retrieval else None)
+    assert tokens.shape == (rows, layout.size + 1)
+    for b in range(rows):
+        ref = _reference_tree(layout, chain[b].tolist(), chain_logq[b].tolist(), candidates[b].tolist(),
+                              candidate_logq[b].tolist(), retrieved[b].tolist(), bool(matched[b]) and retrieval)
+        assert tokens[b, 1:].tolist() == ref[0][1:], b
+        assert (parents[b].tolist(), depths[b].tolist(), kinds[b].tolist()) == ref[1:], b
+        mask = ancestor_mask(bits[b])
+        for i in range(layout.size + 1):  # bit j of node i: j on the path from the root to i
+            path, j = [i], i
+            while j != 0:
+                j = ref[1][j]
+                path.append(j)
+            assert mask[i].nonzero().flatten().tolist() == sorted(path)
+            on_path = path_nodes(bits[b : b + 1], depths[b : b + 1], torch.tensor([i]), gamma)[0].tolist()
+            assert on_path[: ref[2][i]] == sorted(path)[1:]
 
 
-def _setting(t: int, vocab: int, seed: int):
-    """A verifier whose next-token distribution depends on the last token only (``table [V+1, V]``, row V: the
-    root's), a drafter ``q`` that often disagrees, and a retrieved branch that is a fixed function of the trial."""
+def test_chain_only_layouts_are_none_and_retrieval_alone_is_two_chains():
+    assert DraftTree.plan(4, None, False) is None and DraftTree.plan(4, 4, True) is None
+    assert DraftTree.plan(4, None, True) == DraftTree(4, 8, 4, 0)
+    assert DraftTree.plan(4, 6, True) == DraftTree(4, 6, 2, 2)
+
+
+def _brute_force_walk(tokens, parents, targets):
+    node, accepted = 0, 0
+    while True:
+        children = [i for i in range(1, len(tokens)) if parents[i] == node and tokens[i] == targets[node]]
+        if not children:
+            return node, accepted, targets[node]
+        node, accepted = children[0], accepted + 1
+
+
+def test_greedy_walk_follows_the_verifiers_tokens():
+    """Random trees whose nodes often carry the verifier's token: the kept node, its depth and the token after it as
+    a walk that at each node takes the first child carrying the verifier's token."""
+    rnd = random.Random(0)
+    gamma, rows, length = 4, 300, 14
+    tokens, parents, targets = [], [], []
+    for _ in range(rows):
+        par = [0] + list(range(gamma)) + [rnd.randrange(0, i) if i > gamma + 2 else 0 for i in range(gamma + 1, length)]
+        par = [min(p, i - 1) if i else 0 for i, p in enumerate(par)]
+        depth = [0] * length
+        for i in range(1, length):
+            depth[i] = depth[par[i]] + 1
+        par = [p if depth[i] <= gamma else 0 for i, p in enumerate(par)]  # no node deeper than γ
+        targets.append([rnd.randrange(4) for _ in range(length)])
+        tokens.append([0] + [targets[-1][par[i]] if rnd.random() < 0.6 else rnd.randrange(4) for i in range(1, length)])
+        parents.append(par)
+    node, accepted, token = walk_tree(torch.tensor(tokens), torch.tensor(parents), gamma, targets=torch.tensor(targets))
+    expected = [_brute_force_walk(t, p, v) for t, p, v in zip(tokens, parents, targets)]
+    assert list(zip(node.tolist(), accepted.tolist(), token.tolist())) == expected
+    assert len({e[1] for e in expected}) >= 3  # paths of several lengths, on and off the chain
+    assert any(e[0] > gamma for e in expected) and any(0 < e[0] <= gamma for e in expected)
+
+
+def _tree_setting(t: int, vocab: int, seed: int):
+    """γ = 2: a verifier whose next-token distribution depends on the last token only (``table [V+1, V]``, row V: the
+    root's), a drafter ``q`` that often disagrees. Nodes: 0 root, 1-2 the drafter's chain (drawn from q), 3-4 a
+    retrieved chain (a fixed function of the trial, the unlikely token included), 5 the drafter's most probable
+    other token after the root, 6 after node 1."""
     g = torch.Generator().manual_seed(seed)
     table = torch.softmax(torch.randn(vocab + 1, vocab, generator=g, dtype=torch.float64) * 1.5, -1)
     table[:, -1] = 0.0  # a token the verifier never takes
     table /= table.sum(-1, keepdim=True)
     drafter = torch.softmax(torch.randn(vocab + 1, vocab, generator=g, dtype=torch.float64) * 2.5, -1)
-    k = 2
     root = torch.full((t,), vocab)
-    drafts_a = torch.empty(t, k, dtype=torch.long)
-    q = torch.empty(t, k, vocab, dtype=torch.float64)
-    last = root
-    for i in range(k):
-        q[:, i] = drafter[last]
-        drafts_a[:, i] = draw(q[:, i])
-        last = drafts_a[:, i]
-    drafts_b = torch.stack([torch.arange(t) % vocab, (torch.arange(t) // vocab) % vocab], 1)  # every pair, the
-    drafts = torch.stack([drafts_a, drafts_b], 1)  # unlikely token included, equal to the drafter's at times
-    p = torch.empty(t, 2, k + 1, vocab, dtype=torch.float64)
-    for branch in range(2):
-        p[:, branch, 0] = table[root]
-        for i in range(k):
-            p[:, branch, i + 1] = table[drafts[:, branch, i]]
-    return table, p, q, drafts
+    q = torch.empty(t, 2, vocab, dtype=torch.float64)
+    q[:, 0] = drafter[root]
+    x1 = draw(q[:, 0])
+    q[:, 1] = drafter[x1]
+    x2 = draw(q[:, 1])
+    other = lambda dist, x: dist.scatter(1, x[:, None], -1.0).argmax(1)  # noqa: E731
+    s1, s2 = other(q[:, 0], x1), other(q[:, 1], x2)
+    r1, r2 = torch.arange(t) % vocab, (torch.arange(t) // vocab) % vocab
+    tokens = torch.stack([root, x1, x2, r1, r2, s1, s2], 1)
+    parents = torch.tensor([0, 0, 1, 0, 3, 0, 1]).expand(t, -1)
+    last = tokens.clone()
+    p = table[last]  # [T, 7, V]: after each node, the verifier's distribution given its last token
+    return table, p, q, tokens, parents
 
 
-def _first_two(accepted, token, second, drafts, table):
-    """The first two tokens emitted (a round that ended at its root: the second drawn by the next round)."""
-    path = torch.where(second[:, None], drafts[:, 1], drafts[:, 0])
-    first = torch.where(accepted > 0, path[:, 0], token)
-    after = torch.where(accepted > 1, path[:, 1], token)
-    return first, torch.where(accepted > 0, after, draw(table[first]))
-
-
-def test_sampling_over_two_branches_emits_the_verifier_distribution():
+def test_sampling_over_a_tree_emits_the_verifier_distribution():
     torch.manual_seed(0)
     t, vocab = 200_000, 5
-    table, p, q, drafts = _setting(t, vocab, seed=1)
-    accepted, token, second = accept_or_resample_two_chains(p, q, drafts)
-    assert 0 < float(second.double().mean()) < 0.5 and 0 < float((accepted == 0).double().mean()) < 1
-    assert bool((second & (accepted == 0)).logical_not().all())  # a path on the second branch holds a draft
-    first, after = _first_two(accepted, token, second, drafts, table)
+    table, p, q, tokens, parents = _tree_setting(t, vocab, seed=1)
+    node, accepted, token = walk_tree(tokens, parents, 2, p=p, q=q)
+    kinds = torch.tensor([CHAIN, CHAIN, CHAIN, RETRIEVED, RETRIEVED, SIBLING, SIBLING])[node]
+    for kind in (CHAIN, RETRIEVED, SIBLING):  # every kind of path is taken
+        assert 0.01 < float(((kinds == kind) & (accepted > 0)).double().mean()) < 0.9
+    depths = torch.tensor([0, 1, 2, 1, 2, 1, 2]).expand(t, -1)
+    path = tokens.gather(1, path_nodes(ancestor_bits_of(parents, 2), depths, node, 2))
+    first = torch.where(accepted > 0, path[:, 0], token)
+    after = torch.where(accepted > 1, path[:, 1], torch.where(accepted == 1, token, draw(table[first])))
     joint = (table[vocab][:, None] * table[:vocab]).flatten()
     assert _consistent(first * vocab + after, joint)
     assert float(0.5 * (torch.bincount(first * vocab + after, minlength=vocab * vocab) / t - joint).abs().sum()) < 0.01
-    # A plausible bug, the retrieved draft accepted with its probability under p instead of under the residual
-    # left by the drafter's rejected draft, emits the wrong first token: the same test rejects it.
-    x, y, root = drafts[:, 0, 0], drafts[:, 1, 0], p[:, 0, 0]
+    # A plausible bug: after the drafter's draft is rejected, the other children tried one by one with their
+    # probability under p instead of under the residual. The same test rejects its first token.
+    x, root, y3, y5 = tokens[:, 1], p[:, 0], tokens[:, 3], tokens[:, 5]
+    under_p = lambda y: torch.rand(t, dtype=torch.float64) < root.gather(1, y[:, None])[:, 0]  # noqa: E731
     take_x = torch.rand(t, dtype=torch.float64) * q[:, 0].gather(1, x[:, None])[:, 0] < root.gather(1, x[:, None])[:, 0]
-    take_y = ~take_x & (y != x) & (torch.rand(t, dtype=torch.float64) < root.gather(1, y[:, None])[:, 0])
-    rest = (root - q[:, 0]).clamp_min(0).scatter(1, y[:, None], 0.0)
-    wrong_first = torch.where(take_x, x, torch.where(take_y, y, draw(rest)))
-    assert not _consistent(wrong_first, table[vocab])
+    take3 = under_p(y3)
+    take5 = ~take3 & under_p(y5)
+    rest = (root - q[:, 0]).clamp_min(0).scatter(1, y3[:, None], 0.0).scatter(1, y5[:, None], 0.0) + 1e-12
+    wrong = torch.where(take_x, x, torch.where(take3, y3, torch.where(take5, y5, draw(rest))))
+    assert not _consistent(wrong, table[vocab])
     assert math.isclose(float(table[vocab].sum()), 1.0)
