@@ -14,6 +14,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
   NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
+  NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
 
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
@@ -104,6 +105,9 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
             return out.sequences, out.spec_stats
         return lookup
     extra = {}
+    base, _, size = name.rpartition("-t")
+    if base and size.isdigit():  # NAME-tN: trees of N draft nodes
+        name, extra["draft_tree_size"] = base, int(size)
     if name.endswith("-lookup"):  # retrieval beside the drafter: a round with a match verifies the retrieved chain
         name = name.removesuffix("-lookup")
         extra["prompt_lookup_num_tokens"] = int(name.split("-")[-1][1:])

@@ -10,7 +10,8 @@ weights: only costs are measured here, never acceptance). Per (pair, context L, 
   captured AR);
 * step costs of the static engine (captured CUDA graphs, compiled as ``generate()`` does unless ``--compile 0``): ``ar``
   (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``verify-tree`` (the tree of a drafter's chain and a retrieved
-  one, 2γ+1 tokens, as retrieval beside a drafter verifies it), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
+  one, 2γ+1 tokens, as retrieval beside a drafter verifies it), ``verify-tree-N`` (a ``draft_tree_size=N`` tree, N + 1
+  tokens), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
   drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store),
   ``int4-w4-draft`` (its draft step on 4-bit draft weights, ``draft_weights="int4"``);
 * the floor of each: the bytes the step must read once (weights, plus the keys/values it attends to: the full
@@ -47,6 +48,7 @@ from real_cost import build, measured_acceptance, time_graph_step
 
 PAIRS = {"llama-3.1-8b+3.2-1b": ("llama-3.1-8b", "llama-3.2-1b"), "qwen2.5-7b+0.5b": ("qwen2.5-7b", "qwen2.5-0.5b")}
 E2E = ("hf-eager-ar", "hf-static-ar", "graph-ar")
+TREE_SIZES = (16, 32)  # verify-tree-N: a draft_tree_size=N verification (N + 1 tokens)
 ACCEPTANCE = Path(__file__).parent / "results" / "real-cpu-fp32" / "results.json"
 
 
@@ -123,6 +125,7 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
     plan = [("ar", "ar", None, None, 1, ["ar_step"]), ("verify-4", "full", None, drafter, 3, ["verify"]),
             ("verify-6", "full", None, drafter, g, ["draft", "verify"]),
             ("verify-tree", "full", None, drafter, g, ["verify_tree"])]
+    plan += [(f"verify-tree-{n}", "full", None, drafter, g, ["verify_tree"]) for n in TREE_SIZES]
     plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
     plan += [(f"window-{args.window}", "window", args.window, drafter, g, ["draft"]),
              ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"]),
@@ -136,7 +139,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
             engine = static_engine.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
                                               batch=prompts[longest].shape[0],
                                               draft_weights="int4" if label == "int4-w4" else "full",
-                                              retrieval=2 if label == "verify-tree" else 0)
+                                              retrieval=2 if label == "verify-tree" else 0,
+                                              tree_size=int(label[12:]) if label.startswith("verify-tree-") else None)
             for L in sorted(prompts, reverse=True):
                 ids = prompts[L]
                 torch.cuda.reset_peak_memory_stats()
@@ -164,7 +168,8 @@ def floors(verifier, drafter, L: int, batch: int, args, bandwidth: float) -> dic
     """Seconds each step must take at least: bytes read once / measured copy rate (bytes read + written)."""
     wv, wd = weight_bytes(verifier), weight_bytes(drafter)
     full = wv + batch * kv_bytes(verifier, L)
-    f = {"ar": full, "verify-4": full, "verify-6": full, "verify-tree": full, "draft-full": wd + batch * kv_bytes(drafter, L),
+    f = {"ar": full, "verify-4": full, "verify-6": full, "verify-tree": full,
+         **{f"verify-tree-{n}": full for n in TREE_SIZES}, "draft-full": wd + batch * kv_bytes(drafter, L),
          "int4-draft": wv + batch * kv_bytes(verifier, L, 4), "int4-verify": wv + batch * kv_bytes(verifier, L, 8),
          # 4 bits a weight plus a bfloat16 scale and zero per 128 (the embedding row and norms stay: ~wv / 4)
          "int4-w4-draft": wv * (4 + 32 / 128) / 16 + batch * kv_bytes(verifier, L, 4)}
@@ -370,7 +375,8 @@ def main(argv=None) -> int:
         os.environ["HF_SPARSEKV_COMPILE"] = args.compile
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = list(E2E) + ["ar", "verify-4", "verify-6", "verify-tree", "draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
+    names = list(E2E) + ["ar", "verify-4", "verify-6", "verify-tree"] + [f"verify-tree-{n}" for n in TREE_SIZES]
+    names += ["draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
     names += [f"draft-window-{args.window}", "int4-draft", "int4-verify", "int4-w4-draft"]
     only = set(args.only or names)
     bandwidth = copy_rate()

@@ -307,6 +307,36 @@ def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
         assert torch.equal(out[b, ids.shape[1] :], verifier.generate(p, **kwargs)[0, p.shape[1] :]), b
 
 
+@pytest.mark.compiled
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+def test_draft_trees_on_the_captured_engine_float32(mode):
+    """``draft_tree_size`` on the compiled, captured engine: trees of 32 nodes (the drafter's alternatives, retrieval
+    grafted in, one tree per batch row in the decode kernel), the catch-up block after a path off the chain: greedy
+    AR's tokens, sampled with top_k=1 too, and a left-padded batch."""
+    from .test_trees import _near_drafter
+
+    verifier = _on_cuda("qwen2")
+    drafter = copy.deepcopy(_near_drafter("qwen2")).to("cuda", torch.float32)
+    base = prompt(40, 3)
+    prompts = [torch.cat([base, base[:, 4:], base[:, :9]], 1).cuda(), prompt(300, 4).cuda()]
+    spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=None if mode == "full" else 64,
+                prompt_lookup_num_tokens=5, draft_tree_size=32)
+    kwargs = dict(max_new_tokens=40, do_sample=False, **NO_EOS)
+    for p in prompts:
+        out = verifier.generate(p, **spec, **kwargs, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, verifier.generate(p, **kwargs))
+        assert out.spec_stats.sibling_rounds > 0
+    engine = static_engine.current_engine(verifier)
+    assert engine.use_graphs and {"draft", "verify_tree", "catch_up_block"} <= set(engine.steps)
+    assert all(step.graph is not None for step in engine.steps.values())
+    sampled = verifier.generate(prompts[0], **spec, max_new_tokens=40, do_sample=True, top_k=1, **NO_EOS)
+    assert torch.equal(sampled, verifier.generate(prompts[0], **kwargs))
+    ids, mask = left_padded(prompts)
+    out = verifier.generate(ids, attention_mask=mask, **spec, **kwargs)
+    for b, p in enumerate(prompts):
+        assert torch.equal(out[b, ids.shape[1] :], verifier.generate(p, **kwargs)[0, p.shape[1] :]), b
+
+
 @pytest.mark.parametrize("mode", ["chunk", "window"])
 def test_sampled_batch_rows_together_on_the_captured_engine_float32(mode):
     """A sampled batch decodes its rows together on the captured engine (the warpers baked into the batch's steps):
