@@ -328,6 +328,7 @@ def test_draft_trees_on_the_captured_engine_float32(mode):
         assert out.spec_stats.sibling_rounds > 0
     engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and {"draft", "verify_tree", "catch_up_block"} <= set(engine.steps)
+    assert engine.compiled == engine.spec.compiled  # no step fell back to capturing uncompiled
     assert all(step.graph is not None for step in engine.steps.values())
     sampled = verifier.generate(prompts[0], **spec, max_new_tokens=40, do_sample=True, top_k=1, **NO_EOS)
     assert torch.equal(sampled, verifier.generate(prompts[0], **kwargs))

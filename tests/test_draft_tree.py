@@ -59,8 +59,8 @@ def test_each_rows_tree_is_the_layouts(gamma, size, retrieval):
     retrieved = torch.randint(0, 50, (rows, layout.retrieved), generator=g)
     matched = torch.tensor([True, False, True, False, True, True])
     args = (chain, chain_logq, candidates, candidate_logq) if k else (chain, None, None, None)
-    tokens, parents, depths, bits, kinds = layout.build(*args, retrieved if retrieval else None,
-                                                        matched if retrieval else None)
+    tokens, parents, depths, bits, kinds = layout.build(layout.constants("cpu"), *args,
+                                                        retrieved if retrieval else None, matched if retrieval else None)
     assert tokens.shape == (rows, layout.size + 1)
     for b in range(rows):
         ref = _reference_tree(layout, chain[b].tolist(), chain_logq[b].tolist(), candidates[b].tolist(),

@@ -348,7 +348,8 @@ class StaticFullCache(PreallocatedCache):
             r, src, dst = (t.to(layer.keys.device) for t in (rows, source, target))
             layer.keys[r, :, dst] = layer.keys[r, :, src]
             layer.values[r, :, dst] = layer.values[r, :, src]
-        self.slot_positions[rows, stale] = -1
+        # the value a device tensor: a Python -1 is a CPU tensor, whose copy a CUDA graph cannot capture
+        self.slot_positions[rows, stale] = self.slot_positions.new_full((), -1)
 
     def slots_of(self, positions):
         return positions

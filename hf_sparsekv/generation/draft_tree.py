@@ -51,68 +51,69 @@ class DraftTree:
             return None
         return cls(gamma, size, min(gamma, extra) if retrieval else 0, extra)
 
-    def build(self, chain: torch.Tensor, chain_logq: torch.Tensor | None, candidates: torch.Tensor | None,
-              candidate_logq: torch.Tensor | None, retrieved: torch.Tensor | None, matched: torch.Tensor | None):
+    def constants(self, device) -> dict[str, torch.Tensor]:
+        """The layout's fixed parts as tensors on ``device``, made once (a captured step reads them as inputs rather
+        than computing index arithmetic in the graph): the root's and the chain's parents and depths ``[γ+1]``, and
+        for the extra nodes ``[E]`` the retrieved chain's index, parent and depth at each and each one's slot; each node's own ancestor bit."""
+        gamma, extra, r = self.gamma, self.size - self.gamma, max(self.retrieved, 1)
+        j = [min(e, r - 1) for e in range(extra)]
+        values = dict(chain_parents=[0] + list(range(gamma)), chain_depths=list(range(gamma + 1)), slot=list(range(extra)),
+                      ret_index=j, ret_parents=[0 if x == 0 else gamma + x for x in j], ret_depths=[x + 1 for x in j],
+                      depth_of=list(range(1, gamma + 1)), own=[1 << i for i in range(self.size + 1)])
+        return {name: torch.tensor(v, dtype=torch.long, device=device) for name, v in values.items()}
+
+    def build(self, const: dict, chain: torch.Tensor, chain_logq: torch.Tensor | None,
+              candidates: torch.Tensor | None, candidate_logq: torch.Tensor | None, retrieved: torch.Tensor | None,
+              matched: torch.Tensor | None):
         """Each row's tree, on the device (capturable: shapes fixed by the layout).
 
-        ``chain [B, γ]`` the drafter's drafts; ``chain_logq [B, γ]`` their log-probabilities under the drafter;
-        ``candidates [B, γ, K]`` the drafter's next most probable tokens at each depth (its draft excluded) and
-        ``candidate_logq [B, γ, K]`` theirs; ``retrieved [B, R]`` each row's retrieved continuation and ``matched
-        [B]`` whether it has one. Returns ``(tokens [B, N+1], parents [B, N+1], depths [B, N+1], bits [B, N+1],
-        kinds [B, N+1])``: the node tokens (the root's is 0; the verify block takes ``seq[n-1]``), each node's parent
-        (the root its own), depth, ancestor bits as the decode kernel reads them, and kind (``CHAIN`` for the root
-        and the chain, ``RETRIEVED``, ``SIBLING``)."""
+        ``const``: :meth:`constants`; ``chain [B, γ]`` the drafter's drafts; ``chain_logq [B, γ]`` their
+        log-probabilities under the drafter; ``candidates [B, γ, K]`` the drafter's next most probable tokens at each
+        depth (its draft excluded) and ``candidate_logq [B, γ, K]`` theirs; ``retrieved [B, R]`` each row's retrieved
+        continuation and ``matched [B]`` whether it has one. Returns ``(tokens [B, N+1], parents [B, N+1], depths
+        [B, N+1], bits [B, N+1], kinds [B, N+1])``: the node tokens (the root's is 0; the verify block takes
+        ``seq[n-1]``), each node's parent (the root its own), depth, ancestor bits as the decode kernel reads them,
+        and kind (``CHAIN`` for the root and the chain, ``RETRIEVED``, ``SIBLING``)."""
         gamma, size, r, k = self.gamma, self.size, self.retrieved, self.siblings
-        rows, device = chain.shape[0], chain.device
+        rows = chain.shape[0]
         extra = size - gamma
-        depth_of = torch.arange(1, gamma + 1, device=device)
-        tokens = [torch.zeros(rows, 1, dtype=torch.long, device=device), chain]
-        parents = [(torch.arange(gamma + 1, device=device) - 1).clamp_min(0).expand(rows, -1)]  # root, chain
-        depths = [torch.arange(gamma + 1, device=device).expand(rows, -1)]
-        slot = torch.arange(extra, device=device).expand(rows, -1)  # the extra nodes, 0..E-1
-        kinds = torch.full((rows, size + 1), CHAIN, dtype=torch.long, device=device)
-        if k:
-            # every candidate's path probability: the chain to its parent, then itself
+        slot = const["slot"].expand(rows, -1)  # the extra nodes, 0..E-1
+        if r:  # the retrieved chain in the first R extra nodes of a row with a match (of every row without siblings)
+            in_chain = slot < (matched.long()[:, None] * r if k else r)
+            ret_tokens = retrieved.gather(1, const["ret_index"].expand(rows, -1))
+        if k:  # the most probable alternatives by the drafter's probability of the path to each
             before = torch.cat([chain_logq.new_zeros(rows, 1), chain_logq.cumsum(1)[:, :-1]], 1)  # [B, γ]
-            score = (before[:, :, None] + candidate_logq).flatten(1)  # [B, γK]
-            best = score.topk(extra, dim=1).indices  # [B, E], the most probable first
+            best = (before[:, :, None] + candidate_logq).flatten(1).topk(extra, dim=1).indices  # [B, E], best first
+            rank = (slot - in_chain.long().sum(1, keepdim=True)).clamp_min(0) if r else slot
+            best = best.gather(1, rank)
             sib_tokens = candidates.flatten(1).gather(1, best)
-            sib_depths = depth_of[best // k]
-        if r:
-            offset = matched.long() * r if k else torch.full((rows,), r, device=device, dtype=torch.long)
-            in_chain = slot < offset[:, None]  # [B, E]: a retrieved node
-            j = slot.clamp_max(r - 1)
-            ret_tokens = retrieved.gather(1, j)
-            ret_parents = torch.where(j == 0, 0, gamma + j)  # the root, then the previous retrieved node
-            ret_depths = j + 1
-        if k:
-            rank = (slot - (offset[:, None] if r else 0)).clamp_min(0)
-            sib_tokens = sib_tokens.gather(1, rank)
-            sib_depths = sib_depths.gather(1, rank)
-            sib_parents = sib_depths - 1  # chain node d-1 (the root at depth 1)
+            sib_depths = const["depth_of"][best // k]
             if r:
                 ex_tokens = torch.where(in_chain, ret_tokens, sib_tokens)
-                ex_parents = torch.where(in_chain, ret_parents, sib_parents)
-                ex_depths = torch.where(in_chain, ret_depths, sib_depths)
-                ex_kinds = torch.where(in_chain, RETRIEVED, SIBLING)
+                ex_parents = torch.where(in_chain, const["ret_parents"], sib_depths - 1)  # a chain node (the root)
+                ex_depths = torch.where(in_chain, const["ret_depths"], sib_depths)
+                ex_kinds = in_chain.long() * (RETRIEVED - SIBLING) + SIBLING
             else:
-                ex_tokens, ex_parents, ex_depths = sib_tokens, sib_parents, sib_depths
+                ex_tokens, ex_parents, ex_depths = sib_tokens, sib_depths - 1, sib_depths
                 ex_kinds = torch.full_like(slot, SIBLING)
         else:
-            ex_tokens, ex_parents, ex_depths = ret_tokens, ret_parents, ret_depths
+            ex_tokens = ret_tokens
+            ex_parents, ex_depths = const["ret_parents"].expand(rows, -1), const["ret_depths"].expand(rows, -1)
             ex_kinds = torch.full_like(slot, RETRIEVED)
-        tokens = torch.cat(tokens + [ex_tokens], 1)
-        parents = torch.cat(parents + [ex_parents], 1)
-        depths = torch.cat(depths + [ex_depths], 1)
-        kinds = torch.cat([kinds[:, : gamma + 1], ex_kinds], 1)
-        return tokens, parents, depths, ancestor_bits_of(parents, gamma), kinds
+        tokens = torch.cat([chain.new_zeros(rows, 1), chain, ex_tokens], 1)
+        parents = torch.cat([const["chain_parents"].expand(rows, -1), ex_parents], 1)
+        depths = torch.cat([const["chain_depths"].expand(rows, -1), ex_depths], 1)
+        kinds = torch.cat([torch.full_like(const["chain_depths"], CHAIN).expand(rows, -1), ex_kinds], 1)
+        return tokens, parents, depths, ancestor_bits_of(parents, gamma, const["own"]), kinds
 
 
-def ancestor_bits_of(parents: torch.Tensor, depth: int) -> torch.Tensor:
+def ancestor_bits_of(parents: torch.Tensor, depth: int, own: torch.Tensor | None = None) -> torch.Tensor:
     """Ancestor bits ``[B, L]`` (int64, bit j of node i set iff j is i or one of its ancestors) of trees given by
-    ``parents [B, L]`` (the root its own parent, every parent before its child) no deeper than ``depth``."""
-    own = torch.ones((), dtype=torch.long, device=parents.device) << torch.arange(parents.shape[1],
-                                                                                   device=parents.device)
+    ``parents [B, L]`` (the root its own parent, every parent before its child) no deeper than ``depth``; ``own``:
+    each node's own bit ``[L]`` (made here if not given)."""
+    if own is None:
+        own = torch.ones((), dtype=torch.long, device=parents.device) << torch.arange(parents.shape[1],
+                                                                                       device=parents.device)
     bits = own.expand_as(parents)
     for _ in range(depth):
         bits = own | bits.gather(1, parents)

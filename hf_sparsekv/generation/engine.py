@@ -184,6 +184,7 @@ class StaticEngine:
             self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
             # the last tree verified: node tokens, parents, depths, ancestor bits, kinds [B, N+1] (see draft_tree)
             self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
+            self.tree_constants = self.tree.constants(device)
         if spec.retrieval:
             self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # grafted into the tree
         if self.tree is not None and self.tree.siblings:  # the drafter's alternatives at each depth
@@ -340,40 +341,42 @@ class StaticEngine:
         positions = (self.n - 1)[:, None] + self.block_offsets
         return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
 
-    def _tree_forward(self) -> torch.Tensor:
+    def _tree_forward(self) -> tuple[torch.Tensor, tuple]:
         """The verifier on the round's tree (:mod:`.draft_tree`, built here from the drafts, the drafter's
-        alternatives and the retrieved continuations; kept in :attr:`nodes`): its logits ``[B, N+1, V]``."""
-        tree, gamma = self.tree, self.spec.gamma
+        alternatives and the retrieved continuations, and kept in :attr:`nodes` for the host): its logits ``[B, N+1,
+        V]`` and the tree ``(tokens, parents, depths, bits, kinds)``."""
+        tree = self.tree
         siblings = tree.siblings > 0
-        built = tree.build(self.drafts, self.chain_logq if siblings else None, self.candidates if siblings else None,
-                           self.candidate_logq if siblings else None,
+        built = tree.build(self.tree_constants, self.drafts, self.chain_logq if siblings else None,
+                           self.candidates if siblings else None, self.candidate_logq if siblings else None,
                            self.retrieved[:, : tree.retrieved] if tree.retrieved else None,
                            self.report[:, -1] > 0 if tree.retrieved else None)
         for buffer, value in zip(self.nodes, built):
             buffer.copy_(value)
-        tokens, _, depths, bits, _ = self.nodes
+        tokens, _, depths, bits, _ = built
         block = torch.cat([self.last(1), tokens[:, 1:]], 1)
-        return static_forward(self.verifier, block, (self.n - 1)[:, None] + depths, self.verifier_cache, 0,
-                              self.verifier_keyword, tree=bits)
+        logits = static_forward(self.verifier, block, (self.n - 1)[:, None] + depths, self.verifier_cache, 0,
+                                self.verifier_keyword, tree=bits)
+        return logits, built
 
-    def _keep(self, node: torch.Tensor) -> torch.Tensor:
-        """After a tree forward: each row keeps the path to its ``node [B]``, whose keys/values move to the slots of
-        their positions (where the chain's sit), and no row's cache shows the other extra nodes' slots. Returns the
-        path's nodes ``[B, γ]`` (past the node's depth: the chain's, which stay in place)."""
+    def _keep(self, node: torch.Tensor, built: tuple) -> torch.Tensor:
+        """After a tree forward: each row keeps the path to its ``node [B]`` of the tree ``built``, whose keys/values
+        move to the slots of their positions (where the chain's sit), and no row's cache shows the other extra
+        nodes' slots. Returns the path's nodes ``[B, γ]`` (past the node's depth: the chain's, which stay)."""
         gamma = self.spec.gamma
-        _, _, depths, bits, kinds = self.nodes
+        _, _, depths, bits, kinds = built
         path = path_nodes(bits, depths, node, gamma)
-        depth = self.block_offsets[1 : gamma + 1]
+        depth = self.tree_constants["depth_of"]
         path = torch.where(depth <= depths.gather(1, node[:, None]), path, depth)
         root = (self.n - 1)[:, None]
-        extra = torch.arange(gamma + 1, self.tree.size + 1, device=node.device)
+        extra = self.tree_constants["slot"] + (gamma + 1)
         self.verifier_cache.keep_path(root + path, root + depth, root + extra)
         self.report[:, -2].copy_(kinds.gather(1, node[:, None])[:, 0])
         return path
 
     def _verify_tree(self) -> None:
-        logits = self._tree_forward()
-        tokens, parents, depths, _, _ = self.nodes
+        logits, built = self._tree_forward()
+        tokens, parents, depths, _, _ = built
         seen = self._tree_seen(tokens, parents)
         gamma = self.spec.gamma
         if self.warpers is None:
@@ -382,14 +385,14 @@ class StaticEngine:
         else:
             p = self.probabilities(logits, self.n, seen, depths)
             node, accepted, token = walk_tree(tokens, parents, gamma, p=p, q=self.q)
-        path = tokens.gather(1, self._keep(node))
+        path = tokens.gather(1, self._keep(node, built))
         emitted = torch.where(self.block_offsets < accepted[:, None], torch.cat([path, token[:, None]], 1),
                               token[:, None])
         self._advance(emitted, accepted)
 
     def _tree_logits(self) -> None:
         """Host-side rules: the tree forward alone, its raw logits left in :attr:`logits`."""
-        self.logits.copy_(self._tree_forward().float())
+        self.logits.copy_(self._tree_forward()[0].float())
 
     def _ar_forward(self) -> torch.Tensor:
         """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
@@ -436,7 +439,7 @@ class StaticEngine:
         block = [e + [e[0]] * (width - len(e)) if e else [0] * width for e in emitted]
         device = self.seq.device
         if nodes is not None:
-            self._keep(torch.tensor(nodes, device=device))
+            self._keep(torch.tensor(nodes, device=device), tuple(self.nodes))
         self._advance(torch.tensor(block, device=device), torch.tensor(accepted, device=device))
 
     def _ar_step(self) -> None:
