@@ -1,6 +1,6 @@
 """``draft_tree_size`` on the engine (:mod:`hf_sparsekv.generation.draft_tree`): token-identical to plain greedy
 ``generate()`` on Llama, Qwen2 and Mistral, every drafter cache, γ 1-8, trees of γ+1 to 62 nodes, with retrieval
-grafted in, batch rows of different lengths; both caches after sibling rounds equal a plain forward's; sampling
+grafted in, self-drafting, batch rows of different lengths; both caches after sibling rounds equal a plain forward's; sampling
 against the exactly enumerated joint distribution; host-side rules with stock's scores; what is refused."""
 
 from __future__ import annotations
@@ -62,6 +62,17 @@ def test_trees_are_greedy(arch, mode, gamma, size, monkeypatch):
     engine = static_engine.current_engine(verifier)
     assert engine.spec.tree_size == size and engine.tree.siblings == size - gamma
     assert siblings > 0 and "verify" not in steps and "catch_up_block" in steps
+
+
+@pytest.mark.parametrize("mode", ["chunk", "window"])
+def test_self_drafting_trees_are_greedy(mode):
+    """The verifier drafting on its own budget cache (one prefill fills both), trees of 16 nodes: greedy's tokens."""
+    verifier = tiny_model("qwen2")
+    ids = _repetitive_prompt(5)
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache=mode, kv_budget=24, num_assistant_tokens=4,
+                            draft_tree_size=16, max_new_tokens=40, return_dict_in_generate=True, **GREEDY)
+    assert torch.equal(out.sequences, verifier.generate(ids, max_new_tokens=40, **GREEDY))
+    assert out.spec_stats.sibling_rounds > 0 and static_engine.current_engine(verifier).drafter is verifier
 
 
 def test_trees_in_a_batch_of_different_lengths():
