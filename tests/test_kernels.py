@@ -219,6 +219,20 @@ def _two_chains(gamma: int) -> torch.Tensor:
     return mask
 
 
+def _tree_batch(hq, hkv, length, lengths, dtype, seed, bits):
+    """A batch of rows of ``lengths`` tokens (the last ``length`` the tree block's queries) through the kernel with
+    the tree ``bits``: ``(q, k, v, lengths, tolerance, reference)``, the kernel's output checked against the
+    reference."""
+    rows = [_qkv(hq, hkv, length, 64, 320, dtype, seed=seed + b) for b in range(len(lengths))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
+    tol = 1e-5 if dtype == torch.float32 else TOL
+    out = chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits)
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits)
+    assert _rel(out, ref) < tol
+    return q, k, v, n, tol, ref
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("hq,hkv,gamma", [(4, 2, 1), (8, 2, 3), (4, 4, 7)])
 def test_tree_blocks_see_only_their_ancestors(dtype, hq, hkv, gamma):
@@ -229,14 +243,7 @@ def test_tree_blocks_see_only_their_ancestors(dtype, hq, hkv, gamma):
     length = mask.shape[0]
     bits = ancestor_bits(mask).to(DEVICE)
     assert torch.equal(ancestor_mask(bits).cpu(), mask)
-    lengths = [length, 300, 77, 131]
-    rows = [_qkv(hq, hkv, length, 64, 320, dtype, seed=40 + b) for b in range(len(lengths))]
-    q, k, v = (torch.cat(parts) for parts in zip(*rows))
-    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
-    tol = 1e-5 if dtype == torch.float32 else TOL
-    out = chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits)
-    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits)
-    assert _rel(out, ref) < tol
+    q, k, v, n, tol, ref = _tree_batch(hq, hkv, length, [length, 300, 77, 131], dtype, 40, bits)
     chain = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
     assert _rel(chain, ref) > 10 * tol  # the mask matters
     one = chunk_decode_attention(q[1:2], k[1:2, :, :131], v[1:2, :, :131], 0.125, tree=bits)
@@ -262,13 +269,7 @@ def test_tree_blocks_of_one_tree_per_row(dtype, hq, hkv, length):
     lengths = [300, length, 77, 131]  # row 1 holds only its block
     bits = torch.stack([ancestor_bits(_random_tree(length, seed=b)) for b in range(len(lengths))]).to(DEVICE)
     assert not torch.equal(bits[0], bits[1])
-    rows = [_qkv(hq, hkv, length, 64, 320, dtype, seed=60 + b) for b in range(len(lengths))]
-    q, k, v = (torch.cat(parts) for parts in zip(*rows))
-    n = torch.tensor(lengths, dtype=torch.int32, device=k.device)
-    tol = 1e-5 if dtype == torch.float32 else TOL
-    out = chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits)
-    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits)
-    assert _rel(out, ref) < tol
+    q, k, v, n, tol, ref = _tree_batch(hq, hkv, length, lengths, dtype, 60, bits)
     shared = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits[0])
     assert _rel(shared[1], ref[1]) > 10 * tol  # the rows' own trees are read
     with pytest.raises(ValueError, match="one ancestor mask per query"):

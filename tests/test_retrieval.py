@@ -194,6 +194,31 @@ def _recording_steps(monkeypatch, record=None):
     return steps
 
 
+def _cache_check(plain, plain_verifier, checked: list):
+    """A step recorder: before each draft step, both full caches (drafter's and verifier's) of row 0 hold for the
+    positions before ``n - 1`` exactly what a plain forward of ``plain`` / ``plain_verifier`` over ``seq[:n-1]``
+    holds (float64), and no later slot is visible; ``checked`` gets whether the drafts are ``plain``'s greedy
+    continuation of ``seq[:n]``."""
+
+    def record(engine, name):
+        if name != "draft":
+            return
+        n = int(engine.n[0])
+        for model, cache in ((plain, engine.drafter_cache), (plain_verifier, engine.verifier_cache)):
+            with torch.no_grad():
+                held = model(engine.seq[:1, : n - 1], use_cache=True).past_key_values
+            for i, layer in enumerate(cache.layers):
+                for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
+                    assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
+            assert bool((cache.slot_positions[0, : n - 1] == torch.arange(n - 1)).all())
+            assert bool((cache.slot_positions[0, n - 1 :] >= n - 1).logical_or(
+                cache.slot_positions[0, n - 1 :] == -1).all())
+        expected = plain.generate(engine.seq[:1, :n], max_new_tokens=engine.spec.gamma, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, n:]
+        checked.append(torch.equal(engine.drafts[0], expected))
+    return record
+
+
 def _rounds_by_kind(steps: list[str]) -> tuple[int, int]:
     """(rounds that verified the drafter's chain alone, rounds that verified it beside a retrieved one as a tree)."""
     return steps.count("verify"), steps.count("verify_tree")
@@ -246,24 +271,7 @@ def test_the_drafter_catches_up_on_what_it_did_not_read(monkeypatch, kind):
     drafter = tiny_model("qwen2", role="drafter") if kind == "drafter" else copy.deepcopy(verifier)
     plain, plain_verifier = copy.deepcopy(drafter), copy.deepcopy(verifier)  # outside the engine's attention
     checked = []
-
-    def record(engine, name):
-        if name != "draft":
-            return
-        n = int(engine.n[0])
-        for model, cache in ((plain, engine.drafter_cache), (plain_verifier, engine.verifier_cache)):
-            with torch.no_grad():
-                held = model(engine.seq[:1, : n - 1], use_cache=True).past_key_values
-            for i, layer in enumerate(cache.layers):
-                for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
-                    assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
-            assert bool((cache.slot_positions[0, : n - 1] == torch.arange(n - 1)).all())
-            assert bool((cache.slot_positions[0, n - 1 :] >= n - 1).logical_or(
-                cache.slot_positions[0, n - 1 :] == -1).all())
-        expected = plain.generate(engine.seq[:1, :n], max_new_tokens=engine.spec.gamma, do_sample=False,
-                                  eos_token_id=None, pad_token_id=0)[0, n:]
-        checked.append(torch.equal(engine.drafts[0], expected))
-    steps = _recording_steps(monkeypatch, record)
+    steps = _recording_steps(monkeypatch, _cache_check(plain, plain_verifier, checked))
     ids = _repetitive_prompt(7)
     if kind == "verifier-copy":  # every draft accepted; matches hidden in some rounds, so that rounds drafted after
         from hf_sparsekv.generation import retrieval  # a full acceptance follow each other too

@@ -14,7 +14,7 @@ import torch
 from hf_sparsekv.generation import engine as static_engine
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
-from .test_retrieval import _recording_steps, _repetitive_prompt, _stock
+from .test_retrieval import _cache_check, _recording_steps, _repetitive_prompt, _stock
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -95,23 +95,7 @@ def test_both_caches_hold_the_kept_paths_only(monkeypatch):
     verifier, drafter = tiny_model("llama"), _near_drafter("llama")
     plain, plain_verifier = copy.deepcopy(drafter), copy.deepcopy(verifier)
     checked = []
-
-    def record(engine, name):
-        if name != "draft":
-            return
-        n = int(engine.n[0])
-        for model, cache in ((plain, engine.drafter_cache), (plain_verifier, engine.verifier_cache)):
-            with torch.no_grad():
-                held = model(engine.seq[:1, : n - 1], use_cache=True).past_key_values
-            for i, layer in enumerate(cache.layers):
-                for ours, theirs in ((layer.keys, held.layers[i].keys), (layer.values, held.layers[i].values)):
-                    assert torch.allclose(ours[:1, :, : n - 1], theirs, rtol=0, atol=1e-9), (n, i)
-            assert bool((cache.slot_positions[0, : n - 1] == torch.arange(n - 1)).all())
-            assert bool((cache.slot_positions[0, n - 1 :] >= n - 1).logical_or(
-                cache.slot_positions[0, n - 1 :] == -1).all())
-        expected = plain.generate(engine.seq[:1, :n], max_new_tokens=engine.spec.gamma, **GREEDY)[0, n:]
-        checked.append(torch.equal(engine.drafts[0], expected))
-    steps = _recording_steps(monkeypatch, record)
+    steps = _recording_steps(monkeypatch, _cache_check(plain, plain_verifier, checked))
     ids = _repetitive_prompt(7)
     out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", draft_tree_size=12,
                             num_assistant_tokens=4, prompt_lookup_num_tokens=4, max_new_tokens=48,
