@@ -12,7 +12,9 @@ cache and at position ``n - 1 + depth(i)``):
 - nodes ``γ+1..N``, the extra nodes, filled per row: a row whose retrieval found a match puts its retrieved chain
   of ``R`` tokens first (a chain from the root), then its most probable siblings; a row without one, siblings only.
   A sibling at depth d is one of the drafter's next most probable tokens after chain node d-1, ranked by the
-  drafter's probability of the path to it (its cumulative log-probability), the best first.
+  drafter's probability of the path to it (its cumulative log-probability), the best first. Siblings are leaves:
+  the drafter drafts only its chain (its alternatives come from the same γ draft steps), so no drafter cache needs
+  tree attention.
 
 The block is ancestor-closed by construction (a sibling's parent is a chain node, a retrieved node's the root or the
 previous retrieved node), and every parent comes before its child. A node whose token repeats a sibling's, or a
