@@ -11,9 +11,9 @@ import torch
 
 from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
+from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for
-from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .stats import SpecStats
 
