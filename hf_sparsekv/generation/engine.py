@@ -182,9 +182,10 @@ class StaticEngine:
             self.fed = torch.zeros(rows, gamma, dtype=torch.long, device=device)
             self.fed_at = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
-            # the last tree verified: node tokens, parents, depths, ancestor bits, kinds [B, N+1] (see draft_tree)
-            self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
             self.tree_constants = self.tree.constants(device)
+        if self.tree is not None and spec.host:  # the last tree verified, for the host-side rules: node tokens,
+            # parents, depths, ancestor bits, kinds [B, N+1] (see draft_tree)
+            self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
         if spec.retrieval:
             self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # grafted into the tree
         if self.tree is not None and self.tree.siblings:  # the drafter's alternatives at each depth
@@ -343,16 +344,17 @@ class StaticEngine:
 
     def _tree_forward(self) -> tuple[torch.Tensor, tuple]:
         """The verifier on the round's tree (:mod:`.draft_tree`, built here from the drafts, the drafter's
-        alternatives and the retrieved continuations, and kept in :attr:`nodes` for the host): its logits ``[B, N+1,
-        V]`` and the tree ``(tokens, parents, depths, bits, kinds)``."""
+        alternatives and the retrieved continuations; with host-side rules kept in :attr:`nodes`): its logits ``[B,
+        N+1, V]`` and the tree ``(tokens, parents, depths, bits, kinds)``."""
         tree = self.tree
         siblings = tree.siblings > 0
         built = tree.build(self.tree_constants, self.drafts, self.chain_logq if siblings else None,
                            self.candidates if siblings else None, self.candidate_logq if siblings else None,
                            self.retrieved[:, : tree.retrieved] if tree.retrieved else None,
                            self.report[:, -1] > 0 if tree.retrieved else None)
-        for buffer, value in zip(self.nodes, built):
-            buffer.copy_(value)
+        if self.spec.host:
+            for buffer, value in zip(self.nodes, built):
+                buffer.copy_(value)
         tokens, _, depths, bits, _ = built
         block = torch.cat([self.last(1), tokens[:, 1:]], 1)
         logits = static_forward(self.verifier, block, (self.n - 1)[:, None] + depths, self.verifier_cache, 0,
