@@ -150,7 +150,7 @@ class PreallocatedCache(Cache):
         self.rows = torch.arange(batch, device=device)[:, None]  # [B, 1]: the row index of a step's writes
         self._local: dict = {}  # (name, device index) -> this step's copy of a per-cache tensor on another device
         self.positions: torch.Tensor | None = None  # the current step's positions [B, L]
-        self.tree: torch.Tensor | None = None  # the current step's tree block (ancestor bits [L] or [B, L]), None: a chain
+        self.tree: torch.Tensor | None = None  # this step's tree block (ancestor bits [L] or [B, L]), None: a chain
         self._offsets: dict = {}  # L -> arange(L) on the home device (a tree block's slots from its root's)
         self.slots: torch.Tensor | None = None  # their slots [B, L]
         self.prefilling = False
@@ -169,8 +169,8 @@ class PreallocatedCache(Cache):
 
     def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:
         """Prepare a decode/verify step whose tokens are at ``positions [B, L]`` (int64, on the device, ascending
-        along L). ``tree`` (int64 ``[L]`` or one per row ``[B, L]``, :func:`~hf_sparsekv.kernels.reference.ancestor_bits`;
-        the full cache only):
+        along L). ``tree`` (int64 ``[L]`` or one per row ``[B, L]``,
+        :func:`~hf_sparsekv.kernels.reference.ancestor_bits`; the full cache only):
         the tokens are a tree block, written at consecutive slots from the first one's (the root's), each seeing the
         slots before the block and, within it, the nodes whose bit it has set; several nodes may share a position."""
         if tree is not None and not self.takes_trees:

@@ -56,11 +56,13 @@ class DraftTree:
     def constants(self, device) -> dict[str, torch.Tensor]:
         """The layout's fixed parts as tensors on ``device``, made once (a captured step reads them as inputs rather
         than computing index arithmetic in the graph): the root's and the chain's parents and depths ``[γ+1]``, and
-        for the extra nodes ``[E]`` the retrieved chain's index, parent and depth at each and each one's slot; each node's own ancestor bit."""
+        for the extra nodes ``[E]`` the retrieved chain's index, parent and depth at each and each one's slot; each
+        node's own ancestor bit."""
         gamma, extra, r = self.gamma, self.size - self.gamma, max(self.retrieved, 1)
         j = [min(e, r - 1) for e in range(extra)]
-        values = dict(chain_parents=[0] + list(range(gamma)), chain_depths=list(range(gamma + 1)), slot=list(range(extra)),
-                      ret_index=j, ret_parents=[0 if x == 0 else gamma + x for x in j], ret_depths=[x + 1 for x in j],
+        values = dict(chain_parents=[0] + list(range(gamma)), chain_depths=list(range(gamma + 1)),
+                      slot=list(range(extra)), ret_index=j, ret_parents=[0 if x == 0 else gamma + x for x in j],
+                      ret_depths=[x + 1 for x in j],
                       depth_of=list(range(1, gamma + 1)), own=[1 << i for i in range(self.size + 1)])
         return {name: torch.tensor(v, dtype=torch.long, device=device) for name, v in values.items()}
 

@@ -7,11 +7,11 @@ own store (no drafter cache of its own). Self-drafting (the drafter is the verif
 verifier's weights.
 
 A draft step reads ``seq[n-1]`` and writes ``drafts [B, γ]`` (and, sampling, the drafter's probabilities ``q [B, γ,
-V]``; for a tree with siblings, its next most probable tokens at each depth, :func:`_alternatives`); after a round that accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it
-before the next round (:func:`catch_up_block`: up to γ + 1 of them, after a tree round whose kept path left the
-chain). A
-drafter whose vocabulary differs from the verifier's by padding reads an id it lacks as id
-0 and drafts only the shared ids (:func:`widened`)."""
+V]``; for a tree with siblings, its next most probable tokens at each depth, :func:`_alternatives`); after a round that
+accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it before the next round
+(:func:`catch_up_block`: up to γ + 1 of them, after a tree round whose kept path left the chain). A drafter whose
+vocabulary differs from the verifier's by padding reads an id it lacks as id 0 and drafts only the shared ids
+(:func:`widened`)."""
 
 from __future__ import annotations
 
@@ -125,9 +125,10 @@ def catch_up(engine) -> None:
 
 
 def catch_up_block(engine) -> None:
-    """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their positions, the tokens it has not
-    read (at most γ + 1: a round moves the sequence by at most that much); it then holds every position before
-    ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps write over them."""
+    """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their
+    positions, the tokens it has not read (at most γ + 1: a round moves the sequence by at most that much); it then
+    holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps write over
+    them."""
     positions = engine.held[:, None] + engine.block_offsets
     tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
     static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,

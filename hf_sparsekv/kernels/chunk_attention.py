@@ -2,10 +2,10 @@
 its PyTorch reference, same signature.
 
 ``query [1, Hq, L, D]`` (L = 1..MAX_QUERIES new tokens: a decode step, a verified chain or tree block) against
-``key/value [1, Hkv, S, D]``, the S tokens the cache stores (kept chunks, then appended tokens; the last L are the queries' own, causal among themselves). GQA: Hq a multiple of
-Hkv. dtypes float16/bfloat16/float32, head_dim 32/64/128. The kernel reads only the S stored tokens, so its time
-depends on the budget, not on the context length. Key/value may be strided views (last dim contiguous), e.g. views
-of preallocated storage. Returns ``[1, L, Hq, D]``.
+``key/value [1, Hkv, S, D]``, the S tokens the cache stores (kept chunks, then appended tokens; the last L are the
+queries' own, causal among themselves). GQA: Hq a multiple of Hkv. dtypes float16/bfloat16/float32, head_dim 32/64/128.
+The kernel reads only the S stored tokens, so its time depends on the budget, not on the context length. Key/value may
+be strided views (last dim contiguous), e.g. views of preallocated storage. Returns ``[1, L, Hq, D]``.
 """
 
 from __future__ import annotations
