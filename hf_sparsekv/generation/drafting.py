@@ -127,8 +127,8 @@ def catch_up(engine) -> None:
 def catch_up_block(engine) -> None:
     """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their
     positions, the tokens it has not read (at most γ + 1: a round moves the sequence by at most that much); it then
-    holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps write over
-    them."""
+    holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps
+    write over them."""
     positions = engine.held[:, None] + engine.block_offsets
     tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
     static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,
