@@ -92,6 +92,112 @@ def sweep(timer, dtype, contexts, batch=1) -> tuple[dict, list]:
     return best["config"], results
 
 
+TREE_SWEEP = dict(block_m=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3), block_n=(32, 64))
+TREE_QUERIES = (17, 33)  # tree verification: N = 16 / 32 draft nodes and the root
+
+
+def tree_bits(queries: int, seed: int) -> torch.Tensor:
+    """Ancestor bits ``[1, L]`` of a random tree of ``queries`` nodes (node 0 the root, every parent earlier)."""
+    g = torch.Generator().manual_seed(seed)
+    bits = [1]
+    for i in range(1, queries):
+        bits.append(bits[int(torch.randint(0, i, (1,), generator=g))] | (1 << i))
+    return torch.tensor([bits], dtype=torch.long, device="cuda")
+
+
+def tree_cases(contexts, queries, dtype=torch.bfloat16) -> list[tuple]:
+    """(name, context, L, q, k, v, length, bits) at Llama-3-8B shape, batch 1: a tree of each size in ``queries``
+    and the 6-token chain it replaces, at each context."""
+    cases = []
+    for ctx in contexts:
+        for n in (6, *queries):
+            q, k, v, length = inputs(SHAPES["llama3-8b"], 1, n, ctx, ctx, dtype)
+            cases.append((f"{'chain' if n == 6 else 'tree'}-{n}", ctx, n, q, k, v, length,
+                          None if n == 6 else tree_bits(n, seed=n)))
+    return cases
+
+
+def tree_error(case) -> float:
+    from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference
+
+    _, _, _, q, k, v, length, bits = case
+    n = min(int(length[0]), 3000)
+    short = torch.full_like(length, n)
+    out = chunk_decode_attention(q, k, v, 0.125, length=short, tree=bits).float()
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=short, tree=bits)
+    return float((out - ref).norm() / ref.norm())
+
+
+def tree_rows(timer, cases, copy_gbps) -> list[dict]:
+    """Each case through our kernel with the library's settings (and SDPA-flash over the same keys without a mask,
+    the dense kernel's time for as many queries)."""
+    from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention
+
+    rows = []
+    for name, ctx, n, q, k, v, length, bits in cases:
+        ms = timer.gpu_ms(lambda: chunk_decode_attention(q, k, v, 0.125, length=length, tree=bits))
+        flash = timer.gpu_ms(lambda: sdpa_flash(q, k[:, :, :ctx], v[:, :, :ctx], 0.125))
+        nbytes = kv_bytes(SHAPES["llama3-8b"], 1, ctx, q.dtype)
+        rows.append(dict(case=name, context=ctx, queries=n, ours_ms=ms, flash_ms=flash, bytes=nbytes,
+                         fraction_of_copy=nbytes / ms / 1e6 / copy_gbps,
+                         error=tree_error((name, ctx, n, q, k, v, length, bits))))
+        print(f"{name:8s} {ctx:6d}: ours {ms * 1e3:7.1f} us ({rows[-1]['fraction_of_copy']:.0%} of copy)  "
+              f"flash (no mask) {flash * 1e3:7.1f} us  err {rows[-1]['error']:.1e}", flush=True)
+    return rows
+
+
+def tree_sweep(timer, cases) -> tuple[dict, list]:
+    """Every setting of TREE_SWEEP over the tree cases: correct first (relative error < 2e-2 at 3000
+    tokens), then the sum of the times."""
+    from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention
+    from hf_sparsekv.kernels.decode_core import fp_config
+
+    trees, results = [c for c in cases if c[7] is not None], []
+    for values in itertools.product(*TREE_SWEEP.values()):
+        cfg = dict(zip(TREE_SWEEP, values))
+        try:
+            with fp_config(**cfg):
+                err = max(tree_error(c) for c in trees)
+                if not err < 2e-2:
+                    raise ValueError(f"relative error {err:.3g}")
+                times = [timer.gpu_ms(lambda c=c: chunk_decode_attention(c[3], c[4], c[5], 0.125, length=c[6],
+                                                                         tree=c[7])) for c in trees]
+        except Exception as e:
+            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
+            print(f"tree sweep {cfg}: {results[-1]['error']}", flush=True)
+            continue
+        results.append({"config": cfg, "ms": times, "total_ms": sum(times)})
+        print(f"tree sweep {cfg}: " + " ".join(f"{t * 1e3:.1f}" for t in times) + f" us  total {sum(times) * 1e3:.1f}",
+              flush=True)
+    best = min((r for r in results if "ms" in r), key=lambda r: r["total_ms"])
+    return best["config"], results
+
+
+def tree_main(args, timer, copy_gbps) -> int:
+    """``--tree``: tree verification's attention (17 and 33 queries) beside the 6-token chain at 16K/32K; with
+    ``--tree-sweep``, the launch settings swept first (over tree cases only) and the table taken at the winner."""
+    cases = tree_cases(args.contexts, TREE_QUERIES)
+    chosen, sweep_rows = {}, []
+    if args.tree_sweep:
+        chosen, sweep_rows = tree_sweep(timer, cases)
+        print(f"tree sweep winner: {chosen}", flush=True)
+    if chosen:
+        from hf_sparsekv.kernels.decode_core import fp_config
+
+        with fp_config(**chosen):
+            rows = tree_rows(timer, cases, copy_gbps)
+    else:
+        rows = tree_rows(timer, cases, copy_gbps)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tree_kernel.json").write_text(json.dumps(dict(
+        settings=dict(device=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit(),
+                      torch=torch.__version__, copy_gbps=copy_gbps, shape="llama3-8b", dtype="bfloat16",
+                      chosen=chosen, timing="CUDA-graph replay, L2 flushed before every call"),
+        rows=rows, sweep=sweep_rows), indent=1))
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="runs/decode-kernel")
@@ -105,6 +211,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--sweep-batch", type=int, default=1, help="--sweep: rows of the swept launches")
     p.add_argument("--sweep-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--tree", action="store_true", help="tree verification's attention instead of the grid")
+    p.add_argument("--tree-sweep", action="store_true", help="--tree: sweep the launch settings on the tree cases first")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("decode_kernel.py times CUDA kernels: run it on a CUDA GPU", file=sys.stderr)
@@ -114,6 +222,8 @@ def main(argv=None) -> int:
     timer = Timer(5 if args.quick else 20)
     copy_gbps = copy_rate() / 1e9
     print(f"device-to-device copy: {copy_gbps:.0f} GB/s", flush=True)
+    if args.tree or args.tree_sweep:
+        return tree_main(args, timer, copy_gbps)
     config, sweep_rows = {}, []  # the library's settings (batch-1 and batched launches), unless a sweep chose
     if args.sweep:
         chosen, sweep_rows = sweep(timer, torch.bfloat16, args.sweep_contexts, args.sweep_batch)

@@ -233,7 +233,8 @@ def project(row: dict, args, measured: dict) -> list[dict]:
 
 
 PROFILED = {"ar": ("ar", "ar_step", "full"), "int4-draft": ("int4", "draft", "full"),
-            "int4-w4-draft": ("int4", "draft", "int4"), "int4-verify": ("int4", "verify", "full")}
+            "int4-w4-draft": ("int4", "draft", "int4"), "int4-verify": ("int4", "verify", "full"),
+            **{f"verify-tree-{n}": ("full", "verify_tree", "full") for n in TREE_SIZES}}
 
 
 def profile_step(verifier, name: str, L: int, args, path: Path) -> str:
@@ -250,7 +251,8 @@ def profile_step(verifier, name: str, L: int, args, path: Path) -> str:
     gamma, budget, drafter = (1, None, None) if mode == "ar" else (args.gamma, args.group_size, verifier)
     with torch.no_grad(), static_attention_for(verifier):
         engine = static_engine.engine_for(verifier, drafter, mode, budget, gamma, L + 64, 64, True,
-                                          draft_weights=weights)
+                                          draft_weights=weights,
+                                          tree_size=int(name[12:]) if name.startswith("verify-tree-") else None)
         engine.prefill([ids])
         time_graph_step(engine, step, torch.device("cuda"), 3, 2)
         with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -262,14 +262,18 @@ def _random_tree(length: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
-@pytest.mark.parametrize("hq,hkv,length", [(4, 2, 5), (8, 2, 33)])
-def test_tree_blocks_of_one_tree_per_row(dtype, hq, hkv, length):
+@pytest.mark.parametrize("hq,hkv,length,block_m", [(4, 2, 5, None), (8, 2, 33, None), (8, 2, 33, 32)])
+def test_tree_blocks_of_one_tree_per_row(dtype, hq, hkv, length, block_m):
     """Each row of a batch verifies its own tree (ancestor bits ``[B, L]``): every row against the reference with its
-    own mask, and a row's result must differ from what the first row's tree gives it."""
+    own mask, and a row's result must differ from what the first row's tree gives it. 33 queries of group 4 are 132
+    rows per KV head: three programs of 64 rows per split by default, five of 32 with ``block_m=32``."""
+    from hf_sparsekv.kernels.decode_core import fp_config
+
     lengths = [300, length, 77, 131]  # row 1 holds only its block
     bits = torch.stack([ancestor_bits(_random_tree(length, seed=b)) for b in range(len(lengths))]).to(DEVICE)
     assert not torch.equal(bits[0], bits[1])
-    q, k, v, n, tol, ref = _tree_batch(hq, hkv, length, lengths, dtype, 60, bits)
+    with fp_config(**({} if block_m is None else dict(block_m=block_m))):
+        q, k, v, n, tol, ref = _tree_batch(hq, hkv, length, lengths, dtype, 60, bits)
     shared = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits[0])
     assert _rel(shared[1], ref[1]) > 10 * tol  # the rows' own trees are read
     with pytest.raises(ValueError, match="one ancestor mask per query"):

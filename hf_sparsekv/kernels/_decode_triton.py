@@ -26,6 +26,32 @@ def _write_rows(
             tl.store(LP + kvh * stride_lph + pid_s * stride_lps + rows, lse, mask=row_ok)
 
 @triton.jit
+def _fp_block(
+    q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2, visible, n_ok,
+    MASKED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    """One block of keys/values ``offs_n`` folded into the running softmax ``(acc, m_i, l_i)``; MASKED: only the
+    keys ``visible [M, N]`` count and only ``n_ok [N]`` are read, else every key of the block is read and seen."""
+    dt = DOT_DTYPE
+    if MASKED:
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
+    else:
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + d[None, :]).to(dt)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
+    if MASKED:
+        s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
+    else:
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + d[None, :]).to(dt)
+    acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+@triton.jit
 def _fp_part(
     Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
     scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
@@ -34,29 +60,36 @@ def _fp_part(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, BY_POSITION: tl.constexpr, TREE: tl.constexpr,
 ):
-    dt = DOT_DTYPE
+    """The split ``fsplit`` of the full-precision segment. Keys before the queries' own block (``S_FP - L``) are
+    seen by every query: whole blocks of them run unmasked (LongSpec's prefix part), the rest with the causal or
+    tree mask (the tree part); a ring (BY_POSITION) runs masked throughout."""
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None], other=0.0).to(dt)
+    q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None],
+                other=0.0).to(DOT_DTYPE)
+    start = fsplit * FSPLIT_TOKENS
+    end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
     if BY_POSITION:  # slots in any order: visibility from the positions they hold (SP) and the queries' (QP)
         q_pos = tl.load(QP + qi, mask=row_ok, other=-1)
         low = q_pos - WINDOW  # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low)
+        masked_from = start
     else:
-        limit = S_FP - L + qi  # key n is visible to row r iff n <= limit[r]
-        if TREE:  # the last L slots are a tree block: query row r sees block slot j iff bit j of TB[r] is set
-            block_start = S_FP - L
+        block_start = S_FP - L  # keys before it: every query's; from it: the queries' own (causal, or the tree)
+        limit = block_start + qi  # key n is visible to row r iff n <= limit[r]
+        if TREE:  # query row r sees block slot j iff bit j of TB[r] is set
             tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
-    start = fsplit * FSPLIT_TOKENS
-    end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
+        masked_from = start + tl.maximum(tl.minimum(end, block_start) - start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     k_base = K + kvh * stride_kh
     v_base = V + kvh * stride_vh
-    for n0 in range(start, end, BLOCK_N):
+    for n0 in range(start, masked_from, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2,
+                                  None, None, False, DOT_PREC, DOT_DTYPE)
+    for n0 in range(masked_from, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         n_ok = offs_n < end
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
         if BY_POSITION:
             sp = tl.load(SP + offs_n, mask=n_ok, other=-1)[None, :]
             visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
@@ -66,14 +99,8 @@ def _fp_part(
                 rel = tl.maximum(offs_n - block_start, 0).to(tl.int64)
                 ancestor = ((tree_bits[:, None] >> rel[None, :]) & 1) != 0
                 visible = visible & ((offs_n < block_start)[None, :] | ancestor)
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), v, input_precision=DOT_PREC)
-        m_i = m_new
+        acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2,
+                                  visible, n_ok, True, DOT_PREC, DOT_DTYPE)
     _write_rows(acc, m_i, l_i, d, rows, row_ok, q_head, qi, pid_s, kvh,
                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                 FINAL, True)
@@ -553,8 +580,8 @@ def decode_split_kernel(
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
     ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
 ):
-    pid_s = tl.program_id(0)
-    kvh = tl.program_id(1)
+    pid_s = tl.program_id(1)  # axis 0: the row blocks of one split and KV head run side by side (they read the same
+    kvh = tl.program_id(2)  # keys, from L2 after the first)
     if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
         row = kvh // ROW_HEADS  # batch row (a batch is laid out as ROW_HEADS KV heads per row)
         S_FP = tl.load(S_PTR + row)
@@ -567,7 +594,7 @@ def decode_split_kernel(
             QP += row * stride_qpb
         if TREE:  # this row's ancestor bits [L] (stride 0: one tree for every row)
             TB += row * stride_tbb
-    rows = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)  # full precision: query rows in blocks of BLOCK_M
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # full precision: query rows in blocks of BLOCK_M
     row_ok = rows < GROUP * L
     qi = rows % L
     q_head = kvh * GROUP + rows // L

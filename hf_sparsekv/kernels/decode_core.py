@@ -82,7 +82,12 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # stays busy when a captured launch reads a length far below the capacity it was sized for.
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
-FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256)
+FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, block_m=64)
+# ``block_m``: query rows per program. More rows (tree verification: group x (N + 1) rows) run as further programs of
+# the same split, side by side in the grid so that they read the keys from memory once and then from L2. Swept for
+# trees of 17 and 33 queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27):
+# 64 rows with these settings was fastest (33 queries at 32K: 85 us, against 100-107 us for 128-row tiles at 4 or 8
+# warps and 339 us before the prefix ran unmasked and the row blocks ran side by side).
 # Launches of several batch rows (the KV heads of all rows in one grid) take the settings of the first entry of
 # FP_BATCH_CONFIG whose ``min_heads`` the launch's KV heads (rows x heads per row) reach, over FP_CONFIG's. H100 sweeps
 # at Llama-3 shape (benchmarks/decode_kernel.py --sweep --sweep-batch B; results/decode-batch-h100-2026-11-26/):
@@ -219,7 +224,7 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
     return min(qblock, rows_per_warp * num_warps)
 
 
-MAX_BLOCK_M = 128  # query rows per program; more rows (long tree blocks) take several programs per split
+MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
 
 
 def _block_m(rows: int) -> int:
@@ -287,17 +292,17 @@ def launch_decode(
     hkv, s_fp = k.shape[1], k.shape[2]
     group = hq // hkv
     rows = group * length
+    batch_rows = fp_length.numel() if fp_length is not None else 1  # a batch arrives folded into KV heads
+    fcfg = _fp_settings(batch_rows, k.shape[1])
     block_m = _block_m(rows)
-    if block_m > MAX_BLOCK_M and quant is None:  # more query rows than one tile: several programs per split
-        block_m = MAX_BLOCK_M
+    if quant is None:  # more query rows than one tile: several programs per split
+        block_m = min(block_m, fcfg["block_m"], MAX_BLOCK_M)
     elif block_m > MAX_BLOCK_M:
         raise NotImplementedError(f"{rows} query rows per KV head over a quantized segment (at most {MAX_BLOCK_M})")
     device = q.device
     for t in (q, k, v):
         if t.stride(-1) != 1:
             raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
-    batch_rows = fp_length.numel() if fp_length is not None else 1  # a batch arrives folded into KV heads
-    fcfg = _fp_settings(batch_rows, k.shape[1])
     block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
     if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
         block_n = min(block_n, 32)
@@ -339,7 +344,7 @@ def launch_decode(
         pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
     else:
         pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
-    decode_split_kernel[(n_splits, hkv, math.ceil(rows / block_m))](
+    decode_split_kernel[(math.ceil(rows / block_m), n_splits, hkv)](
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
