@@ -283,8 +283,13 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
         assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
 
 
+# Each of the tree tests below compiles its own steps (20-100 s a mode on the device's shared host): the default
+# CUDA suite takes the chunk drafter, make test-cuda-slow the window and full ones.
+TREE_MODES = ["chunk", pytest.param("window", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)]
+
+
 @pytest.mark.compiled
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("mode", TREE_MODES)
 def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
     """Retrieval beside a drafter on the compiled, captured engine: tree rounds (the drafter's and the retrieved chain
     in one verifier forward, the decode kernel's ancestor mask), chain rounds and the catch-up block (each its own
@@ -308,7 +313,7 @@ def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("mode", TREE_MODES)
 def test_draft_trees_on_the_captured_engine_float32(mode):
     """``draft_tree_size`` on the compiled, captured engine: trees of 32 nodes (the drafter's alternatives, retrieval
     grafted in, one tree per batch row in the decode kernel), the catch-up block after a path off the chain: greedy
