@@ -11,7 +11,12 @@ copy measured in the same run. Times are CUDA-graph replays with L2 flushed befo
 shorter length). ``--sweep`` first times launch settings (block, warps, stages, programs per SM, minimum split) at
 a few contexts, checks each against the float32 reference, and uses the fastest for the table.
 
+``--tree`` times tree verification's attention instead: trees of 17 and 33 queries (one random tree each) beside the
+6-token chain at Llama-3-8B shape, batch 1, at each of ``--contexts``; ``--tree-sweep`` first sweeps the launch
+settings on the tree cases (TREE_SWEEP) and takes the table at the fastest.
+
     python benchmarks/decode_kernel.py --out runs/decode-kernel [--sweep] [--quick]
+    python benchmarks/decode_kernel.py --out runs/tree-kernel --contexts 16384 32768 --tree-sweep
 """
 
 from __future__ import annotations
@@ -65,31 +70,39 @@ def kv_bytes(shape, batch, context, dtype) -> int:
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), programs_per_sm=(2, 4, 8))
 
 
-def sweep(timer, dtype, contexts, batch=1) -> tuple[dict, list]:
-    """Every setting of SWEEP (min_split fixed at one block's worth of splits) at Llama-3 shape, ``batch`` rows, q 1
-    and 6: correct first (relative error < 2e-2 against float32 at 3000 tokens), then the sum of the times."""
+def _swept(timer, grid: dict, error, calls: list, label: str) -> tuple[dict, list]:
+    """Every setting of ``grid`` (FP_CONFIG keys -> values to try): correct first (``error()`` < 2e-2 under the
+    setting), then the sum of the times of ``calls``; returns the fastest setting and every row."""
     from hf_sparsekv.kernels.decode_core import fp_config
 
-    shape, results = SHAPES["llama3-8b"], []
-    cases = [inputs(shape, batch, n, c, c, dtype) for c in contexts for n in (1, 6)]
-    check = [inputs(shape, b, n, 3000, 4096, dtype) for b, n in ((1, 1), (2, 6))]
-    for values in itertools.product(*SWEEP.values()):
-        cfg = dict(zip(SWEEP, values))
+    results = []
+    for values in itertools.product(*grid.values()):
+        cfg = dict(zip(grid, values))
         try:
             with fp_config(**cfg):
-                err = max(relative_error(*c) for c in check)
+                err = error()
                 if not err < 2e-2:
                     raise ValueError(f"relative error {err:.3g}")
-                times = [timer.gpu_ms(lambda c=c: ours(*c)) for c in cases]
+                times = [timer.gpu_ms(call) for call in calls]
         except Exception as e:  # a setting that does not compile (shared memory) or is wrong is reported, skipped
             results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
-            print(f"sweep {cfg}: {results[-1]['error']}", flush=True)
+            print(f"{label} {cfg}: {results[-1]['error']}", flush=True)
             continue
         results.append({"config": cfg, "ms": times, "total_ms": sum(times)})
-        print(f"sweep {cfg}: " + " ".join(f"{t * 1e3:.1f}" for t in times) + f" us  total {sum(times) * 1e3:.1f}",
+        print(f"{label} {cfg}: " + " ".join(f"{t * 1e3:.1f}" for t in times) + f" us  total {sum(times) * 1e3:.1f}",
               flush=True)
     best = min((r for r in results if "ms" in r), key=lambda r: r["total_ms"])
     return best["config"], results
+
+
+def sweep(timer, dtype, contexts, batch=1) -> tuple[dict, list]:
+    """Every setting of SWEEP (min_split fixed at one block's worth of splits) at Llama-3 shape, ``batch`` rows, q 1
+    and 6: correct first (relative error < 2e-2 against float32 at 3000 tokens), then the sum of the times."""
+    shape = SHAPES["llama3-8b"]
+    cases = [inputs(shape, batch, n, c, c, dtype) for c in contexts for n in (1, 6)]
+    check = [inputs(shape, b, n, 3000, 4096, dtype) for b, n in ((1, 1), (2, 6))]
+    return _swept(timer, SWEEP, lambda: max(relative_error(*c) for c in check),
+                  [lambda c=c: ours(*c) for c in cases], "sweep")
 
 
 TREE_SWEEP = dict(block_m=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3), block_n=(32, 64))
@@ -147,30 +160,13 @@ def tree_rows(timer, cases, copy_gbps) -> list[dict]:
 
 
 def tree_sweep(timer, cases) -> tuple[dict, list]:
-    """Every setting of TREE_SWEEP over the tree cases: correct first (relative error < 2e-2 at 3000
-    tokens), then the sum of the times."""
+    """Every setting of TREE_SWEEP over the tree cases: correct first (relative error < 2e-2 at 3000 tokens), then
+    the sum of the times."""
     from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention
-    from hf_sparsekv.kernels.decode_core import fp_config
 
-    trees, results = [c for c in cases if c[7] is not None], []
-    for values in itertools.product(*TREE_SWEEP.values()):
-        cfg = dict(zip(TREE_SWEEP, values))
-        try:
-            with fp_config(**cfg):
-                err = max(tree_error(c) for c in trees)
-                if not err < 2e-2:
-                    raise ValueError(f"relative error {err:.3g}")
-                times = [timer.gpu_ms(lambda c=c: chunk_decode_attention(c[3], c[4], c[5], 0.125, length=c[6],
-                                                                         tree=c[7])) for c in trees]
-        except Exception as e:
-            results.append({"config": cfg, "error": f"{type(e).__name__}: {e}"[:200]})
-            print(f"tree sweep {cfg}: {results[-1]['error']}", flush=True)
-            continue
-        results.append({"config": cfg, "ms": times, "total_ms": sum(times)})
-        print(f"tree sweep {cfg}: " + " ".join(f"{t * 1e3:.1f}" for t in times) + f" us  total {sum(times) * 1e3:.1f}",
-              flush=True)
-    best = min((r for r in results if "ms" in r), key=lambda r: r["total_ms"])
-    return best["config"], results
+    trees = [c for c in cases if c[7] is not None]
+    calls = [lambda c=c: chunk_decode_attention(c[3], c[4], c[5], 0.125, length=c[6], tree=c[7]) for c in trees]
+    return _swept(timer, TREE_SWEEP, lambda: max(tree_error(c) for c in trees), calls, "tree sweep")
 
 
 def tree_main(args, timer, copy_gbps) -> int:
