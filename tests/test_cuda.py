@@ -55,8 +55,8 @@ def _reference_and_spec(verifier, drafter, mode, ids, kwargs):
 
 
 # The default CUDA suite (make test-cuda; most of its time is compiling steps on the device's host) runs each mode
-# on one architecture in float32 and two modes in bfloat16 (the int4 one takes the tensor-core path's bfloat16 code conversion); make
-# test-cuda-slow runs the whole cross product.
+# on one architecture in float32 and two modes in bfloat16 (the int4 one takes the tensor-core path's bfloat16 code
+# conversion); make test-cuda-slow runs the whole cross product.
 FLOAT32_ARCH = {"chunk": "llama", "window": "mistral", "full": "qwen2", "int4": "llama"}
 BFLOAT16_ARCH = {"window": "llama", "int4": "qwen2"}
 
