@@ -139,7 +139,7 @@ _EXTENDED = pytest.mark.extended  # 60-470 s of CPU each: make test-extended
 
 @pytest.mark.parametrize("mode,gamma", [
     pytest.param("chunk", 3, marks=_EXTENDED), pytest.param("window", 1, marks=_EXTENDED),
-    pytest.param("window", 5, marks=_EXTENDED), ("full", 1), ("int4", 5),
+    pytest.param("window", 5, marks=_EXTENDED), ("full", 1), pytest.param("int4", 5, marks=_EXTENDED),
 ])
 def test_speculative_sampling_matches_the_exact_joint_distribution(mode, gamma):
     static_engine.release_engines()
