@@ -101,6 +101,11 @@ bench-cpu: $(STAMP)
 bench-decode-kernel: $(STAMP)
 	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
 
+# Tree verification's attention (trees of 17 / 33 queries, one per case) beside the 6-token chain at Llama-3-8B shape,
+# 16K / 32K, after a sweep of the launch settings on the tree cases (CUDA, ~4 minutes).
+bench-tree-kernel: $(STAMP)
+	$(PY) benchmarks/decode_kernel.py --tree-sweep --contexts 16384 32768 --out runs/tree-kernel
+
 # Batched prompts at 16K: HF's batched static AR against our speculative modes (issue 16; CUDA, ~10 minutes).
 bench-batch: $(STAMP)
 	$(PY) benchmarks/batch.py --context 16384 --batches 1,4,16 --new-tokens 128 --out runs/batch
