@@ -581,7 +581,7 @@ def decode_split_kernel(
     ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
 ):
     pid_s = tl.program_id(1)  # axis 0: the row blocks of one split and KV head run side by side (they read the same
-    kvh = tl.program_id(2)  # keys, from L2 after the first)
+    kvh = tl.program_id(2)  # keys, which they can then share through L2)
     if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
         row = kvh // ROW_HEADS  # batch row (a batch is laid out as ROW_HEADS KV heads per row)
         S_FP = tl.load(S_PTR + row)
