@@ -87,10 +87,10 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
 FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, block_m=64)
 # ``block_m``: query rows per program. More rows (tree verification: group x (N + 1) rows) run as further programs of
-# the same split, side by side in the grid so that they can share the keys through L2. Swept for
-# trees of 17 and 33 queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27):
-# 64 rows with these settings was fastest (33 queries at 32K: 85 us, against 100-107 us for 128-row tiles at 4 or 8
-# warps and 339 us before the prefix ran unmasked and the row blocks ran side by side).
+# the same split, side by side in the grid so that they can share the keys through L2. Swept for trees of 17 and 33
+# queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27): 64 rows with these
+# settings was fastest (33 queries at 32K: 85 us; the best 128-row settings 100-107 us, 32-row ones 148 us or more;
+# 339 us before keys ahead of the queries' block ran unmasked).
 # Launches of several batch rows (the KV heads of all rows in one grid) take the settings of the first entry of
 # FP_BATCH_CONFIG whose ``min_heads`` the launch's KV heads (rows x heads per row) reach, over FP_CONFIG's. H100 sweeps
 # at Llama-3 shape (benchmarks/decode_kernel.py --sweep --sweep-batch B; results/decode-batch-h100-2026-11-26/):
