@@ -90,7 +90,7 @@ FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_s
 # the same split, side by side in the grid so that they can share the keys through L2. Swept for trees of 17 and 33
 # queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27): 64 rows with these
 # settings was fastest (33 queries at 32K: 85 us; the best 128-row settings 100-107 us, 32-row ones 148 us or more;
-# 339 us before keys ahead of the queries' block ran unmasked).
+# 339 us before, when every block was masked and 128-row tiles ran one after the other).
 # Launches of several batch rows (the KV heads of all rows in one grid) take the settings of the first entry of
 # FP_BATCH_CONFIG whose ``min_heads`` the launch's KV heads (rows x heads per row) reach, over FP_CONFIG's. H100 sweeps
 # at Llama-3 shape (benchmarks/decode_kernel.py --sweep --sweep-batch B; results/decode-batch-h100-2026-11-26/):
