@@ -111,11 +111,11 @@ TREE_QUERIES = (17, 33)  # tree verification: N = 16 / 32 draft nodes and the ro
 
 def tree_bits(queries: int, seed: int) -> torch.Tensor:
     """Ancestor bits ``[1, L]`` of a random tree of ``queries`` nodes (node 0 the root, every parent earlier)."""
+    from hf_sparsekv.generation.draft_tree import ancestor_bits_of
+
     g = torch.Generator().manual_seed(seed)
-    bits = [1]
-    for i in range(1, queries):
-        bits.append(bits[int(torch.randint(0, i, (1,), generator=g))] | (1 << i))
-    return torch.tensor([bits], dtype=torch.long, device="cuda")
+    parents = [0] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, queries)]
+    return ancestor_bits_of(torch.tensor([parents], device="cuda"), queries - 1)
 
 
 def tree_cases(contexts, queries, dtype=torch.bfloat16) -> list[tuple]:
@@ -177,12 +177,9 @@ def tree_main(args, timer, copy_gbps) -> int:
     if args.tree_sweep:
         chosen, sweep_rows = tree_sweep(timer, cases)
         print(f"tree sweep winner: {chosen}", flush=True)
-    if chosen:
-        from hf_sparsekv.kernels.decode_core import fp_config
+    from hf_sparsekv.kernels.decode_core import fp_config
 
-        with fp_config(**chosen):
-            rows = tree_rows(timer, cases, copy_gbps)
-    else:
+    with fp_config(**chosen):  # no settings: the library's
         rows = tree_rows(timer, cases, copy_gbps)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
