@@ -16,7 +16,7 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D
   one graph (a tree block on the full cache: the same kernel with the block's ancestor bits);
 * decode / verify step on the sink+window ring (CUDA, no sliding window, a shape the kernel takes): the same kernel
   reading the whole ring and deciding what each query sees from the positions the slots hold
-  (``hf_sparsekv::static_window_decode``);
+  (``hf_sparsekv::static_window_decode``; a drafter's tree block, written after the ring, by its ancestor bits);
 * decode / verify step on the quantized store (self-speculation): the same kernel reading the packed codes in the
   cache's current view and the full-precision buffer, both lengths on the device (``hf_sparsekv::static_quant_decode``);
 * otherwise (CPU, sliding window, shapes the kernel does not take): PyTorch SDPA over the whole
@@ -72,14 +72,15 @@ def _static_decode_shape(query, key, value, length, scaling, tree=None):
 @torch.library.custom_op("hf_sparsekv::static_window_decode", mutates_args=())
 def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                          slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,
-                         scaling: float) -> torch.Tensor:
+                         scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton decode kernel over a sink+window ring: ``query [B, Hq, L, D]`` at ``query_positions [B, L]``,
     ``key/value [B, Hkv, S, D]`` holding ``slot_positions [B, S]`` (see :mod:`hf_sparsekv.kernels.window_attention`)
-    -> ``[B, L, Hq, D]`` contiguous."""
+    -> ``[B, L, Hq, D]`` contiguous. ``tree`` (int64 ``[B, L]``): the last L slots read are the queries' tree block
+    (a drafter's tree after the ring), seen by the ancestor bits."""
     from .kernels.window_attention import window_decode_attention
 
     return window_decode_attention(query.contiguous(), key, value, scaling, length, slot_positions,
-                                   query_positions.contiguous(), sink, window)
+                                   query_positions.contiguous(), sink, window, tree)
 
 
 @static_window_decode.register_fake
@@ -165,10 +166,12 @@ def static_attention(
         if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
             tree = None if cache.tree is None else cache.local("tree", device)
             return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
-        if isinstance(cache, StaticSinkWindowCache) and _kernel_shape_ok(query, key.shape[1]):
+        tree = None if cache.tree is None else cache.local("tree", device)
+        if isinstance(cache, StaticSinkWindowCache) and _kernel_shape_ok(
+                query, key.shape[1], *(() if tree is None else (MAX_QUERIES, None))):
             return static_window_decode(query, key, value, cache.local("fp_length", device),
                                         cache.local("slot_positions", device), cache.local("positions", device),
-                                        cache.sink, cache.window, scale), None
+                                        cache.sink, cache.window, scale, tree), None
     return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding, device), scaling=scale,
                                   is_causal=False)
 

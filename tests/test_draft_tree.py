@@ -20,68 +20,103 @@ from hf_sparsekv.kernels.reference import ancestor_mask
 from .test_sampling import _consistent
 
 
-def _reference_tree(layout: DraftTree, chain, chain_logq, candidates, candidate_logq, retrieved, matched):
+def _drafted(layout: DraftTree, rows: int, g: torch.Generator):
+    """Random drafter output with the structure :func:`~hf_sparsekv.generation.drafting.draft_tree` leaves: the
+    chain and its cumulative log-probabilities, the pool (tokens, scores, parents' frontier slots) and the frontiers
+    (each depth's chain node and W - 1 best pool nodes), every child's score below its parent's."""
+    gamma, w, first = layout.gamma, layout.width, layout.first
+    chain = torch.randint(0, 50, (rows, gamma), generator=g)
+    tokens = torch.randint(0, 50, (rows, layout.pool), generator=g)
+    scores = torch.zeros(rows, layout.pool)
+    frontier = torch.full((rows, max(gamma - 1, 1), w), -1, dtype=torch.long)
+    chain_score = -torch.rand(rows, generator=g)
+    scores[:, :first] = -torch.rand(rows, first, generator=g) * 4
+    for d in range(1, gamma):
+        lo, hi = (0, first) if d == 1 else (first + (d - 2) * w * w, first + (d - 1) * w * w)
+        frontier[:, d - 1, 1:] = lo + scores[:, lo:hi].topk(w - 1, dim=1).indices
+        parent = torch.cat([chain_score[:, None], scores.gather(1, frontier[:, d - 1, 1:])], 1)  # [B, W]
+        at = first + (d - 1) * w * w
+        scores[:, at : at + w * w] = (parent[:, :, None] - torch.rand(rows, w, w, generator=g) * 3).flatten(1)
+        chain_score = chain_score - torch.rand(rows, generator=g)
+    pool_from = layout.constants("cpu")["pool_from"].expand(rows, -1)
+    return chain, (tokens, scores, pool_from), frontier
+
+
+def _reference_tree(layout: DraftTree, chain, pool, frontier, retrieved, matched):
     """One row's nodes as lists ``(tokens, parents, depths, kinds)``, built literally from the layout's rules."""
-    gamma, k = layout.gamma, layout.siblings
+    gamma, w, first = layout.gamma, layout.width, layout.first
     tokens, parents, depths, kinds = [0] + chain, [0] + list(range(gamma)), list(range(gamma + 1)), [CHAIN] * (gamma + 1)
     extra = layout.size - gamma
-    graft = layout.retrieved if (matched or not k) else 0
+    graft = layout.retrieved if (matched or not w) else 0
     for j in range(graft):
         tokens.append(retrieved[j])
         parents.append(0 if j == 0 else gamma + j)
         depths.append(j + 1)
         kinds.append(RETRIEVED)
-    scored = []
-    for d in range(gamma):
-        for c in range(k):
-            scored.append((sum(chain_logq[:d]) + candidate_logq[d][c], d, c))
-    scored.sort(key=lambda s: -s[0])
-    for score, d, c in scored[: extra - graft]:
-        tokens.append(candidates[d][c])
-        parents.append(d)
-        depths.append(d + 1)
+    if not w:
+        return tokens, parents, depths, kinds
+    pool_tokens, pool_scores, _ = pool
+    depth_of = [1] * first + [2 + i // (w * w) for i in range(layout.pool - first)]
+    via = [0] * first + [(i // w) % w for i in range(layout.pool - first)]
+    ranked = sorted(range(layout.pool), key=lambda i: -(pool_scores[i] - 1e-3 * depth_of[i]))[: extra - graft]
+    index = {p: len(tokens) + k for k, p in enumerate(ranked)}
+    for p in ranked:
+        d = depth_of[p]
+        up = -1 if d == 1 else frontier[d - 2][via[p]]
+        tokens.append(pool_tokens[p])
+        parents.append(d - 1 if up < 0 else index[up])
+        depths.append(d)
         kinds.append(SIBLING)
     return tokens, parents, depths, kinds
 
 
 @pytest.mark.parametrize("gamma,size,retrieval", [(3, 12, True), (3, 12, False), (5, 32, True), (1, 6, True),
-                                                  (4, 8, False), (4, 6, True), (2, None, True)])
+                                                  (4, 8, False), (4, 6, True), (2, None, True), (8, 62, False)])
 def test_each_rows_tree_is_the_layouts(gamma, size, retrieval):
-    """The chain, then the retrieved chain of a row with a match, then the most probable alternatives by path
-    probability; parents before children; the ancestor bits those of the parents; the path to any node."""
+    """The chain, then the retrieved chain of a row with a match, then the most probable pool nodes by path
+    probability, each under its own parent (a chain node or a frontier node kept before it); the ancestor bits those
+    of the parents; the path to any node."""
     layout = DraftTree.plan(gamma, size, retrieval)
     g = torch.Generator().manual_seed(gamma * 100 + (size or 0))
-    rows, k = 6, layout.siblings
-    chain = torch.randint(0, 50, (rows, gamma), generator=g)
-    chain_logq = -torch.rand(rows, gamma, generator=g)
-    candidates = torch.randint(0, 50, (rows, gamma, max(k, 1)), generator=g)[..., :k]
-    candidate_logq = -1 - torch.rand(rows, gamma, max(k, 1), generator=g)[..., :k] * 3  # distinct scores
+    rows = 6
+    if layout.width:
+        chain, pool, frontier = _drafted(layout, rows, g)
+    else:
+        chain, pool, frontier = torch.randint(0, 50, (rows, gamma), generator=g), None, None
     retrieved = torch.randint(0, 50, (rows, layout.retrieved), generator=g)
     matched = torch.tensor([True, False, True, False, True, True])
-    args = (chain, chain_logq, candidates, candidate_logq) if k else (chain, None, None, None)
-    tokens, parents, depths, bits, kinds = layout.build(layout.constants("cpu"), *args,
+    tokens, parents, depths, bits, kinds = layout.build(layout.constants("cpu"), chain, pool, frontier,
                                                         retrieved if retrieval else None, matched if retrieval else None)
     assert tokens.shape == (rows, layout.size + 1)
+    grown = False
     for b in range(rows):
-        ref = _reference_tree(layout, chain[b].tolist(), chain_logq[b].tolist(), candidates[b].tolist(),
-                              candidate_logq[b].tolist(), retrieved[b].tolist(), bool(matched[b]) and retrieval)
+        row_pool = None if pool is None else tuple(t[b].tolist() for t in pool)
+        ref = _reference_tree(layout, chain[b].tolist(), row_pool, None if frontier is None else frontier[b].tolist(),
+                              retrieved[b].tolist(), bool(matched[b]) and retrieval)
         assert tokens[b, 1:].tolist() == ref[0][1:], b
         assert (parents[b].tolist(), depths[b].tolist(), kinds[b].tolist()) == ref[1:], b
+        grown |= any(ref[3][p] == SIBLING for p in ref[1])
         mask = ancestor_mask(bits[b])
         for i in range(layout.size + 1):  # bit j of node i: j on the path from the root to i
             path, j = [i], i
             while j != 0:
+                assert ref[1][j] < j  # every parent before its child
                 j = ref[1][j]
                 path.append(j)
             assert mask[i].nonzero().flatten().tolist() == sorted(path)
             on_path = path_nodes(bits[b : b + 1], depths[b : b + 1], torch.tensor([i]), gamma)[0].tolist()
             assert on_path[: ref[2][i]] == sorted(path)[1:]
+    assert grown or gamma == 1 or layout.size - gamma < 8 or not layout.width  # paths off the chain are kept
 
 
 def test_chain_only_layouts_are_none_and_retrieval_alone_is_two_chains():
     assert DraftTree.plan(4, None, False) is None and DraftTree.plan(4, 4, True) is None
     assert DraftTree.plan(4, None, True) == DraftTree(4, 8, 4, 0)
     assert DraftTree.plan(4, 6, True) == DraftTree(4, 6, 2, 2)
+    for gamma in range(1, 9):  # the drafter's block fits the kernel's ancestor bits
+        for size in range(gamma + 1, 63):
+            tree = DraftTree.plan(gamma, size, False)
+            assert tree.width >= 2 and tree.block <= 62 and tree.first >= size - gamma
 
 
 def _brute_force_walk(tokens, parents, targets):

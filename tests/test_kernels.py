@@ -324,6 +324,51 @@ def test_window_attention_reads_slots_by_position(dtype, hq, hkv, length, sink, 
             assert _rel(ref[b, i], want[0, 0]) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length", [(4, 2, 6), (8, 2, 28)])
+def test_window_attention_with_a_tree_block_after_the_ring(dtype, hq, hkv, length):
+    """A drafter's tree on a sink+window ring: the L queries' own keys in L slots after the ring (a forest whose
+    depth-1 nodes hang from the root, a ring position), each query seeing the ring by its position and the block by
+    its ancestor bits alone (not by the positions its block slots hold). Batch of 3 with one tree per row, against
+    the reference, and the reference against the visible slots gathered by hand."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    sink, window = 4, 50
+    ring = window + 8
+    capacity = sink + ring + length
+    ends = [3 * ring + 5, ring + 1, 2 * ring]  # the root's position in each row
+    g = torch.Generator().manual_seed(7)
+    bits, depths = torch.zeros(len(ends), length, dtype=torch.long), torch.zeros(len(ends), length, dtype=torch.long)
+    for b in range(len(ends)):
+        for i in range(length):
+            parent = int(torch.randint(-1, i, (1,), generator=g))  # -1: the root (outside the block)
+            bits[b, i] = (1 << i) | (0 if parent < 0 else int(bits[b, parent]))
+            depths[b, i] = 1 + (0 if parent < 0 else int(depths[b, parent]))
+    ring_slots, _ = _ring_rows(ends, 1, sink, ring, overshoot=[0, 0, 0])
+    queries = (torch.tensor(ends)[:, None] + depths).to(DEVICE)
+    slots = torch.cat([ring_slots, queries], 1)  # the block's slots hold its nodes' positions
+    bits = bits.to(DEVICE)
+    rows = [_qkv(hq, hkv, length, 64, capacity, dtype, seed=80 + b) for b in range(len(ends))]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.full((len(ends),), capacity, dtype=torch.int32, device=DEVICE)
+    out = window_decode_attention(q, k, v, 0.125, n, slots, queries, sink, window, tree=bits)
+    ref = window_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, n, slots, queries, sink, window,
+                                            tree=bits)
+    assert _rel(out, ref) < (1e-5 if dtype == torch.float32 else TOL)
+    by_position = window_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, n, slots, queries, sink,
+                                                    window)
+    assert _rel(by_position, ref) > 10 * TOL  # the block is read by the bits
+    for b in range(len(ends)):
+        for i in range(length):
+            p = int(queries[b, i])
+            seen = [j for j in range(sink + ring) if 0 <= slots[b, j] <= p and (slots[b, j] < sink or slots[b, j] >= p - window)]
+            seen += [sink + ring + j for j in range(length) if (int(bits[b, i]) >> j) & 1]
+            idx = torch.tensor(seen, device=DEVICE)
+            want = masked_attention_reference(q[b : b + 1, :, i : i + 1].float(), k[b : b + 1, :, idx].float(),
+                                              v[b : b + 1, :, idx].float(), 0.125, spec_mask=torch.ones(1, 1))
+            assert _rel(ref[b, i], want[0, 0]) < 1e-5
+
+
 def test_static_decode_operator_matches_the_kernel_and_its_fake():
     """``hf_sparsekv::static_decode`` (the kernel as torch.compile sees it): same result as the reference, and its
     registration (schema, shape function, no aliasing) passes ``torch.library.opcheck``."""

@@ -170,15 +170,16 @@ class PreallocatedCache(Cache):
     def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:
         """Prepare a decode/verify step whose tokens are at ``positions [B, L]`` (int64, on the device, ascending
         along L). ``tree`` (int64 ``[L]`` or one per row ``[B, L]``,
-        :func:`~hf_sparsekv.kernels.reference.ancestor_bits`; the full cache only):
-        the tokens are a tree block, written at consecutive slots from the first one's (the root's), each seeing the
-        slots before the block and, within it, the nodes whose bit it has set; several nodes may share a position."""
+        :func:`~hf_sparsekv.kernels.reference.ancestor_bits`; caches that ``takes_trees``):
+        the tokens are a tree block, written at consecutive slots (:meth:`tree_slots`), each seeing what the cache
+        shows its position before the block and, within it, the nodes whose bit it has set; several nodes may share a
+        position."""
         if tree is not None and not self.takes_trees:
-            raise NotImplementedError(f"{type(self).__name__} takes no tree block (the verifier's full cache does)")
+            raise NotImplementedError(f"{type(self).__name__} takes no tree block")
         self.prefilling = False
         self.positions = positions
         self.tree = tree
-        self.slots = self.slots_of(positions) if tree is None else positions[:, :1] + self.block_offsets(positions)
+        self.slots = self.slots_of(positions) if tree is None else self.tree_slots(positions)
         self.slot_positions[self.rows, self.slots] = positions
         # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
         ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.capacity)
@@ -187,6 +188,18 @@ class PreallocatedCache(Cache):
         self.fp_length.copy_(ends)
         self._mask = None
         self._local = {}
+
+    def tree_slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """The slots ``[B, L]`` of a tree block at ``positions [B, L]``: consecutive from the first node's own slot
+        (its root's, or a drafter's first depth-1 node's), so that the slots before the block hold the sequence."""
+        return self.slots_of(positions[:, :1]) + self.block_offsets(positions)
+
+    def forget(self, keep: torch.Tensor) -> None:
+        """Mark the current step's slots empty where ``keep [B, L]`` (bool, on the home device) is False: no later
+        step sees what this one wrote there (a drafter's stale catch-up tokens past the sequence, a tree block it has
+        finished with). In place, on the device (capturable)."""
+        self.slot_positions[self.rows, self.slots] = torch.where(keep, self.positions,
+                                                                 self.positions.new_full((), -1))
 
     def block_offsets(self, positions: torch.Tensor) -> torch.Tensor:
         """``[0, 1, ..., L-1]`` for a step of ``positions [B, L]`` (made once per L, outside any captured step's
@@ -432,7 +445,9 @@ class _ChunkSelecting:
 class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
     """BudgetDraft's chunk-budget cache on preallocated storage (see :class:`~hf_sparsekv.caches.ChunkBudgetCache`
     for the selection; the same functions compute it). ``capacity`` must hold the kept prompt tokens (<= budget)
-    and every token appended later."""
+    and every token appended later (and a drafter's tree block after the last)."""
+
+    takes_trees = True
 
     def __init__(self, budget: int, num_layers, kv_heads, head_dim, capacity, dtype, device, chunk_size: int = 8,
                  per_kv_head: bool = False, score_window: int | None = None, batch: int = 1,
@@ -454,19 +469,29 @@ class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):
 class StaticSinkWindowCache(PreallocatedCache):
     """Sink + sliding window on a ring buffer (see :class:`~hf_sparsekv.caches.SinkWindowCache`): a query at p sees
     the first ``sink`` positions and positions ``p - window .. p``; rollback of up to ``max_rollback`` tokens is
-    exact. Capacity ``sink + window + max_rollback + 1``."""
+    exact. Capacity ``sink + window + max_rollback + 1``, and ``scratch`` slots after the ring for a drafter's tree
+    block of up to that many nodes (:meth:`tree_slots`: the last slots, which the kernel reads as the queries' own;
+    empty, slot position -1, outside a tree step)."""
 
     contiguous = False
 
     def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
-                 batch: int = 1, layer_devices=None):
-        if sink < 0 or window < 1 or max_rollback < 0:
-            raise ValueError(f"need sink >= 0, window >= 1, max_rollback >= 0; got {sink}, {window}, {max_rollback}")
-        self.sink, self.window, self.ring = sink, window, window + max_rollback + 1
-        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring, dtype, device, batch, layer_devices)
+                 batch: int = 1, layer_devices=None, scratch: int = 0):
+        if sink < 0 or window < 1 or max_rollback < 0 or scratch < 0:
+            raise ValueError(f"need sink >= 0, window >= 1, max_rollback >= 0, scratch >= 0; got {sink}, {window}, "
+                             f"{max_rollback}, {scratch}")
+        self.sink, self.window, self.ring, self.scratch = sink, window, window + max_rollback + 1, scratch
+        self.takes_trees = scratch > 0
+        super().__init__(num_layers, kv_heads, head_dim, sink + self.ring + scratch, dtype, device, batch,
+                         layer_devices)
 
     def slots_of(self, positions):
         return torch.where(positions < self.sink, positions, self.sink + (positions - self.sink) % self.ring)
+
+    def tree_slots(self, positions):
+        if positions.shape[1] > self.scratch:
+            raise ValueError(f"a tree block of {positions.shape[1]} nodes in {self.scratch} scratch slots")
+        return (self.capacity - positions.shape[1]) + self.block_offsets(positions)[None].expand_as(positions)
 
     def _rule(self, slot_pos, query_pos):
         return (slot_pos < self.sink) | (slot_pos >= query_pos - self.window)
@@ -503,10 +528,10 @@ class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
 
     def __init__(self, budget: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
                  chunk_size: int = 8, batch: int = 1, selection: ChunkSelection | str = "observed",
-                 layer_devices=None):
+                 layer_devices=None, scratch: int = 0):
         self._init_selection(budget, chunk_size, selection, False, None)
         super().__init__(budget, window, max_rollback, num_layers, kv_heads, head_dim, dtype, device, batch,
-                         layer_devices)
+                         layer_devices, scratch)
         self._init_rows()  # offset: P - budget of each row
 
     def begin_step(self, positions: torch.Tensor, tree: torch.Tensor | None = None) -> None:

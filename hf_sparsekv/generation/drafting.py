@@ -22,27 +22,29 @@ from ..caches.static import (
     StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
 )
 from .common import CHUNK_SIZE, WINDOW_SINK, _attention_shape, layer_devices
+from .draft_tree import SCORE_FLOOR
 from .graph_steps import static_forward
 from .sampling import draw, penalized
 
 
-def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int):
+def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scratch: int = 0):
     """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`): ``max_tokens`` bounds a row's
-    length, ``max_new`` its new tokens, ``slack`` the positions a round may write past the last kept token."""
+    length, ``max_new`` its new tokens, ``slack`` the positions a round may write past the last kept token,
+    ``scratch`` the nodes of the drafter's tree block (a ring keeps them after the ring)."""
     shape, placed = _attention_shape(drafter), layer_devices(drafter)
     mode = spec.mode
     if mode == "chunk":
         chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
         if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
             return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, spec.dtype, spec.device,
-                                          chunk_size, spec.batch, selection, placed)
+                                          chunk_size, spec.batch, selection, placed, scratch)
         return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + max_new + slack, spec.dtype,
                                       spec.device, chunk_size, batch=spec.batch, selection=selection,
                                       layer_devices=placed)
     if mode == "window":
         sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
         return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, spec.dtype, spec.device, spec.batch,
-                                     placed)
+                                     placed, scratch)
     if mode == "full":
         return StaticFullCache(*shape, max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
     if mode == "int4-drafter":  # the drafter's own store, always read in its INT4 view
@@ -78,7 +80,6 @@ def draft(engine) -> None:
         engine.drafter_cache.view = "int4"
     token = drafter_input(engine.last(1), engine.draft_vocab)
     seen = None if engine.penalty is None else engine.seen  # the drafter's scores get the penalty too
-    siblings = engine.tree is not None and engine.tree.siblings
     for i in range(engine.spec.gamma):
         logits = static_forward(engine.drafter, token, (engine.n - 1 + i)[:, None], engine.drafter_cache, 1,
                                 engine.drafter_keyword)[:, 0]
@@ -88,14 +89,10 @@ def draft(engine) -> None:
         if engine.warpers is None:
             scores = logits if seen is None else penalized(logits, seen, engine.penalty[0])
             token.copy_(scores.argmax(-1)[:, None])
-            if siblings:
-                _alternatives(engine, i, torch.log_softmax(scores.float(), -1), token)
         else:
             q = engine.probabilities(logits[:, None], engine.n + i, None if seen is None else seen[:, None])[:, 0]
             engine.q.index_copy_(1, engine.block_offsets[i : i + 1], q[:, None])  # in place once compiled
             token.copy_(draw(q)[:, None])
-            if siblings:
-                _alternatives(engine, i, q.log(), token)
         if seen is not None:
             seen = seen.scatter(1, token, True)
     if quant:
@@ -107,14 +104,82 @@ def draft(engine) -> None:
         engine.fed_valid.fill_(True)
 
 
-def _alternatives(engine, depth: int, logq: torch.Tensor, token: torch.Tensor) -> None:
-    """A tree's candidates at ``depth`` (:mod:`.draft_tree`): the drafter's ``K`` most probable tokens after the
-    chain so far other than its draft ``token [B, 1]``, and the log-probabilities ``logq [B, V]`` of both."""
-    at = engine.block_offsets[depth : depth + 1]
-    engine.chain_logq.index_copy_(1, at, logq.gather(1, token))
-    best = logq.scatter(1, token, float("-inf")).topk(engine.tree.siblings, dim=1)
-    engine.candidates.index_copy_(1, at, best.indices[:, None])
-    engine.candidate_logq.index_copy_(1, at, best.values[:, None])
+def draft_tree(engine) -> None:
+    """A tree round's drafting (:mod:`.draft_tree`, ``draft_tree_size``): the chain ``engine.drafts [B, γ]`` (and,
+    sampling, its distributions ``engine.q``), the pool of other nodes (``pool_tokens / pool_scores / pool_from [B,
+    P]``) and the frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not
+    read, from ``held`` up to the root ``seq[n-1]`` (the last round's kept path, so no catch-up step runs), then one
+    forward of the tree block per further depth. The block's slots are marked empty afterwards (the next round
+    feeds the kept path at its positions), and the catch-up's tokens past the root are never seen."""
+    tree, cache, const = engine.tree, engine.drafter_cache, engine.tree_constants
+    gamma, width, first = tree.gamma, tree.width, tree.first
+    positions = engine.held[:, None] + engine.block_offsets  # at most γ + 1 tokens: a round moves n by that much
+    tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
+    logits = _drafter_logits(engine, tokens, positions, 0)
+    cache.forget(positions < engine.n[:, None])
+    at = (engine.n - 1 - engine.held).clamp(0, gamma)[:, None, None]
+    logq, token = _scored(engine, logits.gather(1, at.expand(-1, 1, logits.shape[-1])), 0)
+    engine.held.copy_(engine.n)
+    engine.drafts[:, :1].copy_(token[:, None])
+    best = logq[:, 0].scatter(1, token[:, None], float("-inf")).topk(first, dim=1)
+    engine.pool_tokens[:, :first].copy_(best.indices)
+    engine.pool_scores[:, :first].copy_(best.values)
+    chain_score = logq[:, 0].gather(1, token[:, None])  # [B, 1]
+    for d in range(1, gamma):  # depth d's frontier in the block, then its children (depth d + 1) in the pool
+        lo, hi = (0, first) if d == 1 else (first + (d - 2) * width**2, first + (d - 1) * width**2)
+        alt = engine.pool_scores[:, lo:hi].topk(width - 1, dim=1)
+        f_tokens = torch.cat([engine.drafts[:, d - 1 : d], engine.pool_tokens[:, lo:hi].gather(1, alt.indices)], 1)
+        f_scores = torch.cat([chain_score, alt.values], 1)  # [B, W]
+        j = (d - 1) * width
+        own = const["block_own"][j : j + width]
+        if d == 1:
+            f_bits = own.expand(f_tokens.shape[0], -1)
+        else:  # a frontier node's parent: the frontier slot it came from, one depth up
+            via = torch.cat([const["frontier_zeros"][None, :1].expand(f_tokens.shape[0], -1),
+                             engine.pool_from[:, lo:hi].gather(1, alt.indices)], 1)
+            f_bits = own | engine.block_bits.gather(1, (d - 2) * width + via)
+        engine.block_tokens[:, j : j + width].copy_(f_tokens)
+        engine.block_bits[:, j : j + width].copy_(f_bits)
+        engine.frontier[:, d - 1, 1:].copy_(lo + alt.indices)
+        logits = _drafter_logits(engine, engine.block_tokens, (engine.n - 1)[:, None] + const["block_depth"],
+                                 const["block_index"][j : j + width], engine.block_bits)
+        logq, token = _scored(engine, logits, d)
+        engine.drafts[:, d : d + 1].copy_(token[:, None])
+        children = logq + f_scores[:, :, None]  # [B, W, V]: the path's log-probability
+        on_chain = children[:, 0].scatter(1, token[:, None], float("-inf"))
+        best = torch.cat([on_chain[:, None], children[:, 1:]], 1).topk(width, dim=-1)
+        at = first + (d - 1) * width**2
+        engine.pool_tokens[:, at : at + width**2].copy_(best.indices.flatten(1))
+        engine.pool_scores[:, at : at + width**2].copy_(best.values.flatten(1))
+        chain_score = children[:, 0].gather(1, token[:, None])
+    if gamma > 1:  # the block is done with: no later step of the drafter sees it
+        cache.forget(torch.zeros_like(engine.block_bits, dtype=torch.bool))
+
+
+def _drafter_logits(engine, tokens: torch.Tensor, positions: torch.Tensor, keep, bits: torch.Tensor | None = None):
+    """The drafter on ``tokens [B, L]`` at ``positions`` (``bits``: a tree block's ancestor bits): logits ``[B, L',
+    V]`` of the rows ``keep`` (0: all; an index tensor: those), widened to the verifier's vocabulary."""
+    logits = static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions,
+                            engine.drafter_cache, keep, engine.drafter_keyword, tree=bits)
+    return logits if engine.draft_vocab is None else widened(logits, engine.vocab)
+
+
+def _scored(engine, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The drafter's log-probabilities ``[B, W, V]`` (float32, floored at SCORE_FLOOR) after ``logits [B, W, V]`` of
+    nodes at ``depth``, and the chain's next token ``[B]`` from the first node: the argmax of its scores (greedy, with
+    the repetition penalty of the sequence), or a draw from its processed distribution (sampling: kept in
+    ``engine.q[:, depth]``)."""
+    seen = None if engine.penalty is None else engine.seen[:, None]
+    if engine.warpers is None:
+        scores = logits if seen is None else penalized(logits, seen, engine.penalty[0])
+        token = scores[:, 0].argmax(-1)
+        logq = torch.log_softmax(scores.float(), -1)
+    else:
+        q = engine.probabilities(logits, engine.n + depth, seen, engine.tree_constants["frontier_zeros"][: logits.shape[1]])
+        engine.q.index_copy_(1, engine.block_offsets[depth : depth + 1], q[:, :1])  # in place once compiled
+        token = draw(q[:, 0])
+        logq = q.log()
+    return logq.clamp_min(SCORE_FLOOR), token
 
 
 def catch_up(engine) -> None:

@@ -77,7 +77,7 @@ from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting
 from .draft_weights import release as release_draft_weights
-from .drafting import catch_up, catch_up_block, draft, drafter_cache, drafter_input
+from .drafting import catch_up, catch_up_block, draft, draft_tree, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
 from .retrieval import retrieve
 from .sampling import draw, penalized
@@ -147,8 +147,8 @@ class StaticEngine:
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
         self.tree = DraftTree.plan(gamma, spec.tree_size, bool(spec.retrieval))  # None: every round one chain
-        if self.tree is not None:  # a tree round writes N + 1 slots from n - 1
-            slack = self.tree.size + 2
+        if self.tree is not None:  # a tree round writes N + 1 slots from n - 1 (the drafter: its block from n)
+            slack = max(self.tree.size, self.tree.block) + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
             slack += AR_STEPS_PER_SYNC
         self.max_tokens = _round_up(max_tokens)
@@ -165,7 +165,9 @@ class StaticEngine:
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch, layer_devices(verifier))
-            self.drafter_cache = drafter_cache(drafter, spec, self.max_tokens, self.max_new, slack) if drafter is not None else None
+            scratch = self.tree.block if self.tree is not None and self.tree.width else 0
+            self.drafter_cache = None if drafter is None else drafter_cache(drafter, spec, self.max_tokens,
+                                                                              self.max_new, slack, scratch)
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
@@ -188,11 +190,14 @@ class StaticEngine:
             self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
         if spec.retrieval:
             self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # grafted into the tree
-        if self.tree is not None and self.tree.siblings:  # the drafter's alternatives at each depth
-            k = self.tree.siblings
-            self.candidates = torch.zeros(rows, gamma, k, dtype=torch.long, device=device)
-            self.candidate_logq = torch.zeros(rows, gamma, k, dtype=torch.float32, device=device)
-            self.chain_logq = torch.zeros(rows, gamma, dtype=torch.float32, device=device)
+        if self.tree is not None and self.tree.width:  # the drafter's other nodes (draft_tree.DraftTree)
+            tree = self.tree
+            self.pool_tokens = torch.zeros(rows, tree.pool, dtype=torch.long, device=device)
+            self.pool_scores = torch.zeros(rows, tree.pool, dtype=torch.float32, device=device)
+            self.pool_from = self.tree_constants["pool_from"].expand(rows, -1).clone()
+            self.frontier = torch.full((rows, max(gamma - 1, 1), tree.width), -1, dtype=torch.long, device=device)
+            self.block_tokens = torch.zeros(rows, tree.block, dtype=torch.long, device=device)
+            self.block_bits = torch.zeros(rows, tree.block, dtype=torch.long, device=device)
         self._rows = torch.arange(rows, device=device)[:, None]  # [B, 1]
         vocab = verifier.get_output_embeddings().weight.shape[0]
         self.vocab = vocab
@@ -243,7 +248,10 @@ class StaticEngine:
         return self.seq.gather(1, (self.n - back)[:, None])
 
     def _draft(self) -> None:  # retrieval drafts at the end of the step before (:meth:`_advance`): no draft step
-        draft(self)
+        if self.tree is not None and self.tree.width:
+            draft_tree(self)
+        else:
+            draft(self)
 
     def _catch_up(self) -> None:
         catch_up(self)
@@ -347,9 +355,8 @@ class StaticEngine:
         alternatives and the retrieved continuations; with host-side rules kept in :attr:`nodes`): its logits ``[B,
         N+1, V]`` and the tree ``(tokens, parents, depths, bits, kinds)``."""
         tree = self.tree
-        siblings = tree.siblings > 0
-        built = tree.build(self.tree_constants, self.drafts, self.chain_logq if siblings else None,
-                           self.candidates if siblings else None, self.candidate_logq if siblings else None,
+        pool = (self.pool_tokens, self.pool_scores, self.pool_from) if tree.width else None
+        built = tree.build(self.tree_constants, self.drafts, pool, self.frontier if tree.width else None,
                            self.retrieved[:, : tree.retrieved] if tree.retrieved else None,
                            self.report[:, -1] > 0 if tree.retrieved else None)
         if self.spec.host:

@@ -90,7 +90,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
-    always_tree = engine.tree is not None and engine.tree.siblings > 0  # draft_tree_size: every round a tree
+    always_tree = engine.tree is not None and engine.tree.width > 0  # draft_tree_size: every round a tree (whose
+    # draft step first feeds the drafter what it has not read: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
 
@@ -218,7 +219,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
                 # to the other rows rewrites what they hold
-                if quant is not None or engine.drafter is None or done[row]:
+                if quant is not None or engine.drafter is None or done[row] or always_tree:
                     continue
                 if kind != CHAIN:
                     catch_up = "catch_up_block"

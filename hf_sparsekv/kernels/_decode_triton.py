@@ -62,21 +62,22 @@ def _fp_part(
 ):
     """The split ``fsplit`` of the full-precision segment. Keys before the queries' own block (``S_FP - L``) are
     seen by every query: whole blocks of them run unmasked (LongSpec's prefix part), the rest with the causal or
-    tree mask (the tree part); a ring (BY_POSITION) runs masked throughout."""
+    tree mask (the tree part). A ring (BY_POSITION) runs masked throughout: a slot is seen by the positions it
+    holds, and with TREE the last L slots are the queries' tree block (seen by the ancestor bits alone)."""
     d = tl.arange(0, HEAD_DIM)
     q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None],
                 other=0.0).to(DOT_DTYPE)
     start = fsplit * FSPLIT_TOKENS
     end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
+    block_start = S_FP - L  # keys before it: every query's; from it: the queries' own (causal, or the tree)
+    limit = block_start + qi  # key n is visible to row r iff n <= limit[r]
+    if TREE:  # query row r sees block slot j iff bit j of TB[r] is set
+        tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
     if BY_POSITION:  # slots in any order: visibility from the positions they hold (SP) and the queries' (QP)
         q_pos = tl.load(QP + qi, mask=row_ok, other=-1)
         low = q_pos - WINDOW  # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low)
         masked_from = start
     else:
-        block_start = S_FP - L  # keys before it: every query's; from it: the queries' own (causal, or the tree)
-        limit = block_start + qi  # key n is visible to row r iff n <= limit[r]
-        if TREE:  # query row r sees block slot j iff bit j of TB[r] is set
-            tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
         masked_from = start + tl.maximum(tl.minimum(end, block_start) - start, 0) // BLOCK_N * BLOCK_N
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -93,6 +94,12 @@ def _fp_part(
         if BY_POSITION:
             sp = tl.load(SP + offs_n, mask=n_ok, other=-1)[None, :]
             visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
+            if TREE:
+                rel = tl.maximum(offs_n - block_start, 0).to(tl.int64)
+                ancestor = ((tree_bits[:, None] >> rel[None, :]) & 1) != 0
+                in_block = (offs_n >= block_start)[None, :]
+                visible = tl.where(in_block, ancestor & (offs_n[None, :] <= limit[:, None]) & n_ok[None, :],
+                                   visible)
         else:
             visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
             if TREE:

@@ -270,16 +270,15 @@ def launch_decode(
     position s has ``0 <= s <= query_positions[b, i]`` and ``s < sink or s >= query_positions[b, i] - window``
     (a sink+window ring buffer; a slot holding -1 is empty).
 
-    ``tree`` (int64 ``[L]``, or ``[B, L]`` for one tree per row, on the device; not with ``positions``): the last L
-    keys read (the queries' own) form a tree block, and query i of row b sees block key j iff bit j of ``tree[b, i]``
-    is set (its ancestors and itself: the
-    ``spec_mask`` of :func:`~hf_sparsekv.kernels.reference.masked_attention_reference`); every key before the block
-    is seen by every query."""
+    ``tree`` (int64 ``[L]``, or ``[B, L]`` for one tree per row, on the device): the last L keys read (the queries'
+    own) form a tree block, and query i of row b sees block key j iff bit j of ``tree[b, i]`` is set (its ancestors
+    and itself: the ``spec_mask`` of :func:`~hf_sparsekv.kernels.reference.masked_attention_reference`); every key
+    before the block is seen by every query (with ``positions``: by the positions rule above)."""
     if tree is not None:
-        if positions is not None or tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
+        if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
                 tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
             raise ValueError(f"tree must be int64 [{q.shape[2]}] or [B, {q.shape[2]}] (one ancestor mask per query, "
-                             "per row) and comes without positions")
+                             "per row)")
         tree = tree if tree.dim() == 2 else tree[None]  # [B or 1, L]; one row of bits: every row's
     if quant is not None and (fp_length is None) != (quant_length is None):
         raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")

@@ -6,8 +6,10 @@ reference, same signature.
 logical position stored in each slot, -1 where nothing was written, and ``query_positions [B, L]`` (int64) the
 queries' positions. Query i of row b sees the slots among the first ``length[b]`` (int32 ``[B]``) whose position s
 has ``0 <= s <= query_positions[b, i]`` and ``s < sink`` or ``s >= query_positions[b, i] - window``. A query that
-sees no slot returns zeros (a finished row of a batch, whose length is cut short). Every tensor is read on the
-device, so the launch can be captured in a CUDA graph. Returns ``[B, L, Hq, D]`` contiguous.
+sees no slot returns zeros (a finished row of a batch, whose length is cut short). ``tree`` (int64 ``[B, L]``,
+optional): the last L of the ``length[b]`` slots are the queries' tree block (a drafter's tree, written after the
+ring), which query i sees by the ancestor bits ``tree[b, i]`` alone (bit j: block slot j). Every tensor is read on
+the device, so the launch can be captured in a CUDA graph. Returns ``[B, L, Hq, D]`` contiguous.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import torch
 
 from . import runtime
+from .chunk_attention import MAX_QUERIES
 from .decode_core import launch_decode
 
 
@@ -30,20 +33,23 @@ def _check_positions(query, key, length, slot_positions, query_positions) -> Non
 
 
 def window_decode_attention(query, key, value, scaling: float, length, slot_positions, query_positions,
-                            sink: int, window: int) -> torch.Tensor:
+                            sink: int, window: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """Triton split-KV kernel; see the module docstring."""
-    runtime.check_attention_inputs(query, key, value)
+    if tree is None:
+        runtime.check_attention_inputs(query, key, value)
+    else:  # a tree block: up to one int64 of ancestor bits per query, any number of query rows
+        runtime.check_attention_inputs(query, key, value, max_q=MAX_QUERIES, max_rows=None)
     _check_positions(query, key, length, slot_positions, query_positions)
     if slot_positions.dtype != torch.long or query_positions.dtype != torch.long:
         raise ValueError("slot_positions and query_positions must be int64")
     if slot_positions.stride(-1) != 1 or query_positions.stride(-1) != 1:
         raise ValueError("slot_positions and query_positions must be contiguous in their last dimension")
     return launch_decode(query, scaling, key, value, fp_length=length,
-                         positions=(slot_positions, query_positions, sink, window))
+                         positions=(slot_positions, query_positions, sink, window), tree=tree)
 
 
 def window_decode_attention_reference(query, key, value, scaling: float, length, slot_positions, query_positions,
-                                      sink: int, window: int) -> torch.Tensor:
+                                      sink: int, window: int, tree: torch.Tensor | None = None) -> torch.Tensor:
     """PyTorch reference (float32 math)."""
     _check_positions(query, key, length, slot_positions, query_positions)
     batch, hq, n, _ = query.shape
@@ -53,7 +59,12 @@ def window_decode_attention_reference(query, key, value, scaling: float, length,
     s = slot_positions[:, None, None, :]
     q = query_positions[:, None, :, None]
     read = torch.arange(key.shape[-2], device=key.device) < length.to(key.device)[:, None]
-    visible = (s >= 0) & (s <= q) & ((s < sink) | (s >= q - window)) & read[:, None, None, :]
+    visible = (s >= 0) & (s <= q) & ((s < sink) | (s >= q - window))
+    if tree is not None:  # block slot j = length - L + j, seen by bit j
+        rel = torch.arange(key.shape[-2], device=key.device)[None, :] - (length.to(key.device).long()[:, None] - n)
+        ancestor = (tree[:, :, None] >> rel.clamp(0, 62)[:, None, :]) & 1 == 1  # [B, L, S]
+        visible = torch.where((rel >= 0)[:, None, None, :], ancestor[:, None], visible)
+    visible = visible & read[:, None, None, :]
     logits = torch.matmul(query.float(), k.transpose(-1, -2)) * scaling
     weights = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1).nan_to_num(0.0)
     return torch.matmul(weights, v).transpose(1, 2).to(query.dtype).contiguous()
