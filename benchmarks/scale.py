@@ -12,7 +12,8 @@ weights: only costs are measured here, never acceptance). Per (pair, context L, 
   (1 token), ``verify-4``/``verify-6`` (γ+1 tokens), ``verify-tree`` (the tree of a drafter's chain and a retrieved
   one, 2γ+1 tokens, as retrieval beside a drafter verifies it), ``verify-tree-N`` (a ``draft_tree_size=N`` tree, N + 1
   tokens), ``draft-full``/``draft-chunk-B``/``draft-window-B`` (the
-  drafter, one draft round / γ), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store),
+  drafter, one draft round / γ), ``draft-chunk-B-tN``/``draft-window-B-tN`` (the drafter's round of a
+  ``draft_tree_size=N`` tree / γ: the catch-up and the tree blocks, first budget of ``--budgets``), ``int4-draft``/``int4-verify`` (self-speculation on the quantized store),
   ``int4-w4-draft`` (its draft step on 4-bit draft weights, ``draft_weights="int4"``);
 * the floor of each: the bytes the step must read once (weights, plus the keys/values it attends to: the full
   context, the budget, or the INT4/INT8 codes) over the device-to-device copy rate measured in the same run;
@@ -127,6 +128,8 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
             ("verify-tree", "full", None, drafter, g, ["verify_tree"])]
     plan += [(f"verify-tree-{n}", "full", None, drafter, g, ["verify_tree"]) for n in TREE_SIZES]
     plan += [(f"chunk-{b}", "chunk", b, drafter, g, ["draft"]) for b in args.budgets]
+    plan += [(f"chunk-{args.budgets[0]}-t{n}", "chunk", args.budgets[0], drafter, g, ["draft"]) for n in TREE_SIZES]
+    plan += [(f"window-{args.window}-t{n}", "window", args.window, drafter, g, ["draft"]) for n in TREE_SIZES]
     plan += [(f"window-{args.window}", "window", args.window, drafter, g, ["draft"]),
              ("int4", "int4", args.group_size, verifier, g, ["draft", "verify"]),
              ("int4-w4", "int4", args.group_size, verifier, g, ["draft"])]  # QuantSpec's 4-bit draft weights
@@ -139,8 +142,7 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
             engine = static_engine.engine_for(verifier, draft_model, mode, budget, gamma, longest + 64, 64, True,
                                               batch=prompts[longest].shape[0],
                                               draft_weights="int4" if label == "int4-w4" else "full",
-                                              retrieval=2 if label == "verify-tree" else 0,
-                                              tree_size=int(label[12:]) if label.startswith("verify-tree-") else None)
+                                              retrieval=2 if label == "verify-tree" else 0, tree_size=_tree_of(label))
             for L in sorted(prompts, reverse=True):
                 ids = prompts[L]
                 torch.cuda.reset_peak_memory_stats()
@@ -152,6 +154,15 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
                 print(f"  {label} {L}: " + " ".join(f"{k}={v[0] * 1e3:.2f}ms" for k, v in out[L].items()), flush=True)
     _free()
     return out
+
+
+def _tree_of(label: str) -> int | None:
+    """``draft_tree_size`` of a step label: ``verify-tree-N`` (the verifier's side) or ``<drafter>-tN`` (the
+    drafter's tree step: γ drafter forwards, the catch-up and the tree blocks)."""
+    if label.startswith("verify-tree-"):
+        return int(label[12:])
+    base, _, n = label.rpartition("-t")
+    return int(n) if base and n.isdigit() else None
 
 
 def _step_name(label: str, step: str) -> str:
@@ -176,6 +187,9 @@ def floors(verifier, drafter, L: int, batch: int, args, bandwidth: float) -> dic
     for b in args.budgets:
         f[f"draft-chunk-{b}"] = wd + batch * kv_bytes(drafter, b)
     f[f"draft-window-{args.window}"] = wd + batch * kv_bytes(drafter, args.window)
+    for n in TREE_SIZES:  # a tree's draft step reads what the chain's does (per drafter forward)
+        f[f"draft-chunk-{args.budgets[0]}-t{n}"] = f[f"draft-chunk-{args.budgets[0]}"]
+        f[f"draft-window-{args.window}-t{n}"] = f[f"draft-window-{args.window}"]
     f.update({m: full for m in E2E})
     return {k: v / bandwidth for k, v in f.items()}
 
@@ -380,6 +394,7 @@ def main(argv=None) -> int:
     names = list(E2E) + ["ar", "verify-4", "verify-6", "verify-tree"] + [f"verify-tree-{n}" for n in TREE_SIZES]
     names += ["draft-full"] + [f"draft-chunk-{b}" for b in args.budgets]
     names += [f"draft-window-{args.window}", "int4-draft", "int4-verify", "int4-w4-draft"]
+    names += [f"draft-{c}-t{n}" for c in (f"chunk-{args.budgets[0]}", f"window-{args.window}") for n in TREE_SIZES]
     only = set(args.only or names)
     bandwidth = copy_rate()
     print(f"copy rate {bandwidth / 1e12:.2f} TB/s (read + write)", flush=True)
