@@ -601,13 +601,15 @@ def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("mode,batch,warpers,steps", [
-    ("full", 1, False, ("ar_step", "verify")), ("chunk", 2, False, ("draft", "catch_up")),
-    ("window", 1, True, ("draft", "verify")), ("int4", 1, False, ("draft", "verify")),
+@pytest.mark.parametrize("mode,batch,warpers,steps,tree", [
+    ("full", 1, False, ("ar_step", "verify"), None), ("chunk", 2, False, ("draft", "catch_up"), None),
+    ("window", 1, True, ("draft", "verify"), None), ("int4", 1, False, ("draft", "verify"), None),
+    ("chunk", 2, False, ("draft", "verify_tree"), 8), ("window", 1, True, ("draft", "verify_tree"), 8),
 ])
-def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, batch, warpers, steps):
+def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, batch, warpers, steps, tree):
     """No compiled step copies a preallocated buffer: a step's write of its tokens into the key/value buffers, the
-    slot positions, the token sequence and the draft probabilities stays in place after Inductor's passes (a
+    slot positions, the token sequence and the draft probabilities (and a tree round's kept path moved within the
+    buffers, its drafter's tree block) stays in place after Inductor's passes (a
     ``scatter_`` on the buffers compiled to a whole-buffer copy per layer and token). The post-grad graph is what
     Inductor generates its kernels from, so a buffer-shaped result there is a buffer-sized kernel on the GPU."""
     from hf_sparsekv.generation import graph_steps
@@ -619,7 +621,7 @@ def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, 
     drafter = verifier if mode == "int4" else tiny_model("llama", role="drafter")
     sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8)] if warpers else None
     engine = static_engine.engine_for(verifier, drafter, mode, 32 if mode == "int4" else 16, 2, 300, 40, use_graphs=False,
-                                   warpers=sampling, batch=batch)
+                                   warpers=sampling, batch=batch, tree_size=tree)
     assert engine.compiled
     with torch.no_grad(), graph_steps.static_attention_for(verifier, drafter):
         engine.prefill([prompt(90 - 7 * row, seed=row) for row in range(batch)])

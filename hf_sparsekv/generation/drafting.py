@@ -7,9 +7,10 @@ own store (no drafter cache of its own). Self-drafting (the drafter is the verif
 verifier's weights.
 
 A draft step reads ``seq[n-1]`` and writes ``drafts [B, γ]`` (and, sampling, the drafter's probabilities ``q [B, γ,
-V]``; for a tree with siblings, its next most probable tokens at each depth, :func:`_alternatives`); after a round that
-accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it before the next round
-(:func:`catch_up_block`: up to γ + 1 of them, after a tree round whose kept path left the chain). A drafter whose
+V]``); after a round that accepted every draft the drafter has not read the last one, which :func:`catch_up` feeds it
+before the next round (:func:`catch_up_block`: up to γ + 1 of them, after a round of retrieval beside the drafter
+whose kept path left the chain). A ``draft_tree_size`` round drafts a tree instead (:func:`draft_tree`: the drafter
+grows it on its own cache, and first reads what it has not, so no catch-up step runs). A drafter whose
 vocabulary differs from the verifier's by padding reads an id it lacks as id 0 and drafts only the shared ids
 (:func:`widened`)."""
 

@@ -32,13 +32,15 @@ each row's last tokens, and a round in which no row found one runs one verifier 
 
 Trees (:mod:`.draft_tree`; chunk/window/full drafters): with ``tree_size`` (``draft_tree_size``) every round, and with
 retrieval beside the drafter (``spec.retrieval``) every round in which some live row found a match, verifies a tree
-instead of the chain: the drafter's chain ``drafts``, its next most probable tokens at each depth (``candidates``,
-recorded by the draft step) and the retrieved continuation ``retrieved [B, γ]``, one verifier forward of N + 1 tokens
-with tree attention. Each row keeps one root-to-node path (:func:`~.acceptance.walk_tree`), whose keys/values the
-verifier's cache then holds at their positions' slots. A row whose path left the chain leaves the drafter behind the
-tokens it did not read: ``held [B]`` counts the leading positions its cache holds (updated after each verification
-from what the draft step fed it, ``fed [B, γ]`` from ``fed_at``), and a catch-up block of γ + 1 tokens from ``held``
-feeds it the rest before it drafts again (writes past the sequence stay within the slots a round may write ahead).
+instead of the chain: the drafter's chain ``drafts``, the most probable of the other nodes it grew (``pool_*``,
+``frontier``: :func:`~.drafting.draft_tree`, with ``tree_size``) and the retrieved continuation ``retrieved [B, γ]``,
+one verifier forward of N + 1 tokens with tree attention. Each row keeps one root-to-node path
+(:func:`~.acceptance.walk_tree`), whose keys/values the verifier's cache then holds at their positions' slots. The
+drafter's cache holds its positions up to ``held [B]`` (exclusive). A ``tree_size`` round's draft step first feeds it
+the γ + 1 tokens from ``held`` (the kept path and its token, up to the root), then sets ``held = n``. Beside
+retrieval alone, ``held`` follows what the chain's draft step fed it (``fed [B, γ]`` from ``fed_at``, checked after
+each verification), and a row whose path left the chain gets a catch-up block of γ + 1 tokens from ``held`` before it
+drafts again (writes past the sequence stay within the slots a round may write ahead).
 
 A separate drafter on a quantized cache (mode ``"int4-drafter"``) reads its own store in the INT4 view; the host
 quantizes each row of it before each round, up to the state of the round's first drafter forward.

@@ -39,8 +39,8 @@ class SpecStats:
     - ``accepted``: draft tokens the verifier accepted (``accepted <= drafted``).
     - ``retrieved_rounds``: rounds (retrieval beside a drafter) whose kept tokens followed the retrieved branch of
       the round's tree rather than the drafter's; ``drafted`` counts γ per round there too (one branch's length).
-    - ``sibling_rounds``: tree rounds (``draft_tree_size``) whose kept path ended on one of the drafter's
-      alternatives to its own draft.
+    - ``sibling_rounds``: tree rounds (``draft_tree_size``) whose kept path ended on one of the drafter's nodes
+      off its chain.
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
