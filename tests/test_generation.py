@@ -478,11 +478,13 @@ def test_drafter_with_padded_vocabulary_is_lossless():
     drafter = _padded(verifier, 32)
     with torch.no_grad():
         drafter.get_output_embeddings().weight[VOCAB + 3] = 1e3 * drafter.get_output_embeddings().weight[7]
-    out = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, draft_cache="full",
-                            tokenizer=tokenizer, return_dict_in_generate=True, num_assistant_tokens=4)
-    assert torch.equal(out.sequences, reference)
-    assert out.spec_stats.acceptance_rate > 0.0  # the argmax over the shared range agrees with the verifier
-    assert _ran_on_engine(verifier)
+    for tree in (None, 12):  # a tree grown by the drafter ranks only the shared ids too
+        out = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=drafter, draft_cache="full",
+                                tokenizer=tokenizer, return_dict_in_generate=True, num_assistant_tokens=4,
+                                draft_tree_size=tree)
+        assert torch.equal(out.sequences, reference)
+        assert out.spec_stats.acceptance_rate > 0.0  # the argmax over the shared range agrees with the verifier
+        assert _ran_on_engine(verifier)
 
 
 def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_padding_row():
@@ -492,10 +494,10 @@ def test_verifier_with_padded_vocabulary_is_lossless_even_when_it_picks_a_paddin
     verifier = _padded(base, 32, favour={VOCAB + 5: greedy[0]})  # greedy emits the padding id VOCAB + 5
     reference = verifier.generate(ids, max_new_tokens=24, do_sample=False)
     assert (reference >= VOCAB).any()
-    for mode in ("full", "chunk"):
+    for mode, tree in (("full", None), ("chunk", None), ("chunk", 10)):  # the drafter lacks the padding ids
         out = verifier.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=_copy_of(base),
                                 draft_cache=mode, kv_budget=16 if mode == "chunk" else None,
-                                tokenizer=_word_tokenizer())
+                                tokenizer=_word_tokenizer(), draft_tree_size=tree)
         assert torch.equal(out, reference)
         assert _ran_on_engine(verifier)
 
