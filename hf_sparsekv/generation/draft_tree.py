@@ -8,8 +8,8 @@ an ancestor mask per row).
 **Drafting** (:func:`~.drafting.draft_tree`, ``width`` W >= 2): depth by depth, the drafter expands a *frontier* of W
 nodes, its chain node first (the argmax, or the draw, of the chain node before it) and the W - 1 most probable other
 nodes of that depth (by the drafter's probability of the path to each, its cumulative log-probability). One drafter
-forward per depth reads the frontiers so far as a tree block of ``block = (γ-1)·W`` nodes on its compressed cache
-(depth d's frontier at block slots ``(d-1)·W ..``), so a round takes γ drafter forwards, as the chain does. Every
+forward per depth reads the frontiers so far (depth d's at block slots ``(d-1)·W ..``, at most ``block = (γ-1)·W``
+nodes) as a tree block on its compressed cache, so a round takes γ drafter forwards, as the chain does. Every
 node the drafter scored off its chain joins the *pool*: the root's ``first`` best children other than the chain's,
 then for each deeper frontier node its W best children (the chain node's other than the chain's) at the pool slots
 ``first + (d-2)·W² + w·W + k`` (depth d, frontier node w, k-th child); ``from`` holds each pool node's parent as its

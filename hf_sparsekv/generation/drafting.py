@@ -111,7 +111,9 @@ def draft_tree(engine) -> None:
     P]``) and the frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not
     read, from ``held`` up to the root ``seq[n-1]`` (the last round's kept path, so no catch-up step runs), then one
     forward of the tree block per further depth. The block's slots are marked empty afterwards (the next round
-    feeds the kept path at its positions), and the catch-up's tokens past the root are never seen."""
+    feeds the kept path at its positions), and the catch-up's tokens past the root are never seen. Depth d's forward
+    reads the block's first d·W nodes (each block holds the one before it: the same slots, on a ring the last ones
+    of its scratch, so no node of an earlier block is left outside it)."""
     tree, cache, const = engine.tree, engine.drafter_cache, engine.tree_constants
     gamma, width, first = tree.gamma, tree.width, tree.first
     positions = engine.held[:, None] + engine.block_offsets  # at most γ + 1 tokens: a round moves n by that much
@@ -142,8 +144,10 @@ def draft_tree(engine) -> None:
         engine.block_tokens[:, j : j + width].copy_(f_tokens)
         engine.block_bits[:, j : j + width].copy_(f_bits)
         engine.frontier[:, d - 1, 1:].copy_(lo + alt.indices)
-        logits = _drafter_logits(engine, engine.block_tokens, (engine.n - 1)[:, None] + const["block_depth"],
-                                 const["block_index"][j : j + width], engine.block_bits)
+        filled = j + width  # the block so far: the frontiers of depths 1..d
+        logits = _drafter_logits(engine, engine.block_tokens[:, :filled],
+                                 (engine.n - 1)[:, None] + const["block_depth"][:filled],
+                                 const["block_index"][j:filled], engine.block_bits[:, :filled])
         logq, token = _scored(engine, logits, d)
         engine.drafts[:, d : d + 1].copy_(token[:, None])
         children = logq + f_scores[:, :, None]  # [B, W, V]: the path's log-probability
