@@ -180,7 +180,8 @@ def _scored(engine, logits: torch.Tensor, depth: int) -> tuple[torch.Tensor, tor
         token = scores[:, 0].argmax(-1)
         logq = torch.log_softmax(scores.float(), -1)
     else:
-        q = engine.probabilities(logits, engine.n + depth, seen, engine.tree_constants["frontier_zeros"][: logits.shape[1]])
+        same_index = engine.tree_constants["frontier_zeros"][: logits.shape[1]]  # every node at index n + depth
+        q = engine.probabilities(logits, engine.n + depth, seen, same_index)
         engine.q.index_copy_(1, engine.block_offsets[depth : depth + 1], q[:, :1])  # in place once compiled
         token = draw(q[:, 0])
         logq = q.log()
