@@ -163,10 +163,9 @@ def static_attention(
         return _quant_attention(module, query, layer, cache, scale, sliding)
     device = query.device  # a layer of a model dispatched over several devices reads the cache's tensors there
     if cache.kernels and sliding is None:
-        if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
-            tree = None if cache.tree is None else cache.local("tree", device)
-            return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
         tree = None if cache.tree is None else cache.local("tree", device)
+        if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
+            return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
         if isinstance(cache, StaticSinkWindowCache) and _kernel_shape_ok(
                 query, key.shape[1], *(() if tree is None else (MAX_QUERIES, None))):
             return static_window_decode(query, key, value, cache.local("fp_length", device),

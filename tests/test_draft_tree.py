@@ -22,7 +22,7 @@ from .test_sampling import _consistent
 
 def _drafted(layout: DraftTree, rows: int, g: torch.Generator):
     """Random drafter output with the structure :func:`~hf_sparsekv.generation.drafting.draft_tree` leaves: the
-    chain and its cumulative log-probabilities, the pool (tokens, scores, parents' frontier slots) and the frontiers
+    chain and its cumulative log-probabilities, the pool (tokens, scores; the parents' frontier slots are the layout's ``pool_from``) and the frontiers
     (each depth's chain node and W - 1 best pool nodes), every child's score below its parent's."""
     gamma, w, first = layout.gamma, layout.width, layout.first
     chain = torch.randint(0, 50, (rows, gamma), generator=g)
@@ -38,8 +38,7 @@ def _drafted(layout: DraftTree, rows: int, g: torch.Generator):
         at = first + (d - 1) * w * w
         scores[:, at : at + w * w] = (parent[:, :, None] - torch.rand(rows, w, w, generator=g) * 3).flatten(1)
         chain_score = chain_score - torch.rand(rows, generator=g)
-    pool_from = layout.constants("cpu")["pool_from"].expand(rows, -1)
-    return chain, (tokens, scores, pool_from), frontier
+    return chain, (tokens, scores), frontier
 
 
 def _reference_tree(layout: DraftTree, chain, pool, frontier, retrieved, matched):
@@ -55,7 +54,7 @@ def _reference_tree(layout: DraftTree, chain, pool, frontier, retrieved, matched
         kinds.append(RETRIEVED)
     if not w:
         return tokens, parents, depths, kinds
-    pool_tokens, pool_scores, _ = pool
+    pool_tokens, pool_scores = pool
     depth_of = [1] * first + [2 + i // (w * w) for i in range(layout.pool - first)]
     via = [0] * first + [(i // w) % w for i in range(layout.pool - first)]
     ranked = sorted(range(layout.pool), key=lambda i: -(pool_scores[i] - 1e-3 * depth_of[i]))[: extra - graft]

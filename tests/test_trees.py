@@ -75,7 +75,7 @@ def _grown(engine) -> bool:
     path it grew off its chain), built again from the engine's buffers."""
     tree = engine.tree
     _, parents, _, _, kinds = tree.build(
-        engine.tree_constants, engine.drafts, (engine.pool_tokens, engine.pool_scores, engine.pool_from),
+        engine.tree_constants, engine.drafts, (engine.pool_tokens, engine.pool_scores),
         engine.frontier, engine.retrieved[:, : tree.retrieved] if tree.retrieved else None,
         engine.report[:, -1] > 0 if tree.retrieved else None)
     return bool((kinds.gather(1, parents) == SIBLING).any())

@@ -13,7 +13,8 @@ nodes) as a tree block on its compressed cache, so a round takes γ drafter forw
 node the drafter scored off its chain joins the *pool*: the root's ``first`` best children other than the chain's,
 then for each deeper frontier node its W best children (the chain node's other than the chain's) at the pool slots
 ``first + (d-2)·W² + w·W + k`` (depth d, frontier node w, k-th child); ``from`` holds each pool node's parent as its
-frontier slot w (0: the chain node, or the root at depth 1), ``frontier [B, γ-1, W]`` each frontier node's pool slot
+frontier slot w (0: the chain node, or the root at depth 1; a constant of the layout, ``pool_from``),
+``frontier [B, γ-1, W]`` each frontier node's pool slot
 (-1 for the chain's).
 
 **Layout** (``N`` draft nodes, the block ``N + 1`` with the root; node ``i`` at slot ``n - 1 + i`` of the verifier's
@@ -111,7 +112,7 @@ class DraftTree:
               retrieved: torch.Tensor | None, matched: torch.Tensor | None):
         """Each row's tree, on the device (capturable: shapes fixed by the layout).
 
-        ``const``: :meth:`constants`; ``chain [B, γ]`` the drafter's drafts; ``pool = (tokens, scores, from)`` each
+        ``const``: :meth:`constants`; ``chain [B, γ]`` the drafter's drafts; ``pool = (tokens, scores)`` each
         ``[B, P]`` and ``frontier [B, γ-1, W]`` the drafter's other nodes (module docstring); ``retrieved [B, R]``
         each row's retrieved continuation and ``matched [B]`` whether it has one. Returns ``(tokens [B, N+1],
         parents [B, N+1], depths [B, N+1], bits [B, N+1], kinds [B, N+1])``: the node tokens (the root's is 0; the
@@ -125,13 +126,13 @@ class DraftTree:
             in_chain = slot < (matched.long()[:, None] * r if w else r)
             ret_tokens = retrieved.gather(1, const["ret_index"].expand(rows, -1))
         if w:  # the most probable pool nodes by the drafter's probability of the path to each
-            pool_tokens, pool_scores, pool_from = pool
+            pool_tokens, pool_scores = pool
             best = (pool_scores - DEPTH_TIE * const["pool_depth"]).topk(extra, dim=1).indices  # [B, E], best first
-            rank = torch.zeros_like(pool_from).scatter(1, best, slot)  # a kept pool node's rank among the kept
+            rank = torch.zeros_like(pool_tokens).scatter(1, best, slot)  # a kept pool node's rank among the kept
             shift = in_chain.long().sum(1, keepdim=True) if r else torch.zeros_like(slot[:, :1])
             pick = best.gather(1, (slot - shift).clamp_min(0))
             depths = const["pool_depth"][pick]
-            via = pool_from.gather(1, pick)  # the parent's frontier slot at depth - 1
+            via = const["pool_from"][pick]  # the parent's frontier slot at depth - 1
             if gamma > 1:
                 parent_pool = frontier.flatten(1).gather(1, (depths - 2).clamp_min(0) * w + via)
             else:

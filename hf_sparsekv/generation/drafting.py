@@ -107,8 +107,7 @@ def draft(engine) -> None:
 
 def draft_tree(engine) -> None:
     """A tree round's drafting (:mod:`.draft_tree`, ``draft_tree_size``): the chain ``engine.drafts [B, γ]`` (and,
-    sampling, its distributions ``engine.q``), the pool of other nodes (``pool_tokens / pool_scores / pool_from [B,
-    P]``) and the frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not
+    sampling, its distributions ``engine.q``), the pool of other nodes (``pool_tokens / pool_scores [B, P]``) and the frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not
     read, from ``held`` up to the root ``seq[n-1]`` (the last round's kept path, so no catch-up step runs), then one
     forward of the tree block per further depth. The block's slots are marked empty afterwards (the next round
     feeds the kept path at its positions), and the catch-up's tokens past the root are never seen. Depth d's forward
@@ -139,7 +138,7 @@ def draft_tree(engine) -> None:
             f_bits = own.expand(f_tokens.shape[0], -1)
         else:  # a frontier node's parent: the frontier slot it came from, one depth up
             via = torch.cat([const["frontier_zeros"][None, :1].expand(f_tokens.shape[0], -1),
-                             engine.pool_from[:, lo:hi].gather(1, alt.indices)], 1)
+                             const["pool_from"][lo + alt.indices]], 1)
             f_bits = own | engine.block_bits.gather(1, (d - 2) * width + via)
         engine.block_tokens[:, j : j + width].copy_(f_tokens)
         engine.block_bits[:, j : j + width].copy_(f_bits)

@@ -149,6 +149,7 @@ class StaticEngine:
         gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
         self.tree = DraftTree.plan(gamma, spec.tree_size, bool(spec.retrieval))  # None: every round one chain
+        self.grows_tree = self.tree is not None and self.tree.width > 0  # the drafter grows each round's tree
         if self.tree is not None:  # a tree round writes N + 1 slots from n - 1 (the drafter: its block from n)
             slack = max(self.tree.size, self.tree.block) + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
@@ -167,7 +168,7 @@ class StaticEngine:
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch, layer_devices(verifier))
-            scratch = self.tree.block if self.tree is not None and self.tree.width else 0
+            scratch = self.tree.block if self.grows_tree else 0
             self.drafter_cache = None if drafter is None else drafter_cache(drafter, spec, self.max_tokens,
                                                                               self.max_new, slack, scratch)
         rows = spec.batch
@@ -192,11 +193,10 @@ class StaticEngine:
             self.nodes = torch.zeros(5, rows, self.tree.size + 1, dtype=torch.long, device=device)
         if spec.retrieval:
             self.retrieved = torch.zeros(rows, gamma, dtype=torch.long, device=device)  # grafted into the tree
-        if self.tree is not None and self.tree.width:  # the drafter's other nodes (draft_tree.DraftTree)
+        if self.grows_tree:  # the drafter's other nodes (draft_tree.DraftTree)
             tree = self.tree
             self.pool_tokens = torch.zeros(rows, tree.pool, dtype=torch.long, device=device)
             self.pool_scores = torch.zeros(rows, tree.pool, dtype=torch.float32, device=device)
-            self.pool_from = self.tree_constants["pool_from"].expand(rows, -1).clone()
             self.frontier = torch.full((rows, max(gamma - 1, 1), tree.width), -1, dtype=torch.long, device=device)
             self.block_tokens = torch.zeros(rows, tree.block, dtype=torch.long, device=device)
             self.block_bits = torch.zeros(rows, tree.block, dtype=torch.long, device=device)
@@ -250,7 +250,7 @@ class StaticEngine:
         return self.seq.gather(1, (self.n - back)[:, None])
 
     def _draft(self) -> None:  # retrieval drafts at the end of the step before (:meth:`_advance`): no draft step
-        if self.tree is not None and self.tree.width:
+        if self.grows_tree:
             draft_tree(self)
         else:
             draft(self)
@@ -357,8 +357,8 @@ class StaticEngine:
         alternatives and the retrieved continuations; with host-side rules kept in :attr:`nodes`): its logits ``[B,
         N+1, V]`` and the tree ``(tokens, parents, depths, bits, kinds)``."""
         tree = self.tree
-        pool = (self.pool_tokens, self.pool_scores, self.pool_from) if tree.width else None
-        built = tree.build(self.tree_constants, self.drafts, pool, self.frontier if tree.width else None,
+        pool = (self.pool_tokens, self.pool_scores) if self.grows_tree else None
+        built = tree.build(self.tree_constants, self.drafts, pool, self.frontier if self.grows_tree else None,
                            self.retrieved[:, : tree.retrieved] if tree.retrieved else None,
                            self.report[:, -1] > 0 if tree.retrieved else None)
         if self.spec.host:

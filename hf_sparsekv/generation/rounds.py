@@ -90,7 +90,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
-    always_tree = engine.tree is not None and engine.tree.width > 0  # draft_tree_size: every round a tree (whose
+    always_tree = engine.grows_tree  # draft_tree_size: every round a tree (whose
     # draft step first feeds the drafter what it has not read: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
