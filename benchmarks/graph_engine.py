@@ -16,6 +16,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
   NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
 
+``--profile NAME,...`` runs each named method once more under torch.profiler (CUDA time by kernel).
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
 
@@ -176,6 +177,8 @@ def main(argv=None) -> int:
     p.add_argument("--extra", default="", help="comma-separated methods added to the list (e.g. graph-ar-nocompile)")
     p.add_argument("--steps", action="store_true", help="also time captured vs eager draft/verify steps")
     p.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
+    p.add_argument("--profile", default="", help="comma-separated methods to run once more under torch.profiler "
+                   "(first context): CUDA time by kernel, written to profile-NAME.txt")
     p.add_argument("--out", default="runs/graph-engine")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -214,6 +217,10 @@ def main(argv=None) -> int:
                         identical=None if ref is None else bool(torch.equal(seq, ref)),
                         acceptance=None if stats is None else stats["acceptance_rate"],
                         tau=None if stats is None else stats["mean_accepted_length"],
+                        **({} if stats is None or not stats["rounds"] else dict(
+                            rounds=stats["rounds"], prefill_ms=1e3 * stats["prefill_seconds"],
+                            draft_ms_per_round=1e3 * stats["draft_seconds"] / stats["rounds"],
+                            verify_ms_per_round=1e3 * stats["verify_seconds"] / stats["rounds"])),
                     ))
         summary = summarize(records)
         payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
@@ -221,6 +228,12 @@ def main(argv=None) -> int:
                        records=records)
         (out / "results.json").write_text(json.dumps(payload, indent=1))  # after each context: a cut run keeps it
         print(table([r for r in summary if r["context"] == context]), flush=True)
+    for name in [n for n in args.profile.split(",") if n]:
+        context = int(args.contexts.split(",")[0])
+        path = out / f"profile-{name}.txt"
+        path.write_text(profile_method(runner(name, verifier, drafter, docs[0][None, :context].cuda(),
+                                              args.new_tokens, args.temperature), f"{name} at {context}"))
+        print(path.read_text()[:4000], flush=True)
     if args.steps:
         ids = docs[0][None, :16384].cuda()
         payload["steps_16k"] = step_times(verifier, drafter, ids, 64)
@@ -230,6 +243,27 @@ def main(argv=None) -> int:
         print("per-forward ms at 16K (γ=3):", json.dumps(payload["steps_16k"]))
     plot(summary, out / "tokens_per_second.png")
     return 0
+
+
+def profile_method(fn, label: str) -> str:
+    """torch.profiler table (CUDA time by kernel, with launch counts) of one more run of ``fn`` (compiled and captured
+    already), headed by the run's rounds and its draft / verify milliseconds per round."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, stats = fn()
+        torch.cuda.synchronize()
+    head = f"{label}: one run under torch.profiler\n"
+    if stats is not None and stats["rounds"]:
+        head += (f"rounds {stats['rounds']}, τ {stats['mean_accepted_length']:.2f}, draft "
+                 f"{1e3 * stats['draft_seconds'] / stats['rounds']:.3f} ms/round, verify "
+                 f"{1e3 * stats['verify_seconds'] / stats['rounds']:.3f} ms/round, prefill "
+                 f"{1e3 * stats['prefill_seconds']:.1f} ms\n")
+    events = prof.key_averages()
+    head += f"kernel launches: {sum(e.count for e in events if e.device_type.name == 'CUDA')}\n"
+    return head + events.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=100) + "\n"
 
 
 def summarize(records: list[dict]) -> list[dict]:
@@ -245,7 +279,9 @@ def summarize(records: list[dict]) -> list[dict]:
             acc = [r["acceptance"] for r in rs if r["acceptance"] is not None]
             tau = [r["tau"] for r in rs if r["tau"] is not None]
             ident = [r["identical"] for r in rs if r["identical"] is not None]
-            rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs),
+            per_round = {key: statistics.median([r[key] for r in rs]) for key in ("draft_ms_per_round",
+                         "verify_ms_per_round", "prefill_ms") if all(key in r for r in rs)}
+            rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs), **per_round,
                              acceptance=statistics.mean(acc) if acc else None, tau=statistics.mean(tau) if tau else None,
                              peak_gib=max(r["peak_bytes"] for r in rs) / 2**30,
                              identical=f"{sum(ident)}/{len(ident)}" if ident else "-"))
@@ -260,11 +296,13 @@ def table(rows: list[dict]) -> str:
     def f(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | peak GiB | identical to AR | runs |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | draft / verify ms a round | peak GiB "
+             "| identical to AR | runs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.0f} | {f(r['vs_hf_static'])} | "
-                     f"{f(r['vs_graph_ar'])} | {f(r['acceptance'])} | {f(r['tau'])} | {r['peak_gib']:.2f} | "
+                     f"{f(r['vs_graph_ar'])} | {f(r['acceptance'])} | {f(r['tau'])} | "
+                     f"{f(r.get('draft_ms_per_round'), '.3f')} / {f(r.get('verify_ms_per_round'), '.3f')} | {r['peak_gib']:.2f} | "
                      f"{r['identical']} | {r['runs']} |")
     return "\n".join(lines)
 
