@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hf_sparsekv.generation.acceptance import walk_tree
+from hf_sparsekv.generation.drafting import top_k
 from hf_sparsekv.generation.draft_tree import CHAIN, RETRIEVED, SIBLING, DraftTree, ancestor_bits_of, path_nodes
 from hf_sparsekv.generation.sampling import draw
 from hf_sparsekv.kernels.reference import ancestor_mask
@@ -106,6 +107,19 @@ def test_each_rows_tree_is_the_layouts(gamma, size, retrieval):
             on_path = path_nodes(bits[b : b + 1], depths[b : b + 1], torch.tensor([i]), gamma)[0].tolist()
             assert on_path[: ref[2][i]] == sorted(path)[1:]
     assert grown or gamma == 1 or layout.size - gamma < 8 or not layout.width  # paths off the chain are kept
+
+
+@pytest.mark.parametrize("shape, k", [((2, 4, 128256), 4), ((1, 50000), 57), ((3, 4097), 7), ((2, 100), 3)])
+def test_top_k_over_a_vocabulary_equals_torch_topk(shape, k):
+    """The drafter's two-stage top-k over a vocabulary: the values of one ``torch.topk``, largest first, at distinct
+    indices that hold them, also with many ties (integer scores) and a -inf (the chain's own token)."""
+    g = torch.Generator().manual_seed(sum(shape) + k)
+    for x in (torch.randn(shape, generator=g), torch.randint(-3, 4, shape, generator=g).float()):
+        x[..., 5] = float("-inf")
+        got, want = top_k(x, k), x.topk(k, dim=-1)
+        assert torch.equal(got.values, want.values)
+        assert torch.equal(x.gather(-1, got.indices), got.values)
+        assert (got.indices.sort(-1).values.diff(dim=-1) > 0).all()
 
 
 def test_chain_only_layouts_are_none_and_retrieval_alone_is_two_chains():

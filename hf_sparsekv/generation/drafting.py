@@ -17,6 +17,7 @@ vocabulary differs from the verifier's by padding reads an id it lacks as id 0 a
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ..caches.chunk_selection import ChunkSelection
 from ..caches.static import (
@@ -123,7 +124,7 @@ def draft_tree(engine) -> None:
     logq, token = _scored(engine, logits.gather(1, at.expand(-1, 1, logits.shape[-1])), 0)
     engine.held.copy_(engine.n)
     engine.drafts[:, :1].copy_(token[:, None])
-    best = logq[:, 0].scatter(1, token[:, None], float("-inf")).topk(first, dim=1)
+    best = top_k(logq[:, 0].scatter(1, token[:, None], float("-inf")), first)
     engine.pool_tokens[:, :first].copy_(best.indices)
     engine.pool_scores[:, :first].copy_(best.values)
     chain_score = logq[:, 0].gather(1, token[:, None])  # [B, 1]
@@ -151,13 +152,31 @@ def draft_tree(engine) -> None:
         engine.drafts[:, d : d + 1].copy_(token[:, None])
         children = logq + f_scores[:, :, None]  # [B, W, V]: the path's log-probability
         on_chain = children[:, 0].scatter(1, token[:, None], float("-inf"))
-        best = torch.cat([on_chain[:, None], children[:, 1:]], 1).topk(width, dim=-1)
+        best = top_k(torch.cat([on_chain[:, None], children[:, 1:]], 1), width)
         at = first + (d - 1) * width**2
         engine.pool_tokens[:, at : at + width**2].copy_(best.indices.flatten(1))
         engine.pool_scores[:, at : at + width**2].copy_(best.values.flatten(1))
         chain_score = children[:, 0].gather(1, token[:, None])
     if gamma > 1:  # the block is done with: no later step of the drafter sees it
         cache.forget(torch.zeros_like(engine.block_bits, dtype=torch.bool))
+
+
+TOPK_SLICE = 2048  # entries per slice of top_k's first stage
+
+
+def top_k(x: torch.Tensor, k: int):
+    """``x.topk(k, dim=-1)`` over a long last dimension (a vocabulary), in two stages: the top k of each slice of
+    TOPK_SLICE entries, then the top k of those. The same values, largest first; among equal values the indices may
+    differ. (One topk over a vocabulary runs a thread block per row: tens of µs for the few rows of a tree's
+    frontier; the first stage gives the GPU a block per slice.) ``x`` has at least k entries above -inf per row."""
+    v = x.shape[-1]
+    if v <= 2 * TOPK_SLICE or k > TOPK_SLICE:
+        return x.topk(k, dim=-1)
+    slices = -(-v // TOPK_SLICE)
+    local = F.pad(x, (0, slices * TOPK_SLICE - v), value=float("-inf")).unflatten(-1, (slices, TOPK_SLICE)).topk(k, dim=-1)
+    starts = torch.arange(0, slices * TOPK_SLICE, TOPK_SLICE, device=x.device)[:, None]
+    best = local.values.flatten(-2).topk(k, dim=-1)
+    return torch.return_types.topk((best.values, (local.indices + starts).flatten(-2).gather(-1, best.indices)))
 
 
 def _drafter_logits(engine, tokens: torch.Tensor, positions: torch.Tensor, keep, bits: torch.Tensor | None = None):
