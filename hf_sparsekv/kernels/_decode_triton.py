@@ -585,11 +585,8 @@ def decode_split_kernel(
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
-    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr, GDC: tl.constexpr,
+    ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
 ):
-    if GDC:  # a dependent launch: everything this kernel reads may come from the kernels before it
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     pid_s = tl.program_id(1)  # axis 0: the row blocks of one split and KV head run side by side (they read the same
     kvh = tl.program_id(2)  # keys, which they can then share through L2)
     if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
@@ -646,12 +643,9 @@ def decode_split_kernel(
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr, GDC: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
 ):
     """One program per (KV head, query row): merge the NS split results by their base-2 log-sum-exp."""
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     kvh = tl.program_id(0)
     row = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)

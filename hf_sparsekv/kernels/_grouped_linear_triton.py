@@ -7,25 +7,17 @@ import triton.language as tl
 @triton.jit
 def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
              HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, WIDEN: tl.constexpr, GDC: tl.constexpr):
+             EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
     """``Y[:, cols] = X @ W[cols].T (+ B[cols])`` for the ``BLOCK_N`` columns of block ``col_block``, over all of K.
-    One row (BLOCK_M == 1): products accumulated per input channel, one reduction at the end; with GDC (a dependent
-    launch) the first weight tile is read before waiting for the kernel that wrote X. Several rows: tensor cores,
-    the rows padded to BLOCK_M."""
+    One row (BLOCK_M == 1): products accumulated per input channel, one reduction at the end. Several rows: tensor
+    cores, the rows padded to BLOCK_M."""
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
     w_ptrs = W + cols[:, None].to(tl.int64) * K + ks[None, :]
     if BLOCK_M == 1:
-        k_ok = ks < K  # the first tile is loaded first and used last: its loads overlap the wait and the loop's
-        w_first = tl.load(w_ptrs, mask=col_ok[:, None] & k_ok[None, :], other=0.0, eviction_policy="evict_first")
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        x_first = tl.load(X + ks, mask=k_ok, other=0.0)
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_ptrs += BLOCK_K
-        for k0 in range(BLOCK_K, K, BLOCK_K):
+        for k0 in range(0, K, BLOCK_K):
             if EVEN_K:
                 w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0, eviction_policy="evict_first")
                 x = tl.load(X + k0 + ks)
@@ -35,13 +27,9 @@ def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
                 x = tl.load(X + k0 + ks, mask=k_ok, other=0.0)
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
-        acc += w_first.to(tl.float32) * x_first.to(tl.float32)[None, :]
         out = tl.sum(acc, axis=1)[None, :]
         rows = tl.arange(0, 1)
     else:
-        if GDC:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
         x_ptrs = X + rows[:, None] * stride_xm + ks[None, :]
@@ -70,13 +58,13 @@ def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
 def grouped_linear_kernel(
     X, W0, W1, W2, B0, B1, B2, Y0, Y1, Y2, M, K, N0, N1, N2, stride_xm,
     NB0, NB1, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WIDEN: tl.constexpr, GDC: tl.constexpr,
+    BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WIDEN: tl.constexpr,
 ):
     """Programs ``[0, NB0)`` compute weight 0's columns, the next ``NB1`` weight 1's, the rest weight 2's."""
     pid = tl.program_id(0)
     if pid < NB0:
-        _columns(X, W0, B0, Y0, pid, M, K, N0, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN, GDC)
+        _columns(X, W0, B0, Y0, pid, M, K, N0, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
     elif pid < NB0 + NB1:
-        _columns(X, W1, B1, Y1, pid - NB0, M, K, N1, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN, GDC)
+        _columns(X, W1, B1, Y1, pid - NB0, M, K, N1, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
     else:
-        _columns(X, W2, B2, Y2, pid - NB0 - NB1, M, K, N2, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN, GDC)
+        _columns(X, W2, B2, Y2, pid - NB0 - NB1, M, K, N2, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)

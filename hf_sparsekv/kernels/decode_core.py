@@ -346,8 +346,6 @@ def launch_decode(
         pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
     else:
         pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
-    pdl = runtime.dependent_launch(q.device)
-    pdl_launch = {"launch_pdl": True} if pdl else {}
     decode_split_kernel[(math.ceil(rows / block_m), n_splits, hkv)](
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
@@ -362,16 +360,15 @@ def launch_decode(
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
-        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None, GDC=pdl,
+        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
         num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
-        **pdl_launch,
     )
     if not final:
         combine_kernel[(hkv, rows)](
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
-            GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, GDC=pdl, num_warps=4,
-            **runtime.LAUNCH_OPTIONS, **pdl_launch,
+            GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
+            **runtime.LAUNCH_OPTIONS,
         )
     return out.unsqueeze(0)
 

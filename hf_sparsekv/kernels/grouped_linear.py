@@ -116,12 +116,10 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
     b3 = (list(biases) + [biases[0]] * pad) if biases else w3  # unread without HAS_BIAS
     n3 = ns + [0] * pad
     nb = blocks + [0] * pad
-    pdl = runtime.dependent_launch(x.device)
     grouped_linear_kernel[(sum(blocks),)](
         flat, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
         NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=16 if rows > 1 else 1, BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), GDC=pdl, num_warps=warps, num_stages=stages,
-        **runtime.LAUNCH_OPTIONS, **({"launch_pdl": True} if pdl else {}),
+        WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages, **runtime.LAUNCH_OPTIONS,
     )
     return [o.reshape(*x.shape[:-1], n) for o, n in zip(outs, ns)]

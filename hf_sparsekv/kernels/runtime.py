@@ -6,8 +6,6 @@ Nothing here imports Triton at module import time, so the package imports on mac
   imports, False on CPU, unless overridden by :func:`use_kernels` (a context manager) or the environment variable
   ``HF_SPARSEKV_KERNELS`` (``0`` = never, ``1`` = always, also on CPU, which needs ``TRITON_INTERPRET=1``).
 * :func:`require` raises a clear error when a kernel is called where it cannot run.
-* :func:`dependent_launch` ``(device)``: whether the package's kernels launch as programmatic dependent launches
-  (Hopper and later; ``HF_SPARSEKV_PDL=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -105,23 +103,6 @@ def require(*tensors: torch.Tensor) -> None:
                 f"the hf_sparsekv Triton kernels run on CUDA tensors (got a tensor on {t.device}); on CPU set "
                 "TRITON_INTERPRET=1 (tests) or use the PyTorch reference"
             )
-
-
-def dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on ``device`` launch with programmatic dependent launch (PDL, compute capability 9.0+): such a
-    kernel may start while the kernel before it in the stream drains. Each kernel of the package then waits
-    (``gdc_wait``) before it reads anything an earlier kernel may have written (reading weights before is allowed)
-    and before it writes anything, and lets the next kernel launch (``gdc_launch_dependents``) right after. Off
-    under the interpreter, on CPU, on older GPUs, and with ``HF_SPARSEKV_PDL=0``."""
-    value = os.environ.get("HF_SPARSEKV_PDL", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"HF_SPARSEKV_PDL must be '0' or '1', got {value!r}")
-    return value == "1" and device.type == "cuda" and not interpreting() and _capability(device.index) >= 9
-
-
-@functools.lru_cache(maxsize=None)
-def _capability(index: int | None) -> int:
-    return torch.cuda.get_device_capability(index)[0]
 
 
 def on_input_device(fn):
