@@ -152,6 +152,7 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
                     out[L][_step_name(label, name)] = (t / gamma if name == "draft" else t,
                                                        torch.cuda.max_memory_allocated())
                 print(f"  {label} {L}: " + " ".join(f"{k}={v[0] * 1e3:.2f}ms" for k, v in out[L].items()), flush=True)
+        del engine  # else its caches stay alive while the next engine allocates its own (and count in its peak)
     _free()
     return out
 
