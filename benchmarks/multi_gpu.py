@@ -94,6 +94,7 @@ def step_times(verifier, drafter, contexts: list[int], args) -> dict[int, dict[s
             assert engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
             if len(engine.devices) != len({p.device for p in verifier.parameters()}):
                 raise RuntimeError(f"the engine spans devices {engine.devices}")
+            del engine  # freed before the next engine allocates
     _free()
     return out
 

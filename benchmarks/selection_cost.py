@@ -63,6 +63,7 @@ def main(argv=None) -> int:
             with torch.no_grad(), static_attention_for(model):
                 engine = static_engine.engine_for(model, drafter, mode, budget, 5, L + 64, 64, False)
                 seconds, peak = prefill_seconds(engine, ids, args.repeats)
+            del engine  # else its caches stay alive while the next engine allocates (and count in its peak)
             row[label] = {"seconds": seconds, "peak_gib": peak / 2**30}
             print(f"{L}: {label}: {seconds * 1e3:.1f} ms, peak {peak / 2**30:.1f} GiB", flush=True)
         alone, chunk = row["prefill alone"]["seconds"], row["prefill + chunk selection"]["seconds"]
