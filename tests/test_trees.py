@@ -11,7 +11,7 @@ import functools
 import pytest
 import torch
 
-from hf_sparsekv.generation import engine as static_engine
+from hf_sparsekv.generation import drafting, engine as static_engine
 from hf_sparsekv.generation.draft_tree import SIBLING
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
@@ -92,7 +92,11 @@ def test_self_drafting_trees_are_greedy(mode):
     assert out.spec_stats.sibling_rounds > 0 and static_engine.current_engine(verifier).drafter is verifier
 
 
-def test_trees_in_a_batch_of_different_lengths():
+def test_trees_in_a_batch_of_different_lengths(monkeypatch):
+    """A left-padded batch, each row its own tree (retrieval grafted in where a row matched): each row's greedy
+    tokens. The drafter's vocabulary top-k runs its two stages here (slices of 8 ids; the tiny vocabulary would
+    otherwise take one ``torch.topk``)."""
+    monkeypatch.setattr(drafting, "TOPK_SLICE", 8)
     verifier, drafter = tiny_model("qwen2"), _near_drafter("qwen2")
     prompts = [_repetitive_prompt(3), prompt(9, 5), prompt(30, 6)]
     ids, mask = left_padded(prompts)
