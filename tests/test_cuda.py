@@ -283,8 +283,8 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
         assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
 
 
-# Each of the tree tests below compiles its own steps (20-100 s a mode on the device's shared host): the default
-# CUDA suite takes the chunk drafter, make test-cuda-slow the window and full ones.
+# Each case below compiles its own steps (20-100 s a mode on the device's shared host): the default CUDA suite takes
+# the chunk drafter, make test-cuda-slow the window and full ones.
 TREE_MODES = ["chunk", pytest.param("window", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)]
 
 
@@ -312,10 +312,15 @@ def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
         assert torch.equal(out[b, ids.shape[1] :], verifier.generate(p, **kwargs)[0, p.shape[1] :]), b
 
 
-@pytest.mark.compiled
-@pytest.mark.parametrize("mode", TREE_MODES)
+def _compiled_and_slow(mode: str):
+    return pytest.param(mode, marks=[pytest.mark.compiled, pytest.mark.slow], id=f"{mode}-compiled")
+
+
+# The default CUDA suite captures the chunk drafter's tree steps uncompiled (seconds); make test-cuda-slow compiles
+# every drafter cache's (80-270 s a mode on a cold compile cache).
+@pytest.mark.parametrize("mode", ["chunk"] + [_compiled_and_slow(m) for m in ("chunk", "window", "full")])
 def test_draft_trees_on_the_captured_engine_float32(mode):
-    """``draft_tree_size`` on the compiled, captured engine: trees of 32 nodes (grown by the drafter on its own cache
+    """``draft_tree_size`` on the captured engine (compiled in the slow cases): trees of 32 nodes (grown by the drafter on its own cache
     through the decode kernel's tree block, retrieval grafted in, one tree per batch row): greedy AR's tokens, sampled
     with top_k=1 too, and a left-padded batch."""
     from .test_trees import _near_drafter
