@@ -111,15 +111,18 @@ def test_each_rows_tree_is_the_layouts(gamma, size, retrieval):
 
 @pytest.mark.parametrize("shape, k", [((2, 4, 128256), 4), ((1, 50000), 57), ((3, 4097), 7), ((2, 100), 3)])
 def test_top_k_over_a_vocabulary_equals_torch_topk(shape, k):
-    """The drafter's two-stage top-k over a vocabulary: the values of one ``torch.topk``, largest first, at distinct
-    indices that hold them, also with many ties (integer scores) and a -inf (the chain's own token)."""
+    """The drafter's two-stage top-k over a vocabulary: the values of one ``torch.topk`` (largest first, or in any
+    order unordered), at distinct indices that hold them, also with many ties (integer scores) and a -inf (the
+    chain's own token)."""
     g = torch.Generator().manual_seed(sum(shape) + k)
     for x in (torch.randn(shape, generator=g), torch.randint(-3, 4, shape, generator=g).float()):
         x[..., 5] = float("-inf")
-        got, want = top_k(x, k), x.topk(k, dim=-1)
-        assert torch.equal(got.values, want.values)
-        assert torch.equal(x.gather(-1, got.indices), got.values)
-        assert (got.indices.sort(-1).values.diff(dim=-1) > 0).all()
+        want = x.topk(k, dim=-1)
+        for ordered in (True, False):
+            got = top_k(x, k, ordered)
+            assert torch.equal(got.values if ordered else got.values.sort(-1, descending=True).values, want.values)
+            assert torch.equal(x.gather(-1, got.indices), got.values)
+            assert (got.indices.sort(-1).values.diff(dim=-1) > 0).all()
 
 
 def test_chain_only_layouts_are_none_and_retrieval_alone_is_two_chains():

@@ -124,13 +124,14 @@ def draft_tree(engine) -> None:
     logq, token = _scored(engine, logits.gather(1, at.expand(-1, 1, logits.shape[-1])), 0)
     engine.held.copy_(engine.n)
     engine.drafts[:, :1].copy_(token[:, None])
-    best = top_k(logq[:, 0].scatter(1, token[:, None], float("-inf")), first)
+    # the pool's nodes are ranked by score wherever they are read, so no top-k of a round sorts its picks
+    best = top_k(logq[:, 0].scatter(1, token[:, None], float("-inf")), first, ordered=False)
     engine.pool_tokens[:, :first].copy_(best.indices)
     engine.pool_scores[:, :first].copy_(best.values)
     chain_score = logq[:, 0].gather(1, token[:, None])  # [B, 1]
     for d in range(1, gamma):  # depth d's frontier in the block, then its children (depth d + 1) in the pool
         lo, hi = (0, first) if d == 1 else (first + (d - 2) * width**2, first + (d - 1) * width**2)
-        alt = engine.pool_scores[:, lo:hi].topk(width - 1, dim=1)
+        alt = engine.pool_scores[:, lo:hi].topk(width - 1, dim=1, sorted=False)
         f_tokens = torch.cat([engine.drafts[:, d - 1 : d], engine.pool_tokens[:, lo:hi].gather(1, alt.indices)], 1)
         f_scores = torch.cat([chain_score, alt.values], 1)  # [B, W]
         j = (d - 1) * width
@@ -152,7 +153,7 @@ def draft_tree(engine) -> None:
         engine.drafts[:, d : d + 1].copy_(token[:, None])
         children = logq + f_scores[:, :, None]  # [B, W, V]: the path's log-probability
         on_chain = children[:, 0].scatter(1, token[:, None], float("-inf"))
-        best = top_k(torch.cat([on_chain[:, None], children[:, 1:]], 1), width)
+        best = top_k(torch.cat([on_chain[:, None], children[:, 1:]], 1), width, ordered=False)
         at = first + (d - 1) * width**2
         engine.pool_tokens[:, at : at + width**2].copy_(best.indices.flatten(1))
         engine.pool_scores[:, at : at + width**2].copy_(best.values.flatten(1))
@@ -164,18 +165,20 @@ def draft_tree(engine) -> None:
 TOPK_SLICE = 2048  # entries per slice of top_k's first stage
 
 
-def top_k(x: torch.Tensor, k: int):
-    """``x.topk(k, dim=-1)`` over a long last dimension (a vocabulary), in two stages: the top k of each slice of
-    TOPK_SLICE entries, then the top k of those. The same values, largest first; among equal values the indices may
-    differ. (One topk over a vocabulary runs a thread block per row: tens of µs for the few rows of a tree's
-    frontier; the first stage gives the GPU a block per slice.) ``x`` has at least k entries above -inf per row."""
+def top_k(x: torch.Tensor, k: int, ordered: bool = True):
+    """``x.topk(k, dim=-1, sorted=ordered)`` over a long last dimension (a vocabulary), in two stages: the top k of
+    each slice of TOPK_SLICE entries, then the top k of those. The same values (largest first where ``ordered``,
+    else in any order: no sort kernel); among equal values the indices may differ. (One topk over a vocabulary runs
+    a thread block per row: tens of µs for the few rows of a tree's frontier; the first stage gives the GPU a block
+    per slice.) ``x`` has at least k entries above -inf per row."""
     v = x.shape[-1]
     if v <= 2 * TOPK_SLICE or k > TOPK_SLICE:
-        return x.topk(k, dim=-1)
+        return x.topk(k, dim=-1, sorted=ordered)
     slices = -(-v // TOPK_SLICE)
-    local = F.pad(x, (0, slices * TOPK_SLICE - v), value=float("-inf")).unflatten(-1, (slices, TOPK_SLICE)).topk(k, dim=-1)
+    local = F.pad(x, (0, slices * TOPK_SLICE - v), value=float("-inf")).unflatten(-1, (slices, TOPK_SLICE)).topk(
+        k, dim=-1, sorted=False)
     starts = torch.arange(0, slices * TOPK_SLICE, TOPK_SLICE, device=x.device)[:, None]
-    best = local.values.flatten(-2).topk(k, dim=-1)
+    best = local.values.flatten(-2).topk(k, dim=-1, sorted=ordered)
     return torch.return_types.topk((best.values, (local.indices + starts).flatten(-2).gather(-1, best.indices)))
 
 
