@@ -26,7 +26,8 @@ import torch.nn.functional as F
 
 from . import runtime
 
-MAX_ROWS = 16  # rows up to which one pass over the weight serves every row (tensor cores pad the rows to 16)
+ROUTED_ROWS = 16  # rows up to which the compiled steps take the kernel (worth_it)
+MAX_ROWS = 64  # rows up to which one pass over the weight serves every row (tensor cores pad them to 16, 32 or 64)
 MAX_WEIGHTS = 3
 
 
@@ -73,17 +74,26 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
     the GPU by columns alone). From a sweep on the H100 (``benchmarks/linear_kernels.py --sweep``)."""
     if rows == 1:
         block_n, floor, wanted, block_k, warps = 32, 8, 4 * sm_count, 512, 8
-    else:
+    elif rows <= 16:
         block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 256, 4
+    else:  # 32 or 64 padded rows: a shorter K tile keeps three stages of x and w in shared memory
+        block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 128, 4
     while block_n > floor and n_total // block_n < wanted:
         block_n //= 2
     return block_n, block_k, warps, 3
+
+
+def block_rows(rows: int) -> int:
+    """The kernel's row tile: 1 (the FMA route), else the rows padded to a tensor-core tile of 16, 32 or 64."""
+    return 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
 
 
 def worth_it(rows: int, shapes: list[tuple[int, int]]) -> bool:
     """Whether the kernel beats cuBLAS on these weights ``(N, K)`` (H100 sweep): always for several weights and for
     one row; for one weight and several rows only when it is wide (N ≥ 2K, an output projection): a narrow one
     (an MLP's down projection) gives too few column blocks without splitting K."""
+    if rows > ROUTED_ROWS:
+        return False
     return len(shapes) > 1 or rows == 1 or shapes[0][0] >= 2 * shapes[0][1]
 
 
@@ -118,7 +128,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
     nb = blocks + [0] * pad
     grouped_linear_kernel[(sum(blocks),)](
         flat, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
-        NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=16 if rows > 1 else 1, BLOCK_N=block_n,
+        NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=block_rows(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages, **runtime.LAUNCH_OPTIONS,
     )
