@@ -26,8 +26,7 @@ import torch.nn.functional as F
 
 from . import runtime
 
-ROUTED_ROWS = 16  # rows up to which the compiled steps take the kernel (worth_it)
-MAX_ROWS = 64  # rows up to which one pass over the weight serves every row (tensor cores pad them to 16, 32 or 64)
+MAX_ROWS = 32  # rows up to which one pass over the weight serves every row (tensor cores pad them to 16 or 32)
 MAX_WEIGHTS = 3
 
 
@@ -76,7 +75,7 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
         block_n, floor, wanted, block_k, warps = 32, 8, 4 * sm_count, 512, 8
     elif rows <= 16:
         block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 256, 4
-    else:  # 32 or 64 padded rows: a shorter K tile keeps three stages of x and w in shared memory
+    else:  # 32 padded rows: a shorter K tile
         block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 128, 4
     while block_n > floor and n_total // block_n < wanted:
         block_n //= 2
@@ -84,7 +83,7 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
 
 
 def block_rows(rows: int) -> int:
-    """The kernel's row tile: 1 (the FMA route), else the rows padded to a tensor-core tile of 16, 32 or 64."""
+    """The kernel's row tile: 1 (the FMA route), else the rows padded to a tensor-core tile of 16 or 32."""
     return 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
 
 
@@ -92,8 +91,6 @@ def worth_it(rows: int, shapes: list[tuple[int, int]]) -> bool:
     """Whether the kernel beats cuBLAS on these weights ``(N, K)`` (H100 sweep): always for several weights and for
     one row; for one weight and several rows only when it is wide (N ≥ 2K, an output projection): a narrow one
     (an MLP's down projection) gives too few column blocks without splitting K."""
-    if rows > ROUTED_ROWS:
-        return False
     return len(shapes) > 1 or rows == 1 or shapes[0][0] >= 2 * shapes[0][1]
 
 
