@@ -114,7 +114,7 @@ def _fits(config, rows: int) -> bool:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6, 16])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 6, 16, 24, 32])
     p.add_argument("--dtype", choices=["bfloat16", "float16"], default="bfloat16")
     p.add_argument("--layer-bytes", type=float, default=0.4e9, help="weight bytes each graph reads (> L2)")
     p.add_argument("--repeats", type=int, default=20)
