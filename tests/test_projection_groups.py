@@ -12,7 +12,7 @@ import torch
 
 from hf_sparsekv.generation import graph_steps
 from hf_sparsekv.generation.projection_groups import group_projections
-from hf_sparsekv.kernels import runtime
+from hf_sparsekv.kernels import grouped_linear, runtime
 
 from .conftest import prompt, tiny_model
 
@@ -82,7 +82,8 @@ def test_float32_and_wide_batches_keep_cublas():
     with _kernels_run(True):
         assert group_projections(gm) == 0
     model = _model("llama", torch.bfloat16)
-    (gm, _), _ = _traced(model, prompt(17, seed=0))  # 17 rows: more than one pass over the weight serves
+    rows = grouped_linear.MAX_ROWS + 1  # more rows than one pass over the weight serves
+    (gm, _), _ = _traced(model, prompt(rows, seed=0))
     with _kernels_run(True):
         assert group_projections(gm) == 0
 
