@@ -60,3 +60,70 @@ def test_codes_are_converted_in_the_dot_operand_layout(kernel_asm):
     assert found == {("float16", "int4"): 2, ("float16", "int8"): 4, ("bfloat16", "int4"): 2, ("bfloat16", "int8"): 4}
     with decode_core.quant_config(asm_codes=False):
         assert count(torch.bfloat16, "int8") == 0 and count(torch.float16, "int8") == 4
+
+
+# shared memory a block may use (opt-in maximum): A100, RTX 30xx/40xx and L4 (Ampere/Ada consumer), H100
+SHARED_LIMIT = {80: 166912, 86: 101376, 90: 232448}
+
+
+class _GpuWithLimit:
+    """Stands in for a JIT kernel on a GPU of ``arch``: each call compiles the kernel for that architecture (Triton's
+    compiler and ptxas, no GPU) and raises ``OutOfResources`` where it needs more shared memory than the GPU gives a
+    block, as loading it on that GPU does; else records the settings it would run with."""
+
+    def __init__(self, kernel_asm, fn, arch: int):
+        self.kernel_asm, self.fn, self.arch, self.tried, self.ran = kernel_asm, fn, arch, [], []
+
+    def __getitem__(self, grid):
+        from triton.runtime.errors import OutOfResources
+
+        def call(*args, **kwargs):
+            shared = self.kernel_asm.compile_for(self.fn, (grid, args, kwargs), self.arch).metadata.shared
+            self.tried.append((kwargs["num_stages"], shared))
+            if shared > SHARED_LIMIT[self.arch]:
+                raise OutOfResources(shared, SHARED_LIMIT[self.arch], "shared memory")
+            self.ran.append((kwargs["num_stages"], shared))
+        return call
+
+
+def test_kernels_launch_with_fewer_stages_where_the_gpu_has_less_shared_memory(kernel_asm, monkeypatch):
+    """The launch settings were tuned on an H100. On a GPU with less shared memory a block (99 KiB on Ampere/Ada
+    consumer cards) a setting that does not fit runs with fewer pipeline stages instead of failing: the decode
+    kernel for a batch of 4 rows with 6 queries at Llama-3-8B's shape (4 stages tuned), the grouped GEMV at 16 rows
+    with a deep setting, and the grouped GEMV's own setting for an MLP's gate/up at 6 rows on an H100. Each ends
+    running a kernel that fits, the first two with fewer stages than asked; the chosen stages are remembered."""
+    import torch
+
+    from hf_sparsekv.kernels import _decode_triton, _grouped_linear_triton, decode_core, grouped_linear, runtime
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(runtime, "require", lambda *tensors: None)  # CPU tensors: nothing runs
+    monkeypatch.setattr(runtime, "_FITTED_STAGES", {})
+    split_fn, combine_fn, grouped_fn = (_decode_triton.decode_split_kernel, _decode_triton.combine_kernel,
+                                        _grouped_linear_triton.grouped_linear_kernel)
+
+    def decode(arch, split=None):
+        split = split or _GpuWithLimit(kernel_asm, split_fn, arch)
+        monkeypatch.setattr(decode_core, "_kernels", lambda: (split, _GpuWithLimit(kernel_asm, combine_fn, arch)))
+        q = torch.zeros(4, 32, 6, 128, dtype=torch.bfloat16)
+        k = torch.zeros(4, 8, 4096, 128, dtype=torch.bfloat16)
+        decode_core.launch_decode(q, 0.1, k, k, fp_length=torch.full((4,), 4096, dtype=torch.int32))
+        return split
+
+    def grouped(arch, rows, ns, config=None):
+        kernel = _GpuWithLimit(kernel_asm, grouped_fn, arch)
+        monkeypatch.setattr(_grouped_linear_triton, "grouped_linear_kernel", kernel)
+        x = torch.zeros(rows, 4096, dtype=torch.bfloat16)
+        grouped_linear.launch(x, [torch.zeros(n, 4096, dtype=torch.bfloat16) for n in ns], [], config=config)
+        return kernel
+
+    consumer = decode(86)
+    for kernel, fewer in ((consumer, True), (grouped(86, 16, (4096,), config=(64, 256, 4, 4)), True),
+                          (grouped(90, 6, (14336, 14336)), False)):
+        asked = kernel.tried[0][0]
+        (stages, shared), = kernel.ran
+        assert shared <= SHARED_LIMIT[kernel.arch] and 1 <= stages <= asked
+        assert stages < asked or not fewer
+    tries = len(consumer.tried)
+    decode(86, consumer)  # the same kernel and settings again: the stages that fit, at once
+    assert len(consumer.tried) == tries + 1 and consumer.ran[1] == consumer.ran[0]

@@ -346,7 +346,8 @@ def launch_decode(
         pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
     else:
         pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
-    decode_split_kernel[(math.ceil(rows / block_m), n_splits, hkv)](
+    runtime.launch(
+        decode_split_kernel, (math.ceil(rows / block_m), n_splits, hkv),
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
@@ -365,7 +366,8 @@ def launch_decode(
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
     if not final:
-        combine_kernel[(hkv, rows)](
+        runtime.launch(
+            combine_kernel, (hkv, rows),
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
             GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
             **runtime.LAUNCH_OPTIONS,

@@ -123,7 +123,8 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
     b3 = (list(biases) + [biases[0]] * pad) if biases else w3  # unread without HAS_BIAS
     n3 = ns + [0] * pad
     nb = blocks + [0] * pad
-    grouped_linear_kernel[(sum(blocks),)](
+    runtime.launch(
+        grouped_linear_kernel, (sum(blocks),),
         flat, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
         NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=block_rows(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0,

@@ -6,6 +6,8 @@ Nothing here imports Triton at module import time, so the package imports on mac
   imports, False on CPU, unless overridden by :func:`use_kernels` (a context manager) or the environment variable
   ``HF_SPARSEKV_KERNELS`` (``0`` = never, ``1`` = always, also on CPU, which needs ``TRITON_INTERPRET=1``).
 * :func:`require` raises a clear error when a kernel is called where it cannot run.
+* :func:`launch` launches a kernel with fewer pipeline stages where its settings need more shared memory than the
+  GPU has.
 """
 
 from __future__ import annotations
@@ -103,6 +105,41 @@ def require(*tensors: torch.Tensor) -> None:
                 f"the hf_sparsekv Triton kernels run on CUDA tensors (got a tensor on {t.device}); on CPU set "
                 "TRITON_INTERPRET=1 (tests) or use the PyTorch reference"
             )
+
+
+_FITTED_STAGES: dict = {}  # (kernel, device, settings) -> the pipeline stages that fit the device's shared memory
+
+
+def launch(kernel, grid, *args, **kwargs) -> None:
+    """``kernel[grid](*args, **kwargs)``, with fewer pipeline stages (``num_stages``) where the compiled kernel needs
+    more shared memory than the device gives a block. Triton raises ``OutOfResources`` for that when it loads the
+    kernel, before anything runs on the GPU; the settings here were tuned on an H100 (227 KiB a block), while Ampere
+    and Ada consumer GPUs give 99 KiB, and Triton releases differ in what a setting takes. The stages that fit are
+    remembered per kernel, device and settings, so the retry happens once (in a captured step's warm-up, never in the
+    capture). Raises ``NotImplementedError`` where one stage does not fit either."""
+    from triton.runtime.errors import OutOfResources
+
+    key, stages = None, kwargs.get("num_stages")
+    if _FITTED_STAGES:  # some launch needed fewer stages (where every setting fits, no key is built per launch)
+        key = _fitting_key(kernel, kwargs)
+        stages = _FITTED_STAGES.get(key, stages)
+    while True:
+        try:
+            kernel[grid](*args, **(kwargs if stages == kwargs.get("num_stages") else {**kwargs, "num_stages": stages}))
+        except OutOfResources as err:
+            if not stages or stages <= 1:
+                raise NotImplementedError(f"the hf_sparsekv kernel {getattr(kernel, '__name__', kernel)} does not "
+                                          f"fit this GPU's shared memory ({err})") from err
+            stages -= 1
+            continue
+        if stages != kwargs.get("num_stages"):
+            _FITTED_STAGES[key or _fitting_key(kernel, kwargs)] = stages
+        return
+
+
+def _fitting_key(kernel, kwargs: dict) -> tuple:
+    device = torch.cuda.current_device() if torch.cuda.is_available() and not interpreting() else None
+    return kernel, device, tuple(sorted(kwargs.items()))
 
 
 def on_input_device(fn):
