@@ -12,10 +12,9 @@ forward per depth reads the frontiers so far (depth d's at block slots ``(d-1)·
 nodes) as a tree block on its compressed cache, so a round takes γ drafter forwards, as the chain does. Every
 node the drafter scored off its chain joins the *pool*: the root's ``first`` best children other than the chain's,
 then for each deeper frontier node its W best children (the chain node's other than the chain's) at the pool slots
-``first + (d-2)·W² + w·W + k`` (depth d, frontier node w, its children k = 0..W-1 in no particular order); ``from`` holds each pool node's parent as its
-frontier slot w (0: the chain node, or the root at depth 1; a constant of the layout, ``pool_from``),
-``frontier [B, γ-1, W]`` each frontier node's pool slot
-(-1 for the chain's).
+``first + (d-2)·W² + w·W + k`` (depth d, frontier node w, its children k = 0..W-1 in no particular order);
+``from`` holds each pool node's parent as its frontier slot w (0: the chain node, or the root at depth 1; a constant
+of the layout, ``pool_from``), ``frontier [B, γ-1, W]`` each frontier node's pool slot (-1 for the chain's).
 
 **Layout** (``N`` draft nodes, the block ``N + 1`` with the root; node ``i`` at slot ``n - 1 + i`` of the verifier's
 full cache and at position ``n - 1 + depth(i)``):

@@ -108,8 +108,9 @@ def draft(engine) -> None:
 
 def draft_tree(engine) -> None:
     """A tree round's drafting (:mod:`.draft_tree`, ``draft_tree_size``): the chain ``engine.drafts [B, γ]`` (and,
-    sampling, its distributions ``engine.q``), the pool of other nodes (``pool_tokens / pool_scores [B, P]``) and the frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not
-    read, from ``held`` up to the root ``seq[n-1]`` (the last round's kept path, so no catch-up step runs), then one
+    sampling, its distributions ``engine.q``), the pool of other nodes (``pool_tokens / pool_scores [B, P]``) and the
+    frontiers (``frontier [B, γ-1, W]``), in γ drafter forwards: first the tokens the drafter has not read, from
+    ``held`` up to the root ``seq[n-1]`` (the last round's kept path, so no catch-up step runs), then one
     forward of the tree block per further depth. The block's slots are marked empty afterwards (the next round
     feeds the kept path at its positions), and the catch-up's tokens past the root are never seen. Depth d's forward
     reads the block's first d·W nodes (each block holds the one before it: the same slots, on a ring the last ones

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
+from .decode_core import _block_m
 
 MAX_ROWS = 32  # rows up to which one pass over the weight serves every row (tensor cores pad them to 16 or 32)
 MAX_WEIGHTS = 3
@@ -84,7 +85,7 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
 
 def block_rows(rows: int) -> int:
     """The kernel's row tile: 1 (the FMA route), else the rows padded to a tensor-core tile of 16 or 32."""
-    return 1 if rows == 1 else max(16, 1 << (rows - 1).bit_length())
+    return 1 if rows == 1 else _block_m(rows)
 
 
 def worth_it(rows: int, shapes: list[tuple[int, int]]) -> bool:
@@ -128,6 +129,7 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
         flat, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
         NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=block_rows(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages, **runtime.LAUNCH_OPTIONS,
+        WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages,
+        **runtime.LAUNCH_OPTIONS,
     )
     return [o.reshape(*x.shape[:-1], n) for o, n in zip(outs, ns)]
