@@ -580,7 +580,7 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb, SPLIT_BASE,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
@@ -634,7 +634,7 @@ def decode_split_kernel(
                      TREE)
     else:
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
-                 pid_s, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
+                 pid_s, FSPLIT_TOKENS, scale_log2, pid_s + SPLIT_BASE, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                  SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
                      TREE)

@@ -40,11 +40,18 @@ import os
 
 import torch
 
-from . import runtime
+from . import quant_gluon, runtime
 
 LOG2E = 1.4426950408889634
 
 # Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment):
+# * kernel: "gluon" runs the quantized segment by the Gluon kernel of quant_gluon where it can (CUDA, float16/
+#   bfloat16, head_dim 64/128), one warp and 8 query rows per program, ``gluon_int4`` / ``gluon_int8`` = (tokens per
+#   block, cp.async ring stages) per view, ``gluon_per_sm`` programs per SM and ``gluon_min_split`` tokens per split
+#   at least (fill as below); "triton" (and any launch Gluon cannot take) the Triton kernel's paths below. H200 sweep,
+#   Llama-3-8B shape, fp16, 64K / 128K (2026-11-27): INT4 47 / 68 µs at (64, 2) against 60 / 92 µs without the ring
+#   and 120 / 196 µs on the Triton kernel; INT8 68 / 108 µs at (32, 3) (117 / 203 at (64, 2), spilling); 6 or 12
+#   programs per SM lost to 8 (benchmarks/results/quant-gluon-h200-2026-11-27/);
 # * path: "dot" = tensor-core tiles (query rows padded to 16); "vec" = registers only, broadcast multiply + sum, used
 #   when the query rows per KV head (group x L) are at most ``vec_max_rows`` (<= 4), else "dot";
 # * qblock: tokens per block (the largest of these dividing the group size); num_warps; num_stages (pipelining);
@@ -74,7 +81,7 @@ LOG2E = 1.4426950408889634
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
+    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8, path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
     fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
@@ -147,6 +154,14 @@ def _validated(cfg: dict) -> dict:
     unknown = set(cfg) - set(QUANT_CONFIG)
     if unknown:
         raise ValueError(f"unknown quantized-attention launch settings {sorted(unknown)}; known: {sorted(QUANT_CONFIG)}")
+    for view in ("gluon_int4", "gluon_int8"):
+        if view in cfg:
+            block, stages = cfg[view]
+            if block not in (32, 64) or stages not in (0, 2, 3, 4):
+                raise ValueError(f"{view} must be (tokens per block 32 or 64, stages 0, 2, 3 or 4), got {cfg[view]!r}")
+            cfg[view] = (int(block), int(stages))
+    if cfg.get("kernel", "gluon") not in ("gluon", "triton"):
+        raise ValueError(f"kernel must be 'gluon' or 'triton', got {cfg['kernel']!r}")
     if cfg.get("path", "dot") not in ("dot", "vec"):
         raise ValueError(f"path must be 'dot' or 'vec', got {cfg['path']!r}")
     if not 0 <= int(cfg.get("vec_max_rows", 4)) <= 4:
@@ -312,13 +327,20 @@ def launch_decode(
     qcfg = QUANT_CONFIG
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
+    gluon = quant is not None and qcfg["kernel"] == "gluon" and quant_gluon.usable(q, d, group_size)
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
-        if q_min_split is None:
-            q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
-        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"], qcfg["fill_per_sm"])
+        if gluon:  # one warp per program, 8 query rows: whole key groups per split
+            programs = hkv * math.ceil(rows / quant_gluon.ROWS)
+            qsplit = _split_tokens(t_q, programs, group_size, device, q_min_split or qcfg["gluon_min_split"],
+                                   qcfg["gluon_per_sm"], qcfg["gluon_per_sm"])
+        else:
+            if q_min_split is None:
+                q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
+            qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"],
+                                   qcfg["fill_per_sm"])
         n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
         ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
         vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
@@ -327,7 +349,7 @@ def launch_decode(
         ku = kl = vu = vl = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
         ks = kz = vs = vz = k
     n_splits = n_qsplits + n_fsplits
-    final = n_splits == 1
+    final = n_splits == 1 and not gluon
     out = torch.empty(length, hq, d, dtype=q.dtype, device=device)
     if final:
         op = lp = out
@@ -346,8 +368,17 @@ def launch_decode(
         pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
     else:
         pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
+    split_base = 0
+    if gluon:  # the quantized splits by the Gluon kernel, then the full-precision ones below
+        if n_qsplits:
+            quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
+                                            lp, quant_length, row_heads, length,
+                                            *qcfg["gluon_int8" if int8 else "gluon_int4"])
+        split_base, n_splits_here, quant = n_qsplits, n_fsplits, None
+    else:
+        n_splits_here = n_splits
     runtime.launch(
-        decode_split_kernel, (math.ceil(rows / block_m), n_splits, hkv),
+        decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
@@ -355,7 +386,7 @@ def launch_decode(
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
-        s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0),
+        s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
