@@ -5,7 +5,7 @@ generated code before any device time is spent on it).
 The launch arguments are those :func:`hf_sparsekv.kernels.decode_core.launch_decode` passes for one decode step of a
 model shape (recorded from a call on small CPU tensors, then compiled with Triton's own ``ptxas`` for ``--arch``).
 
-Usage: ``python benchmarks/kernel_asm.py [--shape llama2-7b|llama3-8b] [--view int4|int8] [--queries 1]
+Usage: ``python benchmarks/kernel_asm.py [--gluon] [--shape llama2-7b|llama3-8b] [--view int4|int8] [--queries 1]
 [--dtype float16|bfloat16] [--config '{"path": "vec", ...}'] [--arch 90] [--sass out.sass]`` (no GPU needed).
 """
 
@@ -71,6 +71,37 @@ def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, to
     return split.fn, split.calls[0]
 
 
+def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024,
+                          group: int = 128, lengths_on_device: bool = False):
+    """The Gluon quantized kernel's arguments for one decode step of ``shape`` (quant_gluon.launch_quant_splits on CPU
+    tensors, the view's block and stages from decode_core.QUANT_CONFIG), as :func:`recorded_launch` does for the
+    Triton kernel."""
+    from hf_sparsekv.kernels import _quant_gluon, decode_core, quant_gluon
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+
+    hq, hkv, d = SHAPES[shape]
+    split = _Recorder(_quant_gluon.quant_split_kernel)
+    codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
+    qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
+                         torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
+    qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
+                         torch.zeros(1, hkv, tokens, 1, dtype=dtype))
+    q = torch.zeros(1, hq, queries, d, dtype=dtype)
+    rows = hq // hkv * queries
+    op = torch.zeros(hkv, 8, rows, d)
+    lp = torch.zeros(hkv, 8, rows)
+    length = torch.zeros(1, dtype=torch.int32) if lengths_on_device else None
+    block, stages = decode_core.QUANT_CONFIG["gluon_int8" if view == "int8" else "gluon_int4"]
+    saved = quant_gluon._module
+    quant_gluon._module = lambda: type("M", (), {"quant_split_kernel": split})
+    try:
+        quant_gluon.launch_quant_splits(q, 0.1, (qk, qv), group, view == "int8", tokens, 256, 4, op, lp, length, hkv,
+                                        queries, block, stages)
+    finally:
+        quant_gluon._module = saved
+    return split.fn, split.calls[0]
+
+
 def compile_for(fn, call, arch: int):
     """Compile ``fn`` for the recorded ``call`` on ``cuda:arch``; returns Triton's compiled kernel (asm, metadata)."""
     import triton
@@ -103,7 +134,10 @@ def compile_for(fn, call, arch: int):
             constexprs[name] = value
         if isinstance(attr, str) and attr:
             attrs[(i,)] = BaseBackend.parse_attr(attr)
-    return triton.compile(ASTSource(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
+    source = ASTSource
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as source
+    return triton.compile(source(fn, signature, constexprs, attrs), target=GPUTarget("cuda", arch, 32),
                           options=options)
 
 
@@ -144,6 +178,7 @@ def main(argv=None) -> int:
     ap.add_argument("--queries", type=int, default=1)
     ap.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16")
     ap.add_argument("--config", default=None, help="quantized launch settings (JSON), as HF_SPARSEKV_QUANT_CONFIG")
+    ap.add_argument("--gluon", action="store_true", help="the Gluon kernel of quant_gluon instead of the Triton one")
     ap.add_argument("--arch", type=int, default=90)
     ap.add_argument("--sass", default=None, help="write the disassembly here")
     ap.add_argument("--json", action="store_true")
@@ -152,7 +187,8 @@ def main(argv=None) -> int:
 
     settings = decode_core.load_quant_config(args.config) if args.config else {}
     with decode_core.quant_config(**settings):
-        fn, call = recorded_launch(args.shape, args.view, args.queries, getattr(torch, args.dtype))
+        record = recorded_gluon_launch if args.gluon else recorded_launch
+        fn, call = record(args.shape, args.view, args.queries, getattr(torch, args.dtype))
     kernel = compile_for(fn, call, args.arch)
     res = resources(kernel)
     mix, text = sass_mix(kernel)

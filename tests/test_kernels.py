@@ -452,7 +452,8 @@ def test_static_quant_decode_batched_rows(path, dtype, hq, hkv, length):
         return QuantizedTensor(x.upper[b : b + 1, :, :n], x.lower[b : b + 1, :, :n], x.scale[b : b + 1, :, :groups],
                                x.zero[b : b + 1, :, :groups]) if n else None
 
-    settings = dict(path=path, vec_max_rows=4, min_split=32) if path == "vec" else dict(path=path, dot_min_split=32)
+    settings = dict(kernel="triton", path=path, vec_max_rows=4, min_split=32) if path == "vec" else dict(
+        kernel="triton", path=path, dot_min_split=32)
     for int8 in (True, False):
         with decode_core.quant_config(**settings):
             out = static_quant_decode(q, *args, int8, 0.125)
@@ -480,12 +481,15 @@ QUANT_CASES = [  # (Hq, Hkv, L, D, G, quantized tokens, buffer tokens)
     (6, 2, 1, 64, 16, 96, 17),  # 3 rows (one masked)
     (4, 2, 1, 32, 32, 64, 2),  # 2 rows, head_dim 32
 ]
-QUANT_PATHS = {  # launch settings the quantized-attention tests run under (decode_core.quant_config)
-    "dot": dict(path="dot", dot_min_split=64),  # several quantized splits on these small inputs too
-    "vec": dict(path="vec", qblock=128, min_split=32),
+QUANT_PATHS = {  # launch settings the quantized-attention tests run under (decode_core.quant_config); the Triton
+    # kernel's paths (on a GPU the Gluon kernel would take these launches: tests/test_quant_gluon.py runs it)
+    "dot": dict(kernel="triton", path="dot", dot_min_split=64),  # several quantized splits on these small inputs too
+    "vec": dict(kernel="triton", path="vec", qblock=128, min_split=32),
     # 16-token blocks: one repetition of the code tile's layout covers the block, so the 1-row path's value
     # accumulators stay one per block token; with 128 (above) they are folded onto fewer rows (decode_core._fold_rows)
-    "vec-prefetch-b16": dict(path="vec", qblock=16, prefetch=True, min_split=32),
+    "vec-prefetch-b16": dict(kernel="triton", path="vec", qblock=16, prefetch=True, min_split=32),
+    # on a GPU: the Gluon kernel, several splits (on CPU the Triton kernel's default route)
+    "gluon": dict(kernel="gluon", gluon_min_split=128),
 }
 
 
@@ -497,7 +501,9 @@ def test_quant_attention_matches_reference(case, dtype, int8, path):
     from hf_sparsekv.kernels import decode_core
 
     hq, hkv, length, d, g, t_q, n_buf = case
-    if path != "dot" and hq // hkv * length > 4:
+    if path == "gluon" and DEVICE == "cpu":
+        pytest.skip("the Gluon kernel needs a CUDA GPU")
+    if path.startswith("vec") and hq // hkv * length > 4:
         pytest.skip("more than 4 query rows per KV head: the dot path serves it whatever the setting")
     q, k, v = _qkv(hq, hkv, length, d, t_q + n_buf, dtype, seed=t_q + n_buf)
     qk = quantize_keys_reference(k[:, :, :t_q], g) if t_q else None
@@ -523,7 +529,7 @@ def test_quant_vec_path_large_logit_range():
     for int8, warps in ((False, 1), (True, 1), (False, 2), (True, 2)):
         ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, 256:].float(),
                                                v[:, :, 256:].float(), 32, int8, 0.125)
-        with decode_core.quant_config(path="vec", qblock=32, min_split=64, num_warps=warps):
+        with decode_core.quant_config(kernel="triton", path="vec", qblock=32, min_split=64, num_warps=warps):
             out = quant_decode_attention(q, qk, qv, k[:, :, 256:], v[:, :, 256:], 32, int8, 0.125)
         assert _rel(out, ref) < TOL
 
@@ -544,6 +550,11 @@ def test_quant_config_override(tmp_path):
         decode_core.load_quant_config('{"qblok": 64}')
     with pytest.raises(ValueError, match="path"):
         decode_core.load_quant_config('{"path": "fast"}')
+    with pytest.raises(ValueError, match="kernel"):
+        decode_core.load_quant_config('{"kernel": "cuda"}')
+    assert decode_core.load_quant_config('{"gluon_int8": [64, 3]}') == {"gluon_int8": (64, 3)}
+    with pytest.raises(ValueError, match="gluon_int4"):
+        decode_core.load_quant_config('{"gluon_int4": [48, 2]}')
     env = dict(os.environ, HF_SPARSEKV_QUANT_CONFIG='{"path": "vec", "qblock": 64}')
     code = "from hf_sparsekv.kernels import decode_core as d; print(d.QUANT_CONFIG['path'], d.QUANT_CONFIG['qblock'])"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -999,9 +1010,9 @@ def test_cuda_window_rows_at_real_size():
 @pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
 @pytest.mark.parametrize("hq,hkv", [(32, 32), (32, 8), (8, 4)])
 @pytest.mark.parametrize("settings", [
-    dict(path="vec", qblock=64, num_warps=4, num_stages=1),
-    dict(path="vec", qblock=128, num_warps=8, num_stages=1, prefetch=True),
-    dict(path="vec", qblock=128, num_warps=2, num_stages=3),
+    dict(kernel="triton", path="vec", qblock=64, num_warps=4, num_stages=1),
+    dict(kernel="triton", path="vec", qblock=128, num_warps=8, num_stages=1, prefetch=True),
+    dict(kernel="triton", path="vec", qblock=128, num_warps=2, num_stages=3),
 ], ids=["vec-b64", "vec-b128-prefetch", "vec-b128-w2"])
 def test_cuda_quant_vec_path_real_sizes(dtype, hq, hkv, settings):
     """The register path at real sizes (q = 1: 1, 4 and 2 rows per KV head; with vec_max_rows 1, the 4- and 2-row

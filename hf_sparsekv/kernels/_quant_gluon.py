@@ -6,6 +6,32 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+# The index chains (reshape to these shapes, then permute; see quant_gluon.key_channel / value_channel;
+# tests/test_quant_gluon.py replays them on CPU).
+# key code tiles [BLOCK, D/2] x (low, high nibble) -> [BLOCK, D] in operand column order
+KEY_TILE_ORDER = gl.constexpr([0, 2, 3, 5, 1, 4])  # [token, w, a, nibble, c, e]
+# per-channel query rows / scales [D, rows] in stored order -> operand column order
+CHANNEL_ORDER = gl.constexpr([1, 3, 4, 0, 2, 5])  # [w, a, nibble, c, e, row]
+# value code pairs X_k [BLOCK/2, D/2] joined to [BLOCK/2, D/2, k0, k1] -> [BLOCK, D] (token, stored channel); then
+# [BLOCK, 8, D/8] transposed to [D/8, 8, BLOCK]: operand row mu = 8x + r
+VALUE_PAIR_ORDER = gl.constexpr([0, 3, 1, 4, 2, 5])  # [p, τ, i, k0, β, k1]
+
+
+@gluon.constexpr_function
+def key_tile_shape(block, head_dim):
+    return [block, 4, head_dim // 32, 2, 2, 2]  # [token, c, w, a, e, nibble]
+
+
+@gluon.constexpr_function
+def channel_shape(head_dim, rows):
+    return [4, head_dim // 32, 2, 2, 2, rows]  # [c, w, e, a, nibble, row]
+
+
+@gluon.constexpr_function
+def value_tile_shape(block, head_dim):
+    return [block // 2, head_dim // 8, 2, 2, 2, 2]  # [p, i, β, τ, k0, k1]
+
+
 # cp.async of a tile into shared memory: ``async_load`` from Triton 3.7 on, ``async_copy_global_to_shared`` before
 async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 
@@ -158,9 +184,7 @@ def channels_layout(head_dim, rows):
 def _key_order(x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
     """``[D, ROWS]`` in stored channel order -> the key operand's column order (``key_channel`` in quant_gluon):
     channel ``2·(c·D/8 + 4w + 2e + a) + h`` becomes column ``32w + 16a + 8h + 2c + e``."""
-    x = gl.reshape(x, [4, HEAD_DIM // 32, 2, 2, 2, ROWS])  # [c, w, e, a, h, row]
-    x = gl.permute(x, [1, 3, 4, 0, 2, 5])  # [w, a, h, c, e, row]
-    return gl.reshape(x, [HEAD_DIM, ROWS])
+    return gl.reshape(gl.permute(gl.reshape(x, channel_shape(HEAD_DIM, ROWS)), CHANNEL_ORDER), [HEAD_DIM, ROWS])
 
 
 @gluon.jit
@@ -223,8 +247,8 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
     k_lo, k_hi = _key_codes(ku, kl, INT8, DT)
     # [BLOCK, HB] x2 -> [BLOCK, D]; register slot s = 2a + e of word w of lane c holds true byte c·BT + 4w + 2e + a
     # (the PTX pairs bytes 0, 2 and 1, 3)
-    k = gl.reshape(gl.join(k_lo, k_hi), [BLOCK, 4, BT // 4, 2, 2, 2])  # [t, c, w, a, e, h]
-    k = gl.reshape(gl.permute(k, [0, 2, 3, 5, 1, 4]), [BLOCK, HEAD_DIM])  # [t, w, a, h, c, e]
+    k = gl.reshape(gl.join(k_lo, k_hi), key_tile_shape(BLOCK, HEAD_DIM))
+    k = gl.reshape(gl.permute(k, KEY_TILE_ORDER), [BLOCK, HEAD_DIM])
     k = gl.convert_layout(k, a_op, assert_trivial=True)
     s = mma_v2(k, q_op, gl.zeros([BLOCK, N_ROWS], gl.float32, layout=mma))
     s = s * s_scale + kbias[None, :]
@@ -239,8 +263,7 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
     le, lo = gl.split(gl.permute(gl.reshape(vl, [BLOCK // 2, 2, HB]), [0, 2, 1]))
     x0, x1, x2, x3 = _value_codes(ue, uo, le, lo, INT8, DT)
     v = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [p, HB, k0, k1]
-    v = gl.reshape(v, [BLOCK // 2, HB // 4, 2, 2, 2, 2])  # [p, i, β, τ, k0, k1]
-    v = gl.permute(v, [0, 3, 1, 4, 2, 5])  # [p, τ, i, k0, β, k1]: token 2p + τ, stored channel
+    v = gl.permute(gl.reshape(v, value_tile_shape(BLOCK, HEAD_DIM)), VALUE_PAIR_ORDER)  # token 2p + τ, channel
     v = gl.reshape(v, [BLOCK, 8, HEAD_DIM // 8])  # stored channel = (D/8)·r + x
     v = gl.reshape(gl.permute(v, [2, 1, 0]), [HEAD_DIM, BLOCK])  # row mu = 8·x + r
     v = gl.convert_layout(v, a_op, assert_trivial=True)
