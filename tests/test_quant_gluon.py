@@ -36,7 +36,7 @@ def test_key_tile_chain_puts_stored_channel_key_channel_in_each_column(head_dim,
     slot_byte = torch.tensor([0, 2, 1, 3])
     lo, hi = (_nibble(words[:, :, slot_byte], h).reshape(block, head_dim // 2) for h in (0, 1))
     tile = torch.stack((lo, hi), -1).reshape(gluon_kernel.key_tile_shape(block, head_dim))
-    tile = tile.permute(*gluon_kernel.KEY_TILE_ORDER.value).reshape(block, head_dim)
+    tile = tile.permute(*gluon_kernel.order("key")).reshape(block, head_dim)
     kappa = torch.arange(head_dim)
     expected = unpack_nibbles(codes)[:, key_channel(kappa, head_dim)]
     assert torch.equal(tile, expected)
@@ -45,11 +45,11 @@ def test_key_tile_chain_puts_stored_channel_key_channel_in_each_column(head_dim,
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_query_side_chain_matches_the_key_columns(head_dim):
-    """Query rows and key scales are loaded in stored channel order and permuted by CHANNEL_ORDER: column kappa of
+    """Query rows and key scales are loaded in stored channel order and permuted by the "channel" order: column kappa of
     the result must hold channel ``key_channel(kappa)``, the channel of the key operand's column kappa."""
     rows = 8
     stored = torch.arange(head_dim)[:, None].expand(head_dim, rows)
-    permuted = stored.reshape(gluon_kernel.channel_shape(head_dim, rows)).permute(*gluon_kernel.CHANNEL_ORDER.value)
+    permuted = stored.reshape(gluon_kernel.channel_shape(head_dim, rows)).permute(*gluon_kernel.order("channel"))
     permuted = permuted.reshape(head_dim, rows)
     assert torch.equal(permuted[:, 0], key_channel(torch.arange(head_dim), head_dim))
     assert torch.equal(permuted, permuted[:, :1].expand(head_dim, rows))
@@ -70,7 +70,7 @@ def test_value_tile_chain_puts_stored_channel_value_channel_in_each_row(head_dim
         pair = words[:, :, 2 * (k % 2): 2 * (k % 2) + 2, :]  # [p, word, β, τ]
         xs.append(_nibble(pair, k // 2).reshape(block // 2, head_dim // 2))  # slot 2β + τ of each word
     v = torch.stack((torch.stack((xs[0], xs[1]), -1), torch.stack((xs[2], xs[3]), -1)), -1)
-    v = v.reshape(gluon_kernel.value_tile_shape(block, head_dim)).permute(*gluon_kernel.VALUE_PAIR_ORDER.value)
+    v = v.reshape(gluon_kernel.value_tile_shape(block, head_dim)).permute(*gluon_kernel.order("value"))
     v = v.reshape(block, 8, head_dim // 8).permute(2, 1, 0).reshape(head_dim, block)
     mu = torch.arange(head_dim)
     assert torch.equal(v, unpack_nibbles(codes)[:, value_channel(mu, head_dim)].T)

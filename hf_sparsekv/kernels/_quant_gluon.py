@@ -8,13 +8,14 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
 # The index chains (reshape to these shapes, then permute; see quant_gluon.key_channel / value_channel;
 # tests/test_quant_gluon.py replays them on CPU).
-# key code tiles [BLOCK, D/2] x (low, high nibble) -> [BLOCK, D] in operand column order
-KEY_TILE_ORDER = gl.constexpr([0, 2, 3, 5, 1, 4])  # [token, w, a, nibble, c, e]
-# per-channel query rows / scales [D, rows] in stored order -> operand column order
-CHANNEL_ORDER = gl.constexpr([1, 3, 4, 0, 2, 5])  # [w, a, nibble, c, e, row]
-# value code pairs X_k [BLOCK/2, D/2] joined to [BLOCK/2, D/2, k0, k1] -> [BLOCK, D] (token, stored channel); then
-# [BLOCK, 8, D/8] transposed to [D/8, 8, BLOCK]: operand row mu = 8x + r
-VALUE_PAIR_ORDER = gl.constexpr([0, 3, 1, 4, 2, 5])  # [p, τ, i, k0, β, k1]
+@gluon.constexpr_function
+def order(name):
+    """The permutation of each chain:
+    "key": code tiles [BLOCK, D/2] x (low, high nibble) -> [token, w, a, nibble, c, e] = operand column order;
+    "channel": query rows / scales [D, rows] in stored order -> [w, a, nibble, c, e, row] = the same column order;
+    "value": code pairs X_k joined to [BLOCK/2, D/2, k0, k1] -> [p, τ, i, k0, β, k1] = (token 2p + τ, stored
+    channel); then [BLOCK, 8, D/8] is transposed to [D/8, 8, BLOCK]: operand row mu = 8x + r."""
+    return list({"key": (0, 2, 3, 5, 1, 4), "channel": (1, 3, 4, 0, 2, 5), "value": (0, 3, 1, 4, 2, 5)}[name])
 
 
 @gluon.constexpr_function
@@ -184,7 +185,8 @@ def channels_layout(head_dim, rows):
 def _key_order(x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
     """``[D, ROWS]`` in stored channel order -> the key operand's column order (``key_channel`` in quant_gluon):
     channel ``2·(c·D/8 + 4w + 2e + a) + h`` becomes column ``32w + 16a + 8h + 2c + e``."""
-    return gl.reshape(gl.permute(gl.reshape(x, channel_shape(HEAD_DIM, ROWS)), CHANNEL_ORDER), [HEAD_DIM, ROWS])
+    x = gl.permute(gl.reshape(x, channel_shape(HEAD_DIM, ROWS)), order("channel").value)
+    return gl.reshape(x, [HEAD_DIM, ROWS])
 
 
 @gluon.jit
@@ -248,7 +250,7 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
     # [BLOCK, HB] x2 -> [BLOCK, D]; register slot s = 2a + e of word w of lane c holds true byte c·BT + 4w + 2e + a
     # (the PTX pairs bytes 0, 2 and 1, 3)
     k = gl.reshape(gl.join(k_lo, k_hi), key_tile_shape(BLOCK, HEAD_DIM))
-    k = gl.reshape(gl.permute(k, KEY_TILE_ORDER), [BLOCK, HEAD_DIM])
+    k = gl.reshape(gl.permute(k, order("key").value), [BLOCK, HEAD_DIM])
     k = gl.convert_layout(k, a_op, assert_trivial=True)
     s = mma_v2(k, q_op, gl.zeros([BLOCK, N_ROWS], gl.float32, layout=mma))
     s = s * s_scale + kbias[None, :]
@@ -263,7 +265,7 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
     le, lo = gl.split(gl.permute(gl.reshape(vl, [BLOCK // 2, 2, HB]), [0, 2, 1]))
     x0, x1, x2, x3 = _value_codes(ue, uo, le, lo, INT8, DT)
     v = gl.join(gl.join(x0, x1), gl.join(x2, x3))  # [p, HB, k0, k1]
-    v = gl.permute(gl.reshape(v, value_tile_shape(BLOCK, HEAD_DIM)), VALUE_PAIR_ORDER)  # token 2p + τ, channel
+    v = gl.permute(gl.reshape(v, value_tile_shape(BLOCK, HEAD_DIM)), order("value").value)  # token 2p + τ, channel
     v = gl.reshape(v, [BLOCK, 8, HEAD_DIM // 8])  # stored channel = (D/8)·r + x
     v = gl.reshape(gl.permute(v, [2, 1, 0]), [HEAD_DIM, BLOCK])  # row mu = 8·x + r
     v = gl.convert_layout(v, a_op, assert_trivial=True)
