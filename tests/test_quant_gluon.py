@@ -159,7 +159,7 @@ def test_cuda_gluon_kernel_launch_settings_agree(view):
 
     q, qk, qv, bk, bv = _quantized(32, 8, 128, 1, 5 * 128, 9, torch.float16, seed=5)
     outs = []
-    for block, stages in ((32, 0), (64, 0), (32, 2), (64, 2), (32, 3), (64, 3), (32, 4)):
+    for block, stages in ((32, 2), (64, 2), (32, 3), (64, 3), (32, 4)):
         with decode_core.quant_config(kernel="gluon", **{f"gluon_{view}": (block, stages)}, gluon_min_split=128):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, view == "int8", 128**-0.5))
     for out in outs[1:]:
@@ -205,3 +205,44 @@ def test_cuda_int4_self_speculation_on_the_graph_path_runs_the_gluon_kernel_loss
             reference = model.generate(ids, past_key_values=HierarchicalQuantCache(group_size=128), **kwargs)
             assert torch.equal(graphed, reference), length
     assert launches
+
+
+def test_a_triton_whose_gluon_does_not_import_falls_back_with_a_warning(monkeypatch, caplog):
+    """An import failure (a Triton without Gluon, or with an API the kernel does not know) disables the Gluon
+    kernel once, with a warning that says why; launches then take the Triton kernel (``usable`` is False)."""
+    import sys
+
+    from hf_sparsekv import kernels
+    from hf_sparsekv.kernels import quant_gluon
+
+    monkeypatch.setattr(quant_gluon, "_MODULE", False)
+    monkeypatch.setitem(sys.modules, "hf_sparsekv.kernels._quant_gluon", None)  # importing it raises ImportError
+    monkeypatch.delattr(kernels, "_quant_gluon", raising=False)
+    with caplog.at_level("WARNING", logger="hf_sparsekv.kernels.quant_gluon"):
+        assert quant_gluon._module() is None
+        assert quant_gluon._module() is None  # decided once
+    assert sum("Gluon quantized-attention kernel is unavailable" in r.message for r in caplog.records) == 1
+    assert not quant_gluon.usable(torch.zeros(1, 4, 1, 64, dtype=torch.float16), 64, 128)
+
+
+@pytest.mark.cuda
+def test_cuda_a_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatch):
+    """A kernel this Triton's Gluon cannot compile: the launch that hit it returns the Triton kernel's result (equal
+    to the reference), and later launches go straight to the Triton kernel."""
+    from triton.compiler.errors import CompilationError
+
+    from hf_sparsekv.kernels import quant_gluon
+    from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+
+    def broken(*args, **kwargs):
+        raise CompilationError("", None, "a Gluon API this kernel does not know")
+
+    quant_gluon._module()  # imported (the real module), then the compile "fails"
+    monkeypatch.setattr(quant_gluon, "_launch", broken)
+    monkeypatch.setattr(quant_gluon, "_MODULE", quant_gluon._MODULE)  # restored after the test
+    q, qk, qv, bk, bv = _quantized(32, 8, 128, 1, 3 * 128, 10, torch.float16, seed=3)
+    f32 = lambda t: QuantizedTensor(t.upper, t.lower, t.scale.float(), t.zero.float())  # noqa: E731
+    ref = quant_decode_attention_reference(q, f32(qk), f32(qv), bk, bv, 128, False, 128**-0.5)
+    assert _rel(quant_decode_attention(q, qk, qv, bk, bv, 128, False, 128**-0.5), ref) < 3e-3
+    assert quant_gluon._module() is None and not quant_gluon.usable(q, 128, 128)

@@ -111,7 +111,8 @@ def key_bytes_layout(head_dim, block):
     """Key bytes ``[block, D/2]``: lane ``(r, c)`` (lane = 4r + c) holds tokens ``r + 8j`` and bytes
     ``[c·D/8, (c+1)·D/8)`` of each: one 16- or 8-byte vector per token."""
     bt = head_dim // 8
-    regs = [[0, 1 << i] for i in range(bt.bit_length() - 1)] + [[8 << i, 0] for i in range((block // 8).bit_length() - 1)]
+    tokens = [[8 << i, 0] for i in range((block // 8).bit_length() - 1)]
+    regs = [[0, 1 << i] for i in range(bt.bit_length() - 1)] + tokens
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[0, bt], [0, 2 * bt], [1, 0], [2, 0], [4, 0]],
                                       warp_bases=[], block_bases=[], shape=[block, head_dim // 2])
 
@@ -121,7 +122,8 @@ def value_bytes_layout(head_dim, block):
     """Value bytes ``[block, D/2]``: lane ``(r, c)`` holds tokens ``2c + {0, 1} + 8j`` and bytes
     ``[r·D/16, (r+1)·D/16)`` of each (one 8- or 4-byte vector per token)."""
     bv = head_dim // 16
-    regs = [[0, 1 << i] for i in range(bv.bit_length() - 1)] + [[1, 0]] + [[8 << i, 0] for i in range((block // 8).bit_length() - 1)]
+    tokens = [[8 << i, 0] for i in range((block // 8).bit_length() - 1)]
+    regs = [[0, 1 << i] for i in range(bv.bit_length() - 1)] + [[1, 0]] + tokens
     return gl.DistributedLinearLayout(reg_bases=regs, lane_bases=[[2, 0], [4, 0], [0, bv], [0, 2 * bv], [0, 4 * bv]],
                                       warp_bases=[], block_bases=[], shape=[block, head_dim // 2])
 
@@ -193,22 +195,6 @@ def _key_order(x, HEAD_DIM: gl.constexpr, ROWS: gl.constexpr):
 def _value_channel(mu, HEAD_DIM: gl.constexpr):
     """The stored channel behind row ``mu`` of the value operand and of the output (``value_channel``)."""
     return (HEAD_DIM // 8) * (mu % 8) + mu // 8
-
-
-@gluon.jit
-def _block_codes(ku_base, kl_base, vu_base, vl_base, n0, key_off, value_off, stride_kun, stride_vun,
-                 INT8: gl.constexpr):
-    """The code bytes of the block at token ``n0``: keys, lower keys, values, lower values (INT4: the upper ones
-    stand in for the lower)."""
-    ku = gl.load(ku_base + n0 * stride_kun + key_off)
-    vu = gl.load(vu_base + n0 * stride_vun + value_off)
-    if INT8:
-        kl = gl.load(kl_base + n0 * stride_kun + key_off)
-        vl = gl.load(vl_base + n0 * stride_vun + value_off)
-    else:
-        kl = ku
-        vl = vu
-    return ku, kl, vu, vl
 
 
 @gluon.jit
@@ -296,6 +282,7 @@ def quant_split_kernel(
     are whole key groups (the launcher's splits are multiples of KEY_GROUP, and so is T_Q)."""
     gl.static_assert(HEAD_DIM == 64 or HEAD_DIM == 128)
     gl.static_assert(KEY_GROUP % BLOCK == 0)
+    gl.static_assert(STAGES >= 2)
     HB: gl.constexpr = HEAD_DIM // 2  # code bytes per token
     BT: gl.constexpr = HEAD_DIM // 8  # key bytes per thread and token
     if INT8:
@@ -358,59 +345,47 @@ def quant_split_kernel(
     l_i = gl.zeros([N_ROWS], gl.float32, layout=rows_l)
     vbias = gl.zeros([N_ROWS], gl.float32, layout=rows_l)
     acc = gl.zeros([HEAD_DIM, N_ROWS], gl.float32, layout=mma)
-    if STAGES > 0:  # a ring of STAGES blocks in shared memory, filled by cp.async ahead of the block computed
-        flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
-        sk = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
-        sv = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
-        if INT8:
-            skl = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
-            svl = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
-        else:
-            skl = sk
-            svl = sv
-        q_op = gl.zeros([HEAD_DIM, N_ROWS], DT, layout=b_op)
-        kbias = gl.zeros([N_ROWS], gl.float32, layout=rows_l)
-        for i in gl.static_range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2 (clamped: a short split reloads)
-            n = gl.minimum(start + i * BLOCK, gl.maximum(end - BLOCK, 0))
-            _copy_block(sk, skl, sv, svl, i, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off, stride_kun,
-                        stride_vun, INT8)
-        vs_n = gl.load(vs_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
-        vz_n = gl.load(vz_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
-        slot = 0
-        for n0 in range(start, end, BLOCK):
-            if n0 % KEY_GROUP == 0:
-                q_op, kbias = _group_query(q, ks_base, kz_base, n0 // KEY_GROUP, stride_ksg, ch, k_unit, scale_log2,
-                                           ZOFF, HEAD_DIM, N_ROWS, DT, b_op, rows_l)
-            async_copy.wait_group(STAGES - 2)  # this block has landed
-            ku = sk.index(slot).load(key_bytes)
-            kl = skl.index(slot).load(key_bytes)
-            vu = sv.index(slot).load(value_bytes)
-            vl = svl.index(slot).load(value_bytes)
-            vs = vs_n.to(gl.float32)
-            vz = vz_n.to(gl.float32)
-            nxt = n0 + BLOCK + tok_s  # the next block's value scales, a block ahead in registers
-            vs_n = gl.load(vs_base + nxt * stride_vsn, mask=nxt < end, other=0.0)
-            vz_n = gl.load(vz_base + nxt * stride_vsn, mask=nxt < end, other=0.0)
-            ahead = (slot + STAGES - 1) % STAGES  # the slot read one block ago
-            n = gl.minimum(n0 + (STAGES - 1) * BLOCK, gl.maximum(end - BLOCK, 0))
-            _copy_block(sk, skl, sv, svl, ahead, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off,
-                        stride_kun, stride_vun, INT8)
-            m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc, CF,
-                                          ZOFF, HEAD_DIM, BLOCK, N_ROWS, INT8, DT, a_op, b_op, mma)
-            slot = (slot + 1) % STAGES
-        async_copy.wait_group(0)
+    # a ring of STAGES blocks in shared memory, filled by cp.async ahead of the block computed
+    flat: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+    sk = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
+    sv = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
+    if INT8:
+        skl = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
+        svl = gl.allocate_shared_memory(gl.uint8, [STAGES, BLOCK, HB], flat)
     else:
-        for g0 in range(start, end, KEY_GROUP):
-            q_op, kbias = _group_query(q, ks_base, kz_base, g0 // KEY_GROUP, stride_ksg, ch, k_unit, scale_log2,
+        skl = sk
+        svl = sv
+    q_op = gl.zeros([HEAD_DIM, N_ROWS], DT, layout=b_op)
+    kbias = gl.zeros([N_ROWS], gl.float32, layout=rows_l)
+    for i in gl.static_range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2 (clamped: a short split reloads)
+        n = gl.minimum(start + i * BLOCK, gl.maximum(end - BLOCK, 0))
+        _copy_block(sk, skl, sv, svl, i, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off, stride_kun,
+                    stride_vun, INT8)
+    vs_n = gl.load(vs_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
+    vz_n = gl.load(vz_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
+    slot = 0
+    for n0 in range(start, end, BLOCK):
+        if n0 % KEY_GROUP == 0:
+            q_op, kbias = _group_query(q, ks_base, kz_base, n0 // KEY_GROUP, stride_ksg, ch, k_unit, scale_log2,
                                        ZOFF, HEAD_DIM, N_ROWS, DT, b_op, rows_l)
-            for b in gl.static_range(KEY_GROUP // BLOCK):
-                n0 = g0 + b * BLOCK
-                ku, kl, vu, vl = _block_codes(ku_base, kl_base, vu_base, vl_base, n0, key_off, value_off, stride_kun,
-                                              stride_vun, INT8)
-                vs = gl.load(vs_base + (n0 + tok_s) * stride_vsn).to(gl.float32)
-                vz = gl.load(vz_base + (n0 + tok_s) * stride_vsn).to(gl.float32)
-                m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
-                                              CF, ZOFF, HEAD_DIM, BLOCK, N_ROWS, INT8, DT, a_op, b_op, mma)
+        async_copy.wait_group(STAGES - 2)  # this block has landed
+        ku = sk.index(slot).load(key_bytes)
+        kl = skl.index(slot).load(key_bytes)
+        vu = sv.index(slot).load(value_bytes)
+        vl = svl.index(slot).load(value_bytes)
+        vs = vs_n.to(gl.float32)
+        vz = vz_n.to(gl.float32)
+        nxt = n0 + BLOCK + tok_s  # the next block's value scales, a block ahead in registers
+        vs_n = gl.load(vs_base + nxt * stride_vsn, mask=nxt < end, other=0.0)
+        vz_n = gl.load(vz_base + nxt * stride_vsn, mask=nxt < end, other=0.0)
+        ahead = (slot + STAGES - 1) % STAGES  # the slot read one block ago
+        n = gl.minimum(n0 + (STAGES - 1) * BLOCK, gl.maximum(end - BLOCK, 0))
+        _copy_block(sk, skl, sv, svl, ahead, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off,
+                    stride_kun, stride_vun, INT8)
+        m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc, CF,
+                                      ZOFF, HEAD_DIM, BLOCK, N_ROWS, INT8, DT, a_op, b_op, mma)
+        slot = (slot + 1) % STAGES
+    async_copy.wait_group(0)
 
     mu = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
     o_ch = _value_channel(mu, HEAD_DIM)

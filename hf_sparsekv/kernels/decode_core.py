@@ -20,6 +20,10 @@ query tokens, packed as the rows of one tile) over two segments:
   or, with ``positions`` (a ring buffer, slots in any order), the slots each query sees are decided by the logical
   positions the slots hold: ``0 <= s <= q`` and (``s < sink`` or ``s >= q - window``).
 
+On CUDA, in float16/bfloat16 with head_dim 64 or 128, the quantized segment's splits run in a separate kernel instead
+(:mod:`.quant_gluon`, written in Gluon: one warp per program, tokens on the MMA's M side), which writes the same
+partial outputs; the kernel of this module then runs the full-precision splits alone.
+
 The token ranges are cut into splits (one program per split and KV head, and per block of ``block_m`` query rows
 where a KV head has more rows); each writes a partial output and its base-2 log-sum-exp, and a second small kernel
 merges the splits. Keys before the queries' own ``L`` are seen by every query, so whole blocks of them run unmasked;
@@ -81,8 +85,8 @@ LOG2E = 1.4426950408889634
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8, path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
-    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
+    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
+    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
@@ -157,8 +161,8 @@ def _validated(cfg: dict) -> dict:
     for view in ("gluon_int4", "gluon_int8"):
         if view in cfg:
             block, stages = cfg[view]
-            if block not in (32, 64) or stages not in (0, 2, 3, 4):
-                raise ValueError(f"{view} must be (tokens per block 32 or 64, stages 0, 2, 3 or 4), got {cfg[view]!r}")
+            if block not in (32, 64) or stages not in (2, 3, 4):
+                raise ValueError(f"{view} must be (tokens per block 32 or 64, stages 2, 3 or 4), got {cfg[view]!r}")
             cfg[view] = (int(block), int(stages))
     if cfg.get("kernel", "gluon") not in ("gluon", "triton"):
         raise ValueError(f"kernel must be 'gluon' or 'triton', got {cfg['kernel']!r}")
@@ -371,9 +375,14 @@ def launch_decode(
     split_base = 0
     if gluon:  # the quantized splits by the Gluon kernel, then the full-precision ones below
         if n_qsplits:
-            quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
-                                            lp, quant_length, row_heads, length,
-                                            *qcfg["gluon_int8" if int8 else "gluon_int4"])
+            try:
+                quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
+                                                lp, quant_length, row_heads, length,
+                                                *qcfg["gluon_int8" if int8 else "gluon_int4"])
+            except quant_gluon.CompileFailed:  # this Triton's Gluon: the Triton kernel from now on
+                return launch_decode(q, scaling, k, v, quant=quant, group_size=group_size, int8=int8,
+                                     fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length,
+                                     quant_length=quant_length, positions=positions, tree=tree)
         split_base, n_splits_here, quant = n_qsplits, n_fsplits, None
     else:
         n_splits_here = n_splits

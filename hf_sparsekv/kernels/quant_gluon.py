@@ -20,11 +20,14 @@ moves on CPU; the CUDA tests check the kernel against the float32 reference.
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
 
 from . import runtime
+
+logger = logging.getLogger(__name__)
 
 ROWS = 8  # query rows per program (the MMA's N side); more rows run as more programs of the same split
 BLOCK = 64  # tokens per MMA tile (the M side)
@@ -63,21 +66,47 @@ def _module():
         try:
             from . import _quant_gluon
             _MODULE = _quant_gluon
-        except ImportError:  # a Triton without Gluon: the Triton kernel runs the segment
-            _MODULE = None
+        except Exception as err:  # a Triton without Gluon, or with a Gluon API this kernel does not know
+            disable(err)
     return _MODULE
 
 
 _MODULE = False
 
 
+def disable(err: Exception) -> None:
+    """Run every later launch on the Triton kernel (once Gluon failed to import or to compile here), saying why."""
+    global _MODULE
+    _MODULE = None
+    logger.warning("hf_sparsekv: the Gluon quantized-attention kernel is unavailable with this Triton (%s: %s); the "
+                   "Triton kernel runs the quantized segment instead", type(err).__name__, str(err).splitlines()[0])
+
+
+class CompileFailed(RuntimeError):
+    """The Gluon kernel did not compile with this Triton; :func:`disable` has been called."""
+
+
 def launch_quant_splits(q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, quant_length,
                         row_heads, length, block=BLOCK, stages=3):
     """The quantized splits ``0 .. n_qsplits - 1`` of one decode launch into ``op [Hkv, splits, rows, D]`` /
-    ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``)."""
+    ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``). Raises
+    :class:`CompileFailed` (after :func:`disable`) where this Triton cannot compile the kernel."""
+    kern = _module().quant_split_kernel
+    t_ptr = quant_length if quant_length is not None else op
+    from triton.compiler.errors import CompilationError
+
+    try:
+        _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, t_ptr, quant_length,
+                row_heads, length, block, stages)
+    except CompilationError as err:
+        disable(err)
+        raise CompileFailed(str(err)) from err
+
+
+def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, t_ptr, quant_length,
+            row_heads, length, block, stages):
     from triton.experimental.gluon import language as gl
 
-    kern = _module().quant_split_kernel
     qk, qv = quant
     _, hq, _, d = q.shape
     hkv = qk.upper.shape[1]
@@ -85,7 +114,6 @@ def launch_quant_splits(q, scaling_log2, quant, group_size, int8, t_q, qsplit, n
     rows = group * length
     ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
     vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
-    t_ptr = quant_length if quant_length is not None else op
     runtime.launch(
         kern, (math.ceil(rows / ROWS), n_qsplits, hkv),
         q, q.stride(1), q.stride(2),
