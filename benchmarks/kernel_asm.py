@@ -37,6 +37,18 @@ class _Recorder:
         return lambda *args, **kwargs: self.calls.append((grid, args, kwargs))
 
 
+def _zero_store(hkv: int, d: int, tokens: int, group: int, dtype) -> tuple:
+    """(key, value) QuantizedTensors of ``tokens`` tokens on CPU, zeros: a launch's argument types and strides."""
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+
+    codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
+    qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
+                         torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
+    qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
+                         torch.zeros(1, hkv, tokens, 1, dtype=dtype))
+    return qk, qv
+
+
 def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024, group: int = 128):
     """The decode kernel's arguments for one step of ``shape`` over ``tokens`` quantized tokens, as a GPU launch
     would pass them (CPU tensors; only their dtypes and strides matter). ``TRITON_INTERPRET`` is left as found."""
@@ -45,15 +57,10 @@ def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, to
     os.environ["TRITON_INTERPRET"] = "0"
     try:
         from hf_sparsekv.kernels import _decode_triton, decode_core
-        from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
         hq, hkv, d = SHAPES[shape]
         split, combine = _Recorder(_decode_triton.decode_split_kernel), _Recorder(_decode_triton.combine_kernel)
-        codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
-        qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
-                             torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
-        qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
-                             torch.zeros(1, hkv, tokens, 1, dtype=dtype))
+        qk, qv = _zero_store(hkv, d, tokens, group, dtype)
         q = torch.zeros(1, hq, queries, d, dtype=dtype)
         buf = torch.zeros(1, hkv, group, d, dtype=dtype)
         saved = decode_core._kernels, decode_core.runtime.require
@@ -77,15 +84,10 @@ def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float
     tensors, the view's block and stages from decode_core.QUANT_CONFIG), as :func:`recorded_launch` does for the
     Triton kernel."""
     from hf_sparsekv.kernels import _quant_gluon, decode_core, quant_gluon
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
     hq, hkv, d = SHAPES[shape]
     split = _Recorder(_quant_gluon.quant_split_kernel)
-    codes = lambda: torch.zeros(1, hkv, tokens, d // 2, dtype=torch.uint8)  # noqa: E731
-    qk = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens // group, d, dtype=dtype),
-                         torch.zeros(1, hkv, tokens // group, d, dtype=dtype))
-    qv = QuantizedTensor(codes(), codes(), torch.zeros(1, hkv, tokens, 1, dtype=dtype),
-                         torch.zeros(1, hkv, tokens, 1, dtype=dtype))
+    qk, qv = _zero_store(hkv, d, tokens, group, dtype)
     q = torch.zeros(1, hq, queries, d, dtype=dtype)
     rows = hq // hkv * queries
     op = torch.zeros(hkv, 8, rows, d)

@@ -172,3 +172,16 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"tests/test_kernels.py kernel tests, run in a TRITON_INTERPRET=1 child process: {summary}"
         )
+
+
+@pytest.fixture(scope="module")
+def kernel_asm():
+    """benchmarks/kernel_asm.py as a module: kernels compiled for a CUDA architecture on a machine without a GPU."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kernel_asm.py"
+    spec = importlib.util.spec_from_file_location("kernel_asm", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,23 +3,11 @@ arguments (and alignment hints) a real launch would give it."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("triton")
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def kernel_asm():
-    spec = importlib.util.spec_from_file_location("kernel_asm", ROOT / "benchmarks" / "kernel_asm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def test_quantized_kernel_compiles_for_hopper_without_int_to_float_converts(kernel_asm):

@@ -3,13 +3,11 @@
 CPU: its index chains, replayed with torch ops on code bytes (what each PTX call puts in which register slot, then
 the kernel's reshapes and permutes), against the stored layout of :mod:`~hf_sparsekv.kernels.quant_reference`; and
 the kernel compiled for sm_90 with both views and dtypes (its layout conversions are asserted to move no data).
-CUDA: the kernel against the float32 reference and the Triton kernel, shapes with 1 to 8 query rows per KV head,
-head_dim 64 and 128, odd group counts, batch rows with lengths on the device."""
+CUDA: the kernel against the float32 reference and the Triton kernel (1 to 8 query rows per KV head, head_dim 64 and
+128, odd group counts), every launch setting, int4 self-speculation on the graph path, and the fallback to the Triton
+kernel (batch rows with lengths on the device: tests/test_kernels.py's real-size quantized tests)."""
 
 from __future__ import annotations
-
-import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +15,6 @@ import torch
 from hf_sparsekv.kernels.quant_gluon import key_channel, value_channel
 from hf_sparsekv.kernels.quant_reference import unpack_nibbles
 
-ROOT = Path(__file__).resolve().parents[1]
 gluon_kernel = pytest.importorskip("hf_sparsekv.kernels._quant_gluon", reason="a Triton with Gluon")
 
 
@@ -75,14 +72,6 @@ def test_value_tile_chain_puts_stored_channel_value_channel_in_each_row(head_dim
     mu = torch.arange(head_dim)
     assert torch.equal(v, unpack_nibbles(codes)[:, value_channel(mu, head_dim)].T)
     assert sorted(value_channel(mu, head_dim).tolist()) == mu.tolist()
-
-
-@pytest.fixture(scope="module")
-def kernel_asm():
-    spec = importlib.util.spec_from_file_location("kernel_asm", ROOT / "benchmarks" / "kernel_asm.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.mark.parametrize("view,dtype,lengths_on_device", [
