@@ -49,10 +49,10 @@ def value_channel(mu: torch.Tensor | int, head_dim: int):
 
 
 def usable(query: torch.Tensor, head_dim: int, group_size: int) -> bool:
-    """Whether the Gluon kernel runs this launch: a CUDA device of compute capability 8.0 or newer (``mma.sync``),
+    """Whether the Gluon kernel runs this launch: an NVIDIA GPU of compute capability 8.0 or newer (``mma.sync``),
     float16/bfloat16, head_dim 64 or 128, key groups a multiple of :data:`BLOCK`, and Gluon importable."""
-    if query.device.type != "cuda" or runtime.interpreting():
-        return False
+    if query.device.type != "cuda" or torch.version.hip is not None or runtime.interpreting():
+        return False  # (mma.sync and cp.async: NVIDIA only)
     if query.dtype not in (torch.float16, torch.bfloat16) or head_dim not in (64, 128) or group_size % BLOCK:
         return False
     if torch.cuda.get_device_capability(query.device)[0] < 8:
