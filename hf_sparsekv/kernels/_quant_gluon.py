@@ -313,7 +313,7 @@ def quant_split_kernel(
     start = pid_s * QSPLIT_TOKENS
     end = gl.minimum(start + QSPLIT_TOKENS, T_Q)
 
-    # query rows in stored channel order (float32), and the high-nibble channels' 1/16
+    # query rows in stored channel order (in the query dtype: exact), and the high-nibble channels' 1/16
     ch = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, chan))
     n_c = gl.program_id(0) * N_ROWS + gl.arange(0, N_ROWS, layout=gl.SliceLayout(0, chan))
     q_ptrs = Q + ((kvh * GROUP + n_c // L) * stride_qh + (n_c % L) * stride_ql)[None, :] + ch[:, None]
