@@ -96,14 +96,14 @@ def value_ptx(int8: bool, dtype: str) -> str:
     return _wrap(lines + _ptx_codes([f"${i}" for i in range(8)], sources, int8, dtype))
 
 
-KEY_INT4_F16 = gl.constexpr(key_ptx(False, "fp16"))
-KEY_INT4_BF16 = gl.constexpr(key_ptx(False, "bf16"))
-KEY_INT8_F16 = gl.constexpr(key_ptx(True, "fp16"))
-KEY_INT8_BF16 = gl.constexpr(key_ptx(True, "bf16"))
-VALUE_INT4_F16 = gl.constexpr(value_ptx(False, "fp16"))
-VALUE_INT4_BF16 = gl.constexpr(value_ptx(False, "bf16"))
-VALUE_INT8_F16 = gl.constexpr(value_ptx(True, "fp16"))
-VALUE_INT8_BF16 = gl.constexpr(value_ptx(True, "bf16"))
+PTX = gl.constexpr({(operand, int8, dtype): (key_ptx if operand == "key" else value_ptx)(int8, dtype)
+                    for operand in ("key", "value") for int8 in (False, True) for dtype in ("fp16", "bf16")})
+
+
+@gluon.constexpr_function
+def code_ptx(operand, int8, dtype):
+    """The PTX above for ``operand`` ("key" or "value"), view and operand dtype."""
+    return PTX.value[operand, bool(int8), "fp16" if dtype == gl.float16 else "bf16"]
 
 
 @gluon.constexpr_function
@@ -130,46 +130,19 @@ def value_bytes_layout(head_dim, block):
 
 @gluon.jit
 def _key_codes(ku, kl, INT8: gl.constexpr, DT: gl.constexpr):
-    """uint8 ``[N, D/2]`` -> (low-nibble, high-nibble) codes in ``DT``, each ``[N, D/2]``."""
-    if INT8:
-        if DT == gl.float16:
-            return gl.inline_asm_elementwise(KEY_INT8_F16, "=r,=r,=r,=r,r,r", [ku, kl], dtype=(gl.float16, gl.float16),
-                                             is_pure=True, pack=4)
-        else:
-            return gl.inline_asm_elementwise(KEY_INT8_BF16, "=r,=r,=r,=r,r,r", [ku, kl],
-                                             dtype=(gl.bfloat16, gl.bfloat16), is_pure=True, pack=4)
-    else:
-        if DT == gl.float16:
-            return gl.inline_asm_elementwise(KEY_INT4_F16, "=r,=r,=r,=r,r", [ku], dtype=(gl.float16, gl.float16),
-                                             is_pure=True, pack=4)
-        else:
-            return gl.inline_asm_elementwise(KEY_INT4_BF16, "=r,=r,=r,=r,r", [ku], dtype=(gl.bfloat16, gl.bfloat16),
-                                             is_pure=True, pack=4)
+    """uint8 ``[N, D/2]`` (``kl``: the lower codes, read for INT8) -> (low-nibble, high-nibble) codes in ``DT``,
+    each ``[N, D/2]``."""
+    return gl.inline_asm_elementwise(code_ptx("key", INT8, DT), "=r,=r,=r,=r,r,r", [ku, kl], dtype=(DT.value, DT.value),
+                                     is_pure=True, pack=4)
 
 
 @gluon.jit
 def _value_codes(ue, uo, le, lo, INT8: gl.constexpr, DT: gl.constexpr):
-    """uint8 ``[N/2, D/2]`` of the even and the odd tokens -> four ``[N/2, D/2]`` tensors X0..X3 whose registers
-    hold (even, odd) token pairs: ``X_k[p, 4i + 2β + τ]`` = code of token ``2p + τ``, byte ``4i + 2·(k % 2) + β``,
-    nibble ``k // 2``."""
-    if INT8:
-        if DT == gl.float16:
-            return gl.inline_asm_elementwise(VALUE_INT8_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [ue, uo, le, lo],
-                                             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
-                                             pack=4)
-        else:
-            return gl.inline_asm_elementwise(VALUE_INT8_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [ue, uo, le, lo],
-                                             dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                             is_pure=True, pack=4)
-    else:
-        if DT == gl.float16:
-            return gl.inline_asm_elementwise(VALUE_INT4_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [ue, uo],
-                                             dtype=(gl.float16, gl.float16, gl.float16, gl.float16), is_pure=True,
-                                             pack=4)
-        else:
-            return gl.inline_asm_elementwise(VALUE_INT4_BF16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r", [ue, uo],
-                                             dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
-                                             is_pure=True, pack=4)
+    """uint8 ``[N/2, D/2]`` of the even and the odd tokens (``le``, ``lo``: their lower codes, read for INT8) ->
+    four ``[N/2, D/2]`` tensors X0..X3 whose registers hold (even, odd) token pairs: ``X_k[p, 4i + 2β + τ]`` = code
+    of token ``2p + τ``, byte ``4i + 2·(k % 2) + β``, nibble ``k // 2``."""
+    return gl.inline_asm_elementwise(code_ptx("value", INT8, DT), "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r", [ue, uo, le, lo],
+                                     dtype=(DT.value, DT.value, DT.value, DT.value), is_pure=True, pack=4)
 
 
 @gluon.constexpr_function
@@ -231,9 +204,8 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
            INT8: gl.constexpr, DT: gl.constexpr, a_op: gl.constexpr, b_op: gl.constexpr, mma: gl.constexpr):
     """One block of BLOCK tokens: scores, online softmax, and the value product into ``acc``."""
     HB: gl.constexpr = HEAD_DIM // 2
-    BT: gl.constexpr = HEAD_DIM // 8
     k_lo, k_hi = _key_codes(ku, kl, INT8, DT)
-    # [BLOCK, HB] x2 -> [BLOCK, D]; register slot s = 2a + e of word w of lane c holds true byte c·BT + 4w + 2e + a
+    # [BLOCK, HB] x2 -> [BLOCK, D]; register slot s = 2a + e of word w of lane c holds true byte c·D/8 + 4w + 2e + a
     # (the PTX pairs bytes 0, 2 and 1, 3)
     k = gl.reshape(gl.join(k_lo, k_hi), key_tile_shape(BLOCK, HEAD_DIM))
     k = gl.reshape(gl.permute(k, order("key").value), [BLOCK, HEAD_DIM])
@@ -284,7 +256,6 @@ def quant_split_kernel(
     gl.static_assert(KEY_GROUP % BLOCK == 0)
     gl.static_assert(STAGES >= 2)
     HB: gl.constexpr = HEAD_DIM // 2  # code bytes per token
-    BT: gl.constexpr = HEAD_DIM // 8  # key bytes per thread and token
     if INT8:
         CF: gl.constexpr = 1.0 / 14.0  # dequantized = (z + ZOFF·s) + (s·CF)·C, C = 14·upper + stored lower
         ZOFF: gl.constexpr = -8.0 / 14.0

@@ -86,7 +86,8 @@ LOG2E = 1.4426950408889634
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
-    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
+    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
+    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline

@@ -91,20 +91,18 @@ def launch_quant_splits(q, scaling_log2, quant, group_size, int8, t_q, qsplit, n
     """The quantized splits ``0 .. n_qsplits - 1`` of one decode launch into ``op [Hkv, splits, rows, D]`` /
     ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``). Raises
     :class:`CompileFailed` (after :func:`disable`) where this Triton cannot compile the kernel."""
-    kern = _module().quant_split_kernel
-    t_ptr = quant_length if quant_length is not None else op
     from triton.compiler.errors import CompilationError
 
     try:
-        _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, t_ptr, quant_length,
-                row_heads, length, block, stages)
+        _launch(_module().quant_split_kernel, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
+                lp, quant_length, row_heads, length, block, stages)
     except CompilationError as err:
         disable(err)
         raise CompileFailed(str(err)) from err
 
 
-def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, t_ptr, quant_length,
-            row_heads, length, block, stages):
+def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, quant_length, row_heads,
+            length, block, stages):
     from triton.experimental.gluon import language as gl
 
     qk, qv = quant
@@ -120,7 +118,7 @@ def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qspli
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op.stride()[:3], *lp.stride()[:2],
-        scaling_log2, length, qsplit, t_ptr, row_heads,
+        scaling_log2, length, qsplit, quant_length if quant_length is not None else op, row_heads,
         GROUP=group, HEAD_DIM=d, N_ROWS=ROWS, BLOCK=block, KEY_GROUP=group_size, INT8=int8,
         DT=gl.float16 if q.dtype == torch.float16 else gl.bfloat16, LENGTHS_ON_DEVICE=quant_length is not None,
         STAGES=stages, num_warps=1,
