@@ -599,6 +599,37 @@ def test_split_tokens_fill_the_gpu_before_honouring_the_minimum(monkeypatch, tok
     assert unfilled >= split  # the fill only ever shortens splits
 
 
+@pytest.mark.parametrize("splits", [1, 7, 300])  # 300: more splits than one chunk of the merge (two loads)
+def test_combine_merges_split_results_by_their_log_sum_exp(splits):
+    """The merge kernel against a float64 log-sum-exp merge of random partial results ``op [Hkv, S, rows, D]`` /
+    ``lp [Hkv, S, rows]`` (base 2), with splits that saw no key (lp = -inf, op = 0) and a row no split saw (output
+    0); rows are written to ``[L, Hq, D]`` at query head ``kvh·group + row // L``, query ``row % L``."""
+    from hf_sparsekv.kernels import decode_core
+
+    hkv, group, length, d = 2, 2, 3, 32
+    rows = group * length
+    g = torch.Generator().manual_seed(splits)
+    lp = torch.randn(hkv, splits, rows, generator=g) * 4
+    op = torch.randn(hkv, splits, rows, d, generator=g)
+    lp[:, ::3] = float("-inf")
+    op[:, ::3] = 0
+    lp[1, :, 4] = float("-inf")  # KV head 1, row 4: nothing visible
+    out = torch.empty(length, hkv * group, d)
+    w = torch.exp2(lp.double() - lp.double().amax(1, keepdim=True).nan_to_num(neginf=0))
+    ref = (w[..., None] * op.double()).sum(1) / w.sum(1).clamp_min(1e-300)[..., None]  # [Hkv, rows, D]
+    ref = ref.nan_to_num(0).view(hkv, group, length, d).permute(2, 0, 1, 3).reshape(length, hkv * group, d)
+    dev = lambda t: t.to(DEVICE)  # noqa: E731
+    op_d, lp_d, out_d = dev(op), dev(lp), dev(out)
+    _, combine = decode_core._kernels()
+    block_s, block_d = decode_core.triton_next_pow2(splits), min(d, decode_core.COMBINE_BLOCK_D)
+    combine[(hkv, rows, d // block_d)](
+        op_d, lp_d, *op_d.stride()[:3], *lp_d.stride()[:2], out_d, out_d.stride(0), out_d.stride(1), splits, length,
+        GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+        CHUNK_S=min(block_s, decode_core.COMBINE_TILE // block_d), num_warps=4)
+    assert out_d.cpu()[1, 2 + 1].abs().max() == 0  # KV head 1, row 4 = query head 3, query 1
+    assert torch.allclose(out_d.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
 def _f32(qt):
     if qt is None:
         return None

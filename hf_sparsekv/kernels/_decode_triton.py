@@ -643,12 +643,15 @@ def decode_split_kernel(
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, CHUNK_S: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    CHUNK_S: tl.constexpr,
 ):
-    """One program per (KV head, query row): merge the NS split results by their base-2 log-sum-exp."""
+    """One program per (KV head, query row, ``BLOCK_D`` channels): merge the NS split results by their base-2
+    log-sum-exp. All split weights are loaded at once and the partial outputs in chunks of ``CHUNK_S`` splits
+    (one chunk when ``BLOCK_S <= CHUNK_S``), so a program waits on memory about twice, not once per chunk."""
     kvh = tl.program_id(0)
     row = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s_all = tl.arange(0, BLOCK_S)
     lse_base = LP + kvh * stride_lph + row
     lse = tl.load(lse_base + s_all * stride_lps, mask=s_all < NS, other=float("-inf"))
@@ -656,7 +659,7 @@ def combine_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
     denom = tl.sum(tl.exp2(lse - m), 0)
     denom = tl.where(denom > 0, denom, 1.0)
-    acc = tl.zeros([HEAD_DIM], tl.float32)
+    acc = tl.zeros([BLOCK_D], tl.float32)
     for c0 in range(0, NS, CHUNK_S):
         sc = c0 + tl.arange(0, CHUNK_S)
         ok = sc < NS

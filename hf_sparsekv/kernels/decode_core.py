@@ -247,6 +247,10 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
     return min(qblock, rows_per_warp * num_warps)
 
 
+# The merge of split results: channels per program, and partial-output elements a program loads at once (the split
+# chunk is COMBINE_TILE / COMBINE_BLOCK_D splits: 256 splits of 16 channels, 32 registers per thread at 4 warps).
+COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
+
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
 
 
@@ -328,11 +332,14 @@ def launch_decode(
     block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
     if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
         block_n = min(block_n, 32)
-    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"])
     qcfg = QUANT_CONFIG
+    gluon = quant is not None and qcfg["kernel"] == "gluon" and quant_gluon.usable(q, d, group_size)
+    # Beside the Gluon kernel the full-precision segment is a launch of its own over the short buffer: one block per
+    # program where that reaches programs_per_sm, so its few programs each wait on memory once.
+    fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"],
+                           fcfg["programs_per_sm"] if gluon else 0)
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
-    gluon = quant is not None and qcfg["kernel"] == "gluon" and quant_gluon.usable(q, d, group_size)
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
@@ -407,11 +414,12 @@ def launch_decode(
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
     if not final:
+        block_s, block_d = triton_next_pow2(n_splits), min(d, COMBINE_BLOCK_D)
         runtime.launch(
-            combine_kernel, (hkv, rows),
+            combine_kernel, (hkv, rows, d // block_d),
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
-            GROUP=group, HEAD_DIM=d, BLOCK_S=triton_next_pow2(n_splits), CHUNK_S=16, num_warps=4,
-            **runtime.LAUNCH_OPTIONS,
+            GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+            CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS,
         )
     return out.unsqueeze(0)
 
