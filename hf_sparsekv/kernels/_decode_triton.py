@@ -594,8 +594,9 @@ def decode_split_kernel(
         S_FP = tl.load(S_PTR + row)
         # the N_FSPLITS programs of the segment share the row's current length (not the capacity) equally
         FSPLIT_TOKENS = tl.cdiv(tl.cdiv(S_FP, N_FSPLITS), BLOCK_N) * BLOCK_N
-        if HAS_QUANT:
+        if HAS_QUANT:  # and the N_QSPLITS programs the quantized segment's current length
             T_Q = tl.load(T_PTR + row)
+            QSPLIT_TOKENS = tl.cdiv(tl.cdiv(T_Q, N_QSPLITS), QBLOCK_N) * QBLOCK_N
         if BY_POSITION:  # this row's slot positions [S] and query positions [L]
             SP += row * stride_spb
             QP += row * stride_qpb

@@ -279,8 +279,9 @@ def quant_split_kernel(
 
     pid_s = gl.program_id(1)
     kvh = gl.program_id(2)
-    if LENGTHS_ON_DEVICE:
+    if LENGTHS_ON_DEVICE:  # T_Q was the capacity (it sized the grid): the splits share the current length
         T_Q = gl.load(T_PTR + kvh // ROW_HEADS)
+        QSPLIT_TOKENS = gl.cdiv(gl.cdiv(T_Q, gl.num_programs(1)), KEY_GROUP) * KEY_GROUP
     start = pid_s * QSPLIT_TOKENS
     end = gl.minimum(start + QSPLIT_TOKENS, T_Q)
 
