@@ -418,6 +418,48 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
                           test_utils=("test_schema", "test_faketensor"))
 
 
+@pytest.mark.parametrize("kernel", ["triton", pytest.param("gluon", marks=pytest.mark.cuda)])
+def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch, kernel):
+    """With lengths on the device the grid is sized from the capacity (2048 quantized tokens: 16 splits of 128 on
+    4 SMs, key groups of 64); at a current length of 1024 every split still gets a share (64 tokens each: a finite
+    log-sum-exp), not the first eight of them the whole of it, and the output is the reference's on the first 1024
+    codes and 16 buffer tokens. (Gluon: CUDA only.)"""
+    from hf_sparsekv.kernels import decode_core, quant_gluon
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+
+    if kernel == "gluon" and (DEVICE != "cuda" or not quant_gluon.usable(torch.empty(1, device=DEVICE,
+                                                                                       dtype=torch.float16), 64, 64)):
+        pytest.skip("the Gluon kernel runs on CUDA (sm80+) only")
+
+    g, cap, cur, buf = 64, 2048, 1024, 16
+    q, k, v = _qkv(4, 2, 1, 64, cap + 32, torch.float16, seed=3)
+    qk, qv = quantize_keys(k[:, :, :cap], g), quantize_values(v[:, :, :cap])
+    split, combine = decode_core._kernels()
+    seen = {}
+
+    class Recorded:  # the merge kernel, keeping its partial log-sum-exps
+        def __getitem__(self, grid):
+            def run(*args, **kwargs):
+                seen["lp"] = args[1]
+                return combine[grid](*args, **kwargs)
+            return run
+
+    monkeypatch.setattr(decode_core, "_kernels", lambda: (split, Recorded()))
+    monkeypatch.setattr(decode_core, "_sm_count", lambda device: 4)  # the interpreter's count, on a GPU too
+    lengths = lambda n: torch.tensor([n], dtype=torch.int32, device=q.device)  # noqa: E731
+    with decode_core.quant_config(kernel=kernel):
+        out = decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g,
+                                        q_min_split=128, fp_length=lengths(buf), quant_length=lengths(cur))
+    n_qsplits = -(-cap // 128)
+    assert seen["lp"].shape[1] > n_qsplits and torch.isfinite(seen["lp"][:, :n_qsplits]).all()
+    part = lambda x, n, rows: QuantizedTensor(x.upper[:, :, :n], x.lower[:, :, :n], x.scale[:, :, :rows].float(),  # noqa: E731
+                                              x.zero[:, :, :rows].float())
+    ref = quant_decode_attention_reference(q.float(), part(qk, cur, cur // g), part(qv, cur, cur),
+                                           k[:, :, cap : cap + buf].float(), v[:, :, cap : cap + buf].float(), g,
+                                           False, 0.125)
+    assert _rel(out, ref) < TOL
+
+
 @pytest.mark.parametrize("path,dtype,hq,hkv,length", [
     ("dot", torch.bfloat16, 8, 2, 4), ("dot", torch.float32, 8, 1, 1), ("vec", torch.float16, 4, 4, 1),
     ("vec", torch.float32, 8, 2, 1),
