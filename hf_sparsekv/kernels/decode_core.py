@@ -82,12 +82,14 @@ LOG2E = 1.4426950408889634
 # Default: the fastest of that sweep: the register path for one query row per KV head, tensor cores for more, both
 # with 64-token blocks, 2 warps and 3 pipeline stages. Fewer warps per program matter most: at 4 warps the kernel
 # needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
+# * merge_buffer: beside the Gluon kernel, the merge of the splits also attends to the full-precision buffer (when it
+#   holds at most MERGE_BUFFER_MAX tokens, no tree): one launch fewer per layer. Off until timed on a GPU.
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
-    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True,
+    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True, merge_buffer=False,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
@@ -203,6 +205,12 @@ def _kernels():
     return tk.decode_split_kernel, tk.combine_kernel
 
 
+def _combine_buffer_kernel():
+    from . import _decode_triton as tk
+
+    return tk.combine_buffer_kernel
+
+
 def dot_config(dtype: torch.dtype):
     """(input_precision, operand dtype) of the kernels' ``tl.dot``: the model dtype on the GPU (float32 in exact IEEE
     mode, not TF32). Triton 3.6's interpreter computes bfloat16 dots wrongly, so under ``TRITON_INTERPRET=1``
@@ -250,6 +258,7 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
 # The merge of split results: channels per program, and partial-output elements a program loads at once (the split
 # chunk is COMBINE_TILE / COMBINE_BLOCK_D splits: 256 splits of 16 channels, 32 registers per thread at 4 warps).
 COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
+MERGE_BUFFER_MAX, MERGE_BUFFER_BLOCK = 256, 32  # merge_buffer: the longest buffer (capacity), keys scored at once
 
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
 
@@ -339,7 +348,9 @@ def launch_decode(
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"],
                            fcfg["programs_per_sm"] if gluon else 0)
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
-    n_fsplits = max(1, math.ceil(s_fp / fsplit))
+    merge_buffer = (quant is not None and qcfg["merge_buffer"] and tree is None and positions is None
+                    and s_fp <= MERGE_BUFFER_MAX)
+    n_fsplits = 0 if merge_buffer else max(1, math.ceil(s_fp / fsplit))
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
@@ -361,7 +372,7 @@ def launch_decode(
         ku = kl = vu = vl = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
         ks = kz = vs = vz = k
     n_splits = n_qsplits + n_fsplits
-    final = n_splits == 1 and not gluon
+    final = n_splits == 1 and not gluon and not merge_buffer
     out = torch.empty(length, hq, d, dtype=q.dtype, device=device)
     if final:
         op = lp = out
@@ -394,33 +405,39 @@ def launch_decode(
         split_base, n_splits_here, quant = n_qsplits, n_fsplits, None
     else:
         n_splits_here = n_splits
-    runtime.launch(
-        decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
-        q, q.stride(1), q.stride(2),
-        k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
-        ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
-        vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
-        op, lp, *op_strides, *lp_strides,
-        out, out.stride(0), out.stride(1),
-        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
-        s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
-        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
-        KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
-        DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
-        LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
-        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-        num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
-        num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
-    )
+    if n_splits_here:  # (none: the Gluon kernel ran the quantized splits, the merge takes the buffer)
+        runtime.launch(
+            decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
+            q, q.stride(1), q.stride(2),
+            k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
+            ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
+            vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
+            op, lp, *op_strides, *lp_strides,
+            out, out.stride(0), out.stride(1),
+            scaling * LOG2E, length, n_qsplits, qsplit, max(n_fsplits, 1), fsplit, 0x4B000000, s_ptr, t_ptr, row_heads,
+            *pos_args, s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
+            GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
+            KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
+            DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
+            LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
+            ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
+            ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
+            num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
+            num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
+        )
     if not final:
         block_s, block_d = triton_next_pow2(n_splits), min(d, COMBINE_BLOCK_D)
-        runtime.launch(
-            combine_kernel, (hkv, rows, d // block_d),
-            op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
-            GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
-            CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS,
-        )
+        merge_args = (op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length)
+        merge_settings = dict(GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+                              CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS)
+        if merge_buffer:  # the merge attends to the buffer itself
+            runtime.launch(
+                _combine_buffer_kernel(), (hkv, rows, d // block_d), *merge_args,
+                q, q.stride(1), q.stride(2), k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp, s_ptr,
+                row_heads, scaling * LOG2E, BLOCK_B=MERGE_BUFFER_BLOCK, LENGTHS_ON_DEVICE=on_device, **merge_settings,
+            )
+        else:
+            runtime.launch(combine_kernel, (hkv, rows, d // block_d), *merge_args, **merge_settings)
     return out.unsqueeze(0)
 
 
