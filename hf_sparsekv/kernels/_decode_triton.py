@@ -641,6 +641,19 @@ def decode_split_kernel(
                      TREE)
 
 @triton.jit
+def _add_splits(acc, OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm, stride_lps, NS, m,
+                CHUNK_S: tl.constexpr):
+    """``acc + Σ_s 2^(lse_s - m)·op_s[d]`` over the NS split results of (``kvh``, ``row``), CHUNK_S splits a load."""
+    for c0 in range(0, NS, CHUNK_S):
+        sc = c0 + tl.arange(0, CHUNK_S)
+        ok = sc < NS
+        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
+        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
+    return acc
+
+@triton.jit
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,
@@ -660,14 +673,8 @@ def combine_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
     denom = tl.sum(tl.exp2(lse - m), 0)
     denom = tl.where(denom > 0, denom, 1.0)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    for c0 in range(0, NS, CHUNK_S):
-        sc = c0 + tl.arange(0, CHUNK_S)
-        ok = sc < NS
-        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
-        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
+    acc = _add_splits(tl.zeros([BLOCK_D], tl.float32), OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm,
+                      stride_lps, NS, m, CHUNK_S)
     q_head = kvh * GROUP + row // L
     qi = row % L
     tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / denom).to(O.dtype.element_ty))
@@ -716,12 +723,6 @@ def combine_buffer_kernel(
     w_b = tl.exp2(m_b - m)
     denom = tl.sum(tl.exp2(lse - m), 0) + w_b * l_b
     denom = tl.where(denom > 0, denom, 1.0)
-    acc = acc_b * w_b
-    for c0 in range(0, NS, CHUNK_S):
-        sc = c0 + tl.arange(0, CHUNK_S)
-        ok = sc < NS
-        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
-        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
+    acc = _add_splits(acc_b * w_b, OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm, stride_lps, NS, m,
+                      CHUNK_S)
     tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / denom).to(O.dtype.element_ty))
