@@ -10,7 +10,8 @@ Two timings per kernel, both with L2 flushed before every call:
 * ``gpu_ms``: CUDA-graph replay of [flush, kernel] x N minus [flush] x N, per call (GPU time, no launch overhead);
 * ``eager_ms``: ``triton.testing.do_bench`` median (includes the Python/launch overhead of each call).
 
-Targets use ``gpu_ms``; ``eager_ms`` is printed beside it.
+Targets use ``gpu_ms``; ``eager_ms`` is printed beside it. ``--breakdown`` adds, for the quantized attention, each
+kernel's median GPU time over 20 eager calls (torch.profiler, L2 flushed between calls): where a launch's time goes.
 
 ``--sweep`` first times launch configurations of the quantized-attention kernel at the longest context (64K at most):
 blocks, warps, pipeline stages and split counts, for the register path (one query row per KV head, Llama-2) and the
@@ -20,7 +21,7 @@ fastest correct config (sum of the four times) is used for the table and written
 ``--out``; ``HF_SPARSEKV_QUANT_CONFIG=<that file>`` makes it the runtime default (see kernels/decode_core.py).
 
 Usage: ``python benchmarks/kernels.py --out kernels.json [--quick] [--sweep] [--contexts 65536,131072]
-[--quant-only]`` (CUDA GPU required).
+[--quant-only] [--breakdown]`` (CUDA GPU required).
 """
 
 from __future__ import annotations
@@ -89,6 +90,30 @@ class Timer:
         return float(triton.testing.do_bench(fn, warmup=10, rep=60, return_mode="median"))
 
 
+def kernel_breakdown(fn, flush: torch.Tensor, calls: int = 20) -> dict[str, float]:
+    """Median GPU microseconds of each kernel ``fn`` launches (20 eager calls after 3 warm-ups, the L2 flushed
+    before each; the flush itself left out), by kernel name, in launch order."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(work) -> dict[str, list[float]]:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                work()
+            torch.cuda.synchronize()
+        times: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type.name == "CUDA" and event.device_time > 0:
+                times.setdefault(event.name, []).append(event.device_time)
+        return times
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    flushing = set(kernels(flush.zero_))
+    times = kernels(lambda: (flush.zero_(), fn()))
+    return {name[:48]: round(sorted(t)[len(t) // 2], 2) for name, t in times.items() if name not in flushing}
+
+
 def copy_bandwidth(timer: Timer) -> float:
     """Device-to-device copy GB/s (bytes read + written), 1 GiB."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -136,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--quant-only", action="store_true", help="table: SDPA and the quantized attention only")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default="float16",
                         help="operands of the table's kernels, SDPA's included (the sweep runs float16)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also each kernel's GPU time within a quantized-attention launch (torch.profiler)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
@@ -193,9 +220,12 @@ def main(argv=None) -> int:
         if baseline is not None:
             row["speedup_vs"] = baseline[0]
             row["speedup"] = round(baseline[1] / gpu, 3)
+        if args.breakdown and kernel.startswith("quant_"):
+            row["kernels_us"] = kernel_breakdown(fn, timer.flush)
         rows.append(row)
         print(f"{shape:10s} {ctx:>7d} {kernel:28s} {gpu:9.4f} {eager:9.4f} {nbytes / 1e6:9.1f} {gbps:8.0f} "
-              f"{gbps / copy_gbps:6.2f}  " + (f"{row['speedup']:.2f}x vs {baseline[0]}" if baseline else ""))
+              f"{gbps / copy_gbps:6.2f}  " + (f"{row['speedup']:.2f}x vs {baseline[0]}" if baseline else "")
+              + ("".join(f"\n{'':20s}{n}: {us:.1f} us" for n, us in row.get("kernels_us", {}).items())))
         return gpu
 
     print(f"{'shape':10s} {'context':>7s} {'kernel':28s} {'gpu_ms':>9s} {'eager_ms':>9s} {'MB':>9s} {'GB/s':>8s} "
@@ -215,15 +245,18 @@ def main(argv=None) -> int:
                        2 * hkv * t_q * d * 2 + quant_bytes(hkv, t_q, d, 0, True))
             qk, qv = quantize_keys(k[:, :, :t_q], GROUP), quantize_values(v[:, :, :t_q])
             bk, bv = k[:, :, t_q:], v[:, :, t_q:]
+            q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
             for int8, name in ((False, "int4"), (True, "int8")):
                 record(shape, ctx, f"quant_{name} q=1",
                        lambda int8=int8: quant_decode_attention(q1, qk, qv, bk, bv, GROUP, int8, scaling),
                        quant_bytes(hkv, t_q, d, BUFFER, int8), (sdpa_name, sdpa_ms))
+            record(shape, ctx, f"quant_int8 q={GAMMA1} (verify)",
+                   lambda: quant_decode_attention(q6, qk, qv, bk, bv, GROUP, True, scaling),
+                   quant_bytes(hkv, t_q, d, BUFFER, True))
             if args.quant_only:
                 k = v = qk = qv = bk = bv = None  # free before the next context
                 torch.cuda.empty_cache()
                 continue
-            q6 = torch.randn(1, GAMMA1, hq, d, device="cuda", dtype=dtype).transpose(1, 2)
             record(shape, ctx, f"verify_hybrid q={GAMMA1}", lambda: verify_attention(q6, k, v, scaling), kv_bytes,
                    (sdpa_name, sdpa_ms))
             record(shape, ctx, f"  prefix only (dense) q={GAMMA1}",
