@@ -172,9 +172,10 @@ def _value_channel(mu, HEAD_DIM: gl.constexpr):
 
 @gluon.jit
 def _copy_block(sk, skl, sv, svl, slot, ku_base, kl_base, vu_base, vl_base, n0, key_off, value_off, stride_kun,
-                stride_vun, INT8: gl.constexpr):
-    """cp.async of the codes of the block at token ``n0`` into ring slot ``slot``, as one group."""
-    n0 = gl.multiple_of(n0, 64)
+                stride_vun, INT8: gl.constexpr, BLOCK: gl.constexpr):
+    """cp.async of the codes of the block at token ``n0`` (a multiple of BLOCK) into ring slot ``slot``, as one
+    group."""
+    n0 = gl.multiple_of(n0, BLOCK)
     async_load(sk.index(slot), ku_base + n0 * stride_kun + key_off)
     async_load(sv.index(slot), vu_base + n0 * stride_vun + value_off)
     if INT8:
@@ -332,7 +333,7 @@ def quant_split_kernel(
     for i in gl.static_range(STAGES - 1):  # prologue: blocks 0 .. STAGES - 2 (clamped: a short split reloads)
         n = gl.minimum(start + i * BLOCK, gl.maximum(end - BLOCK, 0))
         _copy_block(sk, skl, sv, svl, i, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off, stride_kun,
-                    stride_vun, INT8)
+                    stride_vun, INT8, BLOCK)
     vs_n = gl.load(vs_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
     vz_n = gl.load(vz_base + (start + tok_s) * stride_vsn, mask=start + tok_s < end, other=0.0)
     slot = 0
@@ -353,7 +354,7 @@ def quant_split_kernel(
         ahead = (slot + STAGES - 1) % STAGES  # the slot read one block ago
         n = gl.minimum(n0 + (STAGES - 1) * BLOCK, gl.maximum(end - BLOCK, 0))
         _copy_block(sk, skl, sv, svl, ahead, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off,
-                    stride_kun, stride_vun, INT8)
+                    stride_kun, stride_vun, INT8, BLOCK)
         m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc, CF,
                                       ZOFF, HEAD_DIM, BLOCK, N_ROWS, INT8, DT, a_op, b_op, mma)
         slot = (slot + 1) % STAGES
