@@ -81,7 +81,7 @@ def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, to
 def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024,
                           group: int = 128, lengths_on_device: bool = False):
     """The Gluon quantized kernel's arguments for one decode step of ``shape`` (quant_gluon.launch_quant_splits on CPU
-    tensors, the view's block and stages from decode_core.QUANT_CONFIG), as :func:`recorded_launch` does for the
+    tensors, the view's block and stages and the rows per program from decode_core.QUANT_CONFIG), as :func:`recorded_launch` does for the
     Triton kernel."""
     from hf_sparsekv.kernels import _quant_gluon, decode_core, quant_gluon
 
@@ -98,7 +98,7 @@ def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float
     quant_gluon._module = lambda: type("M", (), {"quant_split_kernel": split})
     try:
         quant_gluon.launch_quant_splits(q, 0.1, (qk, qv), group, view == "int8", tokens, 256, 4, op, lp, length, hkv,
-                                        queries, block, stages)
+                                        queries, block, stages, decode_core.QUANT_CONFIG["gluon_rows"])
     finally:
         quant_gluon._module = saved
     return split.fn, split.calls[0]

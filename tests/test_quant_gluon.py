@@ -95,6 +95,21 @@ def test_gluon_kernel_compiles_for_hopper_with_operands_straight_from_registers(
     assert res["registers"] <= 255 and res["shared"] > 0
 
 
+@pytest.mark.parametrize("view,dtype", [("int8", torch.float16), ("int4", torch.bfloat16)], ids=["int8-fp16", "int4-bf16"])
+def test_sixteen_rows_per_program_compile_for_hopper(kernel_asm, view, dtype):
+    """``gluon_rows=16`` for a verification block (6 queries, 24 rows per KV head: two programs per split) with
+    16-token blocks: the layouts hold (every code-tile conversion trivial) and the MMA's N side is two tiles."""
+    from hf_sparsekv.kernels import decode_core
+
+    with decode_core.quant_config(gluon_rows=16, **{f"gluon_{view}": (16, 3)}):
+        fn, call = kernel_asm.recorded_gluon_launch("llama3-8b", view, 6, dtype)
+    grid, _, kwargs = call
+    assert kwargs["N_ROWS"] == 16 and kwargs["BLOCK"] == 16 and grid[0] == 2
+    kernel = kernel_asm.compile_for(fn, call, 90)
+    assert "HMMA" in dict(kernel_asm.sass_mix(kernel, top=200)[0])
+    assert kernel_asm.resources(kernel)["registers"] <= 255
+
+
 # ---------------------------------------------------------------- CUDA
 
 def _quantized(hq, hkv, d, length, t_q, buffered, dtype, seed):
@@ -105,6 +120,13 @@ def _quantized(hq, hkv, d, length, t_q, buffered, dtype, seed):
     k = (torch.randn(1, hkv, t_q + buffered, d, generator=g) * 1.5 + 0.3).to("cuda", dtype)
     v = torch.randn(1, hkv, t_q + buffered, d, generator=g).to("cuda", dtype)
     return q, quantize_keys(k[:, :, :t_q], 128), quantize_values(v[:, :, :t_q]), k[:, :, t_q:], v[:, :, t_q:]
+
+
+def _f32(t):
+    """A quantized tensor with float32 scales and zeros (the reference's)."""
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+
+    return QuantizedTensor(t.upper, t.lower, t.scale.float(), t.zero.float())
 
 
 def _rel(a, b):
@@ -121,14 +143,11 @@ def test_cuda_gluon_kernel_matches_the_reference(dtype, hq, hkv, d, length):
     tails) with a buffer of 40 tokens; the two kernels agree as closely as each agrees with the reference."""
     from hf_sparsekv.kernels import decode_core, quant_gluon
     from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
-
-    f32 = lambda t: QuantizedTensor(t.upper, t.lower, t.scale.float(), t.zero.float())  # noqa: E731
     for t_q in (3 * 128, 37 * 128):
         q, qk, qv, bk, bv = _quantized(hq, hkv, d, length, t_q, 40, dtype, seed=t_q + length)
         assert quant_gluon.usable(q, d, 128)
         for int8 in (False, True):
-            ref = quant_decode_attention_reference(q, f32(qk), f32(qv), bk, bv, 128, int8, d**-0.5)
+            ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), bk, bv, 128, int8, d**-0.5)
             with decode_core.quant_config(kernel="gluon"):
                 out = quant_decode_attention(q, qk, qv, bk, bv, 128, int8, d**-0.5)
             with decode_core.quant_config(kernel="triton"):
@@ -151,6 +170,27 @@ def test_cuda_gluon_kernel_launch_settings_agree(view):
     for block, stages in ((32, 2), (64, 2), (32, 3), (64, 3), (32, 4)):
         with decode_core.quant_config(kernel="gluon", **{f"gluon_{view}": (block, stages)}, gluon_min_split=128):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, view == "int8", 128**-0.5))
+    for out in outs[1:]:
+        assert _rel(out, outs[0]) < 1e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("view", ["int4", "int8"])
+def test_cuda_sixteen_rows_per_program_agree_with_eight(view):
+    """Verification (6 queries: 24 rows per KV head) in programs of 16 rows with 16-token blocks against the default
+    (programs of 8 rows), and both against the float32 reference."""
+    from hf_sparsekv.kernels import decode_core
+    from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
+
+    q, qk, qv, bk, bv = _quantized(32, 8, 128, 6, 5 * 128, 9, torch.float16, seed=6)
+    int8 = view == "int8"
+    outs = []
+    for cfg in ({}, {"gluon_rows": 16, f"gluon_{view}": (16, 3)}, {"gluon_rows": 16, f"gluon_{view}": (32, 3)}):
+        with decode_core.quant_config(kernel="gluon", gluon_min_split=128, **cfg):
+            outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, int8, 128**-0.5))
+    ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), bk.float(), bv.float(), 128, int8, 128**-0.5)
+    for out in outs:
+        assert _rel(out, ref) < 1e-2
     for out in outs[1:]:
         assert _rel(out, outs[0]) < 1e-3
 
@@ -222,7 +262,6 @@ def test_cuda_a_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatc
 
     from hf_sparsekv.kernels import quant_gluon
     from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
     def broken(*args, **kwargs):
         raise CompilationError("", None, "a Gluon API this kernel does not know")
@@ -231,7 +270,6 @@ def test_cuda_a_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatc
     monkeypatch.setattr(quant_gluon, "_launch", broken)
     monkeypatch.setattr(quant_gluon, "_MODULE", quant_gluon._MODULE)  # restored after the test
     q, qk, qv, bk, bv = _quantized(32, 8, 128, 1, 3 * 128, 10, torch.float16, seed=3)
-    f32 = lambda t: QuantizedTensor(t.upper, t.lower, t.scale.float(), t.zero.float())  # noqa: E731
-    ref = quant_decode_attention_reference(q, f32(qk), f32(qv), bk, bv, 128, False, 128**-0.5)
+    ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), bk, bv, 128, False, 128**-0.5)
     assert _rel(quant_decode_attention(q, qk, qv, bk, bv, 128, False, 128**-0.5), ref) < 3e-3
     assert quant_gluon._module() is None and not quant_gluon.usable(q, 128, 128)

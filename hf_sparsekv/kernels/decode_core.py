@@ -52,7 +52,9 @@ LOG2E = 1.4426950408889634
 # * kernel: "gluon" runs the quantized segment by the Gluon kernel of quant_gluon where it can (CUDA, float16/
 #   bfloat16, head_dim 64/128), one warp and 8 query rows per program, ``gluon_int4`` / ``gluon_int8`` = (tokens per
 #   block, cp.async ring stages) per view, ``gluon_per_sm`` programs per SM and ``gluon_min_split`` tokens per split
-#   at least (fill as below); "triton" (and any launch Gluon cannot take) the Triton kernel's paths below. H200 sweep,
+#   at least (fill as below), ``gluon_rows`` query rows per program where a KV head has more than 8 rows
+#   (verification): 8, or 16 (with 16-token blocks, which keep it in registers; not yet timed); "triton" (and any
+#   launch Gluon cannot take) the Triton kernel's paths below. H200 sweep,
 #   Llama-3-8B shape, fp16, 64K / 128K (2026-11-27): INT4 47 / 68 µs at (64, 2) against 60 / 92 µs without the ring
 #   and 120 / 196 µs on the Triton kernel; INT8 68 / 108 µs at (32, 3) (117 / 203 at (64, 2), spilling); 6 or 12
 #   programs per SM lost to 8 (benchmarks/results/quant-gluon-h200-2026-11-27/);
@@ -87,7 +89,7 @@ LOG2E = 1.4426950408889634
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
+    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8, gluon_rows=8,
     path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
     fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True, merge_buffer=False,
 )
@@ -164,9 +166,11 @@ def _validated(cfg: dict) -> dict:
     for view in ("gluon_int4", "gluon_int8"):
         if view in cfg:
             block, stages = cfg[view]
-            if block not in (32, 64) or stages not in (2, 3, 4):
-                raise ValueError(f"{view} must be (tokens per block 32 or 64, stages 2, 3 or 4), got {cfg[view]!r}")
+            if block not in (16, 32, 64) or stages not in (2, 3, 4):
+                raise ValueError(f"{view} must be (tokens per block 16, 32 or 64, stages 2, 3 or 4), got {cfg[view]!r}")
             cfg[view] = (int(block), int(stages))
+    if cfg.get("gluon_rows", 8) not in (8, 16):
+        raise ValueError(f"gluon_rows must be 8 or 16, got {cfg['gluon_rows']!r}")
     if cfg.get("kernel", "gluon") not in ("gluon", "triton"):
         raise ValueError(f"kernel must be 'gluon' or 'triton', got {cfg['kernel']!r}")
     if cfg.get("path", "dot") not in ("dot", "vec"):
@@ -356,7 +360,7 @@ def launch_decode(
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
         if gluon:  # one warp per program, 8 query rows: whole key groups per split
-            programs = hkv * math.ceil(rows / quant_gluon.ROWS)
+            programs = hkv * math.ceil(rows / quant_gluon.programs_rows(rows, qcfg["gluon_rows"]))
             qsplit = _split_tokens(t_q, programs, group_size, device, q_min_split or qcfg["gluon_min_split"],
                                    qcfg["gluon_per_sm"], qcfg["gluon_per_sm"])
         else:
@@ -397,7 +401,7 @@ def launch_decode(
             try:
                 quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
                                                 lp, quant_length, row_heads, length,
-                                                *qcfg["gluon_int8" if int8 else "gluon_int4"])
+                                                *qcfg["gluon_int8" if int8 else "gluon_int4"], qcfg["gluon_rows"])
             except quant_gluon.CompileFailed:  # this Triton's Gluon: the Triton kernel from now on
                 return launch_decode(q, scaling, k, v, quant=quant, group_size=group_size, int8=int8,
                                      fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length,

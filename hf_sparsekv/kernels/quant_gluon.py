@@ -29,7 +29,8 @@ from . import runtime
 
 logger = logging.getLogger(__name__)
 
-ROWS = 8  # query rows per program (the MMA's N side); more rows run as more programs of the same split
+ROWS = 8  # query rows per program (the MMA's N side); more rows run as more programs of the same split, of 8 or 16
+# rows (decode_core.QUANT_CONFIG["gluon_rows"]: 16 shares each block's code conversion between twice the rows)
 BLOCK = 64  # tokens per MMA tile (the M side)
 
 
@@ -86,23 +87,30 @@ class CompileFailed(RuntimeError):
     """The Gluon kernel did not compile with this Triton; :func:`disable` has been called."""
 
 
+def programs_rows(rows: int, rows_per_program: int = ROWS) -> int:
+    """Query rows per program for ``rows`` rows per KV head: :data:`ROWS`, or ``rows_per_program`` (16) when there are
+    more rows than :data:`ROWS`."""
+    return ROWS if rows <= ROWS else rows_per_program
+
+
 def launch_quant_splits(q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, quant_length,
-                        row_heads, length, block=BLOCK, stages=3):
+                        row_heads, length, block=BLOCK, stages=3, rows_per_program=ROWS):
     """The quantized splits ``0 .. n_qsplits - 1`` of one decode launch into ``op [Hkv, splits, rows, D]`` /
-    ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``). Raises
+    ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``; query rows in programs
+    of :func:`programs_rows`). Raises
     :class:`CompileFailed` (after :func:`disable`) where this Triton cannot compile the kernel."""
     from triton.compiler.errors import CompilationError
 
     try:
         _launch(_module().quant_split_kernel, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
-                lp, quant_length, row_heads, length, block, stages)
+                lp, quant_length, row_heads, length, block, stages, rows_per_program)
     except CompilationError as err:
         disable(err)
         raise CompileFailed(str(err)) from err
 
 
 def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, quant_length, row_heads,
-            length, block, stages):
+            length, block, stages, rows_per_program):
     from triton.experimental.gluon import language as gl
 
     qk, qv = quant
@@ -110,16 +118,17 @@ def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qspli
     hkv = qk.upper.shape[1]
     group = hq // hkv
     rows = group * length
+    n_rows = programs_rows(rows, rows_per_program)
     ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
     vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
     runtime.launch(
-        kern, (math.ceil(rows / ROWS), n_qsplits, hkv),
+        kern, (math.ceil(rows / n_rows), n_qsplits, hkv),
         q, q.stride(1), q.stride(2),
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
         vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
         op, lp, *op.stride()[:3], *lp.stride()[:2],
         scaling_log2, length, qsplit, quant_length if quant_length is not None else op, row_heads,
-        GROUP=group, HEAD_DIM=d, N_ROWS=ROWS, BLOCK=block, KEY_GROUP=group_size, INT8=int8,
+        GROUP=group, HEAD_DIM=d, N_ROWS=n_rows, BLOCK=block, KEY_GROUP=group_size, INT8=int8,
         DT=gl.float16 if q.dtype == torch.float16 else gl.bfloat16, LENGTHS_ON_DEVICE=quant_length is not None,
         STAGES=stages, num_warps=1,
     )
