@@ -430,7 +430,6 @@ def test_merge_buffer_attends_to_the_buffer_inside_the_merge(monkeypatch, hq, hk
     512 with lengths on the device) and ``buffered`` buffer tokens (capacity ``buffered + 24`` there). (Gluon: CUDA,
     half precision.)"""
     from hf_sparsekv.kernels import decode_core, quant_gluon
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
     if kernel == "gluon" and (DEVICE != "cuda" or dtype == torch.float32 or not quant_gluon.usable(
             torch.empty(1, device=DEVICE, dtype=dtype), 64, 64)):
@@ -451,9 +450,7 @@ def test_merge_buffer_attends_to_the_buffer_inside_the_merge(monkeypatch, hq, hk
         out = decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g,
                                         q_min_split=64, int8=True, **lengths)
     assert used
-    part = lambda x, n, rows: QuantizedTensor(x.upper[:, :, :n], x.lower[:, :, :n], x.scale[:, :, :rows].float(),  # noqa: E731
-                                              x.zero[:, :, :rows].float())
-    ref = quant_decode_attention_reference(q.float(), part(qk, cur, cur // g), part(qv, cur, cur),
+    ref = quant_decode_attention_reference(q.float(), _f32(_first(qk, cur, cur // g)), _f32(_first(qv, cur, cur)),
                                            k[:, :, cap : cap + buffered].float(), v[:, :, cap : cap + buffered].float(),
                                            g, True, 0.125)
     assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else TOL)
@@ -466,7 +463,6 @@ def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch,
     log-sum-exp), not the first eight of them the whole of it, and the output is the reference's on the first 1024
     codes and 16 buffer tokens. (Gluon: CUDA only.)"""
     from hf_sparsekv.kernels import decode_core, quant_gluon
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
 
     if kernel == "gluon" and (DEVICE != "cuda" or not quant_gluon.usable(torch.empty(1, device=DEVICE,
                                                                                        dtype=torch.float16), 64, 64)):
@@ -493,9 +489,7 @@ def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch,
                                         q_min_split=128, fp_length=lengths(buf), quant_length=lengths(cur))
     n_qsplits = -(-cap // 128)
     assert seen["lp"].shape[1] > n_qsplits and torch.isfinite(seen["lp"][:, :n_qsplits]).all()
-    part = lambda x, n, rows: QuantizedTensor(x.upper[:, :, :n], x.lower[:, :, :n], x.scale[:, :, :rows].float(),  # noqa: E731
-                                              x.zero[:, :, :rows].float())
-    ref = quant_decode_attention_reference(q.float(), part(qk, cur, cur // g), part(qv, cur, cur),
+    ref = quant_decode_attention_reference(q.float(), _f32(_first(qk, cur, cur // g)), _f32(_first(qv, cur, cur)),
                                            k[:, :, cap : cap + buf].float(), v[:, :, cap : cap + buf].float(), g,
                                            False, 0.125)
     assert _rel(out, ref) < TOL
@@ -711,6 +705,12 @@ def test_combine_merges_split_results_by_their_log_sum_exp(splits):
         CHUNK_S=min(block_s, decode_core.COMBINE_TILE // block_d), num_warps=4)
     assert out_d.cpu()[1, 2 + 1].abs().max() == 0  # KV head 1, row 4 = query head 3, query 1
     assert torch.allclose(out_d.cpu().double(), ref, atol=1e-5, rtol=1e-5)
+
+
+def _first(qt, tokens: int, scale_rows: int):
+    """The first ``tokens`` codes of a quantized tensor and its first ``scale_rows`` scales and zeros."""
+    return type(qt)(qt.upper[:, :, :tokens], qt.lower[:, :, :tokens], qt.scale[:, :, :scale_rows],
+                    qt.zero[:, :, :scale_rows])
 
 
 def _f32(qt):
