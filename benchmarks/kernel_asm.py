@@ -93,12 +93,12 @@ def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float
     op = torch.zeros(hkv, 8, rows, d)
     lp = torch.zeros(hkv, 8, rows)
     length = torch.zeros(1, dtype=torch.int32) if lengths_on_device else None
-    block, stages = decode_core.QUANT_CONFIG["gluon_int8" if view == "int8" else "gluon_int4"]
+    n_rows, block, stages = decode_core.gluon_settings(rows, view == "int8")
     saved = quant_gluon._module
     quant_gluon._module = lambda: type("M", (), {"quant_split_kernel": split})
     try:
         quant_gluon.launch_quant_splits(q, 0.1, (qk, qv), group, view == "int8", tokens, 256, 4, op, lp, length, hkv,
-                                        queries, block, stages, decode_core.QUANT_CONFIG["gluon_rows"])
+                                        queries, block, stages, n_rows)
     finally:
         quant_gluon._module = saved
     return split.fn, split.calls[0]

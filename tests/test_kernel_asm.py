@@ -117,10 +117,9 @@ def test_kernels_launch_with_fewer_stages_where_the_gpu_has_less_shared_memory(k
     assert len(consumer.tried) == tries + 1 and consumer.ran[1] == consumer.ran[0]
 
 
-@pytest.mark.parametrize("merge_buffer", [False, True])
-def test_merge_kernels_compile_for_hopper_without_spills(kernel_asm, monkeypatch, merge_buffer):
-    """The merge of the splits (and, with ``merge_buffer``, the one that attends to the buffer itself) as a Llama-3
-    verification launches it (24 rows, lengths on the device) compiles for sm_90 in registers alone."""
+def test_merge_kernel_compiles_for_hopper_without_spills(kernel_asm, monkeypatch):
+    """The merge of the splits, as a Llama-3 verification launches it (24 rows, lengths on the device), compiles for
+    sm_90 in registers alone."""
     import torch
 
     from hf_sparsekv.kernels import decode_core
@@ -136,18 +135,15 @@ def test_merge_kernels_compile_for_hopper_without_spills(kernel_asm, monkeypatch
             return lambda *args, **kwargs: launches.setdefault(self.fn.__name__, (self.fn, (grid, args, kwargs)))
 
     split, combine = decode_core._kernels()
-    with_buffer = decode_core._combine_buffer_kernel()
     monkeypatch.setattr(decode_core, "_kernels", lambda: (Recorder(split), Recorder(combine)))
-    monkeypatch.setattr(decode_core, "_combine_buffer_kernel", lambda: Recorder(with_buffer))
     monkeypatch.setattr(decode_core.runtime, "require", lambda *tensors: None)  # CPU tensors: nothing runs
     q, kv = torch.randn(1, 32, 6, 128, dtype=torch.float16), torch.randn(1, 8, 160, 128, dtype=torch.float16)
     codes = torch.randn(1, 8, 1024, 128, dtype=torch.float16)
     quant = quantize_keys_reference(codes, 128), quantize_values_reference(codes)
     lengths = lambda n: torch.tensor([n], dtype=torch.int32)  # noqa: E731
-    with decode_core.quant_config(kernel="triton", merge_buffer=merge_buffer):
+    with decode_core.quant_config(kernel="triton"):
         decode_core.launch_decode(q, 0.1, kv, kv, quant=quant, group_size=128, int8=True, fp_length=lengths(100),
                                   quant_length=lengths(512))
-    name = "combine_buffer_kernel" if merge_buffer else "combine_kernel"
-    fn, call = launches[name]
+    fn, call = launches["combine_kernel"]
     res = kernel_asm.resources(kernel_asm.compile_for(fn, call, 90))
     assert res["registers"] <= 128 and res["local"] in (0, None)

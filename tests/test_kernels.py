@@ -418,44 +418,6 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
                           test_utils=("test_schema", "test_faketensor"))
 
 
-@pytest.mark.parametrize("hq,hkv,length,buffered,on_device,dtype", [
-    (4, 2, 1, 16, False, torch.float16), (8, 2, 6, 100, False, torch.bfloat16), (4, 4, 6, 37, True, torch.float16),
-    (8, 1, 3, 200, True, torch.float32),
-], ids=str)
-@pytest.mark.parametrize("kernel", ["triton", pytest.param("gluon", marks=pytest.mark.cuda)])
-def test_merge_buffer_attends_to_the_buffer_inside_the_merge(monkeypatch, hq, hkv, length, buffered, on_device, dtype,
-                                                             kernel):
-    """``merge_buffer``: no split program for the full-precision buffer; the merge kernel scores it itself (causal
-    within the queries' own last ``length`` keys). Against the float32 reference on the first 256 codes (capacity
-    512 with lengths on the device) and ``buffered`` buffer tokens (capacity ``buffered + 24`` there). (Gluon: CUDA,
-    half precision.)"""
-    from hf_sparsekv.kernels import decode_core, quant_gluon
-
-    if kernel == "gluon" and (DEVICE != "cuda" or dtype == torch.float32 or not quant_gluon.usable(
-            torch.empty(1, device=DEVICE, dtype=dtype), 64, 64)):
-        pytest.skip("the Gluon kernel runs on CUDA (sm80+) in float16/bfloat16 only")
-
-    g, cur = 64, 256
-    cap, bcap = (512, buffered + 24) if on_device else (cur, buffered)
-    q, k, v = _qkv(hq, hkv, length, 64, cap + bcap, dtype, seed=buffered + length)
-    qk, qv = quantize_keys(k[:, :, :cap], g), quantize_values(v[:, :, :cap])
-    used = []
-    real = decode_core._combine_buffer_kernel
-    monkeypatch.setattr(decode_core, "_combine_buffer_kernel", lambda: used.append(1) or real())
-    lengths = {}
-    if on_device:
-        lengths = dict(fp_length=torch.tensor([buffered], dtype=torch.int32, device=q.device),
-                       quant_length=torch.tensor([cur], dtype=torch.int32, device=q.device))
-    with decode_core.quant_config(merge_buffer=True, kernel=kernel):
-        out = decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g,
-                                        q_min_split=64, int8=True, **lengths)
-    assert used
-    ref = quant_decode_attention_reference(q.float(), _f32(_first(qk, cur, cur // g)), _f32(_first(qv, cur, cur)),
-                                           k[:, :, cap : cap + buffered].float(), v[:, :, cap : cap + buffered].float(),
-                                           g, True, 0.125)
-    assert _rel(out, ref) < (1e-4 if dtype == torch.float32 else TOL)
-
-
 @pytest.mark.parametrize("kernel", ["triton", pytest.param("gluon", marks=pytest.mark.cuda)])
 def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch, kernel):
     """With lengths on the device the grid is sized from the capacity (2048 quantized tokens: 16 splits of 128 on
@@ -632,6 +594,14 @@ def test_quant_config_override(tmp_path):
     assert decode_core.load_quant_config('{"gluon_int8": [64, 3]}') == {"gluon_int8": (64, 3)}
     with pytest.raises(ValueError, match="gluon_int4"):
         decode_core.load_quant_config('{"gluon_int4": [48, 2]}')
+    assert decode_core.load_quant_config('{"gluon_int8_rows16": null, "gluon_int4_rows16": [32, 3]}') == {
+        "gluon_int8_rows16": None, "gluon_int4_rows16": (32, 3)}
+    with pytest.raises(ValueError, match="gluon_int8_rows16"):
+        decode_core.load_quant_config('{"gluon_int8_rows16": [16, 5]}')
+    with decode_core.quant_config(gluon_int8_rows16=(32, 4)):  # 16-row programs only past 8 rows per KV head
+        assert decode_core.gluon_settings(24, True) == (16, 32, 4)
+        assert decode_core.gluon_settings(8, True) == (8, *decode_core.QUANT_CONFIG["gluon_int8"])
+        assert decode_core.gluon_settings(24, False) == (8, *decode_core.QUANT_CONFIG["gluon_int4"])
     env = dict(os.environ, HF_SPARSEKV_QUANT_CONFIG='{"path": "vec", "qblock": 64}')
     code = "from hf_sparsekv.kernels import decode_core as d; print(d.QUANT_CONFIG['path'], d.QUANT_CONFIG['qblock'])"
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)

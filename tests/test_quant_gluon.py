@@ -97,11 +97,11 @@ def test_gluon_kernel_compiles_for_hopper_with_operands_straight_from_registers(
 
 @pytest.mark.parametrize("view,dtype", [("int8", torch.float16), ("int4", torch.bfloat16)], ids=["int8-fp16", "int4-bf16"])
 def test_sixteen_rows_per_program_compile_for_hopper(kernel_asm, view, dtype):
-    """``gluon_rows=16`` for a verification block (6 queries, 24 rows per KV head: two programs per split) with
+    """Programs of 16 rows for a verification block (6 queries, 24 rows per KV head: two programs per split) with
     16-token blocks: the layouts hold (every code-tile conversion trivial) and the MMA's N side is two tiles."""
     from hf_sparsekv.kernels import decode_core
 
-    with decode_core.quant_config(gluon_rows=16, **{f"gluon_{view}": (16, 3)}):
+    with decode_core.quant_config(**{f"gluon_{view}_rows16": (16, 3)}):
         fn, call = kernel_asm.recorded_gluon_launch("llama3-8b", view, 6, dtype)
     grid, _, kwargs = call
     assert kwargs["N_ROWS"] == 16 and kwargs["BLOCK"] == 16 and grid[0] == 2
@@ -185,7 +185,7 @@ def test_cuda_sixteen_rows_per_program_agree_with_eight(view):
     q, qk, qv, bk, bv = _quantized(32, 8, 128, 6, 5 * 128, 9, torch.float16, seed=6)
     int8 = view == "int8"
     outs = []
-    for cfg in ({}, {"gluon_rows": 16, f"gluon_{view}": (16, 3)}, {"gluon_rows": 16, f"gluon_{view}": (32, 3)}):
+    for cfg in ({f"gluon_{view}_rows16": None}, {f"gluon_{view}_rows16": (16, 3)}, {f"gluon_{view}_rows16": (32, 3)}):
         with decode_core.quant_config(kernel="gluon", gluon_min_split=128, **cfg):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, int8, 128**-0.5))
     ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), bk.float(), bv.float(), 128, int8, 128**-0.5)

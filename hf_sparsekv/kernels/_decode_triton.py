@@ -641,19 +641,6 @@ def decode_split_kernel(
                      TREE)
 
 @triton.jit
-def _add_splits(acc, OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm, stride_lps, NS, m,
-                CHUNK_S: tl.constexpr):
-    """``acc + Σ_s 2^(lse_s - m)·op_s[d]`` over the NS split results of (``kvh``, ``row``), CHUNK_S splits a load."""
-    for c0 in range(0, NS, CHUNK_S):
-        sc = c0 + tl.arange(0, CHUNK_S)
-        ok = sc < NS
-        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
-        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
-                    mask=ok[:, None], other=0.0)
-        acc += tl.sum(o * w[:, None], 0)
-    return acc
-
-@triton.jit
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,
@@ -673,56 +660,14 @@ def combine_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
     denom = tl.sum(tl.exp2(lse - m), 0)
     denom = tl.where(denom > 0, denom, 1.0)
-    acc = _add_splits(tl.zeros([BLOCK_D], tl.float32), OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm,
-                      stride_lps, NS, m, CHUNK_S)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for c0 in range(0, NS, CHUNK_S):
+        sc = c0 + tl.arange(0, CHUNK_S)
+        ok = sc < NS
+        w = tl.exp2(tl.load(lse_base + sc * stride_lps, mask=ok, other=float("-inf")) - m)
+        o = tl.load(OP + kvh * stride_oph + sc[:, None] * stride_ops + row * stride_opm + d[None, :],
+                    mask=ok[:, None], other=0.0)
+        acc += tl.sum(o * w[:, None], 0)
     q_head = kvh * GROUP + row // L
     qi = row % L
-    tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / denom).to(O.dtype.element_ty))
-
-@triton.jit
-def combine_buffer_kernel(
-    OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
-    O, stride_ol, stride_oh, NS, L,
-    Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, S_PTR, ROW_HEADS, scale_log2,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
-    CHUNK_S: tl.constexpr, BLOCK_B: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr,
-):
-    """:func:`combine_kernel` that also attends to the short full-precision buffer ``K/V [Hkv, S_FP, D]`` itself (the
-    rule of ``_fp_part`` without trees or positions: key n is seen by query i iff ``n <= S_FP - L + i``), so the buffer
-    needs no split launch of its own. Each program scores the whole buffer (all channels, from L2 after the first) and
-    keeps its ``BLOCK_D`` channels of the values; every load of a chunk is independent of the previous chunk's."""
-    kvh = tl.program_id(0)
-    row = tl.program_id(1)
-    d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
-    q_head = kvh * GROUP + row // L
-    qi = row % L
-    if LENGTHS_ON_DEVICE:
-        S_FP = tl.load(S_PTR + kvh // ROW_HEADS)
-    limit = S_FP - L + qi
-    d_all = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + q_head * stride_qh + qi * stride_ql + d_all).to(tl.float32) * scale_log2
-    m_b = tl.full([], -1.0e30, tl.float32)  # the buffer's running max, sum and value rows (its own split)
-    l_b = tl.zeros([], tl.float32)
-    acc_b = tl.zeros([BLOCK_D], tl.float32)
-    for j0 in range(0, S_FP, BLOCK_B):
-        j = j0 + tl.arange(0, BLOCK_B)
-        seen = j <= limit
-        k = tl.load(K + kvh * stride_kh + j[:, None] * stride_kn + d_all[None, :], mask=seen[:, None], other=0.0)
-        v = tl.load(V + kvh * stride_vh + j[:, None] * stride_vn + d[None, :], mask=seen[:, None], other=0.0)
-        s = tl.where(seen, tl.sum(k.to(tl.float32) * q[None, :], 1), float("-inf"))
-        m_new = tl.maximum(m_b, tl.max(s, 0))
-        alpha = tl.exp2(m_b - m_new)
-        p = tl.exp2(s - m_new)
-        l_b = l_b * alpha + tl.sum(p, 0)
-        acc_b = acc_b * alpha + tl.sum(p[:, None] * v.to(tl.float32), 0)
-        m_b = m_new
-    s_all = tl.arange(0, BLOCK_S)
-    lse_base = LP + kvh * stride_lph + row
-    lse = tl.load(lse_base + s_all * stride_lps, mask=s_all < NS, other=float("-inf"))
-    m = tl.maximum(tl.max(lse, 0), m_b)  # finite (m_b starts at -1e30): no split and no key gives 0 below
-    w_b = tl.exp2(m_b - m)
-    denom = tl.sum(tl.exp2(lse - m), 0) + w_b * l_b
-    denom = tl.where(denom > 0, denom, 1.0)
-    acc = _add_splits(acc_b * w_b, OP, lse_base, kvh, row, d, stride_oph, stride_ops, stride_opm, stride_lps, NS, m,
-                      CHUNK_S)
     tl.store(O + qi * stride_ol + q_head * stride_oh + d, (acc / denom).to(O.dtype.element_ty))

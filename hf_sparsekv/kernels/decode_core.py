@@ -52,9 +52,13 @@ LOG2E = 1.4426950408889634
 # * kernel: "gluon" runs the quantized segment by the Gluon kernel of quant_gluon where it can (CUDA, float16/
 #   bfloat16, head_dim 64/128), one warp and 8 query rows per program, ``gluon_int4`` / ``gluon_int8`` = (tokens per
 #   block, cp.async ring stages) per view, ``gluon_per_sm`` programs per SM and ``gluon_min_split`` tokens per split
-#   at least (fill as below), ``gluon_rows`` query rows per program where a KV head has more than 8 rows
-#   (verification): 8, or 16 (with 16-token blocks, which keep it in registers; not yet timed); "triton" (and any
-#   launch Gluon cannot take) the Triton kernel's paths below. H200 sweep,
+#   at least (fill as below); ``gluon_int4_rows16`` / ``gluon_int8_rows16`` = (tokens per block, stages) of programs
+#   of 16 query rows, which run the view's launches with more than 8 rows per KV head (verification: queries x the
+#   GQA group), two MMA N tiles sharing each block's code conversion; None: programs of 8 rows. H100, Llama-3-8B
+#   shape, fp16, 6 queries (24 rows), 32K / 128K (2026-11-27): INT8 80.8 / 238.7 µs in 8-row programs, 77.8 / 211.3
+#   at (16, 3) in 16-row ones; INT4 55.2 / 142.2 against 77.5 / 209.2, so INT4 keeps 8 rows
+#   (benchmarks/results/quant-8b-h100-2026-11-27b/); "triton" (and any launch Gluon cannot take) the Triton kernel's
+#   paths below. H200 sweep,
 #   Llama-3-8B shape, fp16, 64K / 128K (2026-11-27): INT4 47 / 68 µs at (64, 2) against 60 / 92 µs without the ring
 #   and 120 / 196 µs on the Triton kernel; INT8 68 / 108 µs at (32, 3) (117 / 203 at (64, 2), spilling); 6 or 12
 #   programs per SM lost to 8 (benchmarks/results/quant-gluon-h200-2026-11-27/);
@@ -84,14 +88,13 @@ LOG2E = 1.4426950408889634
 # Default: the fastest of that sweep: the register path for one query row per KV head, tensor cores for more, both
 # with 64-token blocks, 2 warps and 3 pipeline stages. Fewer warps per program matter most: at 4 warps the kernel
 # needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu; BENCHMARKS.md).
-# * merge_buffer: beside the Gluon kernel, the merge of the splits also attends to the full-precision buffer (when it
-#   holds at most MERGE_BUFFER_MAX tokens, no tree): one launch fewer per layer. Off until timed on a GPU.
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
-    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8, gluon_rows=8,
-    path="vec", qblock=64, num_warps=2, num_stages=3, programs_per_sm=16, min_split=512, dot_min_split=1024,
-    fill_per_sm=4, trans_load=True, prefetch=False, vec_max_rows=1, asm_codes=True, merge_buffer=False,
+    kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
+    gluon_int4_rows16=None, gluon_int8_rows16=(16, 3), path="vec", qblock=64, num_warps=2, num_stages=3,
+    programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=4, trans_load=True, prefetch=False,
+    vec_max_rows=1, asm_codes=True,
 )
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
@@ -163,14 +166,12 @@ def _validated(cfg: dict) -> dict:
     unknown = set(cfg) - set(QUANT_CONFIG)
     if unknown:
         raise ValueError(f"unknown quantized-attention launch settings {sorted(unknown)}; known: {sorted(QUANT_CONFIG)}")
-    for view in ("gluon_int4", "gluon_int8"):
-        if view in cfg:
+    for view in ("gluon_int4", "gluon_int8", "gluon_int4_rows16", "gluon_int8_rows16"):
+        if view in cfg and not (cfg[view] is None and view.endswith("rows16")):  # rows16 None: 8-row programs
             block, stages = cfg[view]
             if block not in (16, 32, 64) or stages not in (2, 3, 4):
                 raise ValueError(f"{view} must be (tokens per block 16, 32 or 64, stages 2, 3 or 4), got {cfg[view]!r}")
             cfg[view] = (int(block), int(stages))
-    if cfg.get("gluon_rows", 8) not in (8, 16):
-        raise ValueError(f"gluon_rows must be 8 or 16, got {cfg['gluon_rows']!r}")
     if cfg.get("kernel", "gluon") not in ("gluon", "triton"):
         raise ValueError(f"kernel must be 'gluon' or 'triton', got {cfg['kernel']!r}")
     if cfg.get("path", "dot") not in ("dot", "vec"):
@@ -203,16 +204,18 @@ if os.environ.get(QUANT_CONFIG_ENV):
     QUANT_CONFIG.update(load_quant_config(os.environ[QUANT_CONFIG_ENV]))
 
 
+def gluon_settings(rows: int, int8: bool) -> tuple[int, int, int]:
+    """(query rows per program, tokens per block, ring stages) of the Gluon kernel for ``rows`` query rows per KV
+    head in the INT8 or INT4 view (QUANT_CONFIG)."""
+    view = "gluon_int8" if int8 else "gluon_int4"
+    wide = QUANT_CONFIG[view + "_rows16"] if rows > quant_gluon.ROWS else None
+    return (16, *wide) if wide else (quant_gluon.ROWS, *QUANT_CONFIG[view])
+
+
 def _kernels():
     from . import _decode_triton as tk
 
     return tk.decode_split_kernel, tk.combine_kernel
-
-
-def _combine_buffer_kernel():
-    from . import _decode_triton as tk
-
-    return tk.combine_buffer_kernel
 
 
 def dot_config(dtype: torch.dtype):
@@ -262,7 +265,6 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
 # The merge of split results: channels per program, and partial-output elements a program loads at once (the split
 # chunk is COMBINE_TILE / COMBINE_BLOCK_D splits: 256 splits of 16 channels, 32 registers per thread at 4 warps).
 COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
-MERGE_BUFFER_MAX, MERGE_BUFFER_BLOCK = 256, 32  # merge_buffer: the longest buffer (capacity), keys scored at once
 
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
 
@@ -352,15 +354,14 @@ def launch_decode(
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"],
                            fcfg["programs_per_sm"] if gluon else 0)
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
-    merge_buffer = (quant is not None and qcfg["merge_buffer"] and tree is None and positions is None
-                    and s_fp <= MERGE_BUFFER_MAX)
-    n_fsplits = 0 if merge_buffer else max(1, math.ceil(s_fp / fsplit))
+    n_fsplits = max(1, math.ceil(s_fp / fsplit))
     if quant is not None:
         qk, qv = quant
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
         if gluon:  # one warp per program, 8 query rows: whole key groups per split
-            programs = hkv * math.ceil(rows / quant_gluon.programs_rows(rows, qcfg["gluon_rows"]))
+            n_rows, block, stages = gluon_settings(rows, int8)
+            programs = hkv * math.ceil(rows / n_rows)
             qsplit = _split_tokens(t_q, programs, group_size, device, q_min_split or qcfg["gluon_min_split"],
                                    qcfg["gluon_per_sm"], qcfg["gluon_per_sm"])
         else:
@@ -376,7 +377,7 @@ def launch_decode(
         ku = kl = vu = vl = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
         ks = kz = vs = vz = k
     n_splits = n_qsplits + n_fsplits
-    final = n_splits == 1 and not gluon and not merge_buffer
+    final = n_splits == 1 and not gluon
     out = torch.empty(length, hq, d, dtype=q.dtype, device=device)
     if final:
         op = lp = out
@@ -401,7 +402,7 @@ def launch_decode(
             try:
                 quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
                                                 lp, quant_length, row_heads, length,
-                                                *qcfg["gluon_int8" if int8 else "gluon_int4"], qcfg["gluon_rows"])
+                                                block, stages, n_rows)
             except quant_gluon.CompileFailed:  # this Triton's Gluon: the Triton kernel from now on
                 return launch_decode(q, scaling, k, v, quant=quant, group_size=group_size, int8=int8,
                                      fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length,
@@ -409,40 +410,33 @@ def launch_decode(
         split_base, n_splits_here, quant = n_qsplits, n_fsplits, None
     else:
         n_splits_here = n_splits
-    if n_splits_here:  # (none: the Gluon kernel ran the quantized splits, the merge takes the buffer)
-        runtime.launch(
-            decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
-            q, q.stride(1), q.stride(2),
-            k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
-            ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
-            vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
-            op, lp, *op_strides, *lp_strides,
-            out, out.stride(0), out.stride(1),
-            scaling * LOG2E, length, n_qsplits, qsplit, max(n_fsplits, 1), fsplit, 0x4B000000, s_ptr, t_ptr, row_heads,
-            *pos_args, s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0),
-            split_base,
-            GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
-            KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
-            DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
-            LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
-            ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
-            ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-            num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
-            num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
-        )
+    runtime.launch(
+        decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
+        q, q.stride(1), q.stride(2),
+        k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
+        ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
+        vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
+        op, lp, *op_strides, *lp_strides,
+        out, out.stride(0), out.stride(1),
+        scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
+        s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
+        GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
+        KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
+        DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
+        LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
+        ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
+        ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
+        num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
+        num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
+    )
     if not final:
         block_s, block_d = triton_next_pow2(n_splits), min(d, COMBINE_BLOCK_D)
-        merge_args = (op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length)
-        merge_settings = dict(GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
-                              CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS)
-        if merge_buffer:  # the merge attends to the buffer itself
-            runtime.launch(
-                _combine_buffer_kernel(), (hkv, rows, d // block_d), *merge_args,
-                q, q.stride(1), q.stride(2), k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp, s_ptr,
-                row_heads, scaling * LOG2E, BLOCK_B=MERGE_BUFFER_BLOCK, LENGTHS_ON_DEVICE=on_device, **merge_settings,
-            )
-        else:
-            runtime.launch(combine_kernel, (hkv, rows, d // block_d), *merge_args, **merge_settings)
+        runtime.launch(
+            combine_kernel, (hkv, rows, d // block_d),
+            op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
+            GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+            CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS,
+        )
     return out.unsqueeze(0)
 
 

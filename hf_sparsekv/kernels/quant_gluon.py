@@ -30,7 +30,7 @@ from . import runtime
 logger = logging.getLogger(__name__)
 
 ROWS = 8  # query rows per program (the MMA's N side); more rows run as more programs of the same split, of 8 or 16
-# rows (decode_core.QUANT_CONFIG["gluon_rows"]: 16 shares each block's code conversion between twice the rows)
+# rows (decode_core.gluon_settings: 16 shares each block's code conversion between twice the rows)
 BLOCK = 64  # tokens per MMA tile (the M side)
 
 
@@ -87,17 +87,11 @@ class CompileFailed(RuntimeError):
     """The Gluon kernel did not compile with this Triton; :func:`disable` has been called."""
 
 
-def programs_rows(rows: int, rows_per_program: int = ROWS) -> int:
-    """Query rows per program for ``rows`` rows per KV head: :data:`ROWS`, or ``rows_per_program`` (16) when there are
-    more rows than :data:`ROWS`."""
-    return ROWS if rows <= ROWS else rows_per_program
-
-
 def launch_quant_splits(q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qsplits, op, lp, quant_length,
                         row_heads, length, block=BLOCK, stages=3, rows_per_program=ROWS):
     """The quantized splits ``0 .. n_qsplits - 1`` of one decode launch into ``op [Hkv, splits, rows, D]`` /
     ``lp [Hkv, splits, rows]`` (``qsplit``: tokens per split, a multiple of ``group_size``; query rows in programs
-    of :func:`programs_rows`). Raises
+    of ``rows_per_program``, 8 or 16). Raises
     :class:`CompileFailed` (after :func:`disable`) where this Triton cannot compile the kernel."""
     from triton.compiler.errors import CompilationError
 
@@ -118,7 +112,7 @@ def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qspli
     hkv = qk.upper.shape[1]
     group = hq // hkv
     rows = group * length
-    n_rows = programs_rows(rows, rows_per_program)
+    n_rows = rows_per_program
     ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
     vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
     runtime.launch(
