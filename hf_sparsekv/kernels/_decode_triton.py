@@ -249,6 +249,13 @@ def _quant_part(
         CF: tl.constexpr = 1.0
         ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
+    # p·s·CF enters a float16 value dot scaled by PV = 2^8 (divided out at the end): unscaled, small value scales put
+    # it among float16's subnormals (INT8 relative error 2e-2 at a token value range of 0.015; BENCHMARKS.md); the
+    # scaled operand overflows only past an INT4 value range of 15·65504/2^8 ≈ 3800 per token
+    if DOT_DTYPE == tl.float16:
+        PV: tl.constexpr = 256.0
+    else:
+        PV: tl.constexpr = 1.0
     # odd channel codes come as ODD·c: plain from _codes_asm / _codes_half (float16 operands; bfloat16 for INT4),
     # 16·c from _codes_f32 (float32 operands; bfloat16 INT8 without the PTX: its 7-bit mantissa cannot hold INT8's
     # combined codes up to 225). SPLIT8 (bfloat16 INT8 with the PTX): upper and lower codes enter separate dots
@@ -307,7 +314,7 @@ def _quant_part(
         # values: fold the per-token scale into p, the zero point into a per-row bias
         vs = tl.load(vs_base + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
         vz = tl.load(vz_base + offs_n * stride_vsn, mask=n_ok, other=0.0).to(tl.float32)
-        ps = (p * (vs * CF)[None, :]).to(dt)
+        ps = (p * (vs * (CF * PV))[None, :]).to(dt)
         vbias = vbias * alpha + tl.sum(p * (vz + ZOFF * vs)[None, :], 1)
         vcode_ptrs = offs_n[:, None] * stride_vun + half[None, :]
         vu = tl.load(vu_base + vcode_ptrs, mask=n_ok[:, None], other=0)
@@ -324,8 +331,8 @@ def _quant_part(
             acc_e += tl.dot(psu, ue, input_precision=DOT_PREC)
             acc_o += tl.dot(psu, uo, input_precision=DOT_PREC)
         m_i = m_new
-    acc_e += vbias[:, None]
-    acc_o = acc_o * (1.0 / ODD) + vbias[:, None]
+    acc_e = acc_e * (1.0 / PV) + vbias[:, None]
+    acc_o = acc_o * (1.0 / (ODD * PV)) + vbias[:, None]
     _write_rows(acc_e, m_i, l_i, even, rows, row_ok, q_head, qi, pid_s, kvh,
                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                 FINAL, True)

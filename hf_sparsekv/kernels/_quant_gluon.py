@@ -201,9 +201,10 @@ def _group_query(q, ks_base, kz_base, g, stride_ksg, ch, k_unit, scale_log2, ZOF
 
 @gluon.jit
 def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
-           CF: gl.constexpr, ZOFF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, N_ROWS: gl.constexpr,
+           P_UNIT: gl.constexpr, ZOFF: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK: gl.constexpr, N_ROWS: gl.constexpr,
            INT8: gl.constexpr, DT: gl.constexpr, a_op: gl.constexpr, b_op: gl.constexpr, mma: gl.constexpr):
-    """One block of BLOCK tokens: scores, online softmax, and the value product into ``acc``."""
+    """One block of BLOCK tokens: scores, online softmax, and the value product into ``acc`` (the value operand is
+    ``p ⊙ s_v·P_UNIT``)."""
     HB: gl.constexpr = HEAD_DIM // 2
     k_lo, k_hi = _key_codes(ku, kl, INT8, DT)
     # [BLOCK, HB] x2 -> [BLOCK, D]; register slot s = 2a + e of word w of lane c holds true byte c·D/8 + 4w + 2e + a
@@ -218,7 +219,7 @@ def _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc,
     p = gl.exp2(s - m_new[None, :])
     l_i = l_i * alpha + gl.sum(p, axis=0)
     vbias = vbias * alpha + gl.sum(p * (vz + ZOFF * vs)[:, None], axis=0)
-    p_op = gl.convert_layout((p * (vs * CF)[:, None]).to(DT), b_op)  # [BLOCK, N_ROWS]
+    p_op = gl.convert_layout((p * (vs * P_UNIT)[:, None]).to(DT), b_op)  # [BLOCK, N_ROWS]
     # value bytes -> [D, BLOCK], row mu = stored channel value_channel(mu)
     ue, uo = gl.split(gl.permute(gl.reshape(vu, [BLOCK // 2, 2, HB]), [0, 2, 1]))
     le, lo = gl.split(gl.permute(gl.reshape(vl, [BLOCK // 2, 2, HB]), [0, 2, 1]))
@@ -248,7 +249,7 @@ def quant_split_kernel(
     for its splits. Swapped operands: tokens are the MMA's M side, query rows its N side.
 
     * keys: ``S^T [BLOCK, N_ROWS] = codes [BLOCK, D] @ (q ⊙ s·CF)^T [D, N_ROWS] + q·z``;
-    * values: ``O^T [D, N_ROWS] += codes^T [D, BLOCK] @ (p ⊙ s_v·CF) [BLOCK, N_ROWS]``, ``+ Σ p z_v`` per row.
+    * values: ``O^T [D, N_ROWS] += codes^T [D, BLOCK] @ (p ⊙ s_v·CF·PV) [BLOCK, N_ROWS]`` (PV = 2^8 in float16), ``+ Σ p z_v`` per row.
     Code tiles are loaded as 16- or 8-byte vectors straight into the registers of the MMA operand layout (every
     ``convert_layout`` on them is checked to move no data); the operand columns (keys) and rows (values) are stored
     channels in a fixed permutation, undone on the query's side (keys) and on the output's (values). Token ranges
@@ -265,8 +266,11 @@ def quant_split_kernel(
         ZOFF: gl.constexpr = 0.0
     if DT == gl.float16:
         UNIT: gl.constexpr = 16777216.0  # codes enter the MMA as subnormals c·2^-24
+        PV: gl.constexpr = 256.0  # p·s_v·CF enters the value MMA scaled by 2^8, off float16's subnormals (the
+        # Triton kernel's PV); the output's unit divides it out
     else:
         UNIT: gl.constexpr = 1.0
+        PV: gl.constexpr = 1.0
     HI16: gl.constexpr = DT == gl.float16 and not INT8  # high-nibble codes enter as 16·c
 
     mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8])
@@ -355,7 +359,7 @@ def quant_split_kernel(
         n = gl.minimum(n0 + (STAGES - 1) * BLOCK, gl.maximum(end - BLOCK, 0))
         _copy_block(sk, skl, sv, svl, ahead, ku_base, kl_base, vu_base, vl_base, n, key_off, value_off,
                     stride_kun, stride_vun, INT8, BLOCK)
-        m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc, CF,
+        m_i, l_i, vbias, acc = _block(ku, kl, vu, vl, vs, vz, q_op, kbias, s_scale, m_i, l_i, vbias, acc, CF * PV,
                                       ZOFF, HEAD_DIM, BLOCK, N_ROWS, INT8, DT, a_op, b_op, mma)
         slot = (slot + 1) % STAGES
     async_copy.wait_group(0)
@@ -363,9 +367,9 @@ def quant_split_kernel(
     mu = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, mma))
     o_ch = _value_channel(mu, HEAD_DIM)
     if HI16:
-        o_unit = gl.where(o_ch % 2 == 1, UNIT / 16.0, UNIT)
+        o_unit = gl.where(o_ch % 2 == 1, UNIT / (16.0 * PV), UNIT / PV)
     else:
-        o_unit = gl.full([HEAD_DIM], UNIT, gl.float32, layout=gl.SliceLayout(1, mma))
+        o_unit = gl.full([HEAD_DIM], UNIT / PV, gl.float32, layout=gl.SliceLayout(1, mma))
     has = l_i > 0
     inv = 1.0 / gl.where(has, l_i, 1.0)
     out = (acc * o_unit[:, None] + vbias[None, :]) * inv[None, :]
