@@ -384,10 +384,12 @@ def _targets(rows):
                 return r
         return None
 
+    # issue 34: MHA (Llama-2) INT4 >= 3.0x, INT8 >= 1.6x; GQA 4 (Llama-3) INT4 >= 2.5x, INT8 >= 1.5x
+    quant_targets = {"llama2-7b": (3.0, 1.6), "llama3-8b": (2.5, 1.5)}
     out = []
     for shape in SHAPES:
         for ctx in (65536, 131072):
-            for name, want in (("int4", 3.0), ("int8", 1.6)):
+            for name, want in zip(("int4", "int8"), quant_targets[shape]):
                 r = find(shape, ctx, f"quant_{name} q=1")
                 if r:
                     out.append(dict(target=f"{shape} {ctx // 1024}K {name} >= {want}x faster than SDPA-flash",
