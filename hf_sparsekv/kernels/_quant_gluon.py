@@ -249,7 +249,8 @@ def quant_split_kernel(
     for its splits. Swapped operands: tokens are the MMA's M side, query rows its N side.
 
     * keys: ``S^T [BLOCK, N_ROWS] = codes [BLOCK, D] @ (q ⊙ s·CF)^T [D, N_ROWS] + q·z``;
-    * values: ``O^T [D, N_ROWS] += codes^T [D, BLOCK] @ (p ⊙ s_v·CF·PV) [BLOCK, N_ROWS]`` (PV = 2^8 in float16), ``+ Σ p z_v`` per row.
+    * values: ``O^T [D, N_ROWS] += codes^T [D, BLOCK] @ (p ⊙ s_v·CF·PV) [BLOCK, N_ROWS]``, ``+ Σ p z_v`` per row
+      (PV = 2^8 in float16, divided out at the output).
     Code tiles are loaded as 16- or 8-byte vectors straight into the registers of the MMA operand layout (every
     ``convert_layout`` on them is checked to move no data); the operand columns (keys) and rows (values) are stored
     channels in a fixed permutation, undone on the query's side (keys) and on the output's (values). Token ranges

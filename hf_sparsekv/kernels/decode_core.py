@@ -56,7 +56,7 @@ LOG2E = 1.4426950408889634
 #   of 16 query rows, which run the view's launches with more than 8 rows per KV head (verification: queries x the
 #   GQA group), two MMA N tiles sharing each block's code conversion; None: programs of 8 rows. H100, Llama-3-8B
 #   shape, fp16, 6 queries (24 rows), 32K / 128K (2026-11-27): INT8 80.8 / 238.7 µs in 8-row programs, 77.8 / 211.3
-#   at (16, 3) in 16-row ones; INT4 55.2 / 142.2 against 77.5 / 209.2, so INT4 keeps 8 rows
+#   at (16, 3) in 16-row ones (bf16 128K: 326 -> 281 µs); INT4 55.2 / 142.2 against 77.5 / 209.2, so INT4 keeps 8 rows
 #   (benchmarks/results/quant-8b-h100-2026-11-27b/); "triton" (and any launch Gluon cannot take) the Triton kernel's
 #   paths below. H200 sweep,
 #   Llama-3-8B shape, fp16, 64K / 128K (2026-11-27): INT4 47 / 68 µs at (64, 2) against 60 / 92 µs without the ring
