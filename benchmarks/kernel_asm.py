@@ -81,8 +81,8 @@ def recorded_launch(shape: str, view: str, queries: int, dtype=torch.float16, to
 def recorded_gluon_launch(shape: str, view: str, queries: int, dtype=torch.float16, tokens: int = 1024,
                           group: int = 128, lengths_on_device: bool = False):
     """The Gluon quantized kernel's arguments for one decode step of ``shape`` (quant_gluon.launch_quant_splits on CPU
-    tensors, the view's block and stages and the rows per program from decode_core.QUANT_CONFIG), as :func:`recorded_launch` does for the
-    Triton kernel."""
+    tensors, rows per program, block and stages from decode_core.gluon_settings), as :func:`recorded_launch` does for
+    the Triton kernel."""
     from hf_sparsekv.kernels import _quant_gluon, decode_core, quant_gluon
 
     hq, hkv, d = SHAPES[shape]

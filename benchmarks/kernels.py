@@ -310,11 +310,7 @@ def _sweep(ctx, timer):
     float32 reference; keep the fastest correct one (sum over the four)."""
     from hf_sparsekv.kernels import decode_core
     from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
     from hf_sparsekv.kernels.quantize import quantize_keys, quantize_values
-
-    def f32(qt):
-        return QuantizedTensor(qt.upper, qt.lower, qt.scale.float(), qt.zero.float())
 
     data, refs, sdpa = {}, {}, {}
     for shape, (hq, hkv, d) in SHAPES.items():
@@ -328,7 +324,7 @@ def _sweep(ctx, timer):
         data[shape] = (q, qk, qv, bk, bv, d**-0.5)
         for int8 in (False, True):
             refs[shape, int8] = quant_decode_attention_reference(
-                q.float(), f32(qk), f32(qv), bk.float(), bv.float(), GROUP, int8, d**-0.5).float()
+                q.float(), qk.float32(), qv.float32(), bk.float(), bv.float(), GROUP, int8, d**-0.5).float()
         k = v = None
     results = []
     print(f"# sweep: quantized attention at {ctx} tokens, q=1 (gpu_ms; speedup = SDPA-flash fp16 time / time)")

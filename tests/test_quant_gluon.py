@@ -122,13 +122,6 @@ def _quantized(hq, hkv, d, length, t_q, buffered, dtype, seed):
     return q, quantize_keys(k[:, :, :t_q], 128), quantize_values(v[:, :, :t_q]), k[:, :, t_q:], v[:, :, t_q:]
 
 
-def _f32(t):
-    """A quantized tensor with float32 scales and zeros (the reference's)."""
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
-
-    return QuantizedTensor(t.upper, t.lower, t.scale.float(), t.zero.float())
-
-
 def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
@@ -147,7 +140,7 @@ def test_cuda_gluon_kernel_matches_the_reference(dtype, hq, hkv, d, length):
         q, qk, qv, bk, bv = _quantized(hq, hkv, d, length, t_q, 40, dtype, seed=t_q + length)
         assert quant_gluon.usable(q, d, 128)
         for int8 in (False, True):
-            ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), bk, bv, 128, int8, d**-0.5)
+            ref = quant_decode_attention_reference(q, qk.float32(), qv.float32(), bk, bv, 128, int8, d**-0.5)
             with decode_core.quant_config(kernel="gluon"):
                 out = quant_decode_attention(q, qk, qv, bk, bv, 128, int8, d**-0.5)
             with decode_core.quant_config(kernel="triton"):
@@ -188,7 +181,8 @@ def test_cuda_sixteen_rows_per_program_agree_with_eight(view):
     for cfg in ({f"gluon_{view}_rows16": None}, {f"gluon_{view}_rows16": (16, 3)}, {f"gluon_{view}_rows16": (32, 3)}):
         with decode_core.quant_config(kernel="gluon", gluon_min_split=128, **cfg):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, int8, 128**-0.5))
-    ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), bk.float(), bv.float(), 128, int8, 128**-0.5)
+    ref = quant_decode_attention_reference(q.float(), qk.float32(), qv.float32(), bk.float(), bv.float(), 128, int8,
+                                           128**-0.5)
     for out in outs:
         assert _rel(out, ref) < 1e-2
     for out in outs[1:]:
@@ -270,6 +264,6 @@ def test_cuda_a_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatc
     monkeypatch.setattr(quant_gluon, "_launch", broken)
     monkeypatch.setattr(quant_gluon, "_MODULE", quant_gluon._MODULE)  # restored after the test
     q, qk, qv, bk, bv = _quantized(32, 8, 128, 1, 3 * 128, 10, torch.float16, seed=3)
-    ref = quant_decode_attention_reference(q, _f32(qk), _f32(qv), bk, bv, 128, False, 128**-0.5)
+    ref = quant_decode_attention_reference(q, qk.float32(), qv.float32(), bk, bv, 128, False, 128**-0.5)
     assert _rel(quant_decode_attention(q, qk, qv, bk, bv, 128, False, 128**-0.5), ref) < 3e-3
     assert quant_gluon._module() is None and not quant_gluon.usable(q, 128, 128)

@@ -359,7 +359,7 @@ def launch_decode(
         qk, qv = quant
         t_q = qk.upper.shape[-2]
         qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
-        if gluon:  # one warp per program, 8 query rows: whole key groups per split
+        if gluon:  # one warp per program, 8 or 16 query rows: whole key groups per split
             n_rows, block, stages = gluon_settings(rows, int8)
             programs = hkv * math.ceil(rows / n_rows)
             qsplit = _split_tokens(t_q, programs, group_size, device, q_min_split or qcfg["gluon_min_split"],

@@ -36,6 +36,10 @@ class QuantizedTensor:
     scale: torch.Tensor
     zero: torch.Tensor
 
+    def float32(self) -> QuantizedTensor:
+        """The same codes with float32 scales and zeros (the float32 reference's parameters)."""
+        return QuantizedTensor(self.upper, self.lower, self.scale.float(), self.zero.float())
+
 
 def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """``[..., D]`` integer codes in 0..15 -> ``[..., D/2]`` uint8 (D even)."""
