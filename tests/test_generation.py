@@ -259,8 +259,8 @@ def test_spec_stats_is_a_dataclass_with_dict_access():
     assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
     assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
     assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, retrieved_rounds=0, sibling_rounds=0, new_tokens=14, prefill_seconds=0.0,
-                                   draft_seconds=0.5, verify_seconds=0.0, prompts=1, rows=[],
-                                   acceptance_rate=0.75, mean_accepted_length=3.25)
+                                   draft_seconds=0.5, verify_seconds=0.0, prompts=1, rows=[], width_rounds={},
+                                   acceptance_rate=0.75, mean_accepted_length=3.25, ar_rounds=0)
     text = repr(stats)
     assert text.startswith("SpecStats(acceptance_rate=0.750, mean_accepted_length=3.25, rounds=4")
     with pytest.raises(KeyError):
@@ -429,7 +429,7 @@ def test_stop_strings_with_tokenizer_like_stock():
         (dict(penalty_alpha=0.6, top_k=4), NotImplementedError, "penalty_alpha"),
         (dict(dola_layers="low"), NotImplementedError, "dola_layers"),
         (dict(token_healing=True), NotImplementedError, "token_healing"),
-        (dict(num_assistant_tokens_schedule="heuristic"), NotImplementedError, "num_assistant_tokens_schedule"),
+        (dict(num_assistant_tokens_schedule="sometimes"), ValueError, "num_assistant_tokens_schedule"),
         (dict(prefill_chunk_size=8), NotImplementedError, "prefill_chunk_size"),
         (dict(attention_mask="short"), ValueError, "attention_mask has shape"),
         (dict(draft_cache="window", kv_budget=4), ValueError, "sink"),
@@ -626,7 +626,7 @@ def test_num_assistant_tokens_on_the_model_config_sets_gamma():
     ids = prompt(30, 7)
     kw = dict(assistant_model=tiny_model("llama", role="drafter"), kv_budget=16, max_new_tokens=12, do_sample=False,
               return_dict_in_generate=True)
-    default = verifier.generate(ids, **kw).spec_stats
+    default = verifier.generate(ids, num_assistant_tokens_schedule="constant", **kw).spec_stats
     assert default.drafted > 2 * default.rounds  # γ = 5 (rounds near the length limit draft fewer)
     verifier.generation_config.num_assistant_tokens = 2
     out = verifier.generate(ids, **kw)
@@ -636,7 +636,7 @@ def test_num_assistant_tokens_on_the_model_config_sets_gamma():
 
 def test_num_assistant_tokens_on_the_assistant_config_sets_gamma():
     """Stock assisted generation reads γ from ``assistant_model.generation_config``; so do we, below the call's and
-    the model's own setting. A non-constant schedule there is refused, not silently run as constant."""
+    the model's own setting. Stock's adaptive schedule there hands γ to the controller, at most that γ."""
     verifier = tiny_model("llama")
     drafter = copy.deepcopy(tiny_model("llama", role="drafter"))
     ids = prompt(30, 7)
@@ -647,6 +647,8 @@ def test_num_assistant_tokens_on_the_assistant_config_sets_gamma():
     assert torch.equal(one.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
     three = verifier.generate(ids, num_assistant_tokens=3, **kw).spec_stats  # the call's setting wins
     assert three.rounds < three.drafted <= 3 * three.rounds
+    drafter.generation_config.num_assistant_tokens = 3
     drafter.generation_config.num_assistant_tokens_schedule = "heuristic"
-    with pytest.raises(NotImplementedError, match="assistant_model.generation_config"):
-        verifier.generate(ids, **kw)
+    adaptive = verifier.generate(ids, **kw)
+    assert torch.equal(adaptive.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
+    assert set(adaptive.spec_stats.width_rounds) <= {0, 1, 2, 3} and len(adaptive.spec_stats.width_rounds) > 1

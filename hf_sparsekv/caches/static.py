@@ -157,7 +157,8 @@ class PreallocatedCache(Cache):
         self.prefill_row = 0
         self.prefill_start = 0  # a prefill after a loaded prefix (prompt caching, StaticFullCache): its first position
         self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
-        self.companion: PreallocatedCache | None = None  # a cache filled from this one's prefill (self-drafting)
+        # a cache filled from this one's prefill and steps without drafts (self-drafting), set for their length
+        self.companion: PreallocatedCache | None = None
         self.live: torch.Tensor | None = None  # [B] int64 on the device, 0 for a finished row (None: every row runs)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
@@ -262,6 +263,8 @@ class PreallocatedCache(Cache):
         rows, slots = self.local("rows", layer.keys.device), self.local("slots", layer.keys.device)
         layer.keys[rows, :, slots] = key_states.transpose(1, 2)
         layer.values[rows, :, slots] = value_states.transpose(1, 2)
+        if self.companion is not None:  # a self-drafting step without drafts: the same keys/values there too (its
+            self.companion.write(self.companion.layers[layer.layer_idx], key_states, value_states)  # begin_step ran)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -29,23 +29,25 @@ from .graph_steps import static_forward
 from .sampling import draw, penalized
 
 
-def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scratch: int = 0):
+def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scratch: int = 0, ahead: int = 0):
     """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`): ``max_tokens`` bounds a row's
     length, ``max_new`` its new tokens, ``slack`` the positions a round may write past the last kept token,
-    ``scratch`` the nodes of the drafter's tree block (a ring keeps them after the ring)."""
+    ``scratch`` the nodes of the drafter's tree block (a ring keeps them after the ring), ``ahead`` the positions a
+    lag catch-up (:func:`catch_up_lag`) may write past the sequence (a ring keeps that many more slots)."""
     shape, placed = _attention_shape(drafter), layer_devices(drafter)
     mode = spec.mode
+    rollback = max(spec.gamma + 1, ahead)
     if mode == "chunk":
         chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
         if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
-            return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, spec.dtype, spec.device,
+            return StaticChunkWindowCache(spec.budget, generated, rollback, *shape, spec.dtype, spec.device,
                                           chunk_size, spec.batch, selection, placed, scratch)
         return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + max_new + slack, spec.dtype,
                                       spec.device, chunk_size, batch=spec.batch, selection=selection,
                                       layer_devices=placed)
     if mode == "window":
         sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
-        return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, spec.dtype, spec.device, spec.batch,
+        return StaticSinkWindowCache(sink, window, rollback, *shape, spec.dtype, spec.device, spec.batch,
                                      placed, scratch)
     if mode == "full":
         return StaticFullCache(*shape, max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
@@ -74,15 +76,17 @@ def drafter_input(tokens: torch.Tensor, draft_vocab: tuple[int, int] | None) -> 
     return torch.where(tokens < draft_vocab[1], tokens, torch.zeros_like(tokens))
 
 
-def draft(engine) -> None:
-    """γ drafter steps from ``seq[n-1]``: ``engine.drafts [B, γ]`` (each step's argmax, or draw, the next step's input)
-    and, sampling, ``engine.q [B, γ, V]``. Self-speculation reads the shared store's INT4 view."""
+def draft(engine, width: int | None = None) -> None:
+    """``width`` (default γ) drafter steps from ``seq[n-1]``: ``engine.drafts[:, :width]`` (each step's argmax, or
+    draw, the next step's input) and, sampling, ``engine.q[:, :width]``. Self-speculation reads the shared store's
+    INT4 view."""
+    width = engine.spec.gamma if width is None else width
     quant = engine.spec.mode == "int4"
     if quant:
         engine.drafter_cache.view = "int4"
     token = drafter_input(engine.last(1), engine.draft_vocab)
     seen = None if engine.penalty is None else engine.seen  # the drafter's scores get the penalty too
-    for i in range(engine.spec.gamma):
+    for i in range(width):
         logits = static_forward(engine.drafter, token, (engine.n - 1 + i)[:, None], engine.drafter_cache, 1,
                                 engine.drafter_keyword)[:, 0]
         if engine.draft_vocab is not None:
@@ -217,13 +221,22 @@ def catch_up(engine) -> None:
                    engine.drafter_cache, 1, engine.drafter_keyword)
 
 
-def catch_up_block(engine) -> None:
+def catch_up_block(engine, offsets: torch.Tensor | None = None) -> None:
     """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their
     positions, the tokens it has not read (at most γ + 1: a round moves the sequence by at most that much); it then
     holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps
-    write over them."""
-    positions = engine.held[:, None] + engine.block_offsets
+    write over them. ``offsets`` (``arange(L)``): a block of L tokens instead (:func:`catch_up_lag`), after which the
+    drafter holds the positions before ``min(held + L, n - 1)``."""
+    offsets = engine.block_offsets if offsets is None else offsets
+    positions = engine.held[:, None] + offsets
     tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
     static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,
                    engine.drafter_keyword)
-    engine.held.copy_(engine.n - 1)
+    engine.held.copy_(torch.minimum(engine.held + offsets.numel(), engine.n - 1))
+
+
+def catch_up_lag(engine) -> None:
+    """After rounds without drafts (adaptive engines, :mod:`.controller`): a separate drafter reads the next
+    ``LAG_BLOCK`` tokens from ``held`` (set by the host); the host repeats it until the drafter holds every position
+    before ``n - 1``. Its cache has room for the stale tokens a block writes past the sequence."""
+    catch_up_block(engine, engine.lag_offsets)

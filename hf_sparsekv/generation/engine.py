@@ -64,6 +64,7 @@ drops them, as it drops tokens after a stop (they cannot change the earlier ones
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from dataclasses import dataclass
@@ -79,7 +80,7 @@ from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting
 from .draft_weights import release as release_draft_weights
-from .drafting import catch_up, catch_up_block, draft, draft_tree, drafter_cache, drafter_input
+from .drafting import catch_up, catch_up_block, catch_up_lag, draft, draft_tree, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
 from .retrieval import retrieve
 from .sampling import draw, penalized
@@ -88,6 +89,7 @@ logger = logging.get_logger(__name__)
 
 CAPACITY_ROUNDING = 256
 AR_STEPS_PER_SYNC = 8
+LAG_BLOCK = 32  # adaptive engines: tokens a separate drafter reads per catch-up step after rounds without drafts
 
 
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
@@ -118,6 +120,7 @@ class EngineSpec:
     draft_weights: str = "full"  # "int4": the draft steps run the drafting model's 4-bit weight copy (QuantSpec)
     retrieval: int = 0  # chunk/window/full: retrieval beside the drafter, suffixes of up to this many tokens (0: off)
     tree_size: int | None = None  # chunk/window/full: draft nodes per round (draft_tree_size; None: the chain)
+    adaptive: bool = False  # rounds may draft fewer than γ, or none (:mod:`.controller`): steps of every width
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -154,6 +157,11 @@ class StaticEngine:
             slack = max(self.tree.size, self.tree.block) + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
             slack += AR_STEPS_PER_SYNC
+        # self-drafting on a compressed cache: the verifier's steps without drafts also write its keys/values there
+        self.self_drafting = drafter is verifier and spec.mode in ("chunk", "window", "full")
+        # a separate drafter falls behind in rounds without drafts; catch-ups of LAG_BLOCK tokens bring it back
+        self.lagging = spec.adaptive and drafter is not None and not self.self_drafting and spec.mode in (
+            "chunk", "window", "full")
         self.max_tokens = _round_up(max_tokens)
         self.max_new = _round_up(max_new)
         self.cap = None  # int4: the most drafts each row may keep this round (its quantization state must not move)
@@ -169,8 +177,10 @@ class StaticEngine:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch, layer_devices(verifier))
             scratch = self.tree.block if self.grows_tree else 0
+            ahead = LAG_BLOCK if self.lagging else 0  # a lag catch-up writes that far past the sequence
             self.drafter_cache = None if drafter is None else drafter_cache(drafter, spec, self.max_tokens,
-                                                                              self.max_new, slack, scratch)
+                                                                              self.max_new, slack + ahead, scratch,
+                                                                              ahead)
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
@@ -182,8 +192,11 @@ class StaticEngine:
         # kept, draft_tree.CHAIN / RETRIEVED / SIBLING; found: retrieval's next round has a match)
         self.report = torch.zeros(rows, gamma + 4, dtype=torch.long, device=device)
         self.block_offsets = torch.arange(gamma + 1, device=device)
-        if self.tree is not None:  # what the drafter holds and what its last draft step fed it
+        if self.lagging:
+            self.lag_offsets = torch.arange(LAG_BLOCK, device=device)
+        if self.tree is not None or self.lagging:  # the drafter holds positions < held (catch-ups)
             self.held = torch.zeros(rows, dtype=torch.long, device=device)
+        if self.tree is not None:  # what its last draft step fed it
             self.fed = torch.zeros(rows, gamma, dtype=torch.long, device=device)
             self.fed_at = torch.zeros(rows, dtype=torch.long, device=device)
             self.fed_valid = torch.zeros(rows, dtype=torch.bool, device=device)
@@ -249,17 +262,20 @@ class StaticEngine:
         """``seq[b, n[b] - back]`` of every row, ``[B, 1]``."""
         return self.seq.gather(1, (self.n - back)[:, None])
 
-    def _draft(self) -> None:  # retrieval drafts at the end of the step before (:meth:`_advance`): no draft step
-        if self.grows_tree:
+    def _draft(self, width: int | None = None) -> None:  # retrieval drafts at the end of the step before
+        if self.grows_tree:  # (:meth:`_advance`): no draft step
             draft_tree(self)
         else:
-            draft(self)
+            draft(self, width)
 
     def _catch_up(self) -> None:
         catch_up(self)
 
     def _catch_up_block(self) -> None:
         catch_up_block(self)
+
+    def _catch_up_lag(self) -> None:
+        catch_up_lag(self)
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
@@ -346,10 +362,12 @@ class StaticEngine:
         self.held.copy_(torch.where(self.fed_valid, held, self.held))
         self.fed_valid.zero_()
 
-    def _verify_forward(self) -> torch.Tensor:
-        """The verifier on ``[seq[n-1], drafts]`` at positions ``n-1..n-1+γ``: its logits ``[B, γ+1, V]``."""
-        block = torch.cat([self.last(1), self.drafts], 1)
-        positions = (self.n - 1)[:, None] + self.block_offsets
+    def _verify_forward(self, width: int | None = None) -> torch.Tensor:
+        """The verifier on ``[seq[n-1], drafts[:, :width]]`` (default: all γ) at positions ``n-1..n-1+width``: its
+        logits ``[B, width+1, V]``."""
+        width = self.spec.gamma if width is None else width
+        block = torch.cat([self.last(1), self.drafts[:, :width]], 1)
+        positions = (self.n - 1)[:, None] + self.block_offsets[: width + 1]
         return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
 
     def _tree_forward(self) -> tuple[torch.Tensor, tuple]:
@@ -406,28 +424,42 @@ class StaticEngine:
         self.logits.copy_(self._tree_forward()[0].float())
 
     def _ar_forward(self) -> torch.Tensor:
-        """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
-        return static_forward(self.verifier, self.last(1), (self.n - 1)[:, None], self.verifier_cache, 1,
-                              self.verifier_keyword)
+        """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``. Self-drafting: its
+        keys/values also go to the drafter's cache (as the prefill's do), which so holds the token without a draft
+        step."""
+        positions = (self.n - 1)[:, None]
+        if not self.self_drafting:
+            return static_forward(self.verifier, self.last(1), positions, self.verifier_cache, 1,
+                                  self.verifier_keyword)
+        self.drafter_cache.begin_step(positions)
+        self.verifier_cache.companion = self.drafter_cache
+        try:
+            return static_forward(self.verifier, self.last(1), positions, self.verifier_cache, 1,
+                                  self.verifier_keyword)
+        finally:
+            self.verifier_cache.companion = None
 
-    def _verify(self) -> None:
-        logits = self._verify_forward()
-        seen = self._seen_after(self.drafts, logits.shape[1])
+    def _verify(self, width: int | None = None) -> None:
+        drafts = self.drafts if width is None else self.drafts[:, :width]
+        logits = self._verify_forward(width)
+        seen = self._seen_after(drafts, logits.shape[1])
         if self.warpers is None:
             verified = self._next(logits, self.n, seen)
-            accepted = accepted_length(self.drafts, verified)
+            accepted = accepted_length(drafts, verified)
             if self.cap is not None:  # v_0..v_cap saw the row's one quantization state: keep no later token
                 accepted = torch.minimum(accepted, self.cap)
         else:  # the accepted drafts, then the token drawn after them (the rest is overwritten later)
             p = self.probabilities(logits, self.n, seen)
-            accepted, token = accept_or_resample(p, self.q, self.drafts)  # (a sampled int4 batch runs row by row: no cap)
-            verified = torch.where(self.block_offsets < accepted[:, None], torch.cat([self.drafts, token[:, None]], 1),
-                                   token[:, None])
+            q = self.q[:, : drafts.shape[1]]  # (a sampled int4 batch runs row by row: no cap)
+            accepted, token = accept_or_resample(p, q, drafts)
+            offsets = self.block_offsets[: drafts.shape[1] + 1]
+            verified = torch.where(offsets < accepted[:, None], torch.cat([drafts, token[:, None]], 1), token[:, None])
         self._advance(verified, accepted)
 
-    def _verify_logits(self) -> None:
+    def _verify_logits(self, width: int | None = None) -> None:
         """Host-side rules: the verify forward alone, its raw logits left in :attr:`logits`."""
-        self.logits[:, : self.spec.gamma + 1].copy_(self._verify_forward().float())
+        logits = self._verify_forward(width)
+        self.logits[:, : logits.shape[1]].copy_(logits.float())
 
     def _ar_logits(self) -> None:
         """Host-side rules: one verifier step (a round without drafts), its raw logits left in ``logits[:, 0]``."""
@@ -458,17 +490,22 @@ class StaticEngine:
         token = self._next(logits, self.n, None if self.penalty is None else self.seen[:, None])
         self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
-    def run_step(self, name: str) -> None:
-        """Run (and on first use, capture) the step ``name``; the drafter's steps with its 4-bit weights where the
-        spec asks for them (:mod:`.draft_weights`)."""
+    def run_step(self, name: str, width: int | None = None) -> bool:
+        """Run (and on first use, capture) the step ``name`` (``"draft"``, ``"verify"``, ``"verify_logits"``: of
+        ``width`` drafts, default γ); the drafter's steps with its 4-bit weights where the spec asks for them
+        (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in this call)."""
+        key = name if width is None or width == self.spec.gamma else (name, width)
         with drafting(self.spec.draft_weights == "int4" and name in ("draft", "catch_up")):
-            step = self.steps.get(name)
-            if step is None:
-                step = self.steps[name] = CapturedStep(getattr(self, "_" + name), self.pool, self.compiled,
-                                                       self.devices)
+            step = self.steps.get(key)
+            new = step is None
+            if new:
+                fn = getattr(self, "_" + name)
+                step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
+                                                      self.compiled, self.devices)
                 if self.use_graphs:
                     self._capture(step)
             step()
+        return new
 
     def _capture(self, step: CapturedStep) -> None:
         restore = (self.n, self.seq)
@@ -553,7 +590,8 @@ MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: rai
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
                penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False,
-               draft_weights: str = "full", retrieval: int = 0, tree_size: int | None = None) -> StaticEngine:
+               draft_weights: str = "full", retrieval: int = 0, tree_size: int | None = None,
+               adaptive: bool = False) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
@@ -562,13 +600,14 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     host-side rules (:mod:`.host_rules`); ``draft_weights``: ``"int4"`` drafts on the drafting model's 4-bit weight
     copy (:mod:`.draft_weights`, made here on first use); ``retrieval``: retrieval
     drafting beside the drafter, suffixes of up to this many tokens (:mod:`.retrieval`); ``tree_size``: draft nodes
-    per round (:mod:`.draft_tree`; None: one chain). Under tensor parallelism the captured steps hold NCCL all-reduces:
+    per round (:mod:`.draft_tree`; None: one chain); ``adaptive``: each round drafts as many tokens as the controller
+    chooses, up to γ (:mod:`.controller`). Under tensor parallelism the captured steps hold NCCL all-reduces:
     :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
                       _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights,
-                      retrieval, tree_size)
+                      retrieval, tree_size, adaptive)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones
         stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
         _release_graphs(stale)

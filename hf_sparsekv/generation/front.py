@@ -29,7 +29,11 @@ from .host_rules import GreedyRules
 from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, stock_processors
 from .stats import SpecStats
 
-DEFAULT_GAMMA = 5
+DEFAULT_GAMMA = 5  # drafts per round of a constant γ when none is given (num_assistant_tokens_schedule="constant")
+ADAPTIVE_GAMMA = 8  # the most drafts a round may verify when the controller chooses (:mod:`.controller`)
+# stock's schedules: "constant" keeps γ; its adaptive ones are served by the controller
+SCHEDULES = ("constant", "heuristic", "heuristic_transient")
+ADAPTIVE_MODES = ("chunk", "window", "full", "int4", "lookup")  # chains; trees and retrieval beside keep γ
 
 # Generation options this path does not serve (the logits processors stock builds from the rest of the config,
 # repetition penalty, n-gram and bad-word bans included, are applied: sampling.stock_processors).
@@ -42,7 +46,6 @@ _UNSUPPORTED_OPTIONS = {
     "penalty_alpha": lambda v: v is not None and v > 0,  # contrastive search
     "dola_layers": lambda v: v is not None,
     "token_healing": lambda v: bool(v),
-    "num_assistant_tokens_schedule": lambda v: v not in (None, "constant"),  # γ stays num_assistant_tokens
     "prefill_chunk_size": lambda v: v is not None,  # the prompt is prefilled in one forward (peak memory as such)
 }
 
@@ -189,17 +192,18 @@ def _draft_weights(choice: str | None, mode: str, drafter) -> str:
     return choice
 
 
-def _lookup_settings(config, gamma_given: bool) -> tuple[int, int]:
+def _lookup_settings(config, drafter_gamma: int | None) -> tuple[int, int]:
     """``(γ, longest n-gram)`` of retrieval drafting (prompt lookup, :mod:`.retrieval`), stock's settings:
     ``prompt_lookup_num_tokens`` drafts per round, suffixes of up to ``max_matching_ngram_size`` (default 2) tokens
-    matched. Beside a drafter one chain length serves both: ``num_assistant_tokens``, if set, must agree."""
+    matched. Beside a drafter one chain length serves both: ``num_assistant_tokens`` (``drafter_gamma``), if set, must
+    agree."""
     gamma, ngram = config.prompt_lookup_num_tokens, config.max_matching_ngram_size or 2
     for name, value in (("prompt_lookup_num_tokens", gamma), ("max_matching_ngram_size", ngram)):
         if not is_integer(value) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if gamma_given and config.num_assistant_tokens != gamma:
+    if drafter_gamma is not None and drafter_gamma != gamma:
         raise ValueError(
-            f"num_assistant_tokens={config.num_assistant_tokens!r} and prompt_lookup_num_tokens={gamma!r}: a round "
+            f"num_assistant_tokens={drafter_gamma!r} and prompt_lookup_num_tokens={gamma!r}: a round "
             "drafts one chain, from the drafter or from retrieval; pass one of them, or the same value")
     return int(gamma), int(ngram)
 
@@ -236,20 +240,38 @@ def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> 
     return f"{name}={value!r} comes from the model's generation config (model.generation_config.{name})"
 
 
-def _assistant_gamma(assistant_model, model) -> int:
-    """γ when the call and the model's generation config leave it unset: the assistant's own
-    ``generation_config.num_assistant_tokens`` where its owner set it (where stock assisted generation reads it), else
-    :data:`DEFAULT_GAMMA`. A non-constant schedule there is refused, as on the model's config."""
-    config = getattr(assistant_model, "generation_config", None)
-    if assistant_model is None or assistant_model is model or config is None:
-        return DEFAULT_GAMMA
-    diff = config.to_diff_dict()
-    if _UNSUPPORTED_OPTIONS["num_assistant_tokens_schedule"](diff.get("num_assistant_tokens_schedule")):
-        raise NotImplementedError(
-            f"num_assistant_tokens_schedule={diff['num_assistant_tokens_schedule']!r} comes from the assistant's "
-            "generation config (assistant_model.generation_config); kv_budget/draft_cache keep γ constant: set it "
-            "to 'constant' or pass num_assistant_tokens=...")
-    return diff.get("num_assistant_tokens", DEFAULT_GAMMA)
+def _user_setting(name: str, kwargs: dict, configs) -> tuple[bool, object]:
+    """``(set, value)`` of the generation option ``name`` as its owner set it (not a library default): the keyword,
+    else the first of ``configs`` (generation configs, None skipped) whose differences from the defaults name it."""
+    if name in kwargs:
+        return True, kwargs[name]
+    for config in configs:
+        diff = {} if config is None else config.to_diff_dict()
+        if name in diff:
+            return True, diff[name]
+    return False, None
+
+
+def _draft_length(model, assistant_model, generation_config, kwargs: dict) -> tuple[int | None, bool]:
+    """``(γ, adaptive)`` of the call from stock's options: ``num_assistant_tokens`` (the call's or its configs', else
+    the assistant's own generation config where its owner set it) and ``num_assistant_tokens_schedule``.
+
+    - a schedule of ``"heuristic"`` or ``"heuristic_transient"`` (stock's adaptive ones), or neither option set: the
+      controller chooses each round's drafts (:mod:`.controller`), at most γ (default :data:`ADAPTIVE_GAMMA`);
+    - ``num_assistant_tokens`` set, or the schedule ``"constant"``: every round drafts γ (default
+      :data:`DEFAULT_GAMMA`).
+
+    γ is None where none was set (the caller's mode picks the default)."""
+    own = (generation_config, model.generation_config)
+    assistant = getattr(assistant_model, "generation_config", None)
+    if assistant_model is model or assistant_model is None:
+        assistant = None
+    given, gamma = _user_setting("num_assistant_tokens", kwargs, own + (assistant,))
+    scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, own + (assistant,))
+    if scheduled and schedule not in SCHEDULES:
+        raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
+    adaptive = schedule in SCHEDULES[1:] or not (given or scheduled)
+    return (gamma if given else None), adaptive
 
 
 def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Tensor):
@@ -310,8 +332,8 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
 def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: tuple, logits_processor,
                         stopping_criteria, tokenizer):
     """A batch's rows decoded together on one engine of ``len(input_ids)`` rows; ``plan`` = (mode, budget, layout,
-    γ, draft_weights, retrieval, tree_size). Returns the output as stock assembles a batch."""
-    mode, budget, layout, gamma, draft_weights, retrieval, tree_size = plan
+    γ, draft_weights, retrieval, tree_size, adaptive). Returns the output as stock assembles a batch."""
+    mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive = plan
     rows = [
         _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
                    stopping_criteria, logits_processor, tokenizer)
@@ -324,7 +346,7 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
         model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
         max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
         batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-        retrieval=retrieval, tree_size=tree_size)
+        retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                  for b, res in enumerate(results)]
@@ -373,9 +395,6 @@ def speculative_generate(
     attention_mask = kwargs.pop("attention_mask", None)
     past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
     tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
-    gamma_given = "num_assistant_tokens" in kwargs or any(  # set by the user, not the library default (20)
-        c is not None and "num_assistant_tokens" in c.to_diff_dict() for c in (generation_config, model.generation_config)
-    )
     if input_ids.dim() != 2 or input_ids.shape[0] < 1:
         raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
     if input_ids.shape[1] == 0:
@@ -396,16 +415,17 @@ def speculative_generate(
         attention_mask = infer_attention_mask(config, input_ids)
 
     _refuse_config(config, kwargs, generation_config, model)
+    gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs)
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
     lookup = config.prompt_lookup_num_tokens is not None
     if lookup and assistant_model is None and kv_budget is None and draft_cache is None:  # retrieval alone
-        gamma, ngram = _lookup_settings(config, False)
+        gamma, ngram = _lookup_settings(config, None)
         mode, budget, layout = "lookup", ngram, ()
     else:
         if lookup:
-            gamma, retrieval = _lookup_settings(config, gamma_given)
+            gamma, retrieval = _lookup_settings(config, gamma)
         else:
-            gamma = config.num_assistant_tokens if gamma_given else _assistant_gamma(assistant_model, model)
+            gamma = gamma if gamma is not None else ADAPTIVE_GAMMA if adaptive else DEFAULT_GAMMA
         if not is_integer(gamma) or gamma < 1:
             raise ValueError(f"num_assistant_tokens must be a positive integer, got {gamma!r}")
         gamma = int(gamma)
@@ -414,6 +434,7 @@ def speculative_generate(
         if lookup:
             _retrieval_beside(mode)
     tree_size = _tree_size(draft_tree_size, mode, gamma)
+    adaptive = adaptive and mode in ADAPTIVE_MODES and tree_size is None and not retrieval
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
@@ -432,7 +453,7 @@ def speculative_generate(
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
                                  config.return_dict_in_generate)
         return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
-                                     (mode, budget, layout, gamma, draft_weights, retrieval, tree_size), logits_processor,
+                                     (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive), logits_processor,
                                      stopping_criteria, tokenizer)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
@@ -447,7 +468,7 @@ def speculative_generate(
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                         rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
                         penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-                        retrieval=retrieval, tree_size=tree_size)
+                        retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
     # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
     result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
 

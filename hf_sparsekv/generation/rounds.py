@@ -12,7 +12,8 @@ import torch
 from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
 from .draft_tree import CHAIN, RETRIEVED, SIBLING
-from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
+from .controller import DraftController
+from .engine import AR_STEPS_PER_SYNC, LAG_BLOCK, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .stats import SpecStats
@@ -94,6 +95,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     # draft step first feeds the drafter what it has not read: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
+    controller = DraftController(gamma, None if engine.spec.adaptive else gamma)
+    lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:
         for token in new:
@@ -111,9 +114,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         outputs[row].add([scores], [raw])
         return choose(scores, sampling)
 
-    def host_round(drafting: bool, rooms: list[int], tree: bool) -> list[tuple[int, list[int], int]]:
-        """Each live row's (accepted, emitted, kind of the last node kept) from the logits the verify step left;
-        committed on the device."""
+    def host_round(width: int, rooms: list[int], tree: bool) -> list[tuple[int, list[int], int]]:
+        """Each live row's (accepted, emitted, kind of the last node kept) from the logits the verify step of
+        ``width`` drafts left; committed on the device."""
+        drafting = width > 0
         drafts = engine.drafts.tolist() if drafting else [[] for _ in range(rows)]
         nodes = engine.nodes.tolist() if tree else None  # [5, B, N+1]: tokens, parents, depths, bits, kinds
         results, kept = [], []
@@ -129,7 +133,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 kept.append(node)
                 kind = nodes[4][row][node]
             else:
-                room = (gamma if quant is None else min(rooms[row] - 1, gamma)) if drafting else 0
+                room = min(rooms[row] - 1, width)
                 (a, emitted, scores, raw), kind = verify_block(rules[row], tokens[row], drafts[row],
                                                                engine.logits[row], q, room), CHAIN
             outputs[row].add(scores, raw)
@@ -155,6 +159,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         retire_finished()
         found = engine.report[:, -1].tolist() if lookup or beside else None
         catch_up = None  # the drafter's step before the next draft: "catch_up" (one token), "catch_up_block"
+        behind = [0] * rows  # per row: positions before n - 1 its drafter has not read (after rounds without drafts)
+        last, fresh = time.perf_counter(), True  # the last round's end; whether this round ran a step first
         while not all(done):
             if is_ar:
                 n = [len(t) for t in tokens]
@@ -170,61 +176,79 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                         accept(row, new[row][n[row] : n[row] + k])
                 retire_finished()
                 continue
-            drafting, rooms = True, [gamma + 1] * rows
+            rooms = [gamma + 1] * rows
             matched = found is not None and any(f and not d for f, d in zip(found, done))  # a live row's match
-            if lookup:  # one verifier step when no live row found a match (the report said so, no extra sync)
-                drafting = matched
+            allowed = gamma  # the most drafts this round may verify
+            if lookup and not matched:  # one verifier step when no live row found a match (the report said so)
+                allowed = 0
             tree = always_tree or (beside and matched)  # the round verifies a tree (the drafts, grafted retrieval)
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
                         drafter_store.flush_to(len(tokens[row]) - 2, row)
             if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
-                rooms = []  # that would see another state; a round in which no row can keep every draft runs one
+                rooms = []  # that would see another state; a round in which no row can keep a draft runs one
                 for row in range(rows):  # verifier step instead
                     if not done[row]:
                         quant.flush_to(len(tokens[row]) - 1, row)
                     rooms.append(quant.room(len(tokens[row]) - 1))
-                drafting = any(r > gamma for r, d in zip(rooms, done) if not d)
-                if drafting:
-                    engine.cap.copy_(torch.tensor([min(r - 1, gamma) for r in rooms]), non_blocking=True)
+                allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
+            width = controller.choose(allowed)
+            drafting = width > 0
+            if drafting and quant is not None:
+                engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
-            if catch_up is not None:
-                engine.run_step(catch_up)
+            if lagging:  # a separate drafter reads what it missed (rounds without drafts) before it drafts
+                if drafting and max(behind) == 1:
+                    fresh |= engine.run_step("catch_up")
+                elif drafting and max(behind) > 1:
+                    engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
+                                      non_blocking=True)
+                    for _ in range(-(-max(behind) // LAG_BLOCK)):
+                        fresh |= engine.run_step("catch_up_lag")
+                behind = behind if not drafting else [0] * rows
+            elif catch_up is not None and (drafting or engine.self_drafting):  # (self-drafting: before a step
+                fresh |= engine.run_step(catch_up)  # without drafts too, which writes the drafter's cache at n - 1)
+                catch_up = None
             if drafting and not lookup:
-                engine.run_step("draft")
+                fresh |= engine.run_step("draft", width)
             timer.mark("draft", False)
             timer.mark("verify", True)
             if host:
-                engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits")
-                rounds = host_round(drafting, rooms, tree)
+                fresh |= engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits",
+                                         width or None)
+                rounds = host_round(width, rooms, tree)
                 found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
-                engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step")
+                fresh |= engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step", width or None)
                 report = engine.report.tolist()  # the round's one sync
                 rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
                 found = [r[-1] for r in report]
             timer.mark("verify", False)
-            catch_up = None
-            for row in range(rows):
-                if done[row]:
-                    continue
+            live = [row for row in range(rows) if not done[row]]
+            for row in live:
                 a, emitted, kind = rounds[row]
                 stats[row].rounds += 1
-                stats[row].drafted += gamma if drafting else 0
+                stats[row].drafted += width
                 stats[row].accepted += a
+                stats[row].width_rounds[width] = stats[row].width_rounds.get(width, 0) + 1
                 stats[row].retrieved_rounds += kind == RETRIEVED
                 stats[row].sibling_rounds += kind == SIBLING
                 accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
                 # to the other rows rewrites what they hold
-                if quant is not None or engine.drafter is None or done[row] or always_tree:
+                if quant is not None or engine.drafter is None or always_tree:
                     continue
-                if kind != CHAIN:
+                if lagging:
+                    behind[row] += 1 if not drafting else int(a == width)
+                elif kind != CHAIN:
                     catch_up = "catch_up_block"
-                elif a == gamma and catch_up is None:
+                elif drafting and a == width and catch_up is None:
                     catch_up = "catch_up"
+            now = time.perf_counter()
+            controller.observe(width, [rounds[row][0] for row in live], None if fresh else now - last)
+            last, fresh = now, False
             retire_finished()
     if device.type == "cuda":
         torch.cuda.synchronize()

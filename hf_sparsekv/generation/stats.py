@@ -41,6 +41,9 @@ class SpecStats:
       the round's tree rather than the drafter's; ``drafted`` counts γ per round there too (one branch's length).
     - ``sibling_rounds``: tree rounds (``draft_tree_size``) whose kept path ended on one of the drafter's nodes
       off its chain.
+    - ``width_rounds``: rounds per number of drafts verified, ``{γ: rounds}``; ``width_rounds.get(0)`` counts the
+      rounds without drafts (one plain verifier step: the draft-length controller's choice, :mod:`.controller`, or no
+      retrieval match, or no room in a quantized store). ``ar_rounds`` (derived) is that count.
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
@@ -60,6 +63,7 @@ class SpecStats:
     accepted: int = 0
     retrieved_rounds: int = 0
     sibling_rounds: int = 0
+    width_rounds: dict = field(default_factory=dict)
     new_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
@@ -67,7 +71,11 @@ class SpecStats:
     prompts: int = 1
     rows: list = field(default_factory=list)
 
-    DERIVED = ("acceptance_rate", "mean_accepted_length")
+    DERIVED = ("acceptance_rate", "mean_accepted_length", "ar_rounds")
+
+    @property
+    def ar_rounds(self) -> int:
+        return self.width_rounds.get(0, 0)
 
     @property
     def acceptance_rate(self) -> float:
@@ -112,6 +120,9 @@ class SpecStats:
         total = cls(prompts=len(rows), rows=list(rows))
         for name in ("rounds", "drafted", "accepted", "retrieved_rounds", "sibling_rounds", "new_tokens", "prefill_seconds", "draft_seconds", "verify_seconds"):
             setattr(total, name, sum(getattr(r, name) for r in rows))
+        for r in rows:
+            for width, count in r.width_rounds.items():
+                total.width_rounds[width] = total.width_rounds.get(width, 0) + count
         return total
 
     @contextmanager

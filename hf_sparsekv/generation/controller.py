@@ -1,0 +1,140 @@
+"""The draft-length controller: before each round it picks how many tokens to draft, ``g`` (0: a plain verifier step),
+to maximise the expected tokens per second
+
+    E[tokens | g] / t(g),   E[tokens | g] = 1 + sum_{k=1..g} prod_{i<=k} p_i
+
+from what the host already has after each round's one sync: the round's wall-clock seconds (draft, verification and
+host work together, so nothing is synchronised for timing) and each live row's accepted length.
+
+* ``p_i``: the probability that draft i is accepted once drafts 1..i-1 were, an exponential moving average over the
+  rounds that reached depth i (a round with ``a`` of ``g`` accepted reached depths 1..min(a+1, g); depths beyond the
+  deepest one measured take the deepest estimate).
+* ``t(g)``: a moving average of the measured round seconds of each width; a width not yet measured is interpolated
+  linearly between measured ones (or extrapolated from the per-draft slope). A round that ran a step for the first
+  time (compilation, CUDA-graph capture) is not a sample.
+
+The first rounds measure: one round at the widest width, one plain step, then the choice. While plain steps win,
+the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so that a drafter whose
+acceptance rises is used again; the interval is set so that an exploration round's expected loss stays under
+``EXPLORE_SHARE`` of the plain rounds it follows (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds).
+
+A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
+only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
+same (sampling).
+"""
+
+from __future__ import annotations
+
+import math
+
+LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
+ACCEPT_RATE = 0.15  # moving-average weight of a new acceptance observation
+TIME_RATE = 0.2  # moving-average weight of a new round time
+PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
+EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
+EXPLORE_MIN, EXPLORE_MAX = 8, 512
+
+
+def widths(gamma: int) -> tuple[int, ...]:
+    """The draft widths an adaptive engine of at most ``gamma`` drafts may run: :data:`LADDER` up to ``gamma``, and
+    ``gamma`` itself."""
+    return tuple(sorted({w for w in LADDER if w < gamma} | {gamma}))
+
+
+class DraftController:
+    """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
+    ``fixed``: a constant number of drafts (no choice; ``None``: choose among :func:`widths`)."""
+
+    def __init__(self, gamma: int, fixed: int | None = None):
+        self.gamma = gamma
+        self.fixed = fixed
+        self.widths = widths(gamma) if fixed is None else (fixed,)
+        self.accept = [PRIOR_ACCEPT] * gamma  # p_i, i = 1..gamma (index i - 1)
+        self.measured_depth = 0  # the deepest depth any round reached
+        self.seconds: dict[int, float] = {}  # width (0: a plain step) -> moving-average round seconds
+        self.chosen: dict[int, int] = {}  # width -> rounds that ran it (for spec_stats)
+        self.plain_run = 0  # plain rounds since the last drafting round
+        self.explorations = 0
+
+    # ---- the model
+    def expected_tokens(self, g: int) -> float:
+        """E[tokens | g]: the verifier's own token plus the expected accepted drafts."""
+        total, survive = 1.0, 1.0
+        deepest = self.accept[max(self.measured_depth, 1) - 1]
+        for i in range(g):
+            survive *= self.accept[i] if i < max(self.measured_depth, 1) else deepest
+            total += survive
+        return total
+
+    def round_seconds(self, g: int) -> float | None:
+        """t(g): measured, else interpolated between the nearest measured widths, else extrapolated from the slope
+        between the plain step and the widest measured width; None while nothing is measured."""
+        if g in self.seconds:
+            return self.seconds[g]
+        known = sorted(self.seconds)
+        if not known:
+            return None
+        lower = [w for w in known if w < g]
+        upper = [w for w in known if w > g]
+        if lower and upper:
+            a, b = lower[-1], upper[0]
+            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (g - a) / (b - a)
+        if len(known) < 2:
+            return self.seconds[known[0]]
+        a, b = (known[0], known[-1])
+        slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
+        anchor = b if g > b else a
+        return max(self.seconds[anchor] + slope * (g - anchor), 1e-9)
+
+    def rate(self, g: int) -> float:
+        t = self.round_seconds(g)
+        return 0.0 if t is None else self.expected_tokens(g) / t
+
+    def best_drafting(self) -> int:
+        return max(self.widths, key=self.rate)
+
+    # ---- decisions
+    def choose(self, allowed: int | None = None) -> int:
+        """The next round's number of drafts, at most ``allowed`` (a width of :attr:`widths`, or 0)."""
+        cap = self.gamma if allowed is None else allowed
+        options = [w for w in self.widths if w <= cap]
+        if self.fixed is not None:
+            return options[-1] if options else 0
+        if not options:
+            return 0
+        if max(options) not in self.seconds and max(self.widths) == max(options):
+            return max(options)  # first: the widest width (acceptance at every depth, its cost)
+        if 0 not in self.seconds:
+            return 0
+        best = max(options, key=self.rate)
+        if self.rate(best) > self.rate(0):
+            return best
+        if self.plain_run >= self.explore_every(best):
+            self.explorations += 1
+            return best
+        return 0
+
+    def explore_every(self, g: int) -> int:
+        """Plain rounds between explorations at width ``g``: the expected loss of one (its time beyond what plain
+        steps take for the tokens it brings) is at most EXPLORE_SHARE of the plain rounds' time."""
+        t0, tg = self.round_seconds(0), self.round_seconds(g)
+        if not t0 or tg is None:
+            return EXPLORE_MIN
+        loss = max(tg - self.expected_tokens(g) * t0, 0.0)
+        return min(max(math.ceil(loss / (EXPLORE_SHARE * t0)), EXPLORE_MIN), EXPLORE_MAX)
+
+    def observe(self, g: int, accepted: list[int], seconds: float | None) -> None:
+        """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
+        not a timing sample)."""
+        self.chosen[g] = self.chosen.get(g, 0) + 1
+        if g == 0:
+            self.plain_run += 1
+        else:
+            self.plain_run = 0
+            for a in accepted:
+                for i in range(min(a + 1, g)):
+                    self.accept[i] += ACCEPT_RATE * ((1.0 if i < a else 0.0) - self.accept[i])
+                self.measured_depth = max(self.measured_depth, min(a + 1, g))
+        if seconds is not None:
+            old = self.seconds.get(g)
+            self.seconds[g] = seconds if old is None else old + TIME_RATE * (seconds - old)
