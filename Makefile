@@ -81,6 +81,19 @@ bench-graph: $(STAMP)
 	for t in 0.7 1.0; do $(PY) benchmarks/graph_engine.py --temperature $$t --contexts 16384,4096 --docs 2 \
 		--only hf-static-ar,chunk-256-g3,window-g3,int4-self-g5 --budgets 256 --out runs/graph-engine-t$$t || exit 1; done
 
+# The draft-length controller (gA) against each constant γ of its ladder, per mode, beside HF static AR and our graph
+# AR, bundled pair (issue 52; CUDA). The speculative steps are captured uncompiled (-nocompile: 12 widths would
+# compile for minutes); graph-ar is shown compiled and not.
+ADAPTIVE_GAMMAS := g1 g2 g3 g4 g6 g8 gA
+ADAPTIVE_MODES := chunk-512 window int4-self lookup selfchunk-512 useless full
+comma := ,
+space := $(subst ,, )
+ADAPTIVE_METHODS := $(subst $(space),$(comma),$(strip graph-ar-nocompile $(foreach m,$(ADAPTIVE_MODES),$(foreach g,$(ADAPTIVE_GAMMAS),$(m)-$(g)-nocompile))))
+ADAPTIVE_CONTEXTS ?= 16384,4096
+bench-adaptive: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-tokens 128 \
+		--only hf-static-ar,graph-ar --extra $(ADAPTIVE_METHODS) --out runs/adaptive
+
 # Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py --out runs/scale

@@ -10,11 +10,17 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
   int4-self-full-gG  the same with draft_weights="full" (no 4-bit draft weights)
+  full-gG          generate(..., draft_cache="full")                               ours, the drafter on a full cache
+  selfchunk-B-gG   generate(..., assistant_model=verifier, kv_budget=B)            ours, self-drafting on a chunk cache
+  useless-gG       full-gG with a drafter that never agrees (its output ids rolled by one)
   lookup-gG        generate(ids, prompt_lookup_num_tokens=G)                      stock's call, on our graph path (retrieval)
   hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
   NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
   NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
+
+``gG`` fixes γ = G (``num_assistant_tokens=G``, the constant schedule); ``gA`` leaves it to the draft-length controller
+(at most 8 drafts a round; lookup-gA: prompt_lookup_num_tokens=8).
 
 ``--profile NAME,...`` runs each named method once more under torch.profiler (CUDA time by kernel).
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
@@ -99,10 +105,12 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
                 hf_sparsekv.register()
         return stock_lookup
     if name.startswith("lookup-g"):
+        g = name[len("lookup-g"):]
+        length = dict(prompt_lookup_num_tokens=8) if g == "A" else dict(prompt_lookup_num_tokens=int(g),
+                                                                       num_assistant_tokens_schedule="constant")
 
         def lookup():
-            out = verifier.generate(ids, prompt_lookup_num_tokens=int(name[len("lookup-g"):]),
-                                    return_dict_in_generate=True, **common)
+            out = verifier.generate(ids, return_dict_in_generate=True, **length, **common)
             return out.sequences, out.spec_stats
         return lookup
     extra = {}
@@ -113,21 +121,43 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
         name = name.removesuffix("-lookup")
         extra["prompt_lookup_num_tokens"] = int(name.split("-")[-1][1:])
     kind, *rest = name.split("-")
-    gamma = int(rest[-1][1:])
+    length = {} if rest[-1] == "gA" else dict(num_assistant_tokens=int(rest[-1][1:]))
     if kind == "chunk":
         spec = dict(assistant_model=drafter, kv_budget=int(rest[0]))
     elif kind == "window":
         spec = dict(assistant_model=drafter, draft_cache="window", kv_budget=1024)
+    elif kind == "full":
+        spec = dict(assistant_model=drafter, draft_cache="full")
+    elif kind == "useless":
+        spec = dict(assistant_model=_useless(drafter), draft_cache="full")
+    elif kind == "selfchunk":
+        spec = dict(assistant_model=verifier, draft_cache="chunk", kv_budget=int(rest[0]))
     else:  # int4-self-gG: the default draft weights (4-bit on CUDA); int4-self-full-gG: the model's own
         spec = dict(assistant_model=verifier, draft_cache="int4")
         if "full" in rest:
             spec["draft_weights"] = "full"
 
     def run():
-        out = verifier.generate(ids, num_assistant_tokens=gamma, return_dict_in_generate=True, **spec, **extra,
-                                **common)
+        out = verifier.generate(ids, return_dict_in_generate=True, **length, **spec, **extra, **common)
         return out.sequences, out.spec_stats
     return run
+
+
+_USELESS = {}
+
+
+def _useless(drafter):
+    """A copy of ``drafter`` whose output ids are rolled by one: it drafts the id after its own choice, which the
+    verifier (nearly) never agrees with."""
+    if id(drafter) not in _USELESS:
+        import copy
+
+        copy_ = copy.deepcopy(drafter)
+        with torch.no_grad():
+            head = copy_.get_output_embeddings().weight
+            head.copy_(head.roll(1, 0))
+        _USELESS[id(drafter)] = copy_
+    return _USELESS[id(drafter)]
 
 
 def timed(fn) -> tuple[float, torch.Tensor, dict | None, int]:

@@ -6,9 +6,10 @@ to maximise the expected tokens per second
 from what the host already has after each round's one sync: the round's wall-clock seconds (draft, verification and
 host work together, so nothing is synchronised for timing) and each live row's accepted length.
 
-* ``p_i``: the probability that draft i is accepted once drafts 1..i-1 were, an exponential moving average over the
-  rounds that reached depth i (a round with ``a`` of ``g`` accepted reached depths 1..min(a+1, g); depths beyond the
-  deepest one measured take the deepest estimate).
+* ``p_i``: the probability that draft i is accepted once drafts 1..i-1 were: that depth's acceptances over its trials,
+  both counted with an exponential decay (a round with ``a`` of ``g`` accepted tried depths 1..min(a+1, g)), shrunk
+  towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
+  instead of an old estimate that no round corrects.
 * ``t(g)``: a moving average of the measured round seconds of each width; a width not yet measured is interpolated
   linearly between measured ones (or extrapolated from the per-draft slope). A round that ran a step for the first
   time (compilation, CUDA-graph capture) is not a sample.
@@ -28,7 +29,8 @@ from __future__ import annotations
 import math
 
 LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
-ACCEPT_RATE = 0.15  # moving-average weight of a new acceptance observation
+DECAY = 0.95  # weight of the past acceptance counts at each new trial (the same depth; the pooled ones per trial)
+SHRINK = 4.0  # pseudo-trials at the pooled rate in each depth's estimate
 TIME_RATE = 0.2  # moving-average weight of a new round time
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
@@ -43,26 +45,34 @@ def widths(gamma: int) -> tuple[int, ...]:
 
 class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
-    ``fixed``: a constant number of drafts (no choice; ``None``: choose among :func:`widths`)."""
+    ``fixed``: a constant number of drafts (no choice; ``None``: choose among :func:`widths`); ``seconds``: the
+    round times measured so far (width -> seconds), kept by the engine across calls (its steps cost the same)."""
 
-    def __init__(self, gamma: int, fixed: int | None = None):
+    def __init__(self, gamma: int, fixed: int | None = None, seconds: dict | None = None):
         self.gamma = gamma
         self.fixed = fixed
         self.widths = widths(gamma) if fixed is None else (fixed,)
-        self.accept = [PRIOR_ACCEPT] * gamma  # p_i, i = 1..gamma (index i - 1)
-        self.measured_depth = 0  # the deepest depth any round reached
-        self.seconds: dict[int, float] = {}  # width (0: a plain step) -> moving-average round seconds
+        self.trials = [0.0] * gamma  # decayed trials and acceptances of depths 1..gamma (index i - 1)
+        self.hits = [0.0] * gamma
+        self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth
+        self.seconds = {} if seconds is None else seconds  # width (0: a plain step) -> moving-average round seconds
         self.chosen: dict[int, int] = {}  # width -> rounds that ran it (for spec_stats)
         self.plain_run = 0  # plain rounds since the last drafting round
         self.explorations = 0
 
     # ---- the model
+    def acceptance(self, depth: int) -> float:
+        """p_depth (1-based): the depth's decayed acceptances over its trials, with SHRINK trials at the pooled
+        rate."""
+        pooled = self.pooled[1] / self.pooled[0]
+        i = depth - 1
+        return (self.hits[i] + SHRINK * pooled) / (self.trials[i] + SHRINK)
+
     def expected_tokens(self, g: int) -> float:
         """E[tokens | g]: the verifier's own token plus the expected accepted drafts."""
         total, survive = 1.0, 1.0
-        deepest = self.accept[max(self.measured_depth, 1) - 1]
-        for i in range(g):
-            survive *= self.accept[i] if i < max(self.measured_depth, 1) else deepest
+        for depth in range(1, g + 1):
+            survive *= self.acceptance(depth)
             total += survive
         return total
 
@@ -133,8 +143,10 @@ class DraftController:
             self.plain_run = 0
             for a in accepted:
                 for i in range(min(a + 1, g)):
-                    self.accept[i] += ACCEPT_RATE * ((1.0 if i < a else 0.0) - self.accept[i])
-                self.measured_depth = max(self.measured_depth, min(a + 1, g))
+                    hit = 1.0 if i < a else 0.0
+                    self.trials[i] = DECAY * self.trials[i] + 1.0
+                    self.hits[i] = DECAY * self.hits[i] + hit
+                    self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
         if seconds is not None:
             old = self.seconds.get(g)
             self.seconds[g] = seconds if old is None else old + TIME_RATE * (seconds - old)

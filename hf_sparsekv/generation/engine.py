@@ -240,7 +240,8 @@ class StaticEngine:
         self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
                                for device in c.layer_devices if device.type == "cuda"} - {device.index})
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
-        self.steps: dict[str, CapturedStep] = {}
+        self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
+        self.round_seconds: dict[int, float] = {}  # the draft-length controller's round times by width
         self.compiled = spec.compiled
 
     @property

@@ -95,7 +95,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     # draft step first feeds the drafter what it has not read: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
-    controller = DraftController(gamma, None if engine.spec.adaptive else gamma)
+    controller = DraftController(gamma, None if engine.spec.adaptive else gamma, engine.round_seconds)
     lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:

@@ -1,0 +1,271 @@
+"""The draft-length controller (:mod:`hf_sparsekv.generation.controller`): its choices on hand-made costs and
+acceptance, and the engine's rounds of every width (and none) against stock greedy generate() and the exact sampled
+distribution."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+
+import hf_sparsekv.generation.rounds as rounds_module
+from hf_sparsekv.generation import engine as static_engine
+from hf_sparsekv.generation.controller import EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, DraftController, widths
+
+from .conftest import ARCHS, prompt, tiny_model
+
+
+def _run(controller: DraftController, accept_prob: float, seconds, rounds: int, seed: int = 0) -> list[int]:
+    """Drive ``controller`` for ``rounds`` rounds of a simulated drafter whose drafts are each accepted with
+    ``accept_prob`` (independently), a round of g drafts taking ``seconds(g)``; the widths chosen."""
+    g_rng = torch.Generator().manual_seed(seed)
+    chosen = []
+    for _ in range(rounds):
+        g = controller.choose()
+        a = 0
+        while a < g and float(torch.rand((), generator=g_rng)) < accept_prob:
+            a += 1
+        controller.observe(g, [a], seconds(g))
+        chosen.append(g)
+    return chosen
+
+
+def linear(t0: float, per_draft: float):
+    return lambda g: t0 + per_draft * g
+
+
+def test_widths_are_the_ladder_up_to_gamma():
+    assert widths(8) == (1, 2, 3, 4, 6, 8)
+    assert widths(5) == (1, 2, 3, 4, 5)
+    assert widths(1) == (1,)
+
+
+def test_a_perfect_cheap_drafter_drafts_the_widest_width():
+    ctl = DraftController(8)
+    chosen = _run(ctl, 1.0, linear(1.0, 0.05), 60)
+    assert chosen[:2] == [8, 0]  # measures the widest width and a plain step first
+    assert chosen[-40:] == [8] * 40
+
+
+def test_a_useless_drafter_is_dropped_and_explored_within_the_budget():
+    ctl = DraftController(8)
+    chosen = _run(ctl, 0.0, linear(1.0, 0.3), 2000)
+    plain = chosen.count(0)
+    assert plain > 0.9 * len(chosen)
+    # each exploration after the measuring rounds loses at most EXPLORE_SHARE of the plain rounds before it
+    t = linear(1.0, 0.3)
+    loss = sum(t(g) - t(0) for g in chosen[2:] if g)  # nothing accepted: the plain step's token alone
+    assert loss <= EXPLORE_SHARE * plain * t(0) + t(8)
+    assert ctl.explorations >= 2  # it keeps looking
+
+
+def test_the_controller_drafts_again_when_acceptance_recovers():
+    ctl = DraftController(8)
+    t = linear(1.0, 0.1)
+    assert _run(ctl, 0.0, t, 300)[-100:].count(0) > 80
+    later = _run(ctl, 1.0, t, 2 * EXPLORE_MAX, seed=1)
+    assert later[-20:] == [8] * 20
+
+
+def test_mid_acceptance_picks_the_width_of_the_best_rate():
+    """With per-draft acceptance p and t(g) = 1 + c·g, E[tokens | g] = (1 - p^(g+1)) / (1 - p): the controller settles
+    on the width that maximises E/t among its widths (computed here in float64)."""
+    p, c = 0.7, 0.15
+    ctl = DraftController(8)
+    chosen = _run(ctl, p, linear(1.0, c), 3000, seed=3)
+    rate = {g: (1 - p ** (g + 1)) / (1 - p) / (1 + c * g) for g in (0, *widths(8))}
+    best = max(rate, key=rate.get)
+    settled = chosen[-500:]
+    top = max(set(settled), key=settled.count)
+    assert rate[top] >= 0.95 * rate[best], (top, best, rate)
+
+
+def test_unmeasured_widths_are_interpolated_between_measured_ones():
+    ctl = DraftController(8)
+    ctl.observe(0, [], 1.0)
+    ctl.observe(8, [8], 3.0)
+    assert ctl.round_seconds(4) == pytest.approx(2.0)
+    ctl.observe(2, [2], 1.2)
+    assert ctl.round_seconds(1) == pytest.approx(1.1)
+    assert ctl.round_seconds(5) == pytest.approx(1.2 + 1.8 * 3 / 6)
+
+
+def test_a_fixed_gamma_always_drafts_it_or_nothing():
+    ctl = DraftController(5, fixed=5)
+    assert _run(ctl, 0.0, linear(1.0, 1.0), 20) == [5] * 20
+    assert ctl.choose(allowed=4) == 0
+
+
+def test_exploration_interval_is_bounded():
+    ctl = DraftController(8)
+    ctl.observe(0, [], 1.0)
+    ctl.observe(8, [0], 100.0)
+    assert ctl.explore_every(8) == EXPLORE_MAX
+    ctl = DraftController(8)
+    ctl.observe(0, [], 1.0)
+    ctl.observe(8, [8], 1.0)
+    assert ctl.explore_every(8) == EXPLORE_MIN
+
+
+# ---- the engine under scripted choices: every width, rounds without drafts, long runs of them
+
+
+class _Scripted(DraftController):
+    """Chooses widths from ``SCRIPT`` in turn (each cut to what the round allows), so that a call runs rounds of every
+    width, single rounds without drafts and runs of more than a catch-up block (32) of them."""
+
+    SCRIPT = [8, 0, 3, 0, 0, 1, 6] + [0] * 40 + [2, 8, 8, 0, 4]
+
+    def __init__(self, gamma, fixed=None):
+        super().__init__(gamma, fixed)
+        self._script = itertools.cycle(self.SCRIPT)
+
+    def choose(self, allowed=None):
+        if self.fixed is not None:
+            return super().choose(allowed)
+        cap = self.gamma if allowed is None else allowed
+        want = min(next(self._script), cap)
+        return max((w for w in self.widths if w <= want), default=0)
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    static_engine.release_engines()
+    monkeypatch.setattr(rounds_module, "DraftController", _Scripted)
+    yield
+    static_engine.release_engines()
+
+
+SPECS = {
+    "chunk": lambda v, d: dict(assistant_model=d, kv_budget=16),
+    "window": lambda v, d: dict(assistant_model=d, draft_cache="window", kv_budget=12),
+    "full": lambda v, d: dict(assistant_model=d, draft_cache="full"),
+    "self-chunk": lambda v, d: dict(assistant_model=v, draft_cache="chunk", kv_budget=16),
+    "self-window": lambda v, d: dict(assistant_model=v, draft_cache="window", kv_budget=12),
+    "lookup": lambda v, d: dict(prompt_lookup_num_tokens=8),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", sorted(SPECS))
+def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
+    verifier = tiny_model(arch)
+    drafter = tiny_model(arch, role="drafter")
+    for seed in (0, 1):
+        ids = prompt(40 + 9 * seed, seed)
+        greedy = verifier.generate(ids, max_new_tokens=70, do_sample=False)
+        out = verifier.generate(ids, max_new_tokens=70, do_sample=False, return_dict_in_generate=True,
+                                **SPECS[mode](verifier, drafter))
+        assert torch.equal(out.sequences, greedy), (arch, mode, seed)
+        stats = out.spec_stats
+        assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= 4, stats.width_rounds
+        assert stats.drafted == sum(w * r for w, r in stats.width_rounds.items())
+        assert sum(stats.width_rounds.values()) == stats.rounds
+
+
+def test_rounds_of_every_width_are_lossless_in_a_batch_with_host_rules(scripted):
+    """Two left-padded rows together, and one row with output_scores (the host-side rules)."""
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    a, b = prompt(30, 4), prompt(45, 5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 15, dtype=a.dtype), a], 1), b])
+    mask = torch.cat([torch.cat([torch.zeros(1, 15), torch.ones(1, 30)], 1), torch.ones(1, 45)]).long()
+    out = verifier.generate(batch, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=60,
+                            do_sample=False)
+    for row, ids in enumerate((a, b)):
+        greedy = verifier.generate(ids, max_new_tokens=60, do_sample=False)
+        assert torch.equal(out[row, -greedy.shape[1] + ids.shape[1]:], greedy[0, ids.shape[1]:])
+    scored = verifier.generate(b, assistant_model=drafter, kv_budget=16, max_new_tokens=60, do_sample=False,
+                               return_dict_in_generate=True, output_scores=True)
+    stock = verifier.generate(b, max_new_tokens=60, do_sample=False, return_dict_in_generate=True,
+                              output_scores=True)
+    assert torch.equal(scored.sequences, stock.sequences)
+    assert all(torch.allclose(x, y) for x, y in zip(scored.scores, stock.scores))
+
+
+def test_int4_self_speculation_rounds_of_every_width_are_lossless(scripted):
+    from hf_sparsekv import HierarchicalQuantCache
+
+    verifier = tiny_model("llama")
+    ids = prompt(70, 9)
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16),
+                            max_new_tokens=60, do_sample=False, return_dict_in_generate=True)
+    reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=16), max_new_tokens=60, do_sample=False)
+    assert torch.equal(out.sequences, reference)  # greedy AR on the INT8 view, whatever each round drafted
+    assert len(out.spec_stats.width_rounds) >= 3
+
+
+def test_the_default_controller_is_lossless_with_a_useless_and_a_perfect_drafter():
+    """Unscripted: a drafter that never agrees (another model) and one that always does (the verifier's own copy on a
+    full cache) both give stock greedy; the useless one ends up mostly without drafts."""
+    import copy
+
+    static_engine.release_engines()
+    verifier = tiny_model("llama")
+    useless = tiny_model("llama", role="drafter", seed=7)
+    perfect = copy.deepcopy(verifier)
+    ids = prompt(40, 2)
+    greedy = verifier.generate(ids, max_new_tokens=120, do_sample=False)
+    for drafter in (useless, perfect):
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", max_new_tokens=120, do_sample=False,
+                                return_dict_in_generate=True)
+        assert torch.equal(out.sequences, greedy)
+    assert out.spec_stats.acceptance_rate == 1.0
+    static_engine.release_engines()
+
+
+def test_sampled_rounds_of_every_width_keep_the_exact_distribution(scripted, monkeypatch):
+    """Two new tokens, sampled: the second comes from a round whose width cycles over 0..3 from call to call; the
+    pair's frequencies match the exact joint distribution of stock sampling."""
+    from .test_sampling import VOCAB, WARPERS, _consistent, _joint, _tiny
+
+    monkeypatch.setattr(_Scripted, "SCRIPT", [0, 1, 2, 3])
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    joint = _joint(verifier, ids)
+    torch.manual_seed(321)
+    samples = []
+    for i in range(1600):
+        _Scripted.SCRIPT = [[0, 1, 2, 3][i % 4]]
+        out = verifier.generate(ids, do_sample=True, max_new_tokens=2, min_new_tokens=2, eos_token_id=None,
+                                assistant_model=drafter, draft_cache="full", num_assistant_tokens_schedule="heuristic",
+                                num_assistant_tokens=3, **WARPERS)
+        samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
+    samples = torch.tensor(samples)
+    assert _consistent(samples, joint)
+    counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
+    assert float(0.5 * (counts - joint).abs().sum()) < 0.1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["chunk", "self-window", "lookup"])
+def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_cuda_float32, mode):
+    """The captured steps of every width (and the lag catch-ups) on CUDA graphs."""
+    import copy
+
+    verifier = copy.deepcopy(tiny_model("qwen2")).to("cuda", torch.float32)
+    drafter = copy.deepcopy(tiny_model("qwen2", role="drafter")).to("cuda", torch.float32)
+    ids = prompt(300, 3).cuda()
+    greedy = verifier.generate(ids, max_new_tokens=80, do_sample=False)
+    out = verifier.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
+                            **SPECS[mode](verifier, drafter))
+    assert torch.equal(out.sequences, greedy)
+    engine = static_engine.current_engine(verifier)
+    assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert len(out.spec_stats.width_rounds) >= 4
+
+
+@pytest.mark.cuda
+@pytest.mark.compiled
+def test_compiled_steps_of_every_width_are_lossless_float32(scripted, exact_cuda_float32):
+    import copy
+
+    verifier = copy.deepcopy(tiny_model("llama")).to("cuda", torch.float32)
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to("cuda", torch.float32)
+    ids = prompt(200, 4).cuda()
+    greedy = verifier.generate(ids, max_new_tokens=60, do_sample=False)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, num_assistant_tokens=4,
+                            num_assistant_tokens_schedule="heuristic", max_new_tokens=60, do_sample=False)
+    assert torch.equal(out, greedy)
+    engine = static_engine.current_engine(verifier)
+    assert engine.compiled and ("draft", 2) in engine.steps and "catch_up_lag" in engine.steps
