@@ -117,8 +117,8 @@ class _Scripted(DraftController):
 
     SCRIPT = [8, 0, 3, 0, 0, 1, 6] + [0] * 40 + [2, 8, 8, 0, 4]
 
-    def __init__(self, gamma, fixed=None):
-        super().__init__(gamma, fixed)
+    def __init__(self, gamma, fixed=None, seconds=None):
+        super().__init__(gamma, fixed, seconds)
         self._script = itertools.cycle(self.SCRIPT)
 
     def choose(self, allowed=None):

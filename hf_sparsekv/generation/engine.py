@@ -491,10 +491,11 @@ class StaticEngine:
         token = self._next(logits, self.n, None if self.penalty is None else self.seen[:, None])
         self._advance(token, torch.zeros_like(self.n))  # a round of no drafts: a = 0, v_0 = the token
 
-    def run_step(self, name: str, width: int | None = None) -> bool:
+    def run_step(self, name: str, width: int | None = None, run: bool = True) -> bool:
         """Run (and on first use, capture) the step ``name`` (``"draft"``, ``"verify"``, ``"verify_logits"``: of
-        ``width`` drafts, default γ); the drafter's steps with its 4-bit weights where the spec asks for them
-        (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in this call)."""
+        ``width`` drafts, default γ; ``run=False``: only capture it); the drafter's steps with its 4-bit weights where
+        the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
+        this call)."""
         key = name if width is None or width == self.spec.gamma else (name, width)
         with drafting(self.spec.draft_weights == "int4" and name in ("draft", "catch_up")):
             step = self.steps.get(key)
@@ -505,11 +506,30 @@ class StaticEngine:
                                                       self.compiled, self.devices)
                 if self.use_graphs:
                     self._capture(step)
-            step()
+            if run:
+                step()
         return new
 
+    def capture_widths(self, widths: tuple[int, ...]) -> None:
+        """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the lag
+        catch-up) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
+        past each row's sequence (restored or overwritten later)."""
+        if not self.use_graphs:
+            return
+        if self.lagging:
+            self.held.copy_(self.n - 1)  # the catch-up's warm-up then writes past the sequence only
+        self.run_step("ar_logits" if self.spec.host else "ar_step", run=False)
+        names = ["verify_logits" if self.spec.host else "verify"] + ([] if self.spec.mode == "lookup" else ["draft"])
+        for width in widths:
+            for name in names:
+                self.run_step(name, width, run=False)
+        if self.lagging:
+            self.run_step("catch_up_lag", run=False)
+
     def _capture(self, step: CapturedStep) -> None:
-        restore = (self.n, self.seq)
+        # what a step's warm-up changes and a later round reads before writing it again
+        restore = tuple(getattr(self, name) for name in ("n", "seq", "seen", "held", "cap")
+                        if getattr(self, name, None) is not None)
         if self.compiled:
             try:
                 step.capture(restore)

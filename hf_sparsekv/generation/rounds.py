@@ -154,6 +154,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         if device.type == "cuda":
             torch.cuda.synchronize()
         stats[0].prefill_seconds = time.perf_counter() - t0
+        if engine.spec.adaptive:
+            engine.capture_widths(controller.widths)
         for row, first in enumerate(firsts):
             accept(row, [first])
         retire_finished()
