@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    static_engine.MAX_ENGINES_PER_MODEL = 32  # every configuration keeps its captured graphs across the interleaved runs
+    static_engine.MAX_ENGINES_PER_MODEL = 256  # every configuration keeps its captured graphs across the interleaved runs
     verifier, drafter, _ = load_pair(device="cuda")
     docs = eval_documents()
     sampling = args.temperature is not None
