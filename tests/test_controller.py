@@ -174,7 +174,8 @@ def test_rounds_of_every_width_are_lossless_in_a_batch_with_host_rules(scripted)
                             do_sample=False)
     for row, ids in enumerate((a, b)):
         greedy = verifier.generate(ids, max_new_tokens=60, do_sample=False)
-        assert torch.equal(out[row, -greedy.shape[1] + ids.shape[1]:], greedy[0, ids.shape[1]:])
+        new = greedy[0, ids.shape[1]:]
+        assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.numel()], new)
     scored = verifier.generate(b, assistant_model=drafter, kv_budget=16, max_new_tokens=60, do_sample=False,
                                return_dict_in_generate=True, output_scores=True)
     stock = verifier.generate(b, max_new_tokens=60, do_sample=False, return_dict_in_generate=True,
