@@ -83,11 +83,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/speculative.py --out runs/speculative-quick $(or $(ARGS),--quick --profile --projection)
 
 # The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
-# skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
+# skip, as the Table-1 run of 2026-11-24 did); interrupted, the same command goes on where it stopped.
 bench-full: $(STAMP)
 	$(PY) benchmarks/speculative.py --out runs/speculative $(or $(ARGS),--resume --profile --projection)
 
-# The CUDA-graph path against every AR baseline (BENCHMARKS.md, issue 12), then sampled (issue 15): ~10 minutes each.
+# The CUDA-graph path against every AR baseline (issue 12), then sampled (issue 15): ~10 minutes each.
 bench-graph: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --contexts 16384,4096 --docs 3 --steps --out runs/graph-engine
 	for t in 0.7 1.0; do $(PY) benchmarks/graph_engine.py --temperature $$t --contexts 16384,4096 --docs 2 \
