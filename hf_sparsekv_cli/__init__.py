@@ -28,7 +28,8 @@ COMMANDS = {
 
 
 class _Formatter(argparse.RawDescriptionHelpFormatter):
-    """Shows each option's default in ``--help`` (not for flags and options without one)."""
+    """Shows each option's default in ``--help`` (not for flags and options without one). argparse prints nothing
+    for an option without ``help``, default included: every option that has a default needs a help text."""
 
     def _get_help_string(self, action):
         text = action.help or ""
@@ -64,7 +65,7 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
     s.add_argument("--prompt-file", help="read the prompt from this file (instead of --prompt)")
     s.add_argument("--prompt-tokens", type=_positive_int, default=1024,
                    help="length of the default prompt, in tokens of the bundled pair's tokenizer")
-    s.add_argument("--max-new-tokens", type=_positive_int, default=128)
+    s.add_argument("--max-new-tokens", type=_positive_int, default=128, help="tokens to generate")
     s.add_argument("--device", default="auto", help="'auto': cuda if available, else cpu")
     s.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "float64"],
                    help="'auto': bfloat16 on cuda, float32 on cpu")

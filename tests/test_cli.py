@@ -38,6 +38,38 @@ def test_train_drafter_help_shows_the_defaults(capsys):
     assert "--max-steps MAX_STEPS optimizer steps (default: 5000)" in text
 
 
+def test_generate_help_shows_every_default(capsys):
+    """argparse prints nothing for an option without help text, its default included: each option of ``generate``
+    that has a default shows it (``--max-new-tokens`` once did not)."""
+    with pytest.raises(SystemExit):
+        hf_sparsekv_cli.main(["generate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--max-new-tokens MAX_NEW_TOKENS tokens to generate (default: 128)" in text
+    parser = hf_sparsekv_cli.build_parser(["generate"]).commands["generate"]
+    for action in parser._actions:
+        if action.option_strings and action.default not in (None, False, "==SUPPRESS=="):
+            assert f"{action.option_strings[-1]} " in text and f"(default: {action.default})" in text, action.dest
+
+
+@pytest.mark.parametrize("tokenizer", [None, "verifier"])
+def test_a_folder_without_a_tokenizer_is_refused_naming_tokenizer(tokenizer, capsys, monkeypatch):
+    """The bundled pair's verifier folder holds no tokenizer (it has a folder of its own): one line naming
+    ``--tokenizer``, before any model loads, instead of transformers' traceback about sentencepiece / tiktoken."""
+    import hf_sparsekv.commands
+
+    monkeypatch.setattr(hf_sparsekv.commands, "_load", lambda *a: pytest.fail("a model was loaded"))
+    argv = ["generate", "--verifier", str(PAIR_DIR / "verifier"), "--drafter", str(PAIR_DIR / "drafter")]
+    if tokenizer:
+        argv += ["--tokenizer", str(PAIR_DIR / tokenizer)]
+    with pytest.raises(SystemExit) as exit_info:
+        hf_sparsekv_cli.main(argv)
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "Traceback" not in err and "sentencepiece" not in err
+    message = err.strip().splitlines()[-1]
+    assert f"{PAIR_DIR / 'verifier'}: the folder holds no tokenizer" in message and "pass --tokenizer" in message
+    assert "hf_sparsekv/zoo/pair/tokenizer" in message
+
+
 def test_generate_needs_a_verifier(capsys):
     with pytest.raises(SystemExit):
         hf_sparsekv_cli.main(["generate", "--drafter", "x"])

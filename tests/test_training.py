@@ -442,6 +442,16 @@ def test_cli_takes_the_tokenizer_from_its_own_folder_and_refuses_bad_settings_be
     out = tmp_path / "run"
     assert _cli(bare, drafter_dir, data, out, "--tokenizer", str(tokenizer_dir), "--max-steps", "1", "--no-eval") == 0
     assert (out / "checkpoint-1").is_dir()
+    # The card's "Use" snippet loads the tokenizer from the drafter's folder (train-drafter saved it there), not from
+    # the verifier's, which has none: its lines up to the prompt's ids run as written (generate: the test above).
+    snippet = (out / "README.md").read_text().split("## Use")[1].split("```python")[1].split("```")[0]
+    assert f'AutoTokenizer.from_pretrained("{out}")' in snippet
+    namespace: dict = {}
+    exec(compile(snippet.split("out = ")[0], "card-use-snippet", "exec"), namespace)
+    assert namespace["ids"].shape[1] > 0
+    with pytest.raises(SystemExit) as exit_info:  # no --tokenizer: one line naming it, before any model loads
+        _cli(bare, drafter_dir, data, tmp_path / "no-tokenizer", "--max-steps", "1", "--no-eval")
+    assert exit_info.value.code == 2 and "holds no tokenizer" in capsys.readouterr().err
     for extra, message in ((("--budgets", "4"), "budgets"), (("--tokenizer", "/no/such/dir"), "no such file")):
         with pytest.raises(SystemExit) as exit_info:
             _cli(verifier_dir, drafter_dir, data, tmp_path / "other", "--max-steps", "1", *extra)

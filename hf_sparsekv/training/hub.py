@@ -72,10 +72,13 @@ def render_model_card(
     eval_info: dict | None = None,
     processes: int = 1,
     dataset_ids: list[str] | None = None,
+    tokenizer_id: str | None = None,
 ) -> ModelCard:
     """The drafter's card. ``evals``: ``[{"step": s, "acceptance": measure_acceptance(...)}, ...]`` in step order;
     ``eval_info``: ``gamma``, ``max_new_tokens``, ``samples``, ``data`` of those measurements, and ``held_out``
-    (False when the prompts came from the training data)."""
+    (False when the prompts came from the training data). ``tokenizer_id``: where the card's "Use" snippet loads the
+    tokenizer from; default ``repo_id``, since ``train-drafter`` saves the (shared) tokenizer beside the drafter (a
+    verifier folder need not hold one: the bundled pair's has its tokenizer in a folder of its own)."""
     evals = evals or []
     budgets_seen: list = []
     for e in evals:
@@ -100,6 +103,7 @@ def render_model_card(
         template_path=str(template_path()),
         model_name=repo_id.split("/")[-1],
         repo_id=repo_id,
+        tokenizer_id=tokenizer_id or repo_id,
         verifier_id=verifier_id,
         drafter_base=drafter_base,
         data=data,

@@ -90,9 +90,10 @@ def config_from_args(args) -> TrainingConfig:
 
 def check_arguments(args, parser: argparse.ArgumentParser) -> None:
     """Refuse, through ``parser.error`` and before any model loads: a configuration :class:`TrainingConfig` rejects,
-    a missing local model path, and an ``--output`` that already holds a run unless ``--resume-from`` continues it
-    (a fresh run there would overwrite its checkpoints and append to its metrics)."""
-    from ..model_paths import refuse_missing_model_paths
+    a missing local model path, a tokenizer folder without a tokenizer, and an ``--output`` that already holds a run
+    unless ``--resume-from`` continues it (a fresh run there would overwrite its checkpoints and append to its
+    metrics)."""
+    from ..model_paths import refuse_folder_without_tokenizer, refuse_missing_model_paths
     from .checkpoint import latest_checkpoint
 
     try:
@@ -100,6 +101,7 @@ def check_arguments(args, parser: argparse.ArgumentParser) -> None:
     except ValueError as err:
         parser.error(str(err))
     refuse_missing_model_paths(args, parser)
+    refuse_folder_without_tokenizer(args, parser)
     output = Path(args.output)
     if not args.resume_from and (latest_checkpoint(output) is not None or (output / "metrics.jsonl").exists()):
         parser.error(f"--output {output} already holds a training run: pass --resume-from latest to continue it, "

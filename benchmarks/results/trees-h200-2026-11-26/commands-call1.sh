@@ -1,9 +1,0 @@
-#!/bin/bash
-export PYTHONUNBUFFERED=1
-export PYTHONPATH=$PWD:$PWD/benchmarks
-T0=$(date +%s)
-nvidia-smi --query-gpu=name --format=csv,noheader
-timeout 200 python3 -m pytest tests/test_cuda.py tests/test_kernels.py -m cuda -k "tree or lookup_beside" -q -p no:cacheprovider --durations=5 > $OUT/tests-trees.log 2>&1
-echo "tests rc=$? $(( $(date +%s) - T0 ))s"; grep -v "Warn\|warn" $OUT/tests-trees.log | tail -12
-timeout 330 python3 benchmarks/scale.py --pairs llama-3.1-8b+3.2-1b --contexts 16384 32768 --batches 1 --only ar verify-6 verify-tree verify-tree-16 verify-tree-32 --out $OUT/tree8b > $OUT/tree8b.log 2>&1
-echo "tree8b rc=$? $(( $(date +%s) - T0 ))s"; grep -v "Warn\|warn" $OUT/tree8b.log | grep "ms\|^|" | tail -24
