@@ -124,6 +124,13 @@ class DraftController:
             return best
         return 0
 
+    def plain_steps(self, most: int) -> int:
+        """After choosing a plain step: how many to run before the next choice (one sync for all; at most ``most``,
+        and not past the next exploration)."""
+        if self.fixed is not None:
+            return 1
+        return max(1, min(most, self.explore_every(self.best_drafting()) - self.plain_run))
+
     def explore_every(self, g: int) -> int:
         """Plain rounds between explorations at width ``g``: the expected loss of one (its time beyond what plain
         steps take for the tokens it brings) is at most EXPLORE_SHARE of the plain rounds' time."""
@@ -133,12 +140,12 @@ class DraftController:
         loss = max(tg - self.expected_tokens(g) * t0, 0.0)
         return min(max(math.ceil(loss / (EXPLORE_SHARE * t0)), EXPLORE_MIN), EXPLORE_MAX)
 
-    def observe(self, g: int, accepted: list[int], seconds: float | None) -> None:
+    def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
-        not a timing sample)."""
-        self.chosen[g] = self.chosen.get(g, 0) + 1
+        not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time."""
+        self.chosen[g] = self.chosen.get(g, 0) + rounds
         if g == 0:
-            self.plain_run += 1
+            self.plain_run += rounds
         else:
             self.plain_run = 0
             for a in accepted:

@@ -197,6 +197,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
             width = controller.choose(allowed)
             drafting = width > 0
+            steps = 1  # plain steps chosen by the controller run several to a sync (as greedy AR on the engine)
+            if not drafting and allowed > 0 and not (host or tree or quant is not None):
+                room = max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
+                steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room))
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
@@ -223,33 +227,43 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
                 fresh |= engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step", width or None)
-                report = engine.report.tolist()  # the round's one sync
-                rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
-                found = [r[-1] for r in report]
+                for _ in range(steps - 1):
+                    engine.run_step("ar_step")
+                if steps > 1:  # each row's tokens from its n before the steps on
+                    at = torch.tensor([[len(t) + i for i in range(steps)] for t in tokens], device=device)
+                    new = engine.seq.gather(1, at).tolist()
+                    found = engine.report[:, -1].tolist()
+                    rounds = [(0, new[row], CHAIN) for row in range(rows)]
+                else:
+                    report = engine.report.tolist()  # the round's one sync
+                    rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
+                    found = [r[-1] for r in report]
             timer.mark("verify", False)
             live = [row for row in range(rows) if not done[row]]
             for row in live:
                 a, emitted, kind = rounds[row]
-                stats[row].rounds += 1
+                before = stats[row].new_tokens
+                accept(row, emitted)
+                ran = 1 if steps == 1 else stats[row].new_tokens - before  # a row's plain steps up to its stop
+                stats[row].rounds += ran
                 stats[row].drafted += width
                 stats[row].accepted += a
-                stats[row].width_rounds[width] = stats[row].width_rounds.get(width, 0) + 1
+                stats[row].width_rounds[width] = stats[row].width_rounds.get(width, 0) + ran
                 stats[row].retrieved_rounds += kind == RETRIEVED
                 stats[row].sibling_rounds += kind == SIBLING
-                accept(row, emitted)
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
                 # to the other rows rewrites what they hold
                 if quant is not None or engine.drafter is None or always_tree:
                     continue
                 if lagging:
-                    behind[row] += 1 if not drafting else int(a == width)
+                    behind[row] += steps if not drafting else int(a == width)
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
                 elif drafting and a == width and catch_up is None:
                     catch_up = "catch_up"
             now = time.perf_counter()
-            controller.observe(width, [rounds[row][0] for row in live], None if fresh else now - last)
+            controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
             last, fresh = now, False
             retire_finished()
     if device.type == "cuda":
