@@ -77,8 +77,7 @@ from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
-from .draft_weights import attach, drafting
-from .draft_weights import release as release_draft_weights
+from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import catch_up, catch_up_block, draft, draft_tree, drafter_cache, drafter_input
 from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
 from .retrieval import retrieve
@@ -610,7 +609,8 @@ def release_engines() -> None:
     holds a reference to an engine (as they are when an engine is replaced)."""
     _release_graphs([engine for kept in _engines.values() for engine in kept])
     _engines.clear()
-    release_draft_weights()
+    for model in models_with_copies():
+        release_copies(model)
 
 
 def captures(model) -> bool:
