@@ -15,6 +15,7 @@ from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
+from .model_locks import holding
 from .stats import SpecStats
 
 
@@ -237,6 +238,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
 
+@holding("model")
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                           attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
@@ -244,7 +246,7 @@ def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, e
     ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
     ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
     ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
-    run together, one engine row each."""
+    run together, one engine row each. The call holds ``model``'s lock (:mod:`.model_locks`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
