@@ -80,7 +80,7 @@ from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import catch_up, catch_up_block, draft, draft_tree, drafter_cache, drafter_input
-from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
+from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, wait_for
 from .model_locks import exclusive
 from .retrieval import retrieve
 from .sampling import draw, penalized
@@ -604,8 +604,9 @@ def current_engine(verifier) -> StaticEngine | None:
 
 def _release_graphs(engines: list[StaticEngine]) -> None:
     """Destroy the CUDA graphs of ``engines`` (each step runs uncaptured after)."""
-    if any(engine.use_graphs for engine in engines):
-        torch.cuda.synchronize()
+    for engine in engines:
+        if engine.use_graphs:
+            wait_for(engine.devices)  # no replay of its graphs is still running
     for engine in engines:
         for step in engine.steps.values():
             step.release()

@@ -13,7 +13,7 @@ from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
 from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
-from .graph_steps import static_attention_for
+from .graph_steps import static_attention_for, wait_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .model_locks import holding
 from .stats import SpecStats
@@ -148,8 +148,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar or engine.drafter is None else [engine.drafter])):
         firsts = engine.prefill(prompts, host_first if host else None, prefixes)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
         for row, first in enumerate(firsts):
             accept(row, [first])
@@ -227,8 +226,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 elif a == gamma and catch_up is None:
                     catch_up = "catch_up"
             retire_finished()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    wait_for(engine.devices)
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:
