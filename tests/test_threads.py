@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import threading
-import time
 
 import pytest
 import torch
@@ -105,6 +104,8 @@ def test_concurrent_calls_each_give_stock_greedy_on_the_graph_path(fresh_engines
 
 
 def test_an_interrupted_prefill_leaves_the_model_as_it_was(fresh_engines):
+    """Ctrl-C in the verifier's prefill of a speculative call: both models have their attention back, the locks are
+    free, and the next plain and speculative calls are exact."""
     verifier = copy.deepcopy(tiny_model("llama"))
     drafter = tiny_model("llama", role="drafter")
     ids = prompt(40, seed=3)
@@ -118,10 +119,10 @@ def test_an_interrupted_prefill_leaves_the_model_as_it_was(fresh_engines):
     handle = verifier.model.layers[1].register_forward_pre_hook(interrupt, with_kwargs=True)
     with pytest.raises(KeyboardInterrupt):
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, **greedy)
-    assert verifier.config._attn_implementation == "sdpa"
+    assert verifier.config._attn_implementation == drafter.config._attn_implementation == "sdpa"
     assert torch.equal(verifier.generate(ids, **greedy), reference)
     assert torch.equal(verifier.generate(ids, assistant_model=drafter, kv_budget=16, **greedy), reference)
-    assert not model_locks.lock_for(verifier).held()
+    assert not model_locks.lock_for(verifier).held() and not model_locks.lock_for(drafter).held()
 
 
 def test_the_cache_to_attention_hand_off_is_per_thread(fresh_engines, monkeypatch):
@@ -153,17 +154,25 @@ def test_the_cache_to_attention_hand_off_is_per_thread(fresh_engines, monkeypatc
     assert torch.equal(out, references[0])
 
 
-def test_a_plain_call_waits_for_an_engine_call_on_its_model():
-    lock = ReadersWriterLock()
-    events = []
-    with lock.exclusive():
-        reader = threading.Thread(target=lambda: (lock.acquire_shared(), events.append("read"),
-                                                  lock.release_shared()))
-        reader.start()
-        time.sleep(0.05)
-        events.append("write done")
-    reader.join()
-    assert events == ["write done", "read"]
+def test_calls_wait_only_for_engine_calls_on_their_own_models():
+    """While an engine call holds one model, calls on another model (plain and speculative) run, and a plain call
+    on the held model waits for it."""
+    held, other = tiny_model("llama"), tiny_model("qwen2")
+    ids = prompt(10, seed=0)
+    greedy = dict(max_new_tokens=3, do_sample=False)
+    done = {}
+    with model_locks.exclusive(held):  # as an engine call on ``held`` does
+        free = threading.Thread(target=lambda: done.update(
+            plain=other.generate(ids, **greedy), lookup=other.generate(ids, prompt_lookup_num_tokens=2, **greedy)))
+        free.start()
+        free.join(60)
+        assert set(done) == {"plain", "lookup"}
+        waiting = threading.Thread(target=lambda: done.update(held=held.generate(ids, **greedy)))
+        waiting.start()
+        waiting.join(0.3)
+        assert "held" not in done
+    waiting.join(60)
+    assert torch.equal(done["held"], held.generate(ids, **greedy))
 
 
 def test_the_lock_is_reentrant_and_lets_readers_share():
