@@ -4,7 +4,8 @@ graph.
 
 No mask function is registered under this name, so transformers builds no mask (``create_causal_mask`` returns
 None); what a query sees comes from the cache (``slot_positions``, ``fp_length``), whose layer ``update`` leaves
-in :data:`hf_sparsekv.caches.static.LAST_WRITTEN`. Routing (``query [B, Hq, L, D]``, B rows of independent sequences):
+in :data:`hf_sparsekv.caches.static.LAST_WRITTEN` (per thread). Routing (``query [B, Hq, L, D]``, B rows of
+independent sequences):
 
 * **prefill** (eager, the cache is empty): causal attention over the prompt's own keys (PyTorch SDPA; with a
   sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
@@ -137,8 +138,8 @@ def static_attention(
 ):
     """query ``[B, Hq, L, D]`` (a prefill: ``[1, Hq, P, D]``); key/value as the static cache's ``update`` returned ->
     ``([B, L, Hq, D], None)``."""
-    layer = LAST_WRITTEN[0]
-    LAST_WRITTEN[0] = None
+    layer = LAST_WRITTEN.layer
+    LAST_WRITTEN.layer = None
     if not isinstance(layer, StaticLayer) or layer.layer_idx != getattr(module, "layer_idx", -1):
         raise RuntimeError(
             f"attn_implementation '{NAME}' runs on the static caches of hf_sparsekv.caches.static only (it is set by "

@@ -6,6 +6,8 @@ dequantized reference."""
 from __future__ import annotations
 
 import copy
+import threading
+import zipfile
 
 import pytest
 import torch
@@ -54,12 +56,13 @@ def _int8_view_greedy(verifier, ids, new_tokens):
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_int4_self_speculation_on_4bit_weights_is_greedy_on_the_int8_view(arch, gamma, monkeypatch):
     verifier = copy.deepcopy(tiny_model(arch))
-    states = []  # draft_weights._active at every 4-bit matmul, and in every verify step
+    states = []  # this thread's drafting flag at every 4-bit matmul, and in every verify step
     real = draft_weights.w4_linear
-    monkeypatch.setattr(draft_weights, "w4_linear", lambda *a: (states.append(draft_weights._active), real(*a))[1])
+    monkeypatch.setattr(draft_weights, "w4_linear",
+                        lambda *a: (states.append(draft_weights._state.active), real(*a))[1])
     verify = static_engine.StaticEngine._verify
     monkeypatch.setattr(static_engine.StaticEngine, "_verify",
-                        lambda self: (states.append(("verify", draft_weights._active)), verify(self))[1])
+                        lambda self: (states.append(("verify", draft_weights._state.active)), verify(self))[1])
     for seed, length in enumerate((9, 100, 190)):
         ids = prompt(length, seed)
         out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
@@ -122,3 +125,105 @@ def test_tinygemm_matches_the_dequantized_reference(rows):
     out = w4_linear(x, packed)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, 4096)
     assert torch.allclose(out.float(), reference, atol=2e-2, rtol=2e-2), float((out.float() - reference).abs().max())
+
+
+def _converted(model) -> list[nn.Module]:
+    return [m for m in model.modules() if isinstance(m, draft_weights.W4Linear) or hasattr(m, "_hf_sparsekv_w4")]
+
+
+def test_the_draft_weights_flag_is_per_thread():
+    """While one thread drafts, a plain forward of a converted model on another thread computes with the full
+    weights; a converted layer outside drafting is nn.Linear."""
+    model = copy.deepcopy(tiny_model("qwen2"))
+    ids = prompt(12, 0)
+    full = model(ids).logits
+    assert draft_weights.attach(model)
+    with draft_weights.drafting(True):
+        assert not torch.allclose(model(ids).logits, full)  # the 4-bit copies are in use
+    inside, leave = threading.Event(), threading.Event()
+
+    def draft():
+        with draft_weights.drafting(True):
+            inside.set()
+            leave.wait(30)
+
+    drafter = threading.Thread(target=draft)
+    drafter.start()
+    try:
+        assert inside.wait(30)
+        assert torch.equal(model(ids).logits, full)
+        layer = _converted(model)[0]
+        x = torch.randn(3, layer.in_features, dtype=torch.float64)
+        assert torch.equal(layer(x), nn.functional.linear(x, layer.weight, layer.bias))
+    finally:
+        leave.set()
+        drafter.join()
+    draft_weights.release_model(model)
+
+
+def test_a_converted_model_saves_loads_and_copies_as_a_stock_model(tmp_path):
+    """torch.save/torch.load, copy.deepcopy and save_pretrained/from_pretrained of a model holding 4-bit copies give a
+    stock model (the file names nothing of hf_sparsekv) with the same logits; the original keeps its copies."""
+    model = copy.deepcopy(tiny_model("llama"))
+    ids = prompt(12, 2)
+    logits = model(ids).logits
+    assert draft_weights.attach(model)
+    with draft_weights.drafting(True):
+        drafted = model(ids).logits
+    torch.save(model, tmp_path / "model.pt")
+    with zipfile.ZipFile(tmp_path / "model.pt") as archive:
+        assert not any(b"hf_sparsekv" in archive.read(name) for name in archive.namelist() if name.endswith(".pkl"))
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    twin = copy.deepcopy(model)
+    model.save_pretrained(tmp_path / "saved")
+    reloaded = type(model).from_pretrained(tmp_path / "saved", dtype=torch.float64).eval()
+    for other in (loaded, twin, reloaded):
+        assert not _converted(other)
+        with draft_weights.drafting(True):  # a stock model has no copy to draft with
+            assert torch.equal(other(ids).logits, logits)
+    assert draft_weights.models() == [model]
+    with draft_weights.drafting(True):
+        assert torch.equal(model(ids).logits, drafted)
+    hf_sparsekv.release_engines()
+    assert not _converted(model) and torch.equal(model(ids).logits, logits)
+
+
+@pytest.mark.parametrize("where", ["quantize_w4", "_convert"])
+@pytest.mark.parametrize("had_copies", [False, True])
+def test_an_interrupted_attach_leaves_the_model_as_it_was(where, had_copies, monkeypatch):
+    """Ctrl-C while the 4-bit copies are made (the third layer's quantization) or put in place (the third layer's
+    conversion), in a generate() call: the model is as it was (no copy, or its earlier copies where it had them),
+    stock generate() is unchanged, and the next call attaches every copy and is exact."""
+    verifier = copy.deepcopy(tiny_model("qwen2"))
+    ids = prompt(40, 5)
+    spec = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32), draft_weights="int4",
+                max_new_tokens=12, do_sample=False)
+    if had_copies:
+        verifier.generate(ids, **spec)
+        with torch.no_grad():
+            verifier.lm_head.weight.mul_(-1.0)  # in place: the next call remakes the copies
+    reference = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    logits = verifier(ids).logits
+    before = {id(m): m.__dict__.get("_hf_sparsekv_w4") for m in verifier.modules()}
+    real, calls = getattr(draft_weights, where), []
+
+    def third_interrupts(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(draft_weights, where, third_interrupts)
+    with pytest.raises(KeyboardInterrupt):
+        verifier.generate(ids, **spec)
+    monkeypatch.undo()
+    assert {id(m): m.__dict__.get("_hf_sparsekv_w4") for m in verifier.modules()} == before
+    assert all("forward" not in m.__dict__ for m in verifier.modules())
+    assert len(_converted(verifier)) == (len(draft_weights._qualifying(verifier)[0]) if had_copies else 0)
+    assert verifier.config._attn_implementation == "sdpa"
+    assert torch.equal(verifier(ids).logits, logits)
+    assert torch.equal(verifier.generate(ids, max_new_tokens=12, do_sample=False), reference)
+    out = verifier.generate(ids, **spec)
+    assert len(_converted(verifier)) == len(draft_weights._qualifying(verifier)[0]) > 0
+    assert torch.equal(out, _int8_view_greedy(verifier, ids, 12))
+    hf_sparsekv.release_engines()

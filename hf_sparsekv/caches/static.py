@@ -56,6 +56,8 @@ layout keeps in that row.
 
 from __future__ import annotations
 
+import threading
+
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
@@ -63,10 +65,17 @@ from ..kernels import runtime
 from .chunk_selection import ChunkSelection, as_selection, select_chunks, select_tokens
 
 
-# The layer whose ``update`` ran last, read back by the "sparsekv_static" attention that transformers calls right
-# after it (the attention function is not given the cache). A plain list rather than the context variable of
-# :mod:`.kernel_hook`, so that torch.compile traces the hand-over instead of breaking the graph at every layer.
-LAST_WRITTEN: list = [None]
+class _HandOff(threading.local):
+    """The hand-off from a static cache layer's ``update`` to the "sparsekv_static" attention that transformers calls
+    right after it (the attention function is not given the cache): ``layer``, the layer whose ``update`` ran last on
+    this thread, None once the attention took it. Per thread, so that forwards on other threads never see it; a
+    ``threading.local`` rather than the context variable of :mod:`.kernel_hook`, because torch.compile traces its
+    reads and writes (guarded per thread) where it would break the graph at every layer on a context variable."""
+
+    layer = None
+
+
+LAST_WRITTEN = _HandOff()
 
 
 class StaticLayer(CacheLayerMixin):
@@ -273,7 +282,7 @@ class PreallocatedCache(Cache):
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
         keys, values = layer.update(key_states, value_states)
-        LAST_WRITTEN[0] = layer
+        LAST_WRITTEN.layer = layer
         return keys, values
 
     # ---- what a query sees

@@ -4,16 +4,24 @@ output is still exactly greedy AR on the INT8 view (verification alone decides e
 
 The copy is made once per model, on the first call that asks for it, and kept on the model (remade when a weight
 changes in place); :func:`release` (called by ``hf_sparsekv.release_engines()``) frees it and restores the layers.
-Each qualifying ``nn.Linear`` (tinygemm's shapes, :func:`~hf_sparsekv.kernels.w4_linear.w4_shape_ok`) gets a forward
-that reads the 4-bit copy while :func:`drafting` is active and is its original forward otherwise; the engine
-activates it around its draft and catch-up steps (their compilation and capture included: a captured step holds the
-kernels it was traced with).
+Each qualifying ``nn.Linear`` (tinygemm's shapes, :func:`~hf_sparsekv.kernels.w4_linear.w4_shape_ok`) becomes a
+:class:`W4Linear` (its class swapped, its 4-bit copy an attribute): its forward reads the 4-bit copy while the calling
+thread is inside :func:`drafting` and is ``nn.Linear``'s otherwise, so forwards on other threads never see the copy.
+The engine activates it around its draft and catch-up steps (their compilation and capture included: a captured step
+holds the kernels it was traced with).
+
+What is attached survives the model's life cycle: a :class:`W4Linear` pickles and deep-copies as the plain
+``nn.Linear`` it was, without the copy, so ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``save_pretrained``
+give a stock model, and the weights each model's copies were made from are kept here, not on the model.
+:func:`attach` converts every layer or none (an interrupt leaves the model as it was). A layer with a forward of its
+own (an instance attribute, as accelerate's hooks of a ``device_map`` model set) keeps its full-precision weights.
 """
 
 from __future__ import annotations
 
 import contextlib
-import types
+import copyreg
+import threading
 import weakref
 
 import torch
@@ -25,16 +33,41 @@ from ..kernels.w4_linear import W4Weight, quantize_w4, w4_linear, w4_shape_ok
 logger = logging.get_logger(__name__)
 
 CHOICES = ("int4", "full")
-_ATTRIBUTE = "_hf_sparsekv_w4"  # on a layer: its 4-bit copy
-_OWN_FORWARD = "_hf_sparsekv_w4_forward"  # on a layer: a forward it held as an instance attribute before (a hook's)
-_VERSIONS = "_hf_sparsekv_w4_versions"  # on the model: the weights its copies were made from
-_active = False  # read by every converted layer's forward: the draft steps' weights
-_models: "weakref.WeakSet" = weakref.WeakSet()
+_ATTRIBUTE = "_hf_sparsekv_w4"  # on a converted layer: its 4-bit copy (a W4Weight)
 
 
-def _layers(model) -> list[nn.Linear]:
-    """The linear layers that get a 4-bit copy: plain ``nn.Linear`` of a shape tinygemm takes."""
-    return [m for m in model.modules() if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]
+class _Drafting(threading.local):
+    """``active``: whether this thread's converted layers compute with their 4-bit copies (:func:`drafting`)."""
+
+    active = False
+
+
+_state = _Drafting()
+_made_from: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDictionary()  # model -> _versions(layers)
+_registry = threading.Lock()  # guards _made_from
+
+
+class W4Linear(nn.Linear):
+    """An ``nn.Linear`` holding a 4-bit copy of its weight (attribute ``_hf_sparsekv_w4``), which its forward reads
+    while the calling thread drafts (:func:`drafting`). Pickled and deep-copied as a plain ``nn.Linear`` (the copy
+    left behind): the file references ``torch.nn.Linear`` alone."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _state.active:
+            return w4_linear(x, getattr(self, _ATTRIBUTE), self.bias)
+        return super().forward(x)
+
+    def __reduce_ex__(self, protocol):
+        state = {name: value for name, value in self.__getstate__().items() if name != _ATTRIBUTE}
+        return copyreg._reconstructor, (nn.Linear, object, None), state
+
+
+def _qualifying(model) -> tuple[list[nn.Linear], int]:
+    """``(layers, skipped)``: the linear layers that get a 4-bit copy (plain ``nn.Linear``, or converted already, of a
+    shape tinygemm takes) and how many such layers were left out for a forward of their own (hooks)."""
+    shaped = [m for m in model.modules() if type(m) in (nn.Linear, W4Linear) and w4_shape_ok(*m.weight.shape)]
+    layers = [m for m in shaped if "forward" not in m.__dict__]
+    return layers, len(shaped) - len(layers)
 
 
 def default_choice(model) -> str:
@@ -42,7 +75,7 @@ def default_choice(model) -> str:
     ``"full"``."""
     if model.device.type != "cuda" or not hasattr(torch.ops.aten, "_weight_int4pack_mm") or _sharded(model):
         return "full"
-    return "int4" if _layers(model) else "full"
+    return "int4" if _qualifying(model)[0] else "full"
 
 
 def _sharded(model) -> bool:
@@ -66,71 +99,76 @@ def _versions(layers: list[nn.Linear]) -> tuple:
     return tuple((m.weight.data_ptr(), m.weight._version) for m in layers)
 
 
-def _w4_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A converted layer's forward (bound to the layer, so that a deep copy of the model binds it to the copy)."""
-    if _active:
-        return w4_linear(x, getattr(self, _ATTRIBUTE), self.bias)
-    own = getattr(self, _OWN_FORWARD)
-    return own(x) if own is not None else type(self).forward(self, x)
-
-
 def nbytes(model) -> int:
     """The bytes ``model``'s 4-bit copies hold (0 without them)."""
-    return sum(getattr(m, _ATTRIBUTE).nbytes() for m in model.modules() if hasattr(m, _ATTRIBUTE))
+    return sum(getattr(m, _ATTRIBUTE).nbytes() for m in model.modules() if isinstance(m, W4Linear))
+
+
+def _convert(layer: nn.Linear, w4: W4Weight | None) -> None:
+    """Make ``layer`` a :class:`W4Linear` reading ``w4``, or (None) the plain ``nn.Linear`` again."""
+    if w4 is None:
+        layer.__dict__.pop(_ATTRIBUTE, None)
+        layer.__class__ = nn.Linear
+    else:
+        layer.__dict__[_ATTRIBUTE] = w4
+        layer.__class__ = W4Linear
 
 
 def attach(model) -> bool:
-    """Give every qualifying linear layer of ``model`` its 4-bit copy (once; again where a weight changed in place).
-    Returns whether copies were made (earlier ones, and whatever captured them, are stale then)."""
-    held = getattr(model, _VERSIONS, None)
-    layers = _layers(model)
-    if held is not None and held == _versions(layers):
-        return False
-    release_model(model)
+    """Give every qualifying linear layer of ``model`` its 4-bit copy (once; again where a weight changed in place),
+    all or none: every copy is made before any layer changes, and an exception or interrupt while they change puts
+    each layer back as it was. Returns whether copies were made (earlier ones, and whatever captured them, are stale
+    then). The caller holds ``model``'s lock (:mod:`.model_locks`)."""
+    layers, skipped = _qualifying(model)
+    versions = _versions(layers)
+    with _registry:
+        if _made_from.get(model) == versions:
+            return False
     pack = model.device.type == "cuda"
-    total = 0
     with torch.no_grad():
-        for layer in layers:
-            w4: W4Weight = quantize_w4(layer.weight, pack=pack)
-            setattr(layer, _ATTRIBUTE, w4)
-            setattr(layer, _OWN_FORWARD, layer.__dict__.get("forward"))
-            layer.forward = types.MethodType(_w4_forward, layer)
-            total += w4.nbytes()
-    setattr(model, _VERSIONS, _versions(layers))
-    _models.add(model)
-    logger.info("hf_sparsekv: 4-bit draft weights for %d linear layers (%.1f MB)", len(layers), total / 2**20)
+        copies = [quantize_w4(layer.weight, pack=pack) for layer in layers]
+    stale = [m for m in model.modules() if isinstance(m, W4Linear)]
+    before = {id(m): (m, m.__dict__.get(_ATTRIBUTE)) for m in stale + layers}  # each layer's copy (None: plain)
+    try:
+        for layer in stale:
+            _convert(layer, None)
+        for layer, w4 in zip(layers, copies):
+            _convert(layer, w4)
+    except BaseException:
+        for layer, w4 in before.values():
+            _convert(layer, w4)
+        raise
+    with _registry:
+        _made_from[model] = versions
+    if skipped:
+        logger.info("hf_sparsekv: %d linear layers with a forward of their own (hooks) keep their full-precision "
+                    "weights in the draft steps", skipped)
+    logger.info("hf_sparsekv: 4-bit draft weights for %d linear layers (%.1f MB)", len(layers),
+                sum(w4.nbytes() for w4 in copies) / 2**20)
     return True
 
 
 def release_model(model) -> None:
-    """Drop ``model``'s 4-bit copies and give its layers their original forward back."""
-    if getattr(model, _VERSIONS, None) is None:
-        return
+    """Drop ``model``'s 4-bit copies: its converted layers are plain ``nn.Linear`` again. The caller holds
+    ``model``'s lock."""
+    with _registry:
+        _made_from.pop(model, None)
     for layer in model.modules():
-        if hasattr(layer, _ATTRIBUTE):
-            own = getattr(layer, _OWN_FORWARD)
-            delattr(layer, _ATTRIBUTE)
-            delattr(layer, _OWN_FORWARD)
-            if own is None:
-                del layer.forward  # the class's forward shows again
-            else:
-                layer.forward = own
-    delattr(model, _VERSIONS)
-    _models.discard(model)
+        if isinstance(layer, W4Linear):
+            _convert(layer, None)
 
 
-def release() -> None:
-    """Free every model's 4-bit copies."""
-    for model in list(_models):
-        release_model(model)
+def models() -> list[nn.Module]:
+    """The models that hold 4-bit copies."""
+    with _registry:
+        return list(_made_from)
 
 
 @contextlib.contextmanager
 def drafting(active: bool):
-    """Inside the block, converted layers compute with their 4-bit copies (when ``active``)."""
-    global _active
-    previous, _active = _active, active
+    """Inside the block, this thread's converted layers compute with their 4-bit copies (when ``active``)."""
+    previous, _state.active = _state.active, active
     try:
         yield
     finally:
-        _active = previous
+        _state.active = previous

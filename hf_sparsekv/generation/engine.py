@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 
@@ -78,10 +79,10 @@ from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
-from .draft_weights import attach, drafting
-from .draft_weights import release as release_draft_weights
+from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import catch_up, catch_up_block, catch_up_lag, draft, draft_tree, drafter_cache, drafter_input
-from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill
+from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, wait_for
+from .model_locks import exclusive
 from .retrieval import retrieve
 from .sampling import draw, penalized
 
@@ -605,6 +606,7 @@ class StaticEngine:
 
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last
+_registry = threading.Lock()  # guards _engines (each list, too)
 MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: raise it to keep several configurations
 
 
@@ -622,55 +624,68 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     copy (:mod:`.draft_weights`, made here on first use); ``retrieval``: retrieval
     drafting beside the drafter, suffixes of up to this many tokens (:mod:`.retrieval`); ``tree_size``: draft nodes
     per round (:mod:`.draft_tree`; None: one chain); ``adaptive``: each round drafts as many tokens as the controller
-    chooses, up to γ (:mod:`.controller`). Under tensor parallelism the captured steps hold NCCL all-reduces:
-    :func:`release_engines` must run before ``torch.distributed.destroy_process_group()``."""
+    chooses, up to γ (:mod:`.controller`). The caller holds the locks of ``verifier`` and ``drafter``
+    (:mod:`.model_locks`) until it is done with the engine: no other call uses or replaces it meanwhile. Under
+    tensor parallelism the captured steps hold NCCL all-reduces: :func:`release_engines` must run before
+    ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
                       _weights(verifier, drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights,
                       retrieval, tree_size, adaptive)
-    if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones
-        stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
+    if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones (an engine
+        with _registry:  # drafting with ``drafter`` is in use only by a call that holds its lock: this one)
+            stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
+            for kept in _engines.values():
+                kept[:] = [e for e in kept if e.drafter is not drafter]
         _release_graphs(stale)
-        for kept in _engines.values():
-            kept[:] = [e for e in kept if e.drafter is not drafter]
-    kept = _engines.setdefault(verifier, [])
-    for engine in kept:
-        if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
-            kept.remove(engine)
-            kept.append(engine)
-            return engine
-    evicted = kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
-    _release_graphs(evicted)  # now, also where a caller still holds one of them
-    del kept[: len(evicted)]  # free before allocating
+    with _registry:
+        kept = _engines.setdefault(verifier, [])
+        for engine in kept:
+            if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
+                kept.remove(engine)
+                kept.append(engine)
+                return engine
+        evicted = kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
+        del kept[: len(evicted)]
+    _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
-    kept.append(engine)
+    with _registry:
+        _engines.setdefault(verifier, []).append(engine)
     return engine
 
 
 def current_engine(verifier) -> StaticEngine | None:
     """The engine ``verifier``'s last static call ran on, if any."""
-    kept = _engines.get(verifier)
-    return kept[-1] if kept else None
+    with _registry:
+        kept = _engines.get(verifier)
+        return kept[-1] if kept else None
 
 
 def _release_graphs(engines: list[StaticEngine]) -> None:
     """Destroy the CUDA graphs of ``engines`` (each step runs uncaptured after)."""
-    if any(engine.use_graphs for engine in engines):
-        torch.cuda.synchronize()
+    for engine in engines:
+        if engine.use_graphs:
+            wait_for(engine.devices)  # no replay of its graphs is still running
     for engine in engines:
         for step in engine.steps.values():
             step.release()
 
 
 def release_engines() -> None:
-    """Free every kept static cache, CUDA graph and 4-bit draft-weight copy. Under tensor parallelism call it before
+    """Free every kept static cache, CUDA graph and 4-bit draft-weight copy, one model at a time, each once no call
+    holds it (:mod:`.model_locks`). Under tensor parallelism call it before
     ``torch.distributed.destroy_process_group()``: NCCL cannot destroy a communicator that a live CUDA graph still
     uses, and the destroy hangs (PyTorch issue 115388). The graphs are destroyed here, also where a caller still
     holds a reference to an engine (as they are when an engine is replaced)."""
-    _release_graphs([engine for kept in _engines.values() for engine in kept])
-    _engines.clear()
-    release_draft_weights()
+    with _registry:
+        models = list(_engines)
+    for model in {id(m): m for m in models + models_with_copies()}.values():
+        with exclusive(model):
+            with _registry:
+                kept = _engines.pop(model, [])
+            _release_graphs(kept)
+            release_copies(model)
 
 
 def captures(model) -> bool:

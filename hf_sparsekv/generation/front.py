@@ -26,6 +26,7 @@ from .draft_weights import check_choice, default_choice
 from .engine import captures, engine_for
 from .rounds import static_decode_rows, static_speculative_decode
 from .host_rules import GreedyRules
+from .model_locks import holding
 from .sampling import DEVICE_WARPERS, device_warpers, repetition_penalty, stock_processors
 from .stats import SpecStats
 
@@ -354,6 +355,7 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
                     SpeculativeGenerateOutput, shared_seconds=True)
 
 
+@holding("model", "assistant_model")
 def speculative_generate(
     model,
     inputs: torch.Tensor | None = None,
@@ -377,7 +379,8 @@ def speculative_generate(
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
     than one (left-padded) prompt is decoded by the engine with one row per prompt (sampled int4 self-speculation:
     row by row, :mod:`.batch_rows`); either way each row is what its prompt alone gives (sampled: drawn from the
-    distribution its prompt alone has)."""
+    distribution its prompt alone has). The call holds the locks of ``model`` and ``assistant_model``
+    (:mod:`.model_locks`)."""
     check_budget(kv_budget, draft_cache)
     kv_budget = None if kv_budget is None else int(kv_budget)  # a NumPy integer from a sweep, say
     for name, value in (

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
+import threading
 
 import torch
 
@@ -106,16 +107,8 @@ class CapturedStep:
         self.fn = self.eager_fn
 
     def capture(self, restore: tuple[torch.Tensor, ...] = (), warmup: int = 2) -> None:
-        # Python's cycle collector must not run inside the capture: freeing an unreachable engine there destroys its
-        # CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real model sizes).
-        gc.collect()
-        was_enabled = gc.isenabled()
-        gc.disable()
-        try:
+        with _collector_off():
             self._capture(restore, warmup)
-        finally:
-            if was_enabled:
-                gc.enable()
 
     def _capture(self, restore: tuple[torch.Tensor, ...], warmup: int) -> None:
         saved = [t.clone() for t in restore]
@@ -132,7 +125,8 @@ class CapturedStep:
         for s in streams.values():
             torch.cuda.current_stream(s.device).wait_stream(s)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=streams[home]):
+        # thread_local: what other threads do meanwhile (their own steps, plain forwards) cannot break the capture
+        with torch.cuda.graph(graph, pool=self.pool, stream=streams[home], capture_error_mode="thread_local"):
             with contextlib.ExitStack() as joined:
                 for d in others:  # the other devices' streams join the capture; their memory comes from our pools
                     streams[d].wait_stream(streams[home])
@@ -159,6 +153,39 @@ class CapturedStep:
             self.graph.replay()
         else:
             self.run()
+
+
+_captures = 0  # captures under way in the process (on any thread)
+_collector_was_enabled = False  # whether the first of them found Python's cycle collector on
+_captures_lock = threading.Lock()  # guards the two
+
+
+@contextlib.contextmanager
+def _collector_off():
+    """Python's cycle collector (one per process) off while any thread captures: freeing an unreachable engine inside
+    a capture destroys its CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real
+    model sizes). The first capture collects, then turns it off; the last one turns it back on if it was on."""
+    global _captures, _collector_was_enabled
+    with _captures_lock:
+        if _captures == 0:
+            gc.collect()
+            _collector_was_enabled = gc.isenabled()
+            gc.disable()
+        _captures += 1
+    try:
+        yield
+    finally:
+        with _captures_lock:
+            _captures -= 1
+            if _captures == 0 and _collector_was_enabled:
+                gc.enable()
+
+
+def wait_for(devices: list[int]) -> None:
+    """The host waits for the work queued on the current stream of each CUDA device in ``devices`` (not a
+    device-wide synchronize, which fails while another thread captures a CUDA graph on the device)."""
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
 
 
 @contextlib.contextmanager

@@ -7,7 +7,8 @@ without ``assistant_model``) runs on our engine too (retrieval drafting), unless
 does not serve, which stock's path then serves. Our arguments come as keywords or, in a call with
 ``assistant_model``, as attributes of the passed or the model's ``generation_config``. The patch is narrow: a call
 without them goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
-them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call); it is guarded: installed only if ``generate`` still takes the arguments we forward,
+them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call, and it holds the model's lock
+shared, :mod:`.model_locks`); it is guarded: installed only if ``generate`` still takes the arguments we forward,
 and :func:`unregister` puts the original back.
 """
 
@@ -22,6 +23,7 @@ from transformers.utils import logging
 
 from ..cache_keyword import user_cache
 from ..caches import query_hooks
+from .model_locks import shared
 from .front import speculative_generate
 
 OUR_ARGUMENTS = ("kv_budget", "draft_cache", "draft_weights", "draft_tree_size")
@@ -68,6 +70,23 @@ def _prompt_lookup(model, config, kwargs: dict):
                  if getattr(c, "prompt_lookup_num_tokens", None) is not None), None)
 
 
+def _plain(original, model, config, args: tuple, kwargs: dict):
+    """Stock ``generate()``; a ``past_key_values``/``cache`` cache that selects from the prompt's queries gets them
+    through :func:`~hf_sparsekv.caches.query_hooks.prompt_queries` for the call."""
+    if not query_hooks.needs_prompt_queries(user_cache(kwargs)):
+        return original(model, *args, **kwargs)
+    chunked = kwargs.get("prefill_chunk_size") or next(
+        (c.prefill_chunk_size for c in (config, getattr(model, "generation_config", None))
+         if getattr(c, "prefill_chunk_size", None)), None)
+    if chunked:  # the cache would select from the first piece only and keep every later one
+        raise NotImplementedError(
+            f"prefill_chunk_size={chunked}: a cache that selects from the prompt's queries needs the whole prompt in "
+            "one prefill forward; drop prefill_chunk_size"
+        )
+    with query_hooks.prompt_queries(model):  # e.g. ChunkBudgetCache under eager/SDPA/flash attention
+        return original(model, *args, **kwargs)
+
+
 def register() -> bool:
     """Install the patch (idempotent). Returns False (with a warning) if ``generate`` has an unexpected shape."""
     global _original
@@ -104,18 +123,8 @@ def register() -> bool:
                     return speculative_generate(self, **named, **kwargs)
                 except NotImplementedError as err:  # an option the engine does not serve: stock's own path
                     logger.info("hf_sparsekv: prompt lookup runs on stock generate(): %s", err)
-            if query_hooks.needs_prompt_queries(user_cache(kwargs)):
-                chunked = kwargs.get("prefill_chunk_size") or next(
-                    (c.prefill_chunk_size for c in (config, getattr(self, "generation_config", None))
-                     if getattr(c, "prefill_chunk_size", None)), None)
-                if chunked:  # the cache would select from the first piece only and keep every later one
-                    raise NotImplementedError(
-                        f"prefill_chunk_size={chunked}: a cache that selects from the prompt's queries needs the "
-                        "whole prompt in one prefill forward; drop prefill_chunk_size"
-                    )
-                with query_hooks.prompt_queries(self):  # e.g. ChunkBudgetCache under eager/SDPA/flash attention
-                    return original(self, *args, **kwargs)
-            return original(self, *args, **kwargs)
+            with shared(self, named.get("assistant_model", kwargs.get("assistant_model"))):
+                return _plain(original, self, config, args, kwargs)
         overlap = set(named) & set(kwargs)
         if overlap:
             raise TypeError(f"generate() got multiple values for {sorted(overlap)}")

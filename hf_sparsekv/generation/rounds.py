@@ -14,8 +14,9 @@ from .common import _strip_left_padding, _tp_size
 from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .controller import DraftController
 from .engine import AR_STEPS_PER_SYNC, LAG_BLOCK, StaticEngine, captures, engine_for
-from .graph_steps import static_attention_for
+from .graph_steps import static_attention_for, wait_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
+from .model_locks import holding
 from .stats import SpecStats
 
 
@@ -151,8 +152,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar or engine.drafter is None else [engine.drafter])):
         firsts = engine.prefill(prompts, host_first if host else None, prefixes)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
         if engine.spec.adaptive:
             engine.capture_widths(controller.widths)
@@ -254,7 +254,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
                 # to the other rows rewrites what they hold
-                if quant is not None or engine.drafter is None or always_tree:
+                if quant is not None or engine.drafter is None or done[row] or always_tree:
                     continue
                 if lagging:
                     behind[row] += steps if not drafting else int(a == width)
@@ -266,8 +266,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
             last, fresh = now, False
             retire_finished()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    wait_for(engine.devices)
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:
@@ -277,6 +276,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
 
+@holding("model")
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                           attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
@@ -284,7 +284,7 @@ def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, e
     ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
     ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
     ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
-    run together, one engine row each."""
+    run together, one engine row each. The call holds ``model``'s lock (:mod:`.model_locks`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
