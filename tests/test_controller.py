@@ -128,6 +128,9 @@ class _Scripted(DraftController):
         want = min(next(self._script), cap)
         return max((w for w in self.widths if w <= want), default=0)
 
+    def plain_steps(self, most):
+        return min(most, 3)  # several plain steps to a sync, and still many switches
+
 
 @pytest.fixture
 def scripted(monkeypatch):
@@ -159,7 +162,8 @@ def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
                                 **SPECS[mode](verifier, drafter))
         assert torch.equal(out.sequences, greedy), (arch, mode, seed)
         stats = out.spec_stats
-        assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= 4, stats.width_rounds
+        # (retrieval drafts only where the text so far repeats: a random prompt gives few rounds with drafts)
+        assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= (3 if mode == "lookup" else 4), stats.width_rounds
         assert stats.drafted == sum(w * r for w, r in stats.width_rounds.items())
         assert sum(stats.width_rounds.values()) == stats.rounds
 
