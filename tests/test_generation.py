@@ -650,3 +650,28 @@ def test_num_assistant_tokens_on_the_assistant_config_sets_gamma():
     drafter.generation_config.num_assistant_tokens_schedule = "heuristic"
     with pytest.raises(NotImplementedError, match="assistant_model.generation_config"):
         verifier.generate(ids, **kw)
+
+
+# ------------------------------------------------------------------ odd inputs (issue 53)
+
+
+def test_an_assistant_model_that_is_no_model_is_named():
+    with pytest.raises(TypeError, match="assistant_model must be a causal LM.*got object"):
+        tiny_model("llama").generate(prompt(10, 0), max_new_tokens=3, assistant_model=object(), kv_budget=16)
+
+
+def test_kv_budget_as_a_0d_integer_tensor_like_a_python_int():
+    """A 0-d integer tensor is an integer setting (as a NumPy integer is); a float or multi-element tensor is refused,
+    naming kv_budget."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(40, 1)
+    expected = verifier.generate(ids, max_new_tokens=8, do_sample=False)
+    for budget in (torch.tensor(16), torch.tensor(16, dtype=torch.int32)):
+        assert torch.equal(verifier.generate(ids, max_new_tokens=8, assistant_model=drafter, kv_budget=budget),
+                           expected)
+    for budget, match in ((torch.tensor(16.0), r"shape \(\) and dtype torch.float32"),
+                          (torch.tensor([16, 8]), r"shape \(2,\)"),
+                          (torch.tensor(True), r"shape \(\) and dtype torch.bool")):
+        with pytest.raises(ValueError, match="kv_budget must be a positive integer; a tensor must be a 0-d integer "
+                                             "tensor, got one of " + match):
+            verifier.generate(ids, max_new_tokens=3, assistant_model=drafter, kv_budget=budget)

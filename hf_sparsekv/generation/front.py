@@ -146,6 +146,9 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
     ``tokenizer=``) has no id outside the shared range ``[0, min(V_model, V_drafter))``."""
     if drafter is None:
         raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
+    if not isinstance(drafter, torch.nn.Module) or getattr(drafter, "config", None) is None:
+        raise TypeError(f"assistant_model must be a causal LM (a transformers model sharing the verifier's "
+                        f"vocabulary, or the model itself for int4), got {type(drafter).__name__}")
     if drafter is model:
         return None
     if drafter.device != model.device:
