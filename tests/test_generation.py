@@ -675,3 +675,21 @@ def test_kv_budget_as_a_0d_integer_tensor_like_a_python_int():
         with pytest.raises(ValueError, match="kv_budget must be a positive integer; a tensor must be a 0-d integer "
                                              "tensor, got one of " + match):
             verifier.generate(ids, max_new_tokens=3, assistant_model=drafter, kv_budget=budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafter_in_another_dtype_than_the_verifier_is_served_in_every_mode(dtype):
+    """The drafter's caches are in the drafter's dtype (stock assisted generation serves such a pair too): every
+    drafter mode, a tree, retrieval beside the drafter and a batch give stock greedy's tokens of the verifier."""
+    verifier = tiny_model("llama")  # float64
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to(dtype)
+    ids = prompt(60, 5)
+    greedy = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    for options in (dict(kv_budget=16), dict(draft_cache="window", kv_budget=24), dict(draft_cache="full"),
+                    dict(draft_cache="int4"), dict(kv_budget=16, draft_tree_size=8),
+                    dict(kv_budget=16, prompt_lookup_num_tokens=3)):
+        out = verifier.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, **options)
+        assert torch.equal(out, greedy), options
+    batch = torch.cat([ids, prompt(60, 6)])
+    out = verifier.generate(batch, max_new_tokens=12, do_sample=False, assistant_model=drafter, kv_budget=16)
+    assert torch.equal(out, verifier.generate(batch, max_new_tokens=12, do_sample=False))

@@ -30,28 +30,28 @@ from .sampling import draw, penalized
 
 
 def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scratch: int = 0):
-    """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`): ``max_tokens`` bounds a row's
-    length, ``max_new`` its new tokens, ``slack`` the positions a round may write past the last kept token,
-    ``scratch`` the nodes of the drafter's tree block (a ring keeps them after the ring)."""
+    """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`), in the drafter's own dtype (which
+    may differ from the verifier's ``spec.dtype``): ``max_tokens`` bounds a row's length, ``max_new`` its new tokens,
+    ``slack`` the positions a round may write past the last kept token, ``scratch`` the nodes of the drafter's tree
+    block (a ring keeps them after the ring)."""
     shape, placed = _attention_shape(drafter), layer_devices(drafter)
-    mode = spec.mode
+    mode, dtype = spec.mode, next(drafter.parameters()).dtype
     if mode == "chunk":
         chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
         if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
-            return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, spec.dtype, spec.device,
+            return StaticChunkWindowCache(spec.budget, generated, spec.gamma + 1, *shape, dtype, spec.device,
                                           chunk_size, spec.batch, selection, placed, scratch)
-        return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + max_new + slack, spec.dtype,
-                                      spec.device, chunk_size, batch=spec.batch, selection=selection,
-                                      layer_devices=placed)
+        return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + max_new + slack, dtype, spec.device,
+                                      chunk_size, batch=spec.batch, selection=selection, layer_devices=placed)
     if mode == "window":
         sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
-        return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, spec.dtype, spec.device, spec.batch,
-                                     placed, scratch)
+        return StaticSinkWindowCache(sink, window, spec.gamma + 1, *shape, dtype, spec.device, spec.batch, placed,
+                                     scratch)
     if mode == "full":
-        return StaticFullCache(*shape, max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
+        return StaticFullCache(*shape, max_tokens + slack, dtype, spec.device, spec.batch, placed)
     if mode == "int4-drafter":  # the drafter's own store, always read in its INT4 view
-        store = StaticQuantCache(spec.budget, max_tokens + slack, spec.gamma + 1, *shape, spec.dtype,
-                                 spec.device, spec.batch, placed)
+        store = StaticQuantCache(spec.budget, max_tokens + slack, spec.gamma + 1, *shape, dtype, spec.device,
+                                 spec.batch, placed)
         store.view = "int4"
         return store
     raise ValueError(f"unknown static drafter mode {mode!r}")

@@ -104,7 +104,7 @@ class EngineSpec:
     mode: str
     budget: int | None  # chunk/window: the drafter's budget; int4: the group size G; lookup: the longest n-gram
     gamma: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the verifier's (a drafter's caches take the drafter's own dtype: drafting.drafter_cache)
     device: torch.device
     batch: int  # rows decoded together (independent sequences)
     kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
