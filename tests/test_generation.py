@@ -693,3 +693,27 @@ def test_a_drafter_in_another_dtype_than_the_verifier_is_served_in_every_mode(dt
     batch = torch.cat([ids, prompt(60, 6)])
     out = verifier.generate(batch, max_new_tokens=12, do_sample=False, assistant_model=drafter, kv_budget=16)
     assert torch.equal(out, verifier.generate(batch, max_new_tokens=12, do_sample=False))
+
+
+def test_a_budget_beyond_the_sequence_is_sized_by_the_call():
+    """kv_budget (or a cache instance's budget, sink or window) at or above prompt + new tokens keeps every token:
+    the drafter's cache is sized by what the call can hold (prompt + max_new_tokens + slack), not by the budget
+    (10**9 asked for 256 GB)."""
+    import time
+
+    from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
+    from hf_sparsekv.generation import engine as static_engine
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(60, 2)
+    greedy = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    huge = 10**9
+    for options in (dict(kv_budget=huge), dict(draft_cache="window", kv_budget=huge),
+                    dict(draft_cache=ChunkBudgetCache(huge, generated_window=huge)),
+                    dict(draft_cache=SinkWindowCache(sink=huge, window=huge)), dict(kv_budget=huge, draft_tree_size=8)):
+        start = time.perf_counter()
+        out = verifier.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, **options)
+        assert time.perf_counter() - start < 30, options  # ~0.3 s; allocating by the budget takes minutes, or fails
+        assert torch.equal(out, greedy), options
+        cache = static_engine.current_engine(verifier).drafter_cache
+        assert cache.capacity <= 1024 and cache.nbytes() < 2**20, (options, cache.capacity)
