@@ -423,7 +423,7 @@ def test_stop_strings_with_tokenizer_like_stock():
     [
         (dict(cache_implementation="static"), NotImplementedError, "cache_implementation"),
         (dict(prompt_lookup_num_tokens=3, num_assistant_tokens=4), ValueError, "a round drafts one chain"),
-        (dict(use_cache=False), ValueError, "use_cache"),
+        (dict(use_cache=False), RuntimeError, "Assisted decoding requires a cache: use_cache=False"),
         (dict(draft_cache="full", kv_budget=64), ValueError, "kv_budget does not apply to draft_cache='full'"),
         (dict(draft_cache="cache-instance", kv_budget=64), ValueError, "kv_budget does not apply"),
         (dict(penalty_alpha=0.6, top_k=4), NotImplementedError, "penalty_alpha"),
@@ -717,3 +717,44 @@ def test_a_budget_beyond_the_sequence_is_sized_by_the_call():
         assert torch.equal(out, greedy), options
         cache = static_engine.current_engine(verifier).drafter_cache
         assert cache.capacity <= 1024 and cache.nbytes() < 2**20, (options, cache.capacity)
+
+
+def test_return_dict_returns_the_cache_stock_greedy_returns():
+    """return_dict_in_generate: the output's cache holds what stock greedy's does (the whole sequence but its last
+    token) in every mode, with left padding (zero columns there: stock's keys of pad tokens, which the mask hides,
+    are never computed) and after prompt caching (the caller's cache, extended). int4 returns what verification read,
+    the INT8 view (within its quantization error of stock's)."""
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    from .test_retrieval import assert_same_cache, returned_cache
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(60, 3)
+    settings = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    stock = verifier.generate(ids, **settings)
+    expected = returned_cache(stock)
+    for options in (dict(kv_budget=16), dict(draft_cache="window", kv_budget=24), dict(draft_cache="full"),
+                    dict(kv_budget=16, draft_tree_size=8), dict(kv_budget=16, prompt_lookup_num_tokens=3)):
+        out = verifier.generate(ids, assistant_model=drafter, **options, **settings)
+        assert torch.equal(out.sequences, stock.sequences), options
+        assert_same_cache(returned_cache(out), expected)
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16),
+                            **settings)
+    assert torch.equal(out.sequences, stock.sequences)
+    assert_same_cache(returned_cache(out), expected, atol=0.02 * float(expected.layers[0].keys.abs().max()))
+
+    prefix, keyword = DynamicCache(), cache_keyword(verifier)
+    verifier(ids[:, :20], **{keyword: prefix})
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **{keyword: prefix}, **settings)
+    assert returned_cache(out) is prefix
+    assert_same_cache(prefix, expected)
+
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], 1)
+    mask = (padded != 0).long()
+    mask[:, 4:] = 1
+    stock = verifier.generate(padded, attention_mask=mask, **settings)
+    out = verifier.generate(padded, attention_mask=mask, assistant_model=drafter, kv_budget=16, **settings)
+    assert torch.equal(out.sequences, stock.sequences)
+    cache = returned_cache(out)
+    assert_same_cache(cache, returned_cache(stock), columns={0: slice(4, None)})
+    assert not cache.layers[0].keys[:, :, :4].any()
