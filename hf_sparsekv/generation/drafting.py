@@ -48,7 +48,7 @@ def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scra
         if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
             return StaticChunkWindowCache(budget, min(generated, max_new + slack), spec.gamma + 1, *shape, dtype,
                                           spec.device, chunk_size, spec.batch, selection, placed, scratch)
-        # kept prompt tokens (at most min(budget, P)) and the tokens after them: at most min(budget + max_new, max_tokens)
+        # the kept prompt tokens (at most min(budget, P)) and the tokens after them: min(budget + max_new, max_tokens)
         return StaticChunkBudgetCache(budget, *shape, min(budget + max_new, max_tokens) + slack, dtype, spec.device,
                                       chunk_size, batch=spec.batch, selection=selection, layer_devices=placed)
     if mode == "window":

@@ -441,7 +441,7 @@ class StaticEngine:
         start = prefix.get_seq_length()
         for i in range(len(self.verifier_cache.layers)):
             keys, values = self.verifier_cache.sequence(i, row, start, length)
-            held = prefix.layers[i] if i < len(prefix.layers) else None  # layers of DynamicCache(config=...) start empty
+            held = prefix.layers[i] if i < len(prefix.layers) else None  # DynamicCache(config=...): layers start empty
             device = held.keys.device if held is not None and held.is_initialized else keys.device
             prefix.update(keys.to(device, copy=True), values.to(device, copy=True), i)
 
