@@ -1,7 +1,7 @@
-"""The commands of ``hf-sparsekv``: ``generate`` (speculative vs AR on one prompt), ``demo`` and ``train-drafter``
-(BudgetDraft training, see :mod:`hf_sparsekv.training.run`). Argument parsing is in :mod:`hf_sparsekv_cli` (kept
-light so that ``--help`` is fast), which calls these; :mod:`hf_sparsekv.cli` (``python -m hf_sparsekv.cli``)
-runs the same and re-exports them."""
+"""The commands of ``hf-sparsekv``: ``generate`` (speculative vs AR on one prompt), ``demo``, ``train-drafter``
+(BudgetDraft training, see :mod:`hf_sparsekv.training.run`) and ``push-drafter`` (a saved drafter to the Hub).
+Argument parsing is in :mod:`hf_sparsekv_cli` (kept light so that ``--help`` is fast), which calls these;
+:mod:`hf_sparsekv.cli` (``python -m hf_sparsekv.cli``) runs the same and re-exports them."""
 
 from __future__ import annotations
 
@@ -105,3 +105,12 @@ def cmd_train_drafter(args) -> int:
     from .training.run import run
 
     return run(args)
+
+
+def cmd_push_drafter(args) -> int:
+    """Push a saved drafter folder (``train-drafter --output``) and its model card; 1 (with one line saying why and
+    how to retry) if the push fails."""
+    from .training.hub import push_saved
+
+    pushed = push_saved(args.folder, args.repo, private=args.hub_private or None, endpoint=args.hub_endpoint)
+    return 0 if pushed else 1

@@ -17,13 +17,14 @@ DESCRIPTION = (
     "budget, sliding window or INT4 self-speculation) and the model verifies them, so the output is token for token "
     "its own greedy output. `generate` runs one prompt both ways and prints the completion, acceptance and tau; "
     "`demo` does it with the bundled trained pair on a held-out document; `train-drafter` trains a drafter "
-    "(BudgetDraft)."
+    "(BudgetDraft); `push-drafter` pushes a trained one to the Hub."
 )
 EPILOG = "example: hf-sparsekv generate --pair --mode chunk --budget 256 --max-new-tokens 64"
 COMMANDS = {
     "generate": "speculative vs greedy AR generation on one prompt",
     "demo": "speculative generation with the bundled pair on a held-out document",
     "train-drafter": "BudgetDraft multi-view sparse training of a drafter",
+    "push-drafter": "push a saved drafter (train-drafter --output) and its model card to the Hub",
 }
 
 
@@ -71,6 +72,14 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
                    help="'auto': bfloat16 on cuda, float32 on cpu")
 
 
+def _add_push_arguments(push: argparse.ArgumentParser) -> None:
+    push.add_argument("folder", help="the drafter's folder (train-drafter --output: its save_pretrained files and "
+                                     "README.md)")
+    push.add_argument("repo", help="the Hub repository to push to (created if needed)")
+    push.add_argument("--hub-private", action="store_true", help="create the Hub repo private")
+    push.add_argument("--hub-endpoint", help="another Hub-compatible server; unset: HF_ENDPOINT / huggingface.co")
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The full parser; ``train-drafter``'s options are added (importing the training code) only if ``argv`` names it."""
     parser = argparse.ArgumentParser(prog="hf-sparsekv", description=DESCRIPTION, epilog=EPILOG)
@@ -80,6 +89,8 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
         command = parser.commands[name] = sub.add_parser(name, help=text, description=text, formatter_class=_Formatter)
         if name == "generate":
             _add_generate_arguments(command)
+        elif name == "push-drafter":
+            _add_push_arguments(command)
         elif name == "train-drafter" and _names_command(argv, name):
             from hf_sparsekv.training.run import add_arguments
 
@@ -107,4 +118,4 @@ def main(argv: list[str] | None = None) -> int:
     from hf_sparsekv import commands
 
     return {"generate": commands.cmd_generate, "demo": commands.cmd_demo,
-            "train-drafter": commands.cmd_train_drafter}[args.command](args)
+            "train-drafter": commands.cmd_train_drafter, "push-drafter": commands.cmd_push_drafter}[args.command](args)

@@ -285,3 +285,32 @@ def test_a_row_by_row_batch_logs_only_at_debug_level(caplog):
         hf_logging.disable_propagation()
     ours = [r for r in caplog.records if r.name.startswith("hf_sparsekv") and "one row after another" in r.getMessage()]
     assert ours and all(r.levelname == "DEBUG" for r in ours)
+
+
+@pytest.mark.parametrize("how", ["together", "row by row"])
+def test_a_batch_returns_the_cache_stock_greedy_returns(how):
+    """return_dict_in_generate with a left-padded batch: the output's cache has the shape of stock greedy's and, in
+    each row's own columns (its prompt and new tokens but the last), stock's keys and values; the left padding (and
+    the padding after a row that ended early: keys of pad tokens the engine never computed) holds zeros. Row by row:
+    sampled int4 self-speculation (top_k=1, prompts below two quantization groups: greedy's tokens)."""
+    from .test_retrieval import assert_same_cache, returned_cache
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    prompts = [prompt(n, 20 + n) for n in (40, 9, 25)]
+    ids, mask = left_padded(prompts)
+    settings = dict(attention_mask=mask, max_new_tokens=8, return_dict_in_generate=True)
+    stock = verifier.generate(ids, do_sample=False, **settings)
+    options = (dict(assistant_model=drafter, kv_budget=16, do_sample=False) if how == "together" else
+               dict(assistant_model=verifier, draft_cache="int4", do_sample=True, top_k=1))
+    out = verifier.generate(ids, **options, **settings)
+    assert torch.equal(out.sequences, stock.sequences)
+    width = ids.shape[1]
+    own = {}
+    for b, p in enumerate(prompts):
+        new = out.sequences[b, width:].tolist()
+        end = width + (new.index(2) + 1 if 2 in new else len(new))  # past its EOS, the row is padding
+        own[b] = slice(width - p.shape[1], end - 1)
+    cache = returned_cache(out)
+    assert_same_cache(cache, returned_cache(stock), columns=own)
+    for b, cols in own.items():
+        assert not cache.layers[0].keys[b, :, : cols.start].any() and not cache.layers[0].keys[b, :, cols.stop :].any()

@@ -52,8 +52,8 @@ def test_pop_user_cache_takes_either_name_and_refuses_both():
 def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
     """With return_dict_in_generate the caller's prefix cache (extended to the sequence, as stock leaves its cache)
     is stored under the output class's own field (``cache`` from transformers 5.24 on), so building the output logs
-    no deprecation of ``past_key_values``; without a cache passed in, the field holds None (the engine's static
-    buffers stay its own)."""
+    no deprecation of ``past_key_values``; without a cache passed in, the field holds a new ``DynamicCache`` of the
+    sequence, as stock's does (the engine's static buffers stay its own)."""
     import logging
 
     from transformers.utils import logging as hf_logging
@@ -76,7 +76,8 @@ def test_a_returned_cache_sits_in_the_field_the_output_declares(caplog):
     assert not [r for r in caplog.records if "past_key_values" in r.getMessage()]
     cache = getattr(out, output_field(type(out)))
     assert cache is prefix and cache.get_seq_length() == out.sequences.shape[1] - 1
-    assert getattr(bare, output_field(type(bare))) is None
+    fresh = getattr(bare, output_field(type(bare)))
+    assert type(fresh) is DynamicCache and fresh.get_seq_length() == bare.sequences.shape[1] - 1
 
 
 @pytest.mark.parametrize("kind", ["chunk", "dynamic"])

@@ -14,7 +14,7 @@ from hf_sparsekv.zoo import PAIR_DIR
 HEAVY = ("torch", "transformers", "hf_sparsekv")
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["demo", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["generate", "--help"], ["demo", "--help"], ["push-drafter", "--help"]])
 def test_help_imports_neither_torch_nor_transformers(argv):
     code = (
         "import sys, hf_sparsekv_cli\n"

@@ -423,7 +423,7 @@ def test_stop_strings_with_tokenizer_like_stock():
     [
         (dict(cache_implementation="static"), NotImplementedError, "cache_implementation"),
         (dict(prompt_lookup_num_tokens=3, num_assistant_tokens=4), ValueError, "a round drafts one chain"),
-        (dict(use_cache=False), ValueError, "use_cache"),
+        (dict(use_cache=False), RuntimeError, "Assisted decoding requires a cache: use_cache=False"),
         (dict(draft_cache="full", kv_budget=64), ValueError, "kv_budget does not apply to draft_cache='full'"),
         (dict(draft_cache="cache-instance", kv_budget=64), ValueError, "kv_budget does not apply"),
         (dict(penalty_alpha=0.6, top_k=4), NotImplementedError, "penalty_alpha"),
@@ -652,3 +652,111 @@ def test_num_assistant_tokens_on_the_assistant_config_sets_gamma():
     adaptive = verifier.generate(ids, **kw)
     assert torch.equal(adaptive.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
     assert set(adaptive.spec_stats.width_rounds) <= {0, 1, 2, 3} and len(adaptive.spec_stats.width_rounds) > 1
+
+
+# ------------------------------------------------------------------ odd inputs (issue 53)
+
+
+def test_an_assistant_model_that_is_no_model_is_named():
+    with pytest.raises(TypeError, match="assistant_model must be a causal LM.*got object"):
+        tiny_model("llama").generate(prompt(10, 0), max_new_tokens=3, assistant_model=object(), kv_budget=16)
+
+
+def test_kv_budget_as_a_0d_integer_tensor_like_a_python_int():
+    """A 0-d integer tensor is an integer setting (as a NumPy integer is); a float or multi-element tensor is refused,
+    naming kv_budget."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(40, 1)
+    expected = verifier.generate(ids, max_new_tokens=8, do_sample=False)
+    for budget in (torch.tensor(16), torch.tensor(16, dtype=torch.int32)):
+        assert torch.equal(verifier.generate(ids, max_new_tokens=8, assistant_model=drafter, kv_budget=budget),
+                           expected)
+    for budget, match in ((torch.tensor(16.0), r"shape \(\) and dtype torch.float32"),
+                          (torch.tensor([16, 8]), r"shape \(2,\)"),
+                          (torch.tensor(True), r"shape \(\) and dtype torch.bool")):
+        with pytest.raises(ValueError, match="kv_budget must be a positive integer; a tensor must be a 0-d integer "
+                                             "tensor, got one of " + match):
+            verifier.generate(ids, max_new_tokens=3, assistant_model=drafter, kv_budget=budget)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafter_in_another_dtype_than_the_verifier_is_served_in_every_mode(dtype):
+    """The drafter's caches are in the drafter's dtype (stock assisted generation serves such a pair too): every
+    drafter mode, a tree, retrieval beside the drafter and a batch give stock greedy's tokens of the verifier."""
+    verifier = tiny_model("llama")  # float64
+    drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to(dtype)
+    ids = prompt(60, 5)
+    greedy = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    for options in (dict(kv_budget=16), dict(draft_cache="window", kv_budget=24), dict(draft_cache="full"),
+                    dict(draft_cache="int4"), dict(kv_budget=16, draft_tree_size=8),
+                    dict(kv_budget=16, prompt_lookup_num_tokens=3)):
+        out = verifier.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, **options)
+        assert torch.equal(out, greedy), options
+    batch = torch.cat([ids, prompt(60, 6)])
+    out = verifier.generate(batch, max_new_tokens=12, do_sample=False, assistant_model=drafter, kv_budget=16)
+    assert torch.equal(out, verifier.generate(batch, max_new_tokens=12, do_sample=False))
+
+
+def test_a_budget_beyond_the_sequence_is_sized_by_the_call():
+    """kv_budget (or a cache instance's budget, sink or window) at or above prompt + new tokens keeps every token:
+    the drafter's cache is sized by what the call can hold (prompt + max_new_tokens + slack), not by the budget
+    (10**9 asked for 256 GB)."""
+    import time
+
+    from hf_sparsekv import ChunkBudgetCache, SinkWindowCache
+    from hf_sparsekv.generation import engine as static_engine
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(60, 2)
+    greedy = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    huge = 10**9
+    for options in (dict(kv_budget=huge), dict(draft_cache="window", kv_budget=huge),
+                    dict(draft_cache=ChunkBudgetCache(huge, generated_window=huge)),
+                    dict(draft_cache=SinkWindowCache(sink=huge, window=huge)), dict(kv_budget=huge, draft_tree_size=8)):
+        start = time.perf_counter()
+        out = verifier.generate(ids, max_new_tokens=12, do_sample=False, assistant_model=drafter, **options)
+        assert time.perf_counter() - start < 30, options  # ~0.3 s; allocating by the budget takes minutes, or fails
+        assert torch.equal(out, greedy), options
+        cache = static_engine.current_engine(verifier).drafter_cache
+        assert cache.capacity <= 1024 and cache.nbytes() < 2**20, (options, cache.capacity)
+
+
+def test_return_dict_returns_the_cache_stock_greedy_returns():
+    """return_dict_in_generate: the output's cache holds what stock greedy's does (the whole sequence but its last
+    token) in every mode, with left padding (zero columns there: stock's keys of pad tokens, which the mask hides,
+    are never computed) and after prompt caching (the caller's cache, extended). int4 returns what verification read,
+    the INT8 view (within its quantization error of stock's)."""
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    from .test_retrieval import assert_same_cache, returned_cache
+
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(60, 3)
+    settings = dict(max_new_tokens=10, do_sample=False, return_dict_in_generate=True)
+    stock = verifier.generate(ids, **settings)
+    expected = returned_cache(stock)
+    for options in (dict(kv_budget=16), dict(draft_cache="window", kv_budget=24), dict(draft_cache="full"),
+                    dict(kv_budget=16, draft_tree_size=8), dict(kv_budget=16, prompt_lookup_num_tokens=3)):
+        out = verifier.generate(ids, assistant_model=drafter, **options, **settings)
+        assert torch.equal(out.sequences, stock.sequences), options
+        assert_same_cache(returned_cache(out), expected)
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16),
+                            **settings)
+    assert torch.equal(out.sequences, stock.sequences)
+    assert_same_cache(returned_cache(out), expected, atol=0.02 * float(expected.layers[0].keys.abs().max()))
+
+    prefix, keyword = DynamicCache(), cache_keyword(verifier)
+    verifier(ids[:, :20], **{keyword: prefix})
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **{keyword: prefix}, **settings)
+    assert returned_cache(out) is prefix
+    assert_same_cache(prefix, expected)
+
+    padded = torch.cat([torch.zeros(1, 4, dtype=torch.long), ids], 1)
+    mask = (padded != 0).long()
+    mask[:, 4:] = 1
+    stock = verifier.generate(padded, attention_mask=mask, **settings)
+    out = verifier.generate(padded, attention_mask=mask, assistant_model=drafter, kv_budget=16, **settings)
+    assert torch.equal(out.sequences, stock.sequences)
+    cache = returned_cache(out)
+    assert_same_cache(cache, returned_cache(stock), columns={0: slice(4, None)})
+    assert not cache.layers[0].keys[:, :, :4].any()

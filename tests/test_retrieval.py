@@ -361,3 +361,66 @@ def test_sampled_retrieval_beside_a_drafter_matches_the_exact_joint_distribution
     assert _consistent(samples, joint)
     counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08
+
+
+# ---------------------------------------------------------------- stock's prompt lookup as stock serves it (issue 53)
+
+
+def assert_same_cache(ours, stock, columns=None, atol=1e-8):
+    """``ours`` holds what ``stock`` (a generate() output's cache) holds: the same length, and the same keys and
+    values in every layer (float tolerance ``atol``; ``columns``: only those of each row, ``{row: slice}``)."""
+    from transformers import DynamicCache
+
+    assert isinstance(ours, DynamicCache) and ours.get_seq_length() == stock.get_seq_length()
+    for mine, theirs in zip(ours.layers, stock.layers, strict=True):
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            assert a.shape == b.shape
+            for row, cols in (columns or {r: slice(None) for r in range(a.shape[0])}).items():
+                torch.testing.assert_close(a[row, :, cols], b[row, :, cols], rtol=0, atol=atol)
+
+
+def returned_cache(out):
+    """The cache field of a generate() output (``cache`` from transformers 5.24 on, before it ``past_key_values``)."""
+    from hf_sparsekv.cache_keyword import output_field
+
+    return getattr(out, output_field(type(out)))
+
+
+def test_prompt_lookup_returns_and_extends_a_cache_as_stock():
+    """Stock's prompt lookup on the engine returns the cache of the whole sequence but its last token (a new one, or
+    the caller's empty ``DynamicCache(config=...)`` extended in place), holding what stock greedy's does."""
+    from transformers import DynamicCache
+
+    from hf_sparsekv.cache_keyword import cache_keyword
+
+    model = tiny_model("llama")
+    ids = _repetitive_prompt(7)
+    settings = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True)
+    stock = model.generate(ids, **settings)
+    out = model.generate(ids, prompt_lookup_num_tokens=3, **settings)
+    assert static_engine.current_engine(model).spec.mode == "lookup"
+    assert torch.equal(out.sequences, stock.sequences)
+    assert_same_cache(returned_cache(out), returned_cache(stock))
+    mine = DynamicCache(config=model.config)
+    plain = model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=16, do_sample=False,
+                           **{cache_keyword(model): mine})
+    assert torch.equal(plain, stock.sequences)
+    assert_same_cache(mine, returned_cache(stock))
+    mine = DynamicCache(config=model.config)
+    out = model.generate(ids, prompt_lookup_num_tokens=3, **{cache_keyword(model): mine}, **settings)
+    assert returned_cache(out) is mine
+    assert_same_cache(mine, returned_cache(stock))
+
+
+def test_prompt_lookup_the_engine_cannot_serve_is_stocks():
+    """A pad id inside the prompt without attention_mask: stock masks it (with its warning), which the engine cannot,
+    so stock's own prompt lookup serves the call; use_cache=False raises stock's RuntimeError."""
+    model = tiny_model("llama")
+    ids = _repetitive_prompt(8)
+    ids[0, 6] = model.config.pad_token_id
+    settings = dict(prompt_lookup_num_tokens=3, max_new_tokens=10, do_sample=False)
+    static_engine.release_engines()
+    assert torch.equal(model.generate(ids, **settings), _stock(model, ids, **settings))
+    assert static_engine.current_engine(model) is None
+    with pytest.raises(RuntimeError, match="Assisted decoding requires a cache"):
+        model.generate(_repetitive_prompt(8), use_cache=False, **settings)

@@ -547,6 +547,57 @@ def test_push_to_hub_up_to_the_http_boundary(tmp_path):
         push_to_hub(folder, "someone/x", api=api)
 
 
+def _unreachable_hub(*args, **kwargs):
+    """Stands in for ``HfApi`` where the server cannot be reached: every call raises the HTTP client's own
+    connection error (httpx's ``ConnectError`` on huggingface_hub 1.x and later)."""
+    import sys
+
+    from huggingface_hub.errors import HTTPError
+
+    client = sys.modules[HTTPError.__module__]
+    refused = getattr(client, "ConnectError", None) or client.ConnectionError
+
+    class Unreachable:
+        def create_repo(self, *args, **kwargs):
+            raise refused("[Errno 111] Connection refused")
+
+        upload_folder = create_repo
+
+    return Unreachable()
+
+
+def test_a_push_that_cannot_reach_the_hub_says_how_to_push_later(pair_dirs, tmp_path, monkeypatch, capsys):
+    """train-drafter --push-to-hub to an unreachable endpoint: the drafter is saved, one line says the push failed,
+    where the drafter is and the command that pushes it later, and the exit status is 1; that command (push-drafter)
+    then pushes the saved folder."""
+    import shlex
+
+    import hf_sparsekv_cli
+    from hf_sparsekv.training import hub
+
+    verifier_dir, drafter_dir, data = pair_dirs
+    out = tmp_path / "run"
+    monkeypatch.setattr(hub, "HfApi", _unreachable_hub)
+    assert _cli(verifier_dir, drafter_dir, data, out, "--max-steps", "1", "--no-eval", "--push-to-hub", "someone/x",
+                "--hub-endpoint", "http://127.0.0.1:9") == 1
+    assert (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    lines = [line for line in capsys.readouterr().err.splitlines() if "push" in line]
+    assert len(lines) == 1 and "the push to someone/x failed (ConnectError: [Errno 111] Connection refused)" in lines[0]
+    command = lines[0].split("push it later with: ")[1]
+    assert f"the drafter is saved in {out}" in lines[0]
+    assert shlex.split(command) == ["hf-sparsekv", "push-drafter", str(out), "someone/x", "--hub-endpoint",
+                                    "http://127.0.0.1:9"]
+
+    assert hf_sparsekv_cli.main(shlex.split(command)[1:]) == 1  # still unreachable: the same line
+    assert "push it later with: " + command in capsys.readouterr().err
+    remote = tmp_path / "remote"
+    api = _RecordingHubApi(remote)
+    monkeypatch.setattr(hub, "HfApi", lambda endpoint=None, token=None: api)
+    assert hf_sparsekv_cli.main(shlex.split(command)[1:]) == 0
+    assert "pushed to local://someone/x" in capsys.readouterr().out
+    assert (remote / "model.safetensors").is_file() and not (remote / "checkpoint-1").exists()
+
+
 @pytest.mark.skipif(
     not os.environ.get("HF_SPARSEKV_TEST_HUB_ENDPOINT"),
     reason="no Hub-compatible server configured (set HF_SPARSEKV_TEST_HUB_ENDPOINT and HF_TOKEN); hf-local-hub 3.0.0 "

@@ -11,7 +11,10 @@ from .kernel_hook import offer
 
 
 def is_integer(value) -> bool:
-    """An integer setting: a Python or NumPy integer (a swept value), not a bool."""
+    """An integer setting: a Python or NumPy integer (a swept value) or a 0-d integer tensor, not a bool (callers
+    store ``int(value)``)."""
+    if isinstance(value, torch.Tensor):
+        return value.dim() == 0 and not (value.is_floating_point() or value.is_complex() or value.dtype == torch.bool)
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 

@@ -391,6 +391,12 @@ class StaticFullCache(PreallocatedCache):
             layer.values[row, :, :n].copy_(values[0].to(layer.keys.device))
         return n
 
+    def sequence(self, layer_idx: int, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values ``[1, Hkv, end - start, D]`` of row ``row``'s positions ``start..end-1`` in layer
+        ``layer_idx`` (views of its buffers; ``end`` at most the positions the row holds)."""
+        layer = self.layers[layer_idx]
+        return layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
+
     def _store_prefill(self, layer, key_states, value_states):
         s, n = self.prefill_start, key_states.shape[-2]
         if s + n > self.capacity:
@@ -693,6 +699,20 @@ class StaticQuantCache(PreallocatedCache):
             quant_seen = quant_seen & (code_positions > qp - sliding_window)
         mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(positions, sliding_window)], -1)
         return keys, values, mask[:, None]
+
+    def sequence(self, layer_idx: int, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys/values ``[1, Hkv, end - start, D]`` of row ``row``'s positions ``start..end-1`` in layer
+        ``layer_idx`` as verification reads them (the INT8 view): positions below the row's T_q dequantized from its
+        codes, later ones from its full-precision buffer (``end`` at most the positions the row holds)."""
+        from ..kernels.quant_reference import QuantizedTensor, dequantize_keys, dequantize_values
+
+        layer, t, r = self.layers[layer_idx], self.quantized[row], slice(row, row + 1)
+        codes = [QuantizedTensor(q.upper[r], q.lower[r], q.scale[r], q.zero[r]) for q in (layer.qkeys, layer.qvalues)]
+        dtype, buffered = layer.keys.dtype, max(end - t, 0)
+        keys = torch.cat([dequantize_keys(codes[0], self.group_size, True, dtype)[:, :, :t],
+                          layer.keys[r, :, :buffered]], -2)
+        values = torch.cat([dequantize_values(codes[1], True, dtype)[:, :, :t], layer.values[r, :, :buffered]], -2)
+        return keys[:, :, start:end], values[:, :, start:end]
 
     def reset(self) -> None:
         super().reset()

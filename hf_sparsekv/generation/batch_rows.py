@@ -20,9 +20,10 @@ import copy
 from collections.abc import Callable
 
 import torch
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.utils import logging
 
+from ..cache_keyword import output_field
 from .stats import SpecStats
 
 logger = logging.get_logger(__name__)
@@ -67,11 +68,13 @@ def generate_rows(
     attention_mask: torch.Tensor | None,
     draft_cache,
     pad: int | None,
-    return_dict: bool,
+    target: DynamicCache | None,
 ):
-    """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` (returning a dict-style output
-    with ``sequences`` and ``spec_stats``) for each row and assemble ``[B, L + max new]`` sequences. A
-    ``draft_cache`` instance is copied (empty) for each row."""
+    """Run ``generate_one(row_ids [1, L], row_mask [1, L] or None, draft_cache)`` for each row and assemble ``[B, L +
+    max new]`` sequences. ``target``: None for the sequences alone (``generate_one`` returns the row's sequences);
+    else the empty cache of a dict-style output (``generate_one`` returns one with ``sequences``, ``spec_stats`` and
+    the row's cache, all but its last token in columns as stock's), which gets the rows' caches (:func:`place_rows`).
+    A ``draft_cache`` instance is copied (empty) for each row."""
     # Debug level: every sampled int4 batch takes this path, so a warning would greet every such script run;
     # README ("Batches") says what it costs.
     logger.debug("hf_sparsekv: batch of %d decoded one row after another (README, 'Batches')", input_ids.shape[0])
@@ -80,16 +83,42 @@ def generate_rows(
         mask = None if attention_mask is None else attention_mask[b : b + 1]
         cache = copy.deepcopy(draft_cache) if isinstance(draft_cache, Cache) else draft_cache
         outputs.append(generate_one(input_ids[b : b + 1], mask, cache))
-    return assemble([out.sequences for out in outputs], [out.spec_stats for out in outputs], pad, return_dict,
-                    type(outputs[0]))
+    if target is None:
+        return assemble(outputs, [], pad, False, None)
+    caches = [getattr(out, output_field(type(out))) for out in outputs]
+    width = max(out.sequences.shape[1] for out in outputs) - 1
+    place_rows(target, lambda b, i: (caches[b].layers[i].keys, caches[b].layers[i].values),
+               [cache.get_seq_length() for cache in caches], width, len(caches[0].layers))
+    return assemble([out.sequences for out in outputs], [out.spec_stats for out in outputs], pad, True,
+                    type(outputs[0]), cache=target)
+
+
+def place_rows(target: DynamicCache, rows: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]], ends: list[int],
+               width: int, layers: int) -> DynamicCache:
+    """Fill the empty ``target`` as stock's cache of a batch ends: each of its ``layers`` layers ``[B, Hkv, width,
+    D]`` (a sliding layer of ``target`` keeps its last tokens, as stock's does), with row b's keys/values ``rows(b,
+    layer) -> [1, Hkv, n, D]`` (the row's tokens up to column ``ends[b]``, or its last n of them) in the n columns
+    before ``ends[b]``, zeros elsewhere: a row's left padding and the padding after a row that ended early, tokens
+    stock's cache holds keys of but the engine never computed (the attention mask hides the left padding). One layer
+    at a time (the copy adds one layer's worth at most). Returns ``target``."""
+    for i in range(layers):
+        keys, values = [], []
+        for b, end in enumerate(ends):
+            for placed, held in zip((keys, values), rows(b, i)):
+                row = held.new_zeros(*held.shape[:2], width, held.shape[3])
+                row[:, :, end - held.shape[2] : end] = held
+                placed.append(row)
+        target.update(torch.cat(keys), torch.cat(values), i)
+    return target
 
 
 def assemble(sequences: list[torch.Tensor], stats: list[SpecStats], pad: int | None, return_dict: bool, output_cls,
-             shared_seconds: bool = False):
+             shared_seconds: bool = False, cache: DynamicCache | None = None):
     """Rows ``sequences[b] [1, L_b]`` (each its padded prompt and new tokens) -> ``[B, max L_b]``, rows that stopped
     early padded with ``pad`` after their end as stock does; with ``return_dict``, ``output_cls(sequences=...,
-    spec_stats=...)`` with the totals and each row's stats. ``shared_seconds``: the rows ran together and the first
-    row's seconds are the batch's (counters are still summed)."""
+    spec_stats=...)`` with the totals and each row's stats, and ``cache`` (:func:`place_rows`) in its cache field.
+    ``shared_seconds``: the rows ran together and the first row's seconds are the batch's (counters are still
+    summed)."""
     longest = max(seq.shape[1] for seq in sequences)
     if pad is None and any(seq.shape[1] != longest for seq in sequences):
         raise ValueError(
@@ -100,10 +129,10 @@ def assemble(sequences: list[torch.Tensor], stats: list[SpecStats], pad: int | N
                      device=sequences[0].device)
     for b, seq in enumerate(sequences):
         out[b, : seq.shape[1]] = seq[0]
+    if not return_dict:
+        return out
     total = SpecStats.of_rows(stats)
     if shared_seconds:
         for name in ("prefill_seconds", "draft_seconds", "verify_seconds"):
             setattr(total, name, getattr(stats[0], name))
-    if not return_dict:
-        return out
-    return output_cls(sequences=out, spec_stats=total)
+    return output_cls(sequences=out, spec_stats=total, **({} if cache is None else {output_field(output_cls): cache}))

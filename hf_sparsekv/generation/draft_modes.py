@@ -10,6 +10,7 @@ never written: its settings configure the engine's static cache.
 
 from __future__ import annotations
 
+import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicSlidingWindowLayer
 
 from ..caches import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
@@ -21,12 +22,16 @@ DRAFT_CACHES = ("chunk", "window", "int4", "full")
 
 
 def check_budget(kv_budget, draft_cache) -> None:
-    """``kv_budget``: a positive integer, at least one chunk for ``'chunk'`` (the default), more than the sink
-    tokens for ``'window'``; it applies to those two names only."""
+    """``kv_budget``: a positive integer (Python, NumPy or a 0-d integer tensor), at least one chunk for ``'chunk'``
+    (the default), more than the sink tokens for ``'window'``; it applies to those two names only."""
     if kv_budget is None:
         return
+    if isinstance(kv_budget, torch.Tensor) and not is_integer(kv_budget):
+        raise ValueError(f"kv_budget must be a positive integer; a tensor must be a 0-d integer tensor, got one of "
+                         f"shape {tuple(kv_budget.shape)} and dtype {kv_budget.dtype}")
     if not is_integer(kv_budget) or kv_budget < 1:
         raise ValueError(f"kv_budget must be a positive integer, got {kv_budget!r}")
+    kv_budget = int(kv_budget)
     if draft_cache == "full" or isinstance(draft_cache, Cache):
         what = "draft_cache='full'" if draft_cache == "full" else "a draft_cache instance"
         raise ValueError(f"kv_budget does not apply to {what} (it sets the budget of 'chunk'/'window' only); drop it")

@@ -30,30 +30,37 @@ from .sampling import draw, penalized
 
 
 def drafter_cache(drafter, spec, max_tokens: int, max_new: int, slack: int, scratch: int = 0, ahead: int = 0):
-    """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`): ``max_tokens`` bounds a row's
-    length, ``max_new`` its new tokens, ``slack`` the positions a round may write past the last kept token,
-    ``scratch`` the nodes of the drafter's tree block (a ring keeps them after the ring), ``ahead`` the positions a
-    lag catch-up (:func:`catch_up_lag`) may write past the sequence (a ring keeps that many more slots)."""
+    """The drafter's static cache for ``spec`` (an :class:`~.engine.EngineSpec`), in the drafter's own dtype (which
+    may differ from the verifier's ``spec.dtype``): ``max_tokens`` bounds a row's length, ``max_new`` its new tokens,
+    ``slack`` the positions a round may write past the last kept token, ``scratch`` the nodes of the drafter's tree
+    block (a ring keeps them after the ring), ``ahead`` the positions a lag catch-up (:func:`catch_up_lag`) may write
+    past the sequence (a ring keeps that many more slots; ``slack`` includes them).
+
+    Sized by what the engine can hold, never by the budget alone: positions stay below ``max_tokens + slack`` (the
+    verifier's capacity), so a budget, sink or window beyond that is capped to it (and a window over the generated
+    tokens to ``max_new + slack``), which keeps every token it would have kept (a budget at or above the sequence is
+    the full cache)."""
     shape, placed = _attention_shape(drafter), layer_devices(drafter)
-    mode = spec.mode
+    mode, dtype = spec.mode, next(drafter.parameters()).dtype
+    reach = max_tokens + slack  # every position a row's steps write is below it
     rollback = max(spec.gamma + 1, ahead)
     if mode == "chunk":
         chunk_size, selection, generated = spec.layout or (CHUNK_SIZE, ChunkSelection(), None)
+        budget = min(spec.budget, max(reach, chunk_size))
         if generated is not None:  # bounded: the kept chunks, then a window of the generated tokens
-            return StaticChunkWindowCache(spec.budget, generated, rollback, *shape, spec.dtype, spec.device,
-                                          chunk_size, spec.batch, selection, placed, scratch)
-        return StaticChunkBudgetCache(spec.budget, *shape, spec.budget + max_new + slack, spec.dtype,
-                                      spec.device, chunk_size, batch=spec.batch, selection=selection,
-                                      layer_devices=placed)
+            return StaticChunkWindowCache(budget, min(generated, max_new + slack), rollback, *shape, dtype,
+                                          spec.device, chunk_size, spec.batch, selection, placed, scratch)
+        # the kept prompt tokens (at most min(budget, P)) and the tokens after them: min(budget + max_new, max_tokens)
+        return StaticChunkBudgetCache(budget, *shape, min(budget + max_new, max_tokens) + slack, dtype, spec.device,
+                                      chunk_size, batch=spec.batch, selection=selection, layer_devices=placed)
     if mode == "window":
         sink, window = spec.layout or (WINDOW_SINK, spec.budget - WINDOW_SINK)
-        return StaticSinkWindowCache(sink, window, rollback, *shape, spec.dtype, spec.device, spec.batch,
-                                     placed, scratch)
+        return StaticSinkWindowCache(min(sink, reach), min(window, reach), rollback, *shape, dtype, spec.device,
+                                     spec.batch, placed, scratch)
     if mode == "full":
-        return StaticFullCache(*shape, max_tokens + slack, spec.dtype, spec.device, spec.batch, placed)
+        return StaticFullCache(*shape, reach, dtype, spec.device, spec.batch, placed)
     if mode == "int4-drafter":  # the drafter's own store, always read in its INT4 view
-        store = StaticQuantCache(spec.budget, max_tokens + slack, spec.gamma + 1, *shape, spec.dtype,
-                                 spec.device, spec.batch, placed)
+        store = StaticQuantCache(spec.budget, reach, spec.gamma + 1, *shape, dtype, spec.device, spec.batch, placed)
         store.view = "int4"
         return store
     raise ValueError(f"unknown static drafter mode {mode!r}")

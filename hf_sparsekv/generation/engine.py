@@ -107,7 +107,7 @@ class EngineSpec:
     mode: str
     budget: int | None  # chunk/window: the drafter's budget; int4: the group size G; lookup: the longest n-gram
     gamma: int
-    dtype: torch.dtype
+    dtype: torch.dtype  # the verifier's (a drafter's caches take the drafter's own dtype: drafting.drafter_cache)
     device: torch.device
     batch: int  # rows decoded together (independent sequences)
     kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
@@ -468,13 +468,16 @@ class StaticEngine:
         self.logits[:, :1].copy_(self._ar_forward().float())
 
     def write_back(self, prefix, row: int, length: int) -> None:
-        """Prompt caching: extend ``prefix`` (the caller's ``DynamicCache``) with the verifier's keys/values of row
-        ``row`` up to ``length`` tokens (the sequence but its last token, as stock ``generate()`` leaves its cache)."""
+        """Extend ``prefix`` (a ``DynamicCache``: the caller's, empty or holding the first tokens of the prompt, or a
+        new one for the returned output) with the verifier's keys/values of row ``row`` up to ``length`` tokens (the
+        sequence but its last token, as stock ``generate()`` leaves its cache; int4: as verification read them, the
+        INT8 view)."""
         start = prefix.get_seq_length()
-        for i, layer in enumerate(self.verifier_cache.layers):
-            device = prefix.layers[i].keys.device if i < len(prefix.layers) else layer.keys.device
-            prefix.update(layer.keys[row : row + 1, :, start:length].to(device, copy=True),
-                          layer.values[row : row + 1, :, start:length].to(device, copy=True), i)
+        for i in range(len(self.verifier_cache.layers)):
+            keys, values = self.verifier_cache.sequence(i, row, start, length)
+            held = prefix.layers[i] if i < len(prefix.layers) else None  # DynamicCache(config=...): layers start empty
+            device = held.keys.device if held is not None and held.is_initialized else keys.device
+            prefix.update(keys.to(device, copy=True), values.to(device, copy=True), i)
 
     def commit(self, emitted: list[list[int]], accepted: list[int], nodes: list[int] | None = None) -> None:
         """Host-side rules: write each row's ``emitted`` tokens (its ``accepted`` drafts and the token after them; an

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers import GenerationConfig
-from transformers.cache_utils import Cache
+from transformers.cache_utils import Cache, DynamicCache
 from transformers.generation import (
     LogitsProcessorList,
     MaxTimeCriteria,
@@ -18,7 +18,7 @@ from transformers.utils import logging
 
 from ..cache_keyword import output_field, pop_user_cache
 from ..caches.base import is_integer
-from .batch_rows import assemble, check_batch, generate_rows, pad_value, token_ids
+from .batch_rows import assemble, check_batch, generate_rows, pad_value, place_rows, token_ids
 from .common import _strip_left_padding, _text_config
 from .draft_modes import check_budget, check_prefix, draft_mode
 from .draft_tree import MAX_TREE_NODES
@@ -63,12 +63,13 @@ logger = logging.get_logger(__name__)
 _stock_logger = logging.get_logger("transformers.generation.utils")  # stock's warnings come from stock's logger
 
 
-def infer_attention_mask(config, input_ids: torch.Tensor) -> torch.Tensor | None:
+def infer_attention_mask(config, input_ids: torch.Tensor, refusal: type[Exception] = ValueError) -> torch.Tensor | None:
     """The ``attention_mask [B, L]`` stock ``generate()`` infers when none is passed, or None for all ones: zeros
     where ``input_ids`` holds ``pad_token_id``, if it occurs and is not an EOS id. Without a pad id, or with the pad
     id equal to EOS, nothing is inferred, and a batch gets the warning stock gives (the padding counts as tokens, in
-    stock's output and in ours alike). Padding it infers that is not left padding (a pad id inside a prompt) is a
-    ValueError: the speculative path decodes left-padded rows only."""
+    stock's output and in ours alike). Padding it infers that is not left padding (a pad id inside a prompt) raises
+    ``refusal``: the speculative path decodes left-padded rows only (NotImplementedError where stock's path then
+    serves the call: stock's prompt lookup, routed here by the import)."""
     batched = input_ids.shape[0] > 1
     eos = token_ids(config.eos_token_id)
     if config.pad_token_id is None:
@@ -94,7 +95,7 @@ def infer_attention_mask(config, input_ids: torch.Tensor) -> torch.Tensor | None
     first = mask.argmax(dim=1)  # the first non-pad column of each row (0 for a row of pads only)
     columns = torch.arange(mask.shape[1], device=mask.device)
     if not bool(mask.any(dim=1).all()) or not torch.equal(mask, (columns[None, :] >= first[:, None]).long()):
-        raise ValueError(
+        raise refusal(
             f"input_ids contains pad_token_id={pad} where it is not left padding, and no attention_mask was passed: "
             "stock generate() would mask those tokens, which the speculative path cannot (it decodes left-padded "
             "rows); pass attention_mask (all ones if the pad id is meant as a token) or left-pad the prompts"
@@ -150,6 +151,9 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
     ``tokenizer=``) has no id outside the shared range ``[0, min(V_model, V_drafter))``."""
     if drafter is None:
         raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
+    if not isinstance(drafter, torch.nn.Module) or getattr(drafter, "config", None) is None:
+        raise TypeError(f"assistant_model must be a causal LM (a transformers model sharing the verifier's "
+                        f"vocabulary, or the model itself for int4), got {type(drafter).__name__}")
     if drafter is model:
         return None
     if drafter.device != model.device:
@@ -308,10 +312,10 @@ def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Ten
 
 def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
     """Refuse the generation options the engine does not serve, naming where each came from."""
-    if not config.use_cache:
-        raise ValueError(
-            f"use_cache=False is not supported with kv_budget/draft_cache: speculative decoding works on KV caches "
-            f"({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
+    if not config.use_cache:  # stock's assisted generation and prompt lookup raise this RuntimeError too
+        raise RuntimeError(
+            f"Assisted decoding requires a cache: use_cache=False is not supported with kv_budget/draft_cache or "
+            f"prompt lookup ({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
         )
     if config.cache_implementation is not None:
         source = _refuse_source("cache_implementation", config.cache_implementation, kwargs, generation_config, model)
@@ -351,8 +355,28 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
     results = static_decode_rows(engine, prompts, rules)
     sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
                  for b, res in enumerate(results)]
+    cache = None
+    if config.return_dict_in_generate:
+        cache = _place_engine_rows(engine, _stock_cache(model), [input_ids.shape[1] - p.shape[1] for p in prompts],
+                                   [res.sequence.shape[1] - 1 for res in results])
     return assemble(sequences, [res.stats for res in results], pad_value(config), config.return_dict_in_generate,
-                    SpeculativeGenerateOutput, shared_seconds=True)
+                    SpeculativeGenerateOutput, shared_seconds=True, cache=cache)
+
+
+def _stock_cache(model) -> DynamicCache:
+    """An empty cache as stock ``generate()`` makes one: ``DynamicCache`` of the model's text config (a sliding
+    layer keeps its last tokens)."""
+    return DynamicCache(config=model.config.get_text_config(decoder=True))
+
+
+def _place_engine_rows(engine, target: DynamicCache, pads: list[int], lengths: list[int]) -> DynamicCache:
+    """Fill the empty ``target`` with each row's first ``lengths[b]`` tokens (the sequence but its last token) from the
+    engine's verifier cache, after its ``pads[b]`` columns of left padding, as stock's cache of the batch ends
+    (:func:`~.batch_rows.place_rows`)."""
+    cache = engine.verifier_cache
+    return place_rows(target, lambda b, i: cache.sequence(i, b, 0, lengths[b]),
+                      [pad + n for pad, n in zip(pads, lengths)], max(pad + n for pad, n in zip(pads, lengths)),
+                      len(cache.layers))
 
 
 @holding("model", "assistant_model")
@@ -414,14 +438,15 @@ def speculative_generate(
     if unused:
         raise NotImplementedError(f"arguments for the model's forward are not supported with kv_budget/draft_cache "
                                   f"(or prompt lookup on the engine): {sorted(unused)}")
+    lookup = config.prompt_lookup_num_tokens is not None
+    alone = lookup and assistant_model is None and kv_budget is None and draft_cache is None  # stock's prompt lookup
     if attention_mask is None:  # inferred from pad_token_id as stock infers it
-        attention_mask = infer_attention_mask(config, input_ids)
+        attention_mask = infer_attention_mask(config, input_ids, NotImplementedError if alone else ValueError)
 
     _refuse_config(config, kwargs, generation_config, model)
     gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs)
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
-    lookup = config.prompt_lookup_num_tokens is not None
-    if lookup and assistant_model is None and kv_budget is None and draft_cache is None:  # retrieval alone
+    if alone:  # retrieval drafting without a drafter
         gamma, ngram = _lookup_settings(config, None)
         mode, budget, layout = "lookup", ngram, ()
     else:
@@ -450,11 +475,11 @@ def speculative_generate(
                     kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights,
                     draft_tree_size=draft_tree_size, attention_mask=mask,
                     tokenizer=tokenizer,
-                    **{**row_kwargs, "return_dict_in_generate": True},
+                    **{**row_kwargs, "return_dict_in_generate": config.return_dict_in_generate},
                 )
 
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
-                                 config.return_dict_in_generate)
+                                 _stock_cache(model) if config.return_dict_in_generate else None)
         return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
                                      (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive), logits_processor,
                                      stopping_criteria, tokenizer)
@@ -472,8 +497,14 @@ def speculative_generate(
                         rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
                         penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
                         retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
-    # the engine's buffers belong to it (and its CUDA graphs); a caller's prefix cache is extended as stock would
-    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=past_key_values)
+    # The engine's buffers belong to it (and its CUDA graphs). The cache the call leaves, as stock's, with the
+    # sequence but its last token: the caller's (a prefix of the prompt, extended in place), or a new one for the
+    # output; a row's left padding first (zero columns: a prefix is refused with padding)
+    cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
+    pad = input_ids.shape[1] - prompt.shape[1]
+    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache)
+    if cache is not None and pad:
+        _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     if not config.return_dict_in_generate:
@@ -482,6 +513,6 @@ def speculative_generate(
         sequences=sequences,
         scores=tuple(result.scores) if config.output_scores else None,
         logits=tuple(result.logits) if config.output_logits else None,
-        **{output_field(SpeculativeGenerateOutput): past_key_values},
+        **{output_field(SpeculativeGenerateOutput): cache},
         spec_stats=result.stats,
     )

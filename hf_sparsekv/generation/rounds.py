@@ -59,7 +59,7 @@ class _EventTimer:
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
     """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
-    with their stats (and scores where ``rules`` keep them). ``prefix``: the caller's ``DynamicCache`` holding the
+    with their stats (and scores where ``rules`` keep them). ``prefix``: a ``DynamicCache``, empty or holding the
     first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
     result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
     if prefix is not None:

@@ -3,15 +3,20 @@
 The card is rendered with ``huggingface_hub.ModelCard.from_template`` (Jinja2): YAML metadata (base model, datasets,
 tags, library) plus the training settings and the measured acceptance per context × budget. ``push_to_hub`` uploads a
 ``save_pretrained`` folder in one commit through ``huggingface_hub.HfApi`` (``endpoint`` selects another
-Hub-compatible server; ``token`` as usual).
+Hub-compatible server; ``token`` as usual). :func:`push_saved` is the push of ``hf-sparsekv train-drafter
+--push-to-hub`` and ``hf-sparsekv push-drafter``: a push that fails (no network, a server or authentication error)
+says so in one line with the command that pushes the saved folder later.
 """
 
 from __future__ import annotations
 
+import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 from huggingface_hub import HfApi, ModelCard, ModelCardData
+from huggingface_hub.errors import HTTPError
 
 from .. import __version__
 from .config import TrainingConfig
@@ -19,6 +24,9 @@ from .config import TrainingConfig
 TEMPLATE_NAME = "budgetdraft_drafter.md"
 # Checkpoints and optimiser state stay local; the pushed repo is the drafter itself.
 PUSH_IGNORE = ["checkpoint-*", "checkpoint-*/**", "*.pt", "metrics.jsonl"]
+# What a push that cannot reach or satisfy the server raises: the HTTP client's errors (connection refused, timeouts;
+# huggingface_hub's HfHubHTTPError for an error status) and OSError (missing token, requests' connection errors)
+PUSH_ERRORS = (HTTPError, OSError)
 
 
 def template_path() -> Path:
@@ -144,3 +152,29 @@ def push_to_hub(
         repo_id=repo_id, folder_path=folder, repo_type="model", commit_message=commit_message, ignore_patterns=PUSH_IGNORE
     )
     return getattr(info, "commit_url", str(info))
+
+
+def push_command(folder: str | Path, repo_id: str, *, private: bool | None = None, endpoint: str | None = None) -> str:
+    """The ``hf-sparsekv push-drafter`` command line (shell-quoted) that pushes the saved ``folder`` to ``repo_id``."""
+    words = ["hf-sparsekv", "push-drafter", str(folder), repo_id]
+    if private:
+        words.append("--hub-private")
+    if endpoint:
+        words += ["--hub-endpoint", endpoint]
+    return shlex.join(words)
+
+
+def push_saved(folder: str | Path, repo_id: str, *, private: bool | None = None, endpoint: str | None = None,
+               say=print) -> bool:
+    """:func:`push_to_hub` of the saved ``folder``, ``say``-ing the commit URL. A push that fails with one of
+    :data:`PUSH_ERRORS` prints one line to stderr (the error, where the drafter is saved and the :func:`push_command`
+    that pushes it later) and returns False; True once pushed."""
+    try:
+        url = push_to_hub(folder, repo_id, private=private, endpoint=endpoint)
+    except PUSH_ERRORS as err:
+        reason = " ".join(f"{type(err).__name__}: {err}".split())  # one line, however the client formats it
+        print(f"hf-sparsekv: the push to {repo_id} failed ({reason}); the drafter is saved in {folder}; push it "
+              f"later with: {push_command(folder, repo_id, private=private, endpoint=endpoint)}", file=sys.stderr)
+        return False
+    say(f"pushed to {url}")
+    return True

@@ -1,4 +1,5 @@
-"""``hf-sparsekv train-drafter``: arguments, model/data loading, training, final save, model card, Hub push.
+"""``hf-sparsekv train-drafter``: arguments, model/data loading, training, final save, model card, Hub push (one
+that fails exits with status 1 after saying how to push the saved drafter later: ``hf-sparsekv push-drafter``).
 
 Single GPU: ``hf-sparsekv train-drafter ...``; several: ``accelerate launch -m hf_sparsekv.cli train-drafter ...``
 (DDP, same arguments; each process takes every n-th sequence).
@@ -122,7 +123,7 @@ def run(args) -> int:
 
     from ..data import documents, token_sequences
     from . import checkpoint as ckpt
-    from .hub import push_to_hub, render_model_card
+    from .hub import push_saved, render_model_card
     from .trainer import BudgetDraftTrainer, EvalSettings
 
     config = config_from_args(args)
@@ -166,6 +167,7 @@ def run(args) -> int:
     history = trainer.train(sequences, output_dir=output, eval_settings=eval_settings, save_every=args.save_every,
                             progress=not args.no_progress)
 
+    pushed = True
     if accelerator.is_main_process:
         ckpt.save_model_folder(trainer.model, output, tokenizer)
         summary = {"step": trainer.step, "config": config.to_dict(), "verifier": args.verifier,
@@ -181,8 +183,8 @@ def run(args) -> int:
         )
         card.save(output / "README.md")
         say(f"saved the drafter and its card to {output}")
-        if args.push_to_hub:
-            url = push_to_hub(output, args.push_to_hub, private=args.hub_private or None, endpoint=args.hub_endpoint)
-            say(f"pushed to {url}")
+        if args.push_to_hub:  # a failed push leaves the saved drafter and says how to push it later
+            pushed = push_saved(output, args.push_to_hub, private=args.hub_private or None,
+                                endpoint=args.hub_endpoint, say=say)
     trainer.end_training()
-    return 0
+    return 0 if pushed else 1
