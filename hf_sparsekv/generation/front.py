@@ -257,12 +257,14 @@ def _user_setting(name: str, kwargs: dict, configs) -> tuple[bool, object]:
     return False, None
 
 
-def _draft_length(model, assistant_model, generation_config, kwargs: dict) -> tuple[int | None, bool]:
+def _draft_length(model, assistant_model, generation_config, kwargs: dict, sampling: bool) -> tuple[int | None, bool]:
     """``(γ, adaptive)`` of the call from stock's options: ``num_assistant_tokens`` (the call's or its configs', else
     the assistant's own generation config where its owner set it) and ``num_assistant_tokens_schedule``.
 
-    - a schedule of ``"heuristic"`` or ``"heuristic_transient"`` (stock's adaptive ones), or neither option set: the
-      controller chooses each round's drafts (:mod:`.controller`), at most γ (default :data:`ADAPTIVE_GAMMA`);
+    - a schedule of ``"heuristic"`` or ``"heuristic_transient"`` (stock's adaptive ones), or neither option set in a
+      greedy call: the controller chooses each round's drafts (:mod:`.controller`), at most γ (default
+      :data:`ADAPTIVE_GAMMA`). A sampled call keeps a constant γ unless the schedule asks for the controller: its
+      choices follow measured times, so a seeded run would draw another realisation each time;
     - ``num_assistant_tokens`` set, or the schedule ``"constant"``: every round drafts γ (default
       :data:`DEFAULT_GAMMA`).
 
@@ -275,7 +277,7 @@ def _draft_length(model, assistant_model, generation_config, kwargs: dict) -> tu
     scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, own + (assistant,))
     if scheduled and schedule not in SCHEDULES:
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
-    adaptive = schedule in SCHEDULES[1:] or not (given or scheduled)
+    adaptive = schedule in SCHEDULES[1:] or not (given or scheduled or sampling)
     return (gamma if given else None), adaptive
 
 
@@ -444,7 +446,7 @@ def speculative_generate(
         attention_mask = infer_attention_mask(config, input_ids, NotImplementedError if alone else ValueError)
 
     _refuse_config(config, kwargs, generation_config, model)
-    gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs)
+    gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs, bool(config.do_sample))
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
     if alone:  # retrieval drafting without a drafter
         gamma, ngram = _lookup_settings(config, None)
