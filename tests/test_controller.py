@@ -150,7 +150,7 @@ SPECS = {
 }
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS])
 @pytest.mark.parametrize("mode", sorted(SPECS))
 def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
     verifier = tiny_model(arch)
