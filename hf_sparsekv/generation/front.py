@@ -151,11 +151,11 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
     ``tokenizer=``) has no id outside the shared range ``[0, min(V_model, V_drafter))``."""
     if drafter is None:
         raise ValueError("kv_budget/draft_cache need assistant_model (the drafter; pass the model itself for int4)")
+    if drafter is model:  # self-speculation: whatever serves as the model serves as its drafter
+        return None
     if not isinstance(drafter, torch.nn.Module) or getattr(drafter, "config", None) is None:
         raise TypeError(f"assistant_model must be a causal LM (a transformers model sharing the verifier's "
                         f"vocabulary, or the model itself for int4), got {type(drafter).__name__}")
-    if drafter is model:
-        return None
     if drafter.device != model.device:
         raise ValueError(
             f"assistant_model is on {drafter.device} but the model is on {model.device}: move it with "
