@@ -99,9 +99,6 @@ def test_concurrent_calls_each_give_stock_greedy(fresh_engines):
 
 
 @pytest.mark.cuda
-@pytest.mark.xfail(reason="failed on an H100 on 2026-11-27: a CUDA-graph capture in one thread was invalidated by "
-                   "another thread's work ('operation failed due to a previous error during capture'); issue 53 open",
-                   strict=False)
 def test_concurrent_calls_each_give_stock_greedy_on_the_graph_path(fresh_engines, exact_cuda_float32):
     _stress("cuda", torch.float32)
 

@@ -81,7 +81,9 @@ from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import catch_up, catch_up_block, catch_up_lag, draft, draft_tree, drafter_cache, drafter_input
-from .graph_steps import CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, wait_for
+from .graph_steps import (
+    DEVICE_WIDE, CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, wait_for,
+)
 from .model_locks import exclusive
 from .retrieval import retrieve
 from .sampling import draw, penalized
@@ -541,7 +543,8 @@ class StaticEngine:
             except Exception as err:  # a forward torch.compile cannot take: capture the eager step
                 logger.warning_once(f"hf_sparsekv: compiling the static steps failed ({type(err).__name__}: {err}); "
                                     "capturing them uncompiled")
-                torch.cuda.synchronize()
+                with DEVICE_WIDE:
+                    torch.cuda.synchronize()
                 self.compiled = False
                 step.uncompile()
         try:
@@ -550,7 +553,8 @@ class StaticEngine:
             logger.warning_once(f"hf_sparsekv: CUDA-graph capture failed ({type(err).__name__}: {err}); "
                                 "running the static loop without graphs")
             self.use_graphs = False
-            torch.cuda.synchronize()
+            with DEVICE_WIDE:
+                torch.cuda.synchronize()
 
     # ---- prefill
     def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None) -> list[int]:

@@ -107,8 +107,17 @@ class CapturedStep:
         self.fn = self.eager_fn
 
     def capture(self, restore: tuple[torch.Tensor, ...] = (), warmup: int = 2) -> None:
-        with _collector_off():
-            self._capture(restore, warmup)
+        # Python's cycle collector must not run inside the capture: freeing an unreachable engine there destroys its
+        # CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real model sizes).
+        with DEVICE_WIDE:
+            gc.collect()
+            was_enabled = gc.isenabled()
+            gc.disable()
+            try:
+                self._capture(restore, warmup)
+            finally:
+                if was_enabled:
+                    gc.enable()
 
     def _capture(self, restore: tuple[torch.Tensor, ...], warmup: int) -> None:
         saved = [t.clone() for t in restore]
@@ -145,7 +154,8 @@ class CapturedStep:
     def release(self) -> None:
         """Destroy the captured graph now (not when the last reference goes); the step runs uncaptured after."""
         if self.graph is not None:
-            self.graph.reset()
+            with DEVICE_WIDE:
+                self.graph.reset()
             self.graph = None
 
     def __call__(self) -> None:
@@ -155,30 +165,10 @@ class CapturedStep:
             self.run()
 
 
-_captures = 0  # captures under way in the process (on any thread)
-_collector_was_enabled = False  # whether the first of them found Python's cycle collector on
-_captures_lock = threading.Lock()  # guards the two
-
-
-@contextlib.contextmanager
-def _collector_off():
-    """Python's cycle collector (one per process) off while any thread captures: freeing an unreachable engine inside
-    a capture destroys its CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real
-    model sizes). The first capture collects, then turns it off; the last one turns it back on if it was on."""
-    global _captures, _collector_was_enabled
-    with _captures_lock:
-        if _captures == 0:
-            gc.collect()
-            _collector_was_enabled = gc.isenabled()
-            gc.disable()
-        _captures += 1
-    try:
-        yield
-    finally:
-        with _captures_lock:
-            _captures -= 1
-            if _captures == 0 and _collector_was_enabled:
-                gc.enable()
+# One thread at a time captures a CUDA graph or does what would break another thread's capture: torch.cuda.graph's
+# entry synchronizes the device and frees cached memory, and destroying a graph frees its memory. Other work (steps,
+# replays, plain forwards) runs beside a capture: it is captured in thread_local mode.
+DEVICE_WIDE = threading.RLock()
 
 
 def wait_for(devices: list[int]) -> None:
