@@ -272,8 +272,8 @@ class PreallocatedCache(Cache):
         rows, slots = self.local("rows", layer.keys.device), self.local("slots", layer.keys.device)
         layer.keys[rows, :, slots] = key_states.transpose(1, 2)
         layer.values[rows, :, slots] = value_states.transpose(1, 2)
-        if self.companion is not None:  # a self-drafting step without drafts: the same keys/values there too (its
-            self.companion.write(self.companion.layers[layer.layer_idx], key_states, value_states)  # begin_step ran)
+        if self.companion is not None:  # a self-drafting step without drafts (its begin_step ran): the same there
+            self.companion.write(self.companion.layers[layer.layer_idx], key_states, value_states)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

@@ -56,7 +56,6 @@ class DraftController:
         self.hits = [0.0] * gamma
         self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth
         self.seconds = {} if seconds is None else seconds  # width (0: a plain step) -> moving-average round seconds
-        self.chosen: dict[int, int] = {}  # width -> rounds that ran it (for spec_stats)
         self.plain_run = 0  # plain rounds since the last drafting round
         self.explorations = 0
 
@@ -143,7 +142,6 @@ class DraftController:
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
         not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time."""
-        self.chosen[g] = self.chosen.get(g, 0) + rounds
         if g == 0:
             self.plain_run += rounds
         else:

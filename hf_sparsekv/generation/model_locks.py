@@ -42,21 +42,22 @@ def _in_order(models) -> list[nn.Module]:
 
 
 @contextlib.contextmanager
+def _held(models, mode: str):
+    """Hold the locks of ``models`` in ``mode`` (``"exclusive"`` or ``"shared"``) inside the block."""
+    with contextlib.ExitStack() as held:
+        for model in _in_order(models):
+            held.enter_context(getattr(lock_for(model), mode)())
+        yield
+
+
 def exclusive(*models):
     """Hold the locks of ``models`` exclusively inside the block."""
-    with contextlib.ExitStack() as held:
-        for model in _in_order(models):
-            held.enter_context(lock_for(model).exclusive())
-        yield
+    return _held(models, "exclusive")
 
 
-@contextlib.contextmanager
 def shared(*models):
     """Hold the locks of ``models`` shared inside the block."""
-    with contextlib.ExitStack() as held:
-        for model in _in_order(models):
-            held.enter_context(lock_for(model).shared())
-        yield
+    return _held(models, "shared")
 
 
 def holding(*names: str):

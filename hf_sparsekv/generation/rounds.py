@@ -231,9 +231,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     engine.run_step("ar_step")
                 if steps > 1:  # each row's tokens from its n before the steps on
                     at = torch.tensor([[len(t) + i for i in range(steps)] for t in tokens], device=device)
-                    new = engine.seq.gather(1, at).tolist()
-                    found = engine.report[:, -1].tolist()
-                    rounds = [(0, new[row], CHAIN) for row in range(rows)]
+                    new = torch.cat([engine.seq.gather(1, at), engine.report[:, -1:]], 1).tolist()  # one sync
+                    found = [r[-1] for r in new]
+                    rounds = [(0, new[row][:-1], CHAIN) for row in range(rows)]
                 else:
                     report = engine.report.tolist()  # the round's one sync
                     rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
