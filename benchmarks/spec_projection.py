@@ -239,8 +239,8 @@ def profile(args, models: dict, prompts, device) -> dict:
     engine_cls = static_engine.StaticEngine
     run_step = engine_cls.run_step
 
-    def stepped(self, name):  # each step (draft, verify, catch_up, ...) under its own name
-        return timed(f"engine step: {name}", run_step)(self, name)
+    def stepped(self, name, *args, **kwargs):  # each step (draft, verify, catch_up, ...) under its own name
+        return timed(f"engine step: {name}", run_step)(self, name, *args, **kwargs)
 
     patches = [(engine_cls, "prefill", timed("prefill (both models)", engine_cls.prefill)), (engine_cls, "run_step", stepped)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]

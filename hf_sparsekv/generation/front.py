@@ -19,7 +19,7 @@ from transformers.utils import logging
 from ..cache_keyword import output_field, pop_user_cache
 from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, place_rows, token_ids
-from .common import _strip_left_padding, _text_config
+from .common import _strip_left_padding, _text_config, _tp_size
 from .draft_modes import check_budget, check_prefix, draft_mode
 from .draft_tree import MAX_TREE_NODES
 from .draft_weights import check_choice, default_choice
@@ -464,7 +464,8 @@ def speculative_generate(
         if lookup:
             _retrieval_beside(mode)
     tree_size = _tree_size(draft_tree_size, mode, gamma)
-    adaptive = adaptive and mode in ADAPTIVE_MODES and tree_size is None and not retrieval
+    # (tensor parallelism: every rank must run the same steps, and each would choose from its own clock)
+    adaptive = adaptive and mode in ADAPTIVE_MODES and tree_size is None and not retrieval and _tp_size(model) == 1
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         check_batch(input_ids, attention_mask, config, streamer=streamer,
