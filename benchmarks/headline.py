@@ -14,9 +14,10 @@ short run from the same prompt, so the prefill cancels); tokens/s = 1 / seconds:
   ``graph-ar``. No end-to-end run of the current code was made at 64K, so the lines join 32K to 128K.
 
 Projections (dashed lines, hollow markers; not end-to-end runs): one draft-and-verify round makes τ tokens and takes
-γ·t_draft + t_verify, so tokens/s = τ / (γ·t_draft + t_verify), γ = 5, with the step costs (``seconds`` of captured
-steps, H100) from bench-scale's JSON and τ from the real Qwen2.5-Coder 1.5B + 0.5B pair on CPU float32 at its 8K
-prompts, pooled over both documents (Σ(new_tokens − 1) / Σ rounds of a method's cells; one τ basis for every mode):
+γ·t_draft + t_verify, so tokens/s = τ / (γ·t_draft + t_verify), γ = 5, with the step costs (``seconds`` of
+captured steps, H100) from bench-scale's JSON and τ from the real Qwen2.5-Coder 1.5B + 0.5B pair on CPU float32 at
+its 8K prompts, pooled over both documents (Σ(new_tokens − 1) / Σ rounds of a method's cells; one τ basis for every
+mode):
 
 * int4 self-speculation (no drafter), 32K-128K: steps ``int4-w4-draft`` and ``int4-verify`` of
   ``quant-8b-h100-2026-11-27b/scale-8b-b1.json`` (run b); τ ``int4`` of ``real-cpu-fp32/results.json`` (5.73);
@@ -25,17 +26,18 @@ prompts, pooled over both documents (Σ(new_tokens − 1) / Σ rounds of a metho
   ``tree-kernel-h100-2026-11-27/scale.json`` (3318d04); τ ``chunk-1024`` of
   ``real-chunk-selection-cpu/observe512/results-8k.json`` (3.00);
 * the same drafter growing a tree of 16, 16K: ``draft-chunk-1024-t16`` and ``verify-tree-16`` of the same two step
-  files; τ ``chunk-1024-t16`` of ``tree-grown-real-cpu-2026-11-27/results-8k-n16.json`` (4.20). No JSON of the current
-  code holds the 1B drafter's chunk step at another context, so these two are single points;
+  files; τ ``chunk-1024-t16`` of ``tree-grown-real-cpu-2026-11-27/results-8k-n16.json`` (4.20). No JSON of the
+  current code holds the 1B drafter's chunk step at another context, so these two are single points;
 * 1B drafter on sink + window 1024 and on a full cache, chain, 16K-128K (marked †): ``draft-window-1024`` /
   ``draft-full`` and ``verify-6`` of ``scale-h100-2026-11-26/steps.json`` (2026-11-26, commit 30c49ce, before the
   grouped GEMV, which took 7-11 % off the AR step); τ ``window4-1024`` of the observe512 file (2.86) and
   ``full`` of ``real-cpu-fp32/results.json`` (3.00).
 
 So the drafters' points use the 8K τ, where BENCHMARKS.md's window / full rows average 4K and 8K; divided by the
-captured AR step of the same step file, the int4 points give BENCHMARKS.md's projected speedups (1.44× at 32K). Our end-to-end AR is a few per cent slower than
-its captured step. Prompt lookup is not drawn: its τ is a property of the text (2.86-3.00 on the real pair's 4K
-prompts, 1.34-1.66 at 8K), not of the context.
+captured AR step of the same step file, the int4 points give BENCHMARKS.md's projected speedups (1.44× at 32K). Our
+end-to-end AR is a few per cent slower than its captured step, so a projection's ratio to that line is a few
+per cent above BENCHMARKS.md's. Prompt lookup is not drawn: its τ is a property of the text (2.86-3.00 on the
+real pair's 4K prompts, 1.34-1.66 at 8K), not of the context.
 
     python benchmarks/headline.py --out docs/headline.png           # make headline-plot
 """
