@@ -114,6 +114,11 @@ BUNDLED_DEFAULTS := --contexts 16384 --docs 1 --repeats 3 --new-tokens 256 --bud
 bench-bundled: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/bundled $(or $(ARGS),$(BUNDLED_DEFAULTS))
 
+# The headline plot (README): tokens/s against context at 8B shape, HF static AR, our graph AR and each speculative mode
+# (projections dashed), read from the committed JSON of benchmarks/results/; no GPU. ARGS adds options (--results).
+headline-plot: $(STAMP)
+	$(PY) benchmarks/headline.py --out docs/headline.png $(ARGS)
+
 # Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py --out runs/scale $(ARGS)

@@ -4,8 +4,8 @@ for stock generate().
     python examples/batch_generate.py --max-new-tokens 48
 
 Each row of the output is what the same call gives for that prompt alone (greedy: the verifier's greedy output),
-padded after it stops. The rows are decoded together on one engine (README, "Batches"); this prints each completion,
-whether it equals stock greedy generate() of that prompt, and the per-row acceptance.
+padded after it stops. The rows are decoded together on one engine (docs/options.md, "Batches"); this prints each
+completion, whether it equals stock greedy generate() of that prompt, and the per-row acceptance.
 """
 
 import argparse

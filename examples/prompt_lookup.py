@@ -1,5 +1,5 @@
-"""Stock's own prompt-lookup call, served by our engine after the import (README, "Prompt lookup gains by the import
-alone"), on the bundled verifier: no drafter, no argument of ours.
+"""Stock's own prompt-lookup call, served by our engine after the import (docs/options.md, "Prompt lookup gains by
+the import alone"), on the bundled verifier: no drafter, no argument of ours.
 
     python examples/prompt_lookup.py --max-new-tokens 48
 
