@@ -77,7 +77,8 @@ def generate_rows(
     A ``draft_cache`` instance is copied (empty) for each row."""
     # Debug level: every sampled int4 batch takes this path, so a warning would greet every such script run;
     # docs/options.md ("Batches") says what it costs.
-    logger.debug("hf_sparsekv: batch of %d decoded one row after another (docs/options.md, 'Batches')", input_ids.shape[0])
+    logger.debug("hf_sparsekv: batch of %d decoded one row after another (docs/options.md, 'Batches')",
+                 input_ids.shape[0])
     outputs = []
     for b in range(input_ids.shape[0]):
         mask = None if attention_mask is None else attention_mask[b : b + 1]

@@ -250,8 +250,8 @@ def _quant_part(
         ZOFF: tl.constexpr = 0.0
     dt = DOT_DTYPE
     # p·s·CF enters a float16 value dot scaled by PV = 2^8 (divided out at the end): unscaled, small value scales put
-    # it among float16's subnormals (INT8 relative error 2e-2 at a token value range of 0.015; benchmarks/results/HISTORY.md); the
-    # scaled operand overflows only past an INT4 value range of 15·65504/2^8 ≈ 3800 per token
+    # it among float16's subnormals (INT8 relative error 2e-2 at a token value range of 0.015;
+    # benchmarks/results/HISTORY.md); the scaled operand overflows only past an INT4 value range of 15·65504/2^8 ≈ 3800 per token
     if DOT_DTYPE == tl.float16:
         PV: tl.constexpr = 256.0
     else:

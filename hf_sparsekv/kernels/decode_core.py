@@ -87,7 +87,8 @@ LOG2E = 1.4426950408889634
 # 0.117 ms (.../asm/).
 # Default: the fastest of that sweep: the register path for one query row per KV head, tensor cores for more, both
 # with 64-token blocks, 2 warps and 3 pipeline stages. Fewer warps per program matter most: at 4 warps the kernel
-# needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu; benchmarks/results/HISTORY.md).
+# needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu;
+# benchmarks/results/HISTORY.md).
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
 # (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
