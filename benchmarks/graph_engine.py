@@ -5,7 +5,9 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   hf-eager-ar      verifier.generate(ids, do_sample=False)                         stock eager AR
   hf-static-ar     verifier.generate(ids, cache_implementation="static")           transformers' compiled static AR
   graph-ar         hf_sparsekv.graph_greedy_generate(verifier, ids)                our AR on the captured static engine
-  hf-assisted      verifier.generate(ids, assistant_model=drafter)                 stock assisted generation
+  hf-assisted      verifier.generate(ids, assistant_model=drafter), unregistered    stock assisted generation (eager)
+  assisted         the same call with the import: routed to our engine               (full drafter cache, controller's γ)
+  static-engine    verifier.generate(ids, static_engine=True)                      our AR through stock generate()
   chunk-B-gG       generate(..., kv_budget=B, num_assistant_tokens=G)              ours, graph path
   window-gG        generate(..., draft_cache="window", kv_budget=1024)             ours, graph path
   int4-self-gG     generate(..., assistant_model=verifier, draft_cache="int4")     ours, graph path (QuantSpec self-spec)
@@ -93,17 +95,25 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
         return lambda: (verifier.generate(ids, cache_implementation="static", **common), None)
     if name == "graph-ar":
         return lambda: (hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[]), None)
-    if name == "hf-assisted":
-        return lambda: (verifier.generate(ids, assistant_model=drafter, **common), None)
-    if name.startswith("hf-lookup-g"):
+    if name == "static-engine":
+        return lambda: (verifier.generate(ids, static_engine=True, **common), None)
+    if name == "assisted":
 
-        def stock_lookup():
+        def routed():
+            out = verifier.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **common)
+            return out.sequences, out.spec_stats
+        return routed
+    if name == "hf-assisted" or name.startswith("hf-lookup-g"):
+        call = (dict(assistant_model=drafter) if name == "hf-assisted"
+                else dict(prompt_lookup_num_tokens=int(name[len("hf-lookup-g"):])))
+
+        def stock():
             hf_sparsekv.unregister()
             try:
-                return verifier.generate(ids, prompt_lookup_num_tokens=int(name[len("hf-lookup-g"):]), **common), None
+                return verifier.generate(ids, **call, **common), None
             finally:
                 hf_sparsekv.register()
-        return stock_lookup
+        return stock
     if name.startswith("lookup-g"):
         g = name[len("lookup-g"):]
         length = dict(prompt_lookup_num_tokens=8) if g == "A" else dict(prompt_lookup_num_tokens=int(g),

@@ -7,7 +7,9 @@ arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.re
 from . import attention, static_attention
 from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
-from .generation import SpecStats, graph_greedy_generate, register, release_engines, speculative_generate, unregister
+from .generation import (
+    SpecStats, graph_greedy_generate, register, release_engines, set_routing, speculative_generate, unregister,
+)
 
 __version__ = "0.1.0"
 
@@ -25,6 +27,7 @@ __all__ = [
     "prompt_queries",
     "release_engines",
     "register",
+    "set_routing",
     "speculative_generate",
     "unregister",
     "__version__",

@@ -167,9 +167,11 @@ def test_what_prompt_lookup_refuses_or_leaves_to_stock():
     out = model.generate(ids, prompt_lookup_num_tokens=3, max_new_tokens=4, output_hidden_states=True,
                          return_dict_in_generate=True, do_sample=False)
     assert out.hidden_states is not None and static_engine.current_engine(model) is None
-    # stock's call with an assistant model stays stock's
+    # stock's call with an assistant model: routed to the engine, retrieval beside the drafter on a full cache
     model.generate(ids, prompt_lookup_num_tokens=3, assistant_model=drafter, max_new_tokens=4, do_sample=False)
-    assert static_engine.current_engine(model) is None
+    engine = static_engine.current_engine(model)
+    assert engine.spec.mode == "full" and engine.spec.retrieval == 2
+    static_engine.release_engines()
     # without the patch, stock's prompt lookup
     hf_sparsekv.unregister()
     try:

@@ -3,7 +3,7 @@
 from .front import SpeculativeGenerateOutput, speculative_generate
 from .engine import release_engines
 from .rounds import graph_greedy_generate
-from .registration import register, unregister
+from .registration import register, set_routing, unregister
 from .stats import SpecStats
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "graph_greedy_generate",
     "register",
     "release_engines",
+    "set_routing",
     "speculative_generate",
     "unregister",
 ]

@@ -400,13 +400,20 @@ def speculative_generate(
     draft_cache: str | Cache | None = None,
     draft_weights: str | None = None,
     draft_tree_size: int | None = None,
+    static_engine: bool = False,
+    stock_fallback: bool = False,
     **kwargs,
 ):
     """The speculative path of ``generate()``; same arguments, greedy or sampled (``do_sample``). A batch of more
     than one (left-padded) prompt is decoded by the engine with one row per prompt (sampled int4 self-speculation:
     row by row, :mod:`.batch_rows`); either way each row is what its prompt alone gives (sampled: drawn from the
     distribution its prompt alone has). The call holds the locks of ``model`` and ``assistant_model``
-    (:mod:`.model_locks`)."""
+    (:mod:`.model_locks`).
+
+    ``static_engine=True`` without ``assistant_model`` (and without prompt lookup): plain decoding on the engine, one
+    verifier step per token (captured on CUDA). ``stock_fallback``: the call is one of stock's own (assisted generation
+    or prompt lookup routed by the import, or ``static_engine``), so what the engine cannot serve raises
+    ``NotImplementedError`` and stock's path serves it (:mod:`.registration`)."""
     check_budget(kv_budget, draft_cache)
     kv_budget = None if kv_budget is None else int(kv_budget)  # a NumPy integer from a sweep, say
     for name, value in (
@@ -442,13 +449,20 @@ def speculative_generate(
                                   f"(or prompt lookup on the engine): {sorted(unused)}")
     lookup = config.prompt_lookup_num_tokens is not None
     alone = lookup and assistant_model is None and kv_budget is None and draft_cache is None  # stock's prompt lookup
+    plain = static_engine and assistant_model is None and not lookup  # plain decoding on the engine
+    if plain and (kv_budget is not None or draft_cache is not None or draft_tree_size is not None):
+        raise ValueError("kv_budget/draft_cache/draft_tree_size need assistant_model (static_engine=True alone is "
+                         "plain decoding)")
     if attention_mask is None:  # inferred from pad_token_id as stock infers it
-        attention_mask = infer_attention_mask(config, input_ids, NotImplementedError if alone else ValueError)
+        attention_mask = infer_attention_mask(config, input_ids,
+                                              NotImplementedError if alone or stock_fallback else ValueError)
 
     _refuse_config(config, kwargs, generation_config, model)
     gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs, bool(config.do_sample))
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
-    if alone:  # retrieval drafting without a drafter
+    if plain:  # one verifier step per token
+        gamma, adaptive, mode, budget, layout = 1, False, "ar", None, ()
+    elif alone:  # retrieval drafting without a drafter
         gamma, ngram = _lookup_settings(config, None)
         mode, budget, layout = "lookup", ngram, ()
     else:

@@ -2,22 +2,34 @@
 
 Why a patch: it is the only mechanism that makes the stock ``model.generate(...)`` of every causal LM (and
 ``pipeline("text-generation")``, which calls it) accept ``kv_budget``/``draft_cache`` after one import, without a
-wrapper class or a Hub ``custom_generate`` repository. Stock's own prompt lookup (``prompt_lookup_num_tokens``
-without ``assistant_model``) runs on our engine too (retrieval drafting), unless it asks for an option the engine
-does not serve, which stock's path then serves. Our arguments come as keywords or, in a call with
-``assistant_model``, as attributes of the passed or the model's ``generation_config``. The patch is narrow: a call
-without them goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which selects from the prompt's queries gets
-them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the call, and it holds the model's lock
-shared, :mod:`.model_locks`); it is guarded: installed only if ``generate`` still takes the arguments we forward,
-and :func:`unregister` puts the original back.
+wrapper class or a Hub ``custom_generate`` repository. Our arguments come as keywords or, in a call with
+``assistant_model``, as attributes of the passed or the model's ``generation_config``.
+
+Which calls reach the engine:
+
+- a call with an argument of ours (``kv_budget``, ``draft_cache``, ``draft_weights``, ``draft_tree_size``);
+- ``static_engine=True`` (keyword or generation-config attribute): plain decoding, greedy or sampled, on the engine;
+- stock's own speculative calls, by the import alone (:func:`set_routing` turns each off): assisted generation
+  (``assistant_model=drafter`` and no argument of ours: the drafter on a full cache, γ chosen by the controller) and
+  prompt lookup (``prompt_lookup_num_tokens``: retrieval drafting). What the engine does not serve in them
+  (universal assisted generation with two tokenizers, a drafter on another device or with another vocabulary, an
+  option the engine refuses with ``NotImplementedError``) goes to stock's own path, the reason logged at info level.
+
+Every other call goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which
+selects from the prompt's queries gets them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the
+call, and it holds the model's lock shared, :mod:`.model_locks`). A ``generate()`` nested in a call stock serves
+(stock assisted generation's inner drafter calls) is always stock's. The patch is guarded: installed only if
+``generate`` still takes the arguments we forward, and :func:`unregister` puts the original back.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import threading
 import warnings
 
+import torch
 from transformers.generation.utils import GenerationMixin
 from transformers.utils import logging
 
@@ -29,7 +41,20 @@ from .front import speculative_generate
 OUR_ARGUMENTS = ("kv_budget", "draft_cache", "draft_weights", "draft_tree_size")
 _EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "assistant_model", "streamer")
 _original = None
+_routing = {"assisted": True, "prompt_lookup": True}
+_in_stock = threading.local()  # .depth > 0: this thread runs a speculative call on stock's path
 logger = logging.get_logger(__name__)
+
+
+def set_routing(*, assisted: bool | None = None, prompt_lookup: bool | None = None) -> dict[str, bool]:
+    """Whether stock's own speculative calls run on the engine after the import: ``assisted``
+    (``generate(ids, assistant_model=drafter)`` with no argument of ours) and ``prompt_lookup``
+    (``generate(ids, prompt_lookup_num_tokens=N)``); both on by default. None keeps a setting. Returns the settings
+    now in force. Calls with an argument of ours, or ``static_engine=True``, are not affected."""
+    for name, value in (("assisted", assisted), ("prompt_lookup", prompt_lookup)):
+        if value is not None:
+            _routing[name] = bool(value)
+    return dict(_routing)
 
 
 def _keyword_renames(function) -> dict[str, tuple[str, bool, str]]:
@@ -66,8 +91,45 @@ def _prompt_lookup(model, config, kwargs: dict):
     """The call's ``prompt_lookup_num_tokens``: the keyword, else the passed generation config's, else the model's."""
     if "prompt_lookup_num_tokens" in kwargs:
         return kwargs["prompt_lookup_num_tokens"]
-    return next((c.prompt_lookup_num_tokens for c in (config, getattr(model, "generation_config", None))
-                 if getattr(c, "prompt_lookup_num_tokens", None) is not None), None)
+    return _configured(model, config, "prompt_lookup_num_tokens")
+
+
+def _configured(model, config, name: str):
+    """The generation option ``name`` from the passed ``generation_config``, else the model's (None if neither
+    sets it)."""
+    return next((getattr(c, name) for c in (config, getattr(model, "generation_config", None))
+                 if getattr(c, name, None) is not None), None)
+
+
+def _stock_reason(model, assistant, kwargs: dict) -> str | None:
+    """Why stock's assisted generation with ``assistant`` must stay on stock's path (None: the engine may serve it):
+    universal assisted generation, a drafter on another device or with another vocabulary size."""
+    if kwargs.get("assistant_tokenizer") is not None:
+        return "assistant_tokenizer= (universal assisted generation, two vocabularies) is served by stock only"
+    if assistant is model or not isinstance(assistant, torch.nn.Module) or getattr(assistant, "config", None) is None:
+        return None  # self-drafting on a full cache; a wrong type is refused, naming it
+    if getattr(assistant, "device", None) != getattr(model, "device", None):
+        return f"the assistant is on {assistant.device} and the model on {model.device}"
+    sizes = [m.get_output_embeddings().weight.shape[0] if m.get_output_embeddings() is not None else None
+             for m in (model, assistant)]
+    if sizes[0] != sizes[1]:
+        return f"the assistant's vocabulary ({sizes[1]}) differs from the model's ({sizes[0]})"
+    return None
+
+
+class _stock_scope:
+    """While stock serves a speculative call, a ``generate()`` it nests (its drafter's) is stock's as well."""
+
+    def __init__(self, active: bool):
+        self.active = active
+
+    def __enter__(self):
+        if self.active:
+            _in_stock.depth = getattr(_in_stock, "depth", 0) + 1
+
+    def __exit__(self, *exc):
+        if self.active:
+            _in_stock.depth -= 1
 
 
 def _plain(original, model, config, args: tuple, kwargs: dict):
@@ -109,26 +171,37 @@ def register() -> bool:
         named = dict(zip(positional, args))
         ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
         config = named.get("generation_config", kwargs.get("generation_config"))
-        drafting = named.get("assistant_model", kwargs.get("assistant_model")) is not None
+        assistant = named.get("assistant_model", kwargs.get("assistant_model"))
+        drafting = assistant is not None
+        nested = getattr(_in_stock, "depth", 0) > 0  # stock assisted generation's inner drafter call
         # Keyword (None: off) over the passed generation_config over the model's; configs count only in a call
         # with assistant_model, not in stock assisted generation's inner drafter call, which gets a config copy.
         for name in OUR_ARGUMENTS if drafting else ():
             if name not in ours:
-                ours[name] = next((getattr(c, name) for c in (config, getattr(self, "generation_config", None))
-                                   if getattr(c, name, None) is not None), None)
-        if all(value is None for value in ours.values()):
-            kwargs = _renamed(self, kwargs, renames)
-            if not drafting and _prompt_lookup(self, config, kwargs) is not None:
-                try:  # stock's own prompt lookup, on our engine (retrieval drafting)
-                    return speculative_generate(self, **named, **kwargs)
+                ours[name] = _configured(self, config, name)
+        engine = kwargs.pop("static_engine", None)
+        engine = bool(_configured(self, config, "static_engine") if engine is None else engine) and not nested
+        if any(value is not None for value in ours.values()):
+            overlap = set(named) & set(kwargs)
+            if overlap:
+                raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
+            return speculative_generate(self, **named, **kwargs, **ours)
+        kwargs = _renamed(self, kwargs, renames)
+        if not nested:
+            lookup = _prompt_lookup(self, config, kwargs) is not None
+            route = _routing["assisted"] if drafting else _routing["prompt_lookup"] if lookup else False
+            reason = _stock_reason(self, assistant, kwargs) if drafting else None
+            if (route or engine) and reason is None and (drafting or lookup or engine):
+                try:  # stock's own speculative calls (or plain decoding asked for) on our engine
+                    return speculative_generate(self, **named, **kwargs, draft_cache="full" if drafting else None,
+                                                static_engine=engine, stock_fallback=True)
                 except NotImplementedError as err:  # an option the engine does not serve: stock's own path
-                    logger.info("hf_sparsekv: prompt lookup runs on stock generate(): %s", err)
-            with shared(self, named.get("assistant_model", kwargs.get("assistant_model"))):
-                return _plain(original, self, config, args, kwargs)
-        overlap = set(named) & set(kwargs)
-        if overlap:
-            raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
-        return speculative_generate(self, **named, **kwargs, **ours)
+                    reason = str(err)
+            if reason is not None:
+                what = "assisted generation" if drafting else "prompt lookup" if lookup else "decoding"
+                logger.info("hf_sparsekv: %s runs on stock generate(): %s", what, reason)
+        with shared(self, assistant), _stock_scope(drafting):
+            return _plain(original, self, config, args, kwargs)
 
     _original = original
     GenerationMixin.generate = generate

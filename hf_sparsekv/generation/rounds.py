@@ -85,18 +85,19 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     tokens = [prompt[0].tolist() for prompt in prompts]
     stats = [SpecStats() for _ in range(rows)]
     done = [False] * rows
-    is_ar = engine.spec.mode == "ar"
+    host = engine.spec.host
+    is_ar = engine.spec.mode == "ar" and not host  # plain decoding, tokens chosen on the device: the short loop
     gamma = engine.spec.gamma
     quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
-    host = engine.spec.host
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
     always_tree = engine.grows_tree  # draft_tree_size: every round a tree (whose
     # draft step first feeds the drafter what it has not read: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
-    controller = DraftController(gamma, None if engine.spec.adaptive else gamma, engine.round_seconds)
+    fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
+    controller = DraftController(gamma, fixed, engine.round_seconds)
     lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:
@@ -150,7 +151,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
-    with torch.no_grad(), static_attention_for(engine.verifier, *([] if is_ar or engine.drafter is None else [engine.drafter])):
+    with torch.no_grad(), static_attention_for(engine.verifier, *([] if engine.drafter is None else [engine.drafter])):
         firsts = engine.prefill(prompts, host_first if host else None, prefixes)
         wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
