@@ -107,6 +107,14 @@ ADAPTIVE_DEFAULTS := --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-
 bench-adaptive: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive $(or $(ARGS),$(ADAPTIVE_DEFAULTS))
 
+# Stock's own calls after the import, bundled pair at 16K (issue 54; CUDA): stock assisted generation unregistered
+# (hf-assisted) and routed to the engine (assisted), plain decoding through static_engine=True, beside HF static AR
+# and our graph AR.
+ROUTED_DEFAULTS := --contexts 16384 --docs 2 --repeats 3 --new-tokens 128 \
+	--only hf-eager-ar,hf-static-ar,graph-ar,hf-assisted --extra static-engine,assisted,full-g5,full-gA-nocompile
+bench-routed: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --out runs/routed $(or $(ARGS),$(ROUTED_DEFAULTS))
+
 # The bundled pair at 16K, one held-out document: HF static AR, our graph AR, the chunk and window drafters, prompt
 # lookup and draft trees in one run (CUDA, ~5 minutes; other methods and γ through ARGS, graph_engine.py's names).
 BUNDLED_DEFAULTS := --contexts 16384 --docs 1 --repeats 3 --new-tokens 256 --budgets 256 --gammas 3,5 \

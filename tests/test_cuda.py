@@ -388,3 +388,24 @@ def test_compiled_bfloat16_steps_read_projections_through_the_grouped_kernel(mon
     engine = static_engine.current_engine(model)
     assert out.shape == (1, 58) and engine.compiled and engine.steps["ar_step"].graph is not None
     assert 3 in launches and 2 in launches  # the captured AR step (one row: every layer goes through the kernel)
+
+
+@pytest.mark.parametrize("do_sample", [False, True])
+def test_routed_assisted_generation_and_static_engine_on_the_captured_engine_float32(do_sample):
+    """Stock's ``generate(ids, assistant_model=drafter)`` (no argument of ours) and ``static_engine=True`` run on the
+    captured engine with greedy AR's tokens (sampled: with top_k=1), one prompt and a left-padded batch of two."""
+    verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
+    prompts = [prompt(30, 1).cuda(), prompt(140, 2).cuda()]
+    sampling = dict(do_sample=True, top_k=1) if do_sample else dict(do_sample=False)
+    for extra, mode in ((dict(assistant_model=drafter), "full"), (dict(static_engine=True), "ar")):
+        for p in prompts:
+            out = verifier.generate(p, max_new_tokens=40, **extra, **sampling)
+            engine = static_engine.current_engine(verifier)
+            assert engine.spec.mode == mode and engine.use_graphs
+            assert torch.equal(out, verifier.generate(p, max_new_tokens=40, do_sample=False))
+        ids, mask = left_padded(prompts)
+        out = verifier.generate(ids, attention_mask=mask, max_new_tokens=40, **extra, **sampling)
+        assert static_engine.current_engine(verifier).spec.batch == 2
+        for b, p in enumerate(prompts):
+            reference = verifier.generate(p, max_new_tokens=40, do_sample=False)[0, p.shape[1] :]
+            assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b

@@ -39,9 +39,10 @@ def _models(device: str, dtype: torch.dtype):
     return [m.to(device, dtype) for m in copies]
 
 
-def _calls(models, device: str) -> list[tuple]:
+def _calls(models, device: str, few: bool = False) -> list[tuple]:
     """``(name, model, ids, kwargs factory, reference)`` of every call: each verifier in every mode, the shared model
-    as a verifier too (prompt lookup, int4, plain), the references computed here, on one thread."""
+    as a verifier too (prompt lookup, int4, plain), the references computed here, on one thread. ``few``: the two
+    verifiers' plain, prompt-lookup, int4 and chunk calls only (every kind of engine, fewer captures)."""
     first, second, shared = models
     greedy = dict(max_new_tokens=NEW_TOKENS, do_sample=False)
     calls = []
@@ -56,24 +57,29 @@ def _calls(models, device: str) -> list[tuple]:
                                                             draft_cache=HierarchicalQuantCache(group_size=16)),
              int8_view),
         ]
-        if model is not shared:
+        if few and model is not shared:
+            calls.append((f"chunk-{i}", model, ids, lambda: dict(assistant_model=shared, kv_budget=16), reference))
+        elif model is not shared:
             calls += [
                 (f"chunk-{i}", model, ids, lambda: dict(assistant_model=shared, kv_budget=16), reference),
                 (f"window-{i}", model, ids, lambda: dict(assistant_model=shared, draft_cache="window", kv_budget=12),
                  reference),
                 (f"full-{i}", model, ids, lambda: dict(assistant_model=shared, draft_cache="full"), reference),
             ]
+    if few:
+        calls = [c for c in calls if c[1] is not shared]
     return [(name, model, ids, kwargs, ref, greedy) for name, model, ids, kwargs, ref in calls]
 
 
-def _stress(device: str, dtype: torch.dtype) -> None:
+def _stress(device: str, dtype: torch.dtype, few: bool = False) -> None:
     models = _models(device, dtype)
-    calls = _calls(models, device)
+    calls = _calls(models, device, few)
     barrier = threading.Barrier(THREADS, timeout=300)
     mismatches, errors = [], []
 
     def worker(t: int) -> None:
-        order = calls[t * 3 :] + calls[: t * 3]  # at every step the threads run different calls side by side
+        shift = t * len(calls) // THREADS  # at every step the threads run different calls side by side
+        order = calls[shift:] + calls[:shift]
         for name, model, ids, kwargs, reference, greedy in order:
             try:
                 barrier.wait()
@@ -100,6 +106,14 @@ def test_concurrent_calls_each_give_stock_greedy(fresh_engines):
 
 @pytest.mark.cuda
 def test_concurrent_calls_each_give_stock_greedy_on_the_graph_path(fresh_engines, exact_cuda_float32):
+    """Every kind of engine (prompt lookup, int4 on 4-bit weights, a shared chunk drafter) and stock's plain calls,
+    four threads on two verifiers: each capture's turn across threads (make test-cuda-slow: every mode)."""
+    _stress("cuda", torch.float32, few=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.slow
+def test_concurrent_calls_of_every_mode_each_give_stock_greedy_on_the_graph_path(fresh_engines, exact_cuda_float32):
     _stress("cuda", torch.float32)
 
 
