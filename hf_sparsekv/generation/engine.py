@@ -517,8 +517,8 @@ class StaticEngine:
         return new
 
     def capture_widths(self, widths: tuple[int, ...]) -> None:
-        """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the lag
-        catch-up) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
+        """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the
+        catch-ups) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
         past each row's sequence (restored or overwritten later)."""
         if not self.use_graphs:
             return
@@ -531,6 +531,8 @@ class StaticEngine:
                 self.run_step(name, width, run=False)
         if self.lagging:
             self.run_step("catch_up_lag", run=False)
+        if self.self_drafting:  # after a round that kept every draft: the token the drafter has not read (its warm-up
+            self.run_step("catch_up", run=False)  # writes the slot of n - 1, as every draft step's does)
 
     def _capture(self, step: CapturedStep) -> None:
         # what a step's warm-up changes and a later round reads before writing it again
