@@ -177,7 +177,8 @@ def test_graph_path_batch_rows_equal_each_prompt_alone(mode):
 
 # every mode at batch 2-5: test_graph_path_batch_rows_equal_each_prompt_alone
 @pytest.mark.parametrize("mode", [pytest.param("chunk", marks=pytest.mark.slow),
-                                  pytest.param("window", marks=pytest.mark.slow), "int4", "ar"])
+                                  pytest.param("window", marks=pytest.mark.slow), "int4",
+                                  pytest.param("ar", marks=pytest.mark.slow)])
 def test_graph_path_batch_of_64_rows(mode):
     """64 left-padded prompts of 1-400 tokens on the graph path (one engine of 64 rows; rows stop at EOS at
     different rounds; int4 with G = 32, so rows cross quantization points at their own rounds): each row is its
@@ -283,15 +284,14 @@ def test_prompt_lookup_on_the_captured_engine_float32(do_sample):
         assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
 
 
-# Each case below compiles its own steps (20-100 s a mode on the device's shared host): the default CUDA suite takes
-# the chunk drafter, make test-cuda-slow the window and full ones.
-TREE_MODES = ["chunk", pytest.param("window", marks=pytest.mark.slow), pytest.param("full", marks=pytest.mark.slow)]
+def _compiled_and_slow(mode: str):
+    return pytest.param(mode, marks=[pytest.mark.compiled, pytest.mark.slow], id=f"{mode}-compiled")
 
 
-@pytest.mark.compiled
-@pytest.mark.parametrize("mode", TREE_MODES)
+# The default CUDA suite captures the chunk drafter's steps uncompiled; make test-cuda-slow compiles every cache's.
+@pytest.mark.parametrize("mode", ["chunk"] + [_compiled_and_slow(m) for m in ("chunk", "window", "full")])
 def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
-    """Retrieval beside a drafter on the compiled, captured engine: tree rounds (the drafter's and the retrieved chain
+    """Retrieval beside a drafter on the captured engine (compiled in the slow cases): tree rounds (the drafter's and the retrieved chain
     in one verifier forward, the decode kernel's ancestor mask), chain rounds and the catch-up block (each its own
     captured step) give greedy AR's tokens; a left-padded batch too."""
     verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
@@ -310,10 +310,6 @@ def test_prompt_lookup_beside_a_drafter_on_the_captured_engine_float32(mode):
     out = verifier.generate(ids, attention_mask=mask, **spec, **kwargs)
     for b, p in enumerate(prompts):
         assert torch.equal(out[b, ids.shape[1] :], verifier.generate(p, **kwargs)[0, p.shape[1] :]), b
-
-
-def _compiled_and_slow(mode: str):
-    return pytest.param(mode, marks=[pytest.mark.compiled, pytest.mark.slow], id=f"{mode}-compiled")
 
 
 # The default CUDA suite captures the chunk drafter's tree steps uncompiled (seconds); make test-cuda-slow compiles
