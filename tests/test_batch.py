@@ -160,7 +160,6 @@ def test_a_draft_cache_instance_serves_every_row():
 
 @pytest.mark.parametrize("extra,error,match", [
     (dict(streamer="streamer"), ValueError, "streamer"),
-    (dict(max_time=5.0), NotImplementedError, "max_time"),
     (dict(output_logits=True, return_dict_in_generate=True), NotImplementedError, "output_logits"),
     (dict(past_key_values="prefix"), NotImplementedError, "prompt caching"),
     (dict(num_beams=2), NotImplementedError, "num_beams"),

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
     ("speculative_generate.py", "identical to greedy AR: True"),
     ("batch_generate.py", "equals greedy generate() of the prompt alone: True"),
     ("prompt_lookup.py", "identical to greedy generate(): True; identical to stock's prompt lookup: True"),
+    ("assisted_generation.py", "identical to greedy generate(): True; to stock's assisted generation: True"),
 ])
 def test_example_runs_on_the_bundled_pair(script, expect):
     pair = ["--pair"] if script == "speculative_generate.py" else []

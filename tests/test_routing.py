@@ -14,7 +14,7 @@ from transformers.cache_utils import Cache
 
 import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine
-from hf_sparsekv.generation import registration
+from hf_sparsekv.generation import front, registration
 
 from .conftest import ARCHS, OTHER_ARCHS, VOCAB, left_padded, prompt, tiny_model
 
@@ -245,3 +245,39 @@ def test_pipeline_and_text_streamer_on_the_routed_call_and_the_opt_in(capsys):
         streamed = model.generate(ids, max_new_tokens=8, do_sample=False, streamer=TextStreamer(tokenizer), **extra)
         printed = capsys.readouterr().out.split()
         assert printed == tokenizer.decode(streamed[0]).split()
+
+
+def test_num_return_sequences_with_sampling_expands_the_rows():
+    model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    prompts = [prompt(20, 1), prompt(26, 2)]
+    ids, mask = left_padded(prompts)
+    for extra in (dict(assistant_model=drafter), dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16)):
+        out = model.generate(ids, attention_mask=mask, do_sample=True, top_k=1, num_return_sequences=3,
+                             max_new_tokens=10, **extra)
+        assert out.shape[0] == 6 and static_engine.current_engine(model).spec.batch == 6
+        for b, p in enumerate(prompts):  # top_k=1: every copy is its prompt's greedy continuation
+            reference = _stock(model, p, max_new_tokens=10, do_sample=False)[0, p.shape[1] :]
+            for row in range(3 * b, 3 * b + 3):
+                assert torch.equal(out[row, ids.shape[1] :], reference), row
+    torch.manual_seed(0)
+    samples = model.generate(prompts[0], do_sample=True, num_return_sequences=8, max_new_tokens=6, static_engine=True)
+    assert len({tuple(r.tolist()) for r in samples}) > 1  # the copies draw their own tokens
+
+
+def test_max_time_in_a_batch_and_the_length_reminder(monkeypatch):
+    model, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    ids, mask = left_padded([prompt(20, 1), prompt(26, 2)])
+    greedy = _stock(model, ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    out = model.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=40,
+                         do_sample=False, max_time=0.0)
+    assert ids.shape[1] < out.shape[1] < greedy.shape[1]  # every row stopped at once, after its first tokens
+    assert torch.equal(out, greedy[:, : out.shape[1]])
+    with pytest.raises(NotImplementedError, match="max_time with batch size > 1"):  # rows one after another
+        model.generate(ids, attention_mask=mask, assistant_model=model, draft_cache="int4", do_sample=True,
+                       max_new_tokens=4, max_time=5.0)
+    reminders = []  # (warning_once: a message stock gave earlier in the process would not show again)
+    monkeypatch.setattr(front._criteria_logger, "warning_once", reminders.append)
+    model.generate(prompt(1020, 3), static_engine=True, max_new_tokens=3, do_sample=False)
+    assert reminders == []
+    model.generate(prompt(1030, 3), static_engine=True, max_new_tokens=3, do_sample=False)
+    assert len(reminders) == 1 and "exceeded the model's predefined maximum length (1024)" in reminders[0]

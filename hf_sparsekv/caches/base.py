@@ -41,7 +41,10 @@ class CompressedLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         if key_states.shape[0] != 1:
             raise NotImplementedError(
-                f"{type(self).__name__} supports batch size 1 only, got key_states with batch size {key_states.shape[0]}"
+                f"{type(self).__name__} supports batch size 1 only, got key_states with batch size "
+                f"{key_states.shape[0]}: "
+                "as a drop-in cache it holds one sequence; pass one prompt per call, or decode the batch with "
+                "generate(ids, attention_mask=mask, assistant_model=..., draft_cache=...) (rows together)"
             )
         self.dtype, self.device = key_states.dtype, key_states.device
         self.is_initialized = True

@@ -45,7 +45,8 @@ def pad_value(config) -> int | None:
 
 def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, config, *, streamer, prefix_cache,
                 max_time) -> None:
-    """Refuse what the row-by-row batch cannot honour, before any row runs."""
+    """Refuse what a batch cannot honour, before any row runs (``max_time``: given only where the rows run one after
+    another, so that one clock cannot stop them all)."""
     if streamer is not None:
         raise ValueError("streamer supports batch size 1 only (as in stock generate()), got a batch of "
                          f"{input_ids.shape[0]}")
@@ -55,7 +56,8 @@ def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, co
             "each row of a batch runs on caches of its own; omit it"
         )
     if max_time is not None:
-        raise NotImplementedError("max_time with batch size > 1 is not supported with kv_budget/draft_cache")
+        raise NotImplementedError("max_time with batch size > 1 is not supported with sampled int4 self-speculation "
+                                  "(its rows run one after another)")
     if config.output_scores or config.output_logits:
         raise NotImplementedError(
             "output_scores/output_logits with batch size > 1 are not supported with kv_budget/draft_cache"

@@ -61,6 +61,21 @@ class SpeculativeGenerateOutput(GenerateDecoderOnlyOutput):
 
 logger = logging.get_logger(__name__)
 _stock_logger = logging.get_logger("transformers.generation.utils")  # stock's warnings come from stock's logger
+_criteria_logger = logging.get_logger("transformers.generation.stopping_criteria")
+
+
+def _length_reminder(model, config, output):
+    """Stock's one-time reminder (its ``MaxLengthCriteria``'s) when a sequence grew past the model's
+    ``max_position_embeddings`` before reaching ``max_length``; returns ``output``."""
+    bound = getattr(model.config, "max_position_embeddings", None)
+    width = (output if isinstance(output, torch.Tensor) else output.sequences).shape[1]
+    if bound is not None and min(width, config.max_length - 1) > bound:
+        _criteria_logger.warning_once(
+            "This is a friendly reminder - the current text generation call has exceeded the model's predefined "
+            f"maximum length ({bound}). Depending on the model, you may observe exceptions, performance "
+            "degradation, or nothing at all."
+        )
+    return output
 
 
 def infer_attention_mask(config, input_ids: torch.Tensor, refusal: type[Exception] = ValueError) -> torch.Tensor | None:
@@ -327,8 +342,8 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
         )
     if (config.num_beams or 1) > 1:
         raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
-    if (config.num_return_sequences or 1) > 1:
-        raise NotImplementedError("num_return_sequences > 1 is not supported with kv_budget/draft_cache")
+    if (config.num_return_sequences or 1) > 1 and not config.do_sample:
+        raise NotImplementedError("num_return_sequences > 1 needs do_sample=True (greedy rows would be identical)")
     for name, is_active in _UNSUPPORTED_OPTIONS.items():
         value = getattr(config, name, None)
         if is_active(value):
@@ -458,6 +473,12 @@ def speculative_generate(
                                               NotImplementedError if alone or stock_fallback else ValueError)
 
     _refuse_config(config, kwargs, generation_config, model)
+    copies = config.num_return_sequences or 1
+    if copies > 1:  # sampling: each prompt's row repeated, as stock expands them (each row its own draws)
+        input_ids = input_ids.repeat_interleave(copies, 0)
+        attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(copies, 0)
+        batch = input_ids.shape[0]
+        row_kwargs["num_return_sequences"] = 1
     gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs, bool(config.do_sample))
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
     if plain:  # one verifier step per token
@@ -482,9 +503,10 @@ def speculative_generate(
     adaptive = adaptive and mode in ADAPTIVE_MODES and tree_size is None and not retrieval and _tp_size(model) == 1
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
+        one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
         check_batch(input_ids, attention_mask, config, streamer=streamer,
-                    prefix_cache=past_key_values is not None, max_time=config.max_time)
-        if config.do_sample and mode == "int4":  # a row's quantization cap would cut a sampled block: row by row
+                    prefix_cache=past_key_values is not None, max_time=config.max_time if one_by_one else None)
+        if one_by_one:
 
             def one_row(ids, mask, cache):
                 return speculative_generate(
@@ -497,9 +519,10 @@ def speculative_generate(
 
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
                                  _stock_cache(model) if config.return_dict_in_generate else None)
-        return _decode_rows_together(model, assistant_model, config, input_ids, attention_mask,
-                                     (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive), logits_processor,
-                                     stopping_criteria, tokenizer)
+        plan = (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive)
+        return _length_reminder(model, config, _decode_rows_together(
+            model, assistant_model, config, input_ids, attention_mask, plan, logits_processor, stopping_criteria,
+            tokenizer))
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
@@ -524,6 +547,7 @@ def speculative_generate(
         _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
+    _length_reminder(model, config, sequences)
     if not config.return_dict_in_generate:
         return sequences
     return SpeculativeGenerateOutput(
