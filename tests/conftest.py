@@ -61,6 +61,15 @@ def tiny_model(arch: str, role: str = "verifier", seed: int = 0, layers: int | N
     return model
 
 
+def stock_generate(model, ids: torch.Tensor, **kwargs):
+    """``model.generate(ids, **kwargs)`` with the plugin unregistered: stock transformers' own output."""
+    hf_sparsekv.unregister()
+    try:
+        return model.generate(ids, **kwargs)
+    finally:
+        hf_sparsekv.register()
+
+
 def prompt(length: int, seed: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(3, VOCAB, (1, length), generator=g)

@@ -15,7 +15,7 @@ import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.retrieval import retrieval_drafts
 
-from .conftest import ARCHS, left_padded, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, stock_generate, tiny_model
 
 
 def _reference_drafts(tokens: list[int], gamma: int, max_ngram: int) -> tuple[list[int], bool]:
@@ -61,14 +61,6 @@ def _repetitive_prompt(seed: int) -> torch.Tensor:
     return torch.cat([base, base[:, 3:], base[:, :6]], 1)
 
 
-def _stock(model, ids, **kwargs):
-    hf_sparsekv.unregister()
-    try:
-        return model.generate(ids, **kwargs)
-    finally:
-        hf_sparsekv.register()
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("tokens,ngram", [(1, 1), (3, 2), (10, 3)])
 def test_stock_prompt_lookup_runs_on_the_engine_with_stocks_tokens(arch, tokens, ngram):
@@ -79,7 +71,7 @@ def test_stock_prompt_lookup_runs_on_the_engine_with_stocks_tokens(arch, tokens,
     out = model.generate(ids, return_dict_in_generate=True, **settings)
     engine = static_engine.current_engine(model)
     assert engine.spec.mode == "lookup" and engine.spec.gamma == tokens and engine.spec.budget == ngram
-    assert torch.equal(out.sequences, _stock(model, ids, **settings))
+    assert torch.equal(out.sequences, stock_generate(model, ids, **settings))
     assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=30, do_sample=False))
     stats = out.spec_stats
     assert 0 < stats.drafted <= tokens * stats.rounds  # the controller drafts up to `tokens` a round
@@ -152,7 +144,7 @@ def test_sampled_prompt_lookup_matches_the_exact_joint_distribution():
     assert float(0.5 * (counts - joint).abs().sum()) < 0.08
 
 
-def test_what_prompt_lookup_refuses_or_leaves_to_stock():
+def test_what_prompt_lookup_refuses_or_leaves_tostock_generate():
     model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = _repetitive_prompt(5)
     with pytest.raises(NotImplementedError, match="retrieval beside a drafter runs with draft_cache"):
@@ -329,7 +321,7 @@ def test_tree_rounds_under_host_side_rules(arch):
                              do_sample=False, **kwargs)
     engine = static_engine.current_engine(verifier)
     assert engine.spec.host and engine.spec.retrieval == 2
-    stock = _stock(verifier, ids, do_sample=False, **kwargs)
+    stock = stock_generate(verifier, ids, do_sample=False, **kwargs)
     assert torch.equal(ours.sequences, stock.sequences)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours.scores, stock.scores))
     assert ours.spec_stats.retrieved_rounds > 0
@@ -388,7 +380,7 @@ def returned_cache(out):
     return getattr(out, output_field(type(out)))
 
 
-def test_prompt_lookup_returns_and_extends_a_cache_as_stock():
+def test_prompt_lookup_returns_and_extends_a_cache_asstock_generate():
     """Stock's prompt lookup on the engine returns the cache of the whole sequence but its last token (a new one, or
     the caller's empty ``DynamicCache(config=...)`` extended in place), holding what stock greedy's does."""
     from transformers import DynamicCache
@@ -422,7 +414,7 @@ def test_prompt_lookup_the_engine_cannot_serve_is_stocks():
     ids[0, 6] = model.config.pad_token_id
     settings = dict(prompt_lookup_num_tokens=3, max_new_tokens=10, do_sample=False)
     static_engine.release_engines()
-    assert torch.equal(model.generate(ids, **settings), _stock(model, ids, **settings))
+    assert torch.equal(model.generate(ids, **settings), stock_generate(model, ids, **settings))
     assert static_engine.current_engine(model) is None
     with pytest.raises(RuntimeError, match="Assisted decoding requires a cache"):
         model.generate(_repetitive_prompt(8), use_cache=False, **settings)

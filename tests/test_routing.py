@@ -16,15 +16,7 @@ import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation import front, registration
 
-from .conftest import ARCHS, OTHER_ARCHS, VOCAB, left_padded, prompt, tiny_model
-
-
-def _stock(model, ids, **kwargs):
-    hf_sparsekv.unregister()
-    try:
-        return model.generate(ids, **kwargs)
-    finally:
-        hf_sparsekv.register()
+from .conftest import ARCHS, OTHER_ARCHS, VOCAB, left_padded, prompt, stock_generate, tiny_model
 
 
 def _sliding_pair():
@@ -48,7 +40,7 @@ _PAIRS = {arch: (lambda a=arch: (tiny_model(a), tiny_model(a, role="drafter"))) 
 _PAIRS["sliding"] = _sliding_pair
 
 
-def assert_like_stock(ours, stock) -> None:
+def assert_likestock_generate(ours, stock) -> None:
     """``ours`` (a call we served) is shaped as ``stock`` (stock's output of the same call): a subclass of its class,
     the same fields set, the same sequences, scores and logits of the same count and shape (and values: greedy on
     float64 models), and a stock-compatible cache holding the same keys and values."""
@@ -83,7 +75,7 @@ def test_stock_assisted_generation_runs_on_the_engine_with_greedy_tokens(pair):
     for length, seed in ((30, 1), (45, 2)):
         ids = prompt(length, seed)
         settings = dict(max_new_tokens=24, do_sample=False)
-        greedy = _stock(model, ids, **settings)
+        greedy = stock_generate(model, ids, **settings)
         out = model.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **settings)
         engine = static_engine.current_engine(model)
         assert engine.spec.mode == "full" and engine.spec.adaptive and engine.drafter is drafter
@@ -92,7 +84,7 @@ def test_stock_assisted_generation_runs_on_the_engine_with_greedy_tokens(pair):
     ids, mask = left_padded([prompt(20, 3), prompt(33, 4), prompt(27, 5)])
     batch = model.generate(ids, attention_mask=mask, assistant_model=drafter, max_new_tokens=12, do_sample=False)
     assert static_engine.current_engine(model).spec.batch == 3  # (stock's assisted generation takes one row)
-    assert torch.equal(batch, _stock(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert torch.equal(batch, stock_generate(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -104,9 +96,9 @@ def test_routed_outputs_are_shaped_as_stock_assisted_generations(arch, extra):
     model, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     ids = prompt(28, 7)
     settings = dict(max_new_tokens=16, do_sample=False, return_dict_in_generate=True, **extra)
-    stock = _stock(model, ids, assistant_model=drafter, **settings)
+    stock = stock_generate(model, ids, assistant_model=drafter, **settings)
     ours = model.generate(ids, assistant_model=drafter, **settings)
-    assert_like_stock(ours, stock)
+    assert_likestock_generate(ours, stock)
     engine = static_engine.current_engine(model)
     if "num_assistant_tokens" in extra:  # stock's constant schedule: a constant γ
         assert engine.spec.gamma == 3 and not engine.spec.adaptive
@@ -116,7 +108,7 @@ def test_routed_outputs_are_shaped_as_stock_assisted_generations(arch, extra):
 def test_routed_sampling_with_top_k_one_is_greedy_and_seeded_runs_repeat():
     model, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     ids = prompt(30, 8)
-    greedy = _stock(model, ids, max_new_tokens=20, do_sample=False)
+    greedy = stock_generate(model, ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(ids, assistant_model=drafter, max_new_tokens=20, do_sample=True, top_k=1), greedy)
     runs = []
     for seed in (3, 3):
@@ -154,7 +146,7 @@ def test_what_the_engine_does_not_serve_goes_to_stocks_assisted_generation(case,
                 call(model, ids, assistant_model=drafter, **settings)
         assert served == []
         return
-    stock = _stock(model, ids, assistant_model=drafter, **settings)
+    stock = stock_generate(model, ids, assistant_model=drafter, **settings)
     with caplog.at_level(logging.INFO, logger="hf_sparsekv.generation.registration"):
         out = model.generate(ids, assistant_model=drafter, **settings)
     sequences = out if isinstance(out, torch.Tensor) else out.sequences
@@ -165,7 +157,7 @@ def test_what_the_engine_does_not_serve_goes_to_stocks_assisted_generation(case,
         assert len(served) <= 1 and "runs on stock generate()" in caplog.text
 
 
-def test_set_routing_and_unregister_restore_stock():
+def test_set_routing_and_unregister_restorestock_generate():
     assert hf_sparsekv.set_routing() == {"assisted": True, "prompt_lookup": True}
     try:
         assert hf_sparsekv.set_routing(assisted=False) == {"assisted": False, "prompt_lookup": True}
@@ -185,13 +177,13 @@ def test_set_routing_and_unregister_restore_stock():
 def test_static_engine_opt_in_is_stock_greedy_and_sampling(pair):
     model, _ = _PAIRS[pair]()
     ids = prompt(40, 4)
-    greedy = _stock(model, ids, max_new_tokens=20, do_sample=False)
+    greedy = stock_generate(model, ids, max_new_tokens=20, do_sample=False)
     assert torch.equal(model.generate(ids, static_engine=True, max_new_tokens=20, do_sample=False), greedy)
     assert static_engine.current_engine(model).spec.mode == "ar"
     assert torch.equal(model.generate(ids, static_engine=True, max_new_tokens=20, do_sample=True, top_k=1), greedy)
     ids, mask = left_padded([prompt(20, 3), prompt(33, 4)])
     batch = model.generate(ids, attention_mask=mask, static_engine=True, max_new_tokens=12, do_sample=False)
-    assert torch.equal(batch, _stock(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
+    assert torch.equal(batch, stock_generate(model, ids, attention_mask=mask, max_new_tokens=12, do_sample=False))
 
 
 @pytest.mark.parametrize("extra", [
@@ -202,13 +194,13 @@ def test_static_engine_outputs_are_shaped_as_stock_decoding(extra):
     model = tiny_model("llama")
     ids = prompt(30, 6)
     settings = dict(max_new_tokens=14, do_sample=False, return_dict_in_generate=True, **extra)
-    assert_like_stock(model.generate(ids, static_engine=True, **settings), _stock(model, ids, **settings))
+    assert_likestock_generate(model.generate(ids, static_engine=True, **settings), stock_generate(model, ids, **settings))
 
 
 def test_static_engine_from_the_generation_config_and_refusals():
     model = tiny_model("qwen2")
     ids = prompt(25, 2)
-    greedy = _stock(model, ids, max_new_tokens=10, do_sample=False)
+    greedy = stock_generate(model, ids, max_new_tokens=10, do_sample=False)
     model.generation_config.static_engine = True
     try:
         assert torch.equal(model.generate(ids, max_new_tokens=10, do_sample=False), greedy)
@@ -256,7 +248,7 @@ def test_num_return_sequences_with_sampling_expands_the_rows():
                              max_new_tokens=10, **extra)
         assert out.shape[0] == 6 and static_engine.current_engine(model).spec.batch == 6
         for b, p in enumerate(prompts):  # top_k=1: every copy is its prompt's greedy continuation
-            reference = _stock(model, p, max_new_tokens=10, do_sample=False)[0, p.shape[1] :]
+            reference = stock_generate(model, p, max_new_tokens=10, do_sample=False)[0, p.shape[1] :]
             for row in range(3 * b, 3 * b + 3):
                 assert torch.equal(out[row, ids.shape[1] :], reference), row
     torch.manual_seed(0)
@@ -267,7 +259,7 @@ def test_num_return_sequences_with_sampling_expands_the_rows():
 def test_max_time_in_a_batch_and_the_length_reminder(monkeypatch):
     model, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
     ids, mask = left_padded([prompt(20, 1), prompt(26, 2)])
-    greedy = _stock(model, ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
+    greedy = stock_generate(model, ids, attention_mask=mask, max_new_tokens=40, do_sample=False)
     out = model.generate(ids, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=40,
                          do_sample=False, max_time=0.0)
     assert ids.shape[1] < out.shape[1] < greedy.shape[1]  # every row stopped at once, after its first tokens
