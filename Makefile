@@ -107,6 +107,11 @@ ADAPTIVE_DEFAULTS := --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-
 bench-adaptive: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive $(or $(ARGS),$(ADAPTIVE_DEFAULTS))
 
+# The controller's choice at Llama-3.1-8B shape per context and mode, against the best constant γ: a projection from
+# stored step costs (benchmarks/results/) and the real pair's τ; CPU, seconds (issue 52).
+bench-controller-projection: $(STAMP)
+	$(PY) benchmarks/controller_projection.py --out runs/controller-projection $(ARGS)
+
 # Stock's own calls after the import, bundled pair at 16K (issue 54; CUDA): stock assisted generation unregistered
 # (hf-assisted) and routed to the engine (assisted), plain decoding through static_engine=True, beside HF static AR
 # and our graph AR.

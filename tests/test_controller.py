@@ -274,3 +274,24 @@ def test_compiled_steps_of_every_width_are_lossless_float32(scripted, exact_cuda
     assert torch.equal(out, greedy)
     engine = static_engine.current_engine(verifier)
     assert engine.compiled and ("draft", 2) in engine.steps and "catch_up_lag" in engine.steps
+
+
+def test_the_8b_projection_of_the_controllers_choice(tmp_path):
+    """benchmarks/controller_projection.py on the stored 8B-shape step costs: the geometric fit returns τ, the
+    controller's ladder choice is the best of its ladder by the projected speed, within 1 % of the best constant γ in
+    1..8, and never below the published γ = 5."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "controller_projection.py"
+    spec = importlib.util.spec_from_file_location("controller_projection", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    for tau in (1.0, 2.86, 5.73):
+        assert abs(module.expected_tokens(module.fitted_acceptance(tau), 5) - tau) < 1e-6
+    assert module.main(["--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert {r["mode"] for r in rows} == {"chunk-1024", "window-1024", "full", "int4"} and len(rows) >= 12
+    for r in rows:
+        assert r["chosen_speed"] >= r["gamma5_speed"] - 1e-12 and 0.99 <= r["vs_best"] <= 1.0 + 1e-12
