@@ -141,7 +141,7 @@ def test_what_the_engine_does_not_serve_goes_to_stocks_assisted_generation(case,
         settings.update(output_hidden_states=True, return_dict_in_generate=True)
         monkeypatch.setattr(model.generation_config, "static_engine", True, raising=False)
     if case == "other_vocabulary":  # stock's own answer: universal assisted generation needs both tokenizers
-        for call in (_stock, type(model).generate):
+        for call in (stock_generate, type(model).generate):
             with pytest.raises(ValueError, match="different tokenizers"):
                 call(model, ids, assistant_model=drafter, **settings)
         assert served == []
