@@ -539,6 +539,10 @@ class StaticEngine:
         restore = tuple(getattr(self, name) for name in ("n", "seq", "seen", "held", "cap")
                         if getattr(self, name, None) is not None)
         if self.compiled:
+            logger.warning_once(
+                "hf_sparsekv: compiling the engine's steps (torch.compile) and capturing them as CUDA graphs: the "
+                "first call of a model, mode and shape takes seconds to minutes, later ones nothing; "
+                "HF_SPARSEKV_COMPILE=0 captures them uncompiled (a faster start, slower steps)")
             try:
                 step.capture(restore)
                 return
