@@ -14,8 +14,8 @@ import torch
 from hf_sparsekv.generation import drafting, engine as static_engine
 from hf_sparsekv.generation.draft_tree import SIBLING
 
-from .conftest import ARCHS, left_padded, prompt, tiny_model
-from .test_retrieval import _cache_check, _recording_steps, _repetitive_prompt, _stock
+from .conftest import ARCHS, left_padded, prompt, stock_generate, tiny_model
+from .test_retrieval import _cache_check, _recording_steps, _repetitive_prompt
 
 GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
 
@@ -134,7 +134,7 @@ def test_trees_with_a_repetition_penalty_and_sampled_with_top_k_one():
     ours = verifier.generate(ids, assistant_model=drafter, kv_budget=24, draft_tree_size=9, num_assistant_tokens=3,
                              **kwargs)
     assert not static_engine.current_engine(verifier).spec.host
-    assert torch.equal(ours, _stock(verifier, ids, **kwargs))
+    assert torch.equal(ours, stock_generate(verifier, ids, **kwargs))
     sampled = verifier.generate(ids, assistant_model=drafter, kv_budget=24, draft_tree_size=9, num_assistant_tokens=3,
                                 max_new_tokens=30, do_sample=True, top_k=1, eos_token_id=None, pad_token_id=0)
     assert torch.equal(sampled, verifier.generate(ids, max_new_tokens=30, **GREEDY))
@@ -150,7 +150,7 @@ def test_tree_rounds_under_host_side_rules():
     ours = verifier.generate(ids, assistant_model=drafter, kv_budget=24, draft_tree_size=12, num_assistant_tokens=3,
                              prompt_lookup_num_tokens=3, **kwargs)
     assert static_engine.current_engine(verifier).spec.host
-    stock = _stock(verifier, ids, **kwargs)
+    stock = stock_generate(verifier, ids, **kwargs)
     assert torch.equal(ours.sequences, stock.sequences)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(ours.scores, stock.scores))
     assert ours.spec_stats.sibling_rounds > 0
