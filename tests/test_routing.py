@@ -273,3 +273,50 @@ def test_max_time_in_a_batch_and_the_length_reminder(monkeypatch):
     assert reminders == []
     model.generate(prompt(1030, 3), static_engine=True, max_new_tokens=3, do_sample=False)
     assert len(reminders) == 1 and "exceeded the model's predefined maximum length (1024)" in reminders[0]
+
+
+def test_an_encoder_decoder_model_keeps_stocks_calls():
+    from transformers import BartConfig, BartForConditionalGeneration
+
+    def bart(layers):
+        torch.manual_seed(layers)
+        config = BartConfig(vocab_size=VOCAB, d_model=32, encoder_layers=layers, decoder_layers=layers,
+                            encoder_attention_heads=2, decoder_attention_heads=2, encoder_ffn_dim=64,
+                            decoder_ffn_dim=64, max_position_embeddings=128)
+        return BartForConditionalGeneration(config).eval()
+
+    model, drafter = bart(2), bart(1)
+    ids = prompt(20, 5)
+    for extra in (dict(assistant_model=drafter), dict(prompt_lookup_num_tokens=3), dict(static_engine=True)):
+        settings = dict(max_new_tokens=8, do_sample=False, **extra)
+        stock = stock_generate(model, ids, **{k: v for k, v in settings.items() if k != "static_engine"})
+        assert torch.equal(model.generate(ids, **settings), stock)
+
+
+def test_a_call_refused_at_the_prefill_streams_once_on_stocks_path(monkeypatch):
+    """A NotImplementedError from the engine's prefill (an attention option the static path lacks, say) hands the
+    call to stock before anything was streamed: the streamer sees stock's stream once."""
+    from transformers.generation.streamers import BaseStreamer
+
+    class Recorder(BaseStreamer):
+        def __init__(self):
+            self.puts = []
+
+        def put(self, value):
+            self.puts.append(value.tolist())
+
+        def end(self):
+            self.puts.append("end")
+
+    model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(25, 4)
+    stock = Recorder()
+    stock_generate(model, ids, assistant_model=drafter, max_new_tokens=6, do_sample=False, streamer=stock)
+
+    def refuse(*args, **kwargs):
+        raise NotImplementedError("an attention option the static path lacks")
+
+    monkeypatch.setattr(static_engine.StaticEngine, "prefill", refuse)
+    ours = Recorder()
+    model.generate(ids, assistant_model=drafter, max_new_tokens=6, do_sample=False, streamer=ours)
+    assert ours.puts == stock.puts

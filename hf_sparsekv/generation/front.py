@@ -529,8 +529,6 @@ def speculative_generate(
     if past_key_values is not None:
         check_prefix(past_key_values, mode, assistant_model is model, prompt.shape[1],
                      prompt.shape[1] != input_ids.shape[1])
-    if streamer is not None:
-        streamer.put(input_ids.cpu())
     warpers, host, penalty = _engine_rules(rules, logits_processor, sampling=config.do_sample,
                                            wants_outputs=bool(config.output_scores or config.output_logits))
     engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
@@ -542,7 +540,8 @@ def speculative_generate(
     # output; a row's left padding first (zero columns: a prefix is refused with padding)
     cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
     pad = input_ids.shape[1] - prompt.shape[1]
-    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache)
+    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache,
+                                       streamed_prompt=input_ids.cpu())
     if cache is not None and pad:
         _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 

@@ -102,8 +102,13 @@ def _configured(model, config, name: str):
 
 
 def _stock_reason(model, assistant, kwargs: dict) -> str | None:
-    """Why stock's assisted generation with ``assistant`` must stay on stock's path (None: the engine may serve it):
+    """Why a call routed by the import (stock's assisted generation with ``assistant``, prompt lookup without one,
+    or ``static_engine``) must stay on stock's path (None: the engine may serve it): an encoder-decoder model,
     universal assisted generation, a drafter on another device or with another vocabulary size."""
+    if getattr(model.config, "is_encoder_decoder", False):
+        return f"{type(model).__name__} is an encoder-decoder model; the engine serves decoder-only causal LMs"
+    if assistant is None:
+        return None
     if kwargs.get("assistant_tokenizer") is not None:
         return "assistant_tokenizer= (universal assisted generation, two vocabularies) is served by stock only"
     if assistant is model or not isinstance(assistant, torch.nn.Module) or getattr(assistant, "config", None) is None:
@@ -190,7 +195,7 @@ def register() -> bool:
         if not nested:
             lookup = _prompt_lookup(self, config, kwargs) is not None
             route = _routing["assisted"] if drafting else _routing["prompt_lookup"] if lookup else False
-            reason = _stock_reason(self, assistant, kwargs) if drafting else None
+            reason = _stock_reason(self, assistant, kwargs) if drafting or lookup or engine else None
             if (route or engine) and reason is None and (drafting or lookup or engine):
                 try:  # stock's own speculative calls (or plain decoding asked for) on our engine
                     return speculative_generate(self, **named, **kwargs, draft_cache="full" if drafting else None,

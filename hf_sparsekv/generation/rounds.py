@@ -57,18 +57,22 @@ class _EventTimer:
         return total
 
 
-def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None):
+def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
+                              streamed_prompt: torch.Tensor | None = None):
     """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
     with their stats (and scores where ``rules`` keep them). ``prefix``: a ``DynamicCache``, empty or holding the
-    first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token."""
-    result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix])
+    first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token.
+    ``streamed_prompt``: what ``streamer`` gets first, once the prefill has run (a call refused there has streamed
+    nothing, so stock's path may serve it)."""
+    result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix],
+                                 streamed_prompt)
     if prefix is not None:
         engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
     return result
 
 
 def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
-                       prefixes: list | None = None) -> list:
+                       prefixes: list | None = None, streamed_prompt: torch.Tensor | None = None) -> list:
     """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
     len(prompts)``); one :class:`~.host_rules.SpeculativeResult` per row, each what that prompt alone would give.
 
@@ -161,6 +165,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         stats[0].prefill_seconds = time.perf_counter() - t0
         if engine.spec.adaptive:
             engine.capture_widths(controller.widths)
+        if streamer is not None and streamed_prompt is not None:
+            streamer.put(streamed_prompt)
         for row, first in enumerate(firsts):
             accept(row, [first])
         retire_finished()
