@@ -36,8 +36,23 @@ def _sliding_pair():
     return models
 
 
+def _gpt2_pair():
+    """GPT-2 (learned absolute positions, Conv1D projections): stock's classic assisted-generation pair's kind."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    models = []
+    for seed, (width, layers) in enumerate(((64, 2), (32, 1))):
+        torch.manual_seed(seed)
+        config = GPT2Config(vocab_size=VOCAB, n_embd=width, n_layer=layers, n_head=2, n_positions=512,
+                            bos_token_id=1, eos_token_id=2, pad_token_id=0)
+        config._attn_implementation = "sdpa"
+        models.append(GPT2LMHeadModel(config).eval().to(torch.float64))
+    return models
+
+
 _PAIRS = {arch: (lambda a=arch: (tiny_model(a), tiny_model(a, role="drafter"))) for arch in ARCHS + OTHER_ARCHS}
 _PAIRS["sliding"] = _sliding_pair
+_PAIRS["gpt2"] = _gpt2_pair
 
 
 def assert_likestock_generate(ours, stock) -> None:
