@@ -202,8 +202,10 @@ def register() -> bool:
                                                 static_engine=engine, stock_fallback=True)
                 except NotImplementedError as err:  # an option the engine does not serve: stock's own path
                     reason = str(err)
-            if reason is not None:
-                what = "assisted generation" if drafting else "prompt lookup" if lookup else "decoding"
+            if reason is not None and engine:  # asked for by name: say so where a user looks
+                logger.warning_once(f"hf_sparsekv: static_engine=True: this call runs on stock generate(): {reason}")
+            elif reason is not None:
+                what = "assisted generation" if drafting else "prompt lookup"
                 logger.info("hf_sparsekv: %s runs on stock generate(): %s", what, reason)
         with shared(self, assistant), _stock_scope(drafting):
             return _plain(original, self, config, args, kwargs)
