@@ -11,9 +11,10 @@ Which calls reach the engine:
 - ``static_engine=True`` (keyword or generation-config attribute): plain decoding, greedy or sampled, on the engine;
 - stock's own speculative calls, by the import alone (:func:`set_routing` turns each off): assisted generation
   (``assistant_model=drafter`` and no argument of ours: the drafter on a full cache, γ chosen by the controller) and
-  prompt lookup (``prompt_lookup_num_tokens``: retrieval drafting). What the engine does not serve in them
-  (universal assisted generation with two tokenizers, a drafter on another device or with another vocabulary, an
-  option the engine refuses with ``NotImplementedError``) goes to stock's own path, the reason logged at info level.
+  prompt lookup (``prompt_lookup_num_tokens``: retrieval drafting). What the engine does not serve in them or in
+  ``static_engine`` (an encoder-decoder model, universal assisted generation with two tokenizers, a drafter on
+  another device or with another vocabulary, an option the engine refuses with ``NotImplementedError``) goes to
+  stock's own path, the reason logged at info level (``static_engine``: a one-time warning).
 
 Every other call goes to the original method untouched (except that a ``past_key_values``/``cache`` cache which
 selects from the prompt's queries gets them through :func:`hf_sparsekv.caches.query_hooks.prompt_queries` for the
