@@ -338,3 +338,41 @@ def test_a_call_refused_at_the_prefill_streams_once_on_stocks_path(monkeypatch):
     ours = Recorder()
     model.generate(ids, assistant_model=drafter, max_new_tokens=6, do_sample=False, streamer=ours)
     assert ours.puts == stock.puts
+
+
+@pytest.mark.parametrize("call", ["routed", "lookup", "static_engine", "static_batch", "batch", "kv_budget",
+                                  "streamer"])
+def test_an_engine_failure_hands_a_routed_call_to_stock(call, monkeypatch):
+    """An error inside the engine (an architecture it cannot run, say) on a call the import routed: stock's path
+    serves the call, with one warning, and the model's engines are freed. A call with an argument of ours, with a
+    streamer (which may have had tokens), or a batch of a speculative call (stock's take one row) raises the
+    error."""
+    from transformers.generation.streamers import BaseStreamer
+
+    model, drafter = tiny_model("mistral"), tiny_model("mistral", role="drafter")
+    ids = prompt(24, 6)
+    settings = dict(max_new_tokens=8, do_sample=False)
+    extra = {"routed": dict(assistant_model=drafter), "lookup": dict(prompt_lookup_num_tokens=3),
+             "static_engine": dict(static_engine=True), "static_batch": dict(static_engine=True),
+             "batch": dict(assistant_model=drafter),
+             "kv_budget": dict(assistant_model=drafter, kv_budget=16),
+             "streamer": dict(assistant_model=drafter, streamer=BaseStreamer())}[call]
+    if call in ("batch", "static_batch"):
+        ids, mask = left_padded([ids, prompt(15, 7)])
+        settings["attention_mask"] = mask
+    warned = []
+    monkeypatch.setattr(registration.logger, "warning_once", warned.append)
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("a layer the engine cannot run")
+
+    monkeypatch.setattr(static_engine.StaticEngine, "prefill", fail)
+    if call in ("kv_budget", "streamer", "batch"):
+        with pytest.raises(RuntimeError, match="a layer the engine cannot run"):
+            model.generate(ids, **settings, **extra)
+        return
+    out = model.generate(ids, **settings, **extra)
+    stock_extra = {k: v for k, v in extra.items() if k != "static_engine"}
+    assert torch.equal(out, stock_generate(model, ids, **settings, **stock_extra))
+    assert len(warned) == 1 and "RuntimeError: a layer the engine cannot run" in warned[0]
+    assert static_engine.current_engine(model) is None

@@ -685,15 +685,16 @@ def _release_graphs(engines: list[StaticEngine]) -> None:
             step.release()
 
 
-def release_engines() -> None:
-    """Free every kept static cache, CUDA graph and 4-bit draft-weight copy, one model at a time, each once no call
-    holds it (:mod:`.model_locks`). Under tensor parallelism call it before
+def release_engines(model=None) -> None:
+    """Free every kept static cache, CUDA graph and 4-bit draft-weight copy (of ``model`` only, if given), one model
+    at a time, each once no call holds it (:mod:`.model_locks`). Under tensor parallelism call it before
     ``torch.distributed.destroy_process_group()``: NCCL cannot destroy a communicator that a live CUDA graph still
     uses, and the destroy hangs (PyTorch issue 115388). The graphs are destroyed here, also where a caller still
     holds a reference to an engine (as they are when an engine is replaced)."""
     with _registry:
         models = list(_engines)
-    for model in {id(m): m for m in models + models_with_copies()}.values():
+    chosen = models + models_with_copies() if model is None else [model]
+    for model in {id(m): m for m in chosen}.values():
         with exclusive(model):
             with _registry:
                 kept = _engines.pop(model, [])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -49,6 +50,25 @@ _UNSUPPORTED_OPTIONS = {
     "token_healing": lambda v: bool(v),
     "prefill_chunk_size": lambda v: v is not None,  # the prompt is prefilled in one forward (peak memory as such)
 }
+
+
+class EngineFailure(NotImplementedError):
+    """The engine failed (building, capturing, prefilling or decoding) on a call that stock's own path serves too:
+    raised in place of the error for the calls the import routes here, so that stock's path serves them."""
+
+
+@contextlib.contextmanager
+def _handing_back(active: bool):
+    """Within: an error of the engine becomes :class:`EngineFailure` where ``active`` (a routed call that has streamed
+    nothing yet); refusals (``NotImplementedError``) pass as they are."""
+    try:
+        yield
+    except NotImplementedError:
+        raise
+    except Exception as err:
+        if not active:
+            raise
+        raise EngineFailure(f"{type(err).__name__}: {err}") from err
 
 
 @dataclass
@@ -520,9 +540,10 @@ def speculative_generate(
             return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
                                  _stock_cache(model) if config.return_dict_in_generate else None)
         plan = (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive)
-        return _length_reminder(model, config, _decode_rows_together(
-            model, assistant_model, config, input_ids, attention_mask, plan, logits_processor, stopping_criteria,
-            tokenizer))
+        with _handing_back(stock_fallback and plain):  # (stock's speculative calls take one row: its error is ours)
+            output = _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan,
+                                           logits_processor, stopping_criteria, tokenizer)
+        return _length_reminder(model, config, output)
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
@@ -531,19 +552,21 @@ def speculative_generate(
                      prompt.shape[1] != input_ids.shape[1])
     warpers, host, penalty = _engine_rules(rules, logits_processor, sampling=config.do_sample,
                                            wants_outputs=bool(config.output_scores or config.output_logits))
-    engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
-                        rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
-                        penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-                        retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
-    # The engine's buffers belong to it (and its CUDA graphs). The cache the call leaves, as stock's, with the
-    # sequence but its last token: the caller's (a prefix of the prompt, extended in place), or a new one for the
-    # output; a row's left padding first (zero columns: a prefix is refused with padding)
-    cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
-    pad = input_ids.shape[1] - prompt.shape[1]
-    result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache,
-                                       streamed_prompt=input_ids.cpu())
-    if cache is not None and pad:
-        _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
+    # (not with a streamer, which may have had tokens, nor with the caller's cache, which may have been extended)
+    with _handing_back(stock_fallback and streamer is None and past_key_values is None):
+        engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
+                            rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
+                            penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
+                            retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
+        # The engine's buffers belong to it (and its CUDA graphs). The cache the call leaves, as stock's, with the
+        # sequence but its last token: the caller's (a prefix of the prompt, extended in place), or a new one for the
+        # output; a row's left padding first (zero columns: a prefix is refused with padding)
+        cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
+        pad = input_ids.shape[1] - prompt.shape[1]
+        result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache,
+                                           streamed_prompt=input_ids.cpu())
+        if cache is not None and pad:
+            _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 
     sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     _length_reminder(model, config, sequences)

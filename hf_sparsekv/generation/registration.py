@@ -37,7 +37,8 @@ from transformers.utils import logging
 from ..cache_keyword import user_cache
 from ..caches import query_hooks
 from .model_locks import shared
-from .front import speculative_generate
+from .engine import release_engines
+from .front import EngineFailure, speculative_generate
 
 OUR_ARGUMENTS = ("kv_budget", "draft_cache", "draft_weights", "draft_tree_size")
 _EXPECTED = ("inputs", "generation_config", "logits_processor", "stopping_criteria", "assistant_model", "streamer")
@@ -197,10 +198,15 @@ def register() -> bool:
             lookup = _prompt_lookup(self, config, kwargs) is not None
             route = _routing["assisted"] if drafting else _routing["prompt_lookup"] if lookup else False
             reason = _stock_reason(self, assistant, kwargs) if drafting or lookup or engine else None
-            if (route or engine) and reason is None and (drafting or lookup or engine):
+            if (route or engine) and reason is None:
                 try:  # stock's own speculative calls (or plain decoding asked for) on our engine
                     return speculative_generate(self, **named, **kwargs, draft_cache="full" if drafting else None,
                                                 static_engine=engine, stock_fallback=True)
+                except EngineFailure as err:  # the engine failed where stock's path may not: a bug to report
+                    release_engines(self)  # (its memory, before stock's path allocates)
+                    logger.warning_once(f"hf_sparsekv: the engine failed on this call ({err}); stock generate() "
+                                        "serves it. Please report this with the model's name.")
+                    reason = None
                 except NotImplementedError as err:  # an option the engine does not serve: stock's own path
                     reason = str(err)
             if reason is not None and engine:  # asked for by name: say so where a user looks
