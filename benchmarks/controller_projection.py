@@ -5,8 +5,9 @@ No GPU is needed: it reads step costs measured on a GPU at 8B shape (random weig
 real pair's τ at γ = 5 (CPU, ``make bench-real``), as the projections of BENCHMARKS.md do. Per mode and context:
 
 * ``p``: the per-draft acceptance of a geometric model fitted to τ at γ = 5, τ = (1 - p^6) / (1 - p);
-* ``t(g) = g · t_draft + t_verify(g)``: verification of ``g`` drafts interpolated linearly through the measured
-  widths (AR for g = 0, then 3 and 5 drafts; beyond the widest, its slope);
+* ``t(g) = g · t_draft + t_verify(g)``: verification of ``g`` drafts interpolated through the measured widths (AR
+  for g = 0, then 3 and 5 drafts) as the controller interpolates its round times
+  (:func:`hf_sparsekv.generation.controller.interpolated`; beyond the widest, the slope from the narrowest);
 * the controller's choice among its ladder ({0} ∪ {1, 2, 3, 4, 6, 8}, :mod:`hf_sparsekv.generation.controller`) by
   the controller's own rate ``E[tokens | g] / t(g)``, against the best constant γ in 1..8 chosen in hindsight and the
   published γ = 5.
@@ -23,7 +24,7 @@ import argparse
 import json
 from pathlib import Path
 
-from hf_sparsekv.generation.controller import widths
+from hf_sparsekv.generation.controller import interpolated, widths
 
 RESULTS = Path(__file__).resolve().parent / "results"
 # the real pair's τ at γ = 5 on its 8K prompts (BENCHMARKS.md, "Real-weight acceptance"); int4: every context
@@ -49,20 +50,6 @@ def expected_tokens(p: float, g: int) -> float:
     return sum(p**k for k in range(g + 1))
 
 
-def verify_cost(points: dict[int, float], g: int) -> float:
-    """Seconds of verifying ``g`` drafts, linear through the measured ``points`` (drafts -> seconds)."""
-    known = sorted(points)
-    if g in points:
-        return points[g]
-    lower = [w for w in known if w < g]
-    upper = [w for w in known if w > g]
-    if lower and upper:
-        a, b = lower[-1], upper[0]
-        return points[a] + (points[b] - points[a]) * (g - a) / (b - a)
-    a, b = known[-2], known[-1]
-    return points[b] + (points[b] - points[a]) / (b - a) * (g - b)
-
-
 def project(seconds: dict, mode: str, tau: float) -> dict:
     """The controller's choice and the speeds (× our graph AR) for one context's measured ``seconds``."""
     ar = seconds["ar"]
@@ -73,7 +60,7 @@ def project(seconds: dict, mode: str, tau: float) -> dict:
     p = fitted_acceptance(tau)
 
     def speed(g: int) -> float:
-        return expected_tokens(p, g) * ar / (g * draft + verify_cost(points, g))
+        return expected_tokens(p, g) * ar / (g * draft + interpolated(points, g))
 
     ladder = (0,) + widths(GAMMA_MAX)
     chosen = max(ladder, key=speed)

@@ -43,6 +43,28 @@ def widths(gamma: int) -> tuple[int, ...]:
     return tuple(sorted({w for w in LADDER if w < gamma} | {gamma}))
 
 
+def interpolated(seconds: dict[int, float], g: int) -> float | None:
+    """Seconds at width ``g`` from ``seconds`` (width -> seconds): measured, else interpolated between the nearest
+    measured widths, else extrapolated from the slope between the narrowest and the widest measured width; None while
+    nothing is measured."""
+    if g in seconds:
+        return seconds[g]
+    known = sorted(seconds)
+    if not known:
+        return None
+    lower = [w for w in known if w < g]
+    upper = [w for w in known if w > g]
+    if lower and upper:
+        a, b = lower[-1], upper[0]
+        return seconds[a] + (seconds[b] - seconds[a]) * (g - a) / (b - a)
+    if len(known) < 2:
+        return seconds[known[0]]
+    a, b = (known[0], known[-1])
+    slope = max((seconds[b] - seconds[a]) / (b - a), 0.0)
+    anchor = b if g > b else a
+    return max(seconds[anchor] + slope * (g - anchor), 1e-9)
+
+
 class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
     ``fixed``: a constant number of drafts (no choice; ``None``: choose among :func:`widths`); ``seconds``: the
@@ -76,24 +98,8 @@ class DraftController:
         return total
 
     def round_seconds(self, g: int) -> float | None:
-        """t(g): measured, else interpolated between the nearest measured widths, else extrapolated from the slope
-        between the plain step and the widest measured width; None while nothing is measured."""
-        if g in self.seconds:
-            return self.seconds[g]
-        known = sorted(self.seconds)
-        if not known:
-            return None
-        lower = [w for w in known if w < g]
-        upper = [w for w in known if w > g]
-        if lower and upper:
-            a, b = lower[-1], upper[0]
-            return self.seconds[a] + (self.seconds[b] - self.seconds[a]) * (g - a) / (b - a)
-        if len(known) < 2:
-            return self.seconds[known[0]]
-        a, b = (known[0], known[-1])
-        slope = max((self.seconds[b] - self.seconds[a]) / (b - a), 0.0)
-        anchor = b if g > b else a
-        return max(self.seconds[anchor] + slope * (g - anchor), 1e-9)
+        """t(g) from the round times measured so far (:func:`interpolated`)."""
+        return interpolated(self.seconds, g)
 
     def rate(self, g: int) -> float:
         t = self.round_seconds(g)
