@@ -147,12 +147,13 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         engine.commit([e for _, e, _ in results], [a for a, _, _ in results], kept if tree else None)
         return results
 
-    retired = [None]  # the done flags the device's ``live`` last got: a copy only when a row has finished since
+    retired = None  # how many rows the device's ``live`` last knew finished: a copy only when one has finished since
 
     def retire_finished() -> None:
-        if retired[0] != done:
+        nonlocal retired
+        if retired != sum(done):
             engine.live.copy_(torch.tensor([0 if d else 1 for d in done]), non_blocking=True)
-            retired[0] = list(done)
+            retired = sum(done)
 
     if engine.warpers is not None:
         _same_draws_on_every_rank(engine.verifier, device)
