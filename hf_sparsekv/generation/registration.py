@@ -36,6 +36,7 @@ from transformers.utils import logging
 
 from ..cache_keyword import user_cache
 from ..caches import query_hooks
+from .common import _text_config
 from .model_locks import shared
 from .engine import release_engines
 from .front import EngineFailure, speculative_generate
@@ -117,8 +118,7 @@ def _stock_reason(model, assistant, kwargs: dict) -> str | None:
         return None  # self-drafting on a full cache; a wrong type is refused, naming it
     if getattr(assistant, "device", None) != getattr(model, "device", None):
         return f"the assistant is on {assistant.device} and the model on {model.device}"
-    sizes = [m.get_output_embeddings().weight.shape[0] if m.get_output_embeddings() is not None else None
-             for m in (model, assistant)]
+    sizes = [_text_config(m).vocab_size for m in (model, assistant)]  # as front._check_models (and stock) compare
     if sizes[0] != sizes[1]:
         return f"the assistant's vocabulary ({sizes[1]}) differs from the model's ({sizes[0]})"
     return None
