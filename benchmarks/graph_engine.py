@@ -260,7 +260,11 @@ def main(argv=None) -> int:
                         **({} if stats is None or not stats["rounds"] else dict(
                             rounds=stats["rounds"], prefill_ms=1e3 * stats["prefill_seconds"],
                             draft_ms_per_round=1e3 * stats["draft_seconds"] / stats["rounds"],
-                            verify_ms_per_round=1e3 * stats["verify_seconds"] / stats["rounds"])),
+                            verify_ms_per_round=1e3 * stats["verify_seconds"] / stats["rounds"],
+                            # the call's time outside the prefill and the timed steps: the host's share of a round
+                            host_ms_per_round=1e3 * (seconds - stats["prefill_seconds"] - stats["draft_seconds"]
+                                                     - stats["verify_seconds"]) / stats["rounds"],
+                            width_rounds=stats["width_rounds"])),
                     ))
         summary = summarize(records)
         payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
@@ -320,7 +324,7 @@ def summarize(records: list[dict]) -> list[dict]:
             tau = [r["tau"] for r in rs if r["tau"] is not None]
             ident = [r["identical"] for r in rs if r["identical"] is not None]
             per_round = {key: statistics.median([r[key] for r in rs]) for key in ("draft_ms_per_round",
-                         "verify_ms_per_round", "prefill_ms") if all(key in r for r in rs)}
+                         "verify_ms_per_round", "host_ms_per_round", "prefill_ms") if all(key in r for r in rs)}
             rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs), **per_round,
                              acceptance=statistics.mean(acc) if acc else None, tau=statistics.mean(tau) if tau else None,
                              peak_gib=max(r["peak_bytes"] for r in rs) / 2**30,
@@ -336,13 +340,14 @@ def table(rows: list[dict]) -> str:
     def f(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | draft / verify ms a round | peak GiB "
+    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | draft / verify / host ms a round | peak GiB "
              "| identical to AR | runs |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.0f} | {f(r['vs_hf_static'])} | "
                      f"{f(r['vs_graph_ar'])} | {f(r['acceptance'])} | {f(r['tau'])} | "
-                     f"{f(r.get('draft_ms_per_round'), '.3f')} / {f(r.get('verify_ms_per_round'), '.3f')} | {r['peak_gib']:.2f} | "
+                     f"{f(r.get('draft_ms_per_round'), '.3f')} / {f(r.get('verify_ms_per_round'), '.3f')} / "
+                     f"{f(r.get('host_ms_per_round'), '.3f')} | {r['peak_gib']:.2f} | "
                      f"{r['identical']} | {r['runs']} |")
     return "\n".join(lines)
 

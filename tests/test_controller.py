@@ -44,7 +44,7 @@ def test_widths_are_the_ladder_up_to_gamma():
 def test_a_perfect_cheap_drafter_drafts_the_widest_width():
     ctl = DraftController(8)
     chosen = _run(ctl, 1.0, linear(1.0, 0.05), 60)
-    assert chosen[:2] == [8, 0]  # measures the widest width and a plain step first
+    assert chosen[:4] == [0, 1, 2, 8]  # plain steps, the two narrowest widths, then the best by the model
     assert chosen[-40:] == [8] * 40
 
 
@@ -55,8 +55,9 @@ def test_a_useless_drafter_is_dropped_and_explored_within_the_budget():
     assert plain > 0.9 * len(chosen)
     # each exploration after the measuring rounds loses at most EXPLORE_SHARE of the plain rounds before it
     t = linear(1.0, 0.3)
-    loss = sum(t(g) - t(0) for g in chosen[2:] if g)  # nothing accepted: the plain step's token alone
-    assert loss <= EXPLORE_SHARE * plain * t(0) + t(8)
+    assert chosen[:3] == [0, 1, 2]  # the measuring rounds: plain, then the two narrowest widths
+    loss = sum(t(g) - t(0) for g in chosen[3:] if g)  # nothing accepted: the plain step's token alone
+    assert loss <= EXPLORE_SHARE * plain * t(0) + t(1)
     assert ctl.explorations >= 2  # it keeps looking
 
 
@@ -86,9 +87,11 @@ def test_unmeasured_widths_are_interpolated_between_measured_ones():
     ctl.observe(0, [], 1.0)
     ctl.observe(8, [8], 3.0)
     assert ctl.round_seconds(4) == pytest.approx(2.0)
-    ctl.observe(2, [2], 1.2)
-    assert ctl.round_seconds(1) == pytest.approx(1.1)
+    ctl.observe(2, [2], 1.2)  # two drafting widths: their slope alone (0.3 a draft), never below a plain step
+    assert ctl.round_seconds(1) == pytest.approx(1.0)
     assert ctl.round_seconds(5) == pytest.approx(1.2 + 1.8 * 3 / 6)
+    ctl.observe(1, [1], 1.5)
+    assert ctl.round_seconds(12) == pytest.approx(3.0 + 1.5 / 7 * 4)
 
 
 def test_a_fixed_gamma_always_drafts_it_or_nothing():
@@ -269,7 +272,7 @@ def test_compiled_steps_of_every_width_are_lossless_float32(scripted, exact_cuda
     drafter = copy.deepcopy(tiny_model("llama", role="drafter")).to("cuda", torch.float32)
     ids = prompt(200, 4).cuda()
     greedy = verifier.generate(ids, max_new_tokens=60, do_sample=False)
-    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, num_assistant_tokens=4,
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, num_assistant_tokens=3,
                             num_assistant_tokens_schedule="heuristic", max_new_tokens=60, do_sample=False)
     assert torch.equal(out, greedy)
     engine = static_engine.current_engine(verifier)

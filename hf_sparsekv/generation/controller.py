@@ -11,10 +11,14 @@ host work together, so nothing is synchronised for timing) and each live row's a
   towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
   instead of an old estimate that no round corrects.
 * ``t(g)``: a moving average of the measured round seconds of each width; a width not yet measured is interpolated
-  linearly between measured ones (or extrapolated from the per-draft slope). A round that ran a step for the first
-  time (compilation, CUDA-graph capture) is not a sample.
+  linearly between measured drafting widths (or extrapolated from their per-draft slope), never below a plain step.
+  Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
+  fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
+  (compilation, CUDA-graph capture) is not a sample.
 
-The first rounds measure: one round at the widest width, one plain step, then the choice. While plain steps win,
+The first rounds measure cheaply: plain steps, then one round at each of the two narrowest widths (a drafter that
+cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
+model expects it to win. While plain steps win,
 the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so that a drafter whose
 acceptance rises is used again; the interval is set so that an exploration round's expected loss stays under
 ``EXPLORE_SHARE`` of the plain rounds it follows (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds).
@@ -98,8 +102,14 @@ class DraftController:
         return total
 
     def round_seconds(self, g: int) -> float | None:
-        """t(g) from the round times measured so far (:func:`interpolated`)."""
-        return interpolated(self.seconds, g)
+        """t(g) from the round times measured so far (:func:`interpolated`): a drafting width from the drafting
+        widths once two are measured (else from every measured width), and never below a plain step."""
+        if g == 0:
+            return self.seconds.get(0)
+        drafting = {w: s for w, s in self.seconds.items() if w > 0}
+        t = interpolated(drafting if len(drafting) >= 2 else self.seconds, g)
+        plain = self.seconds.get(0)
+        return t if t is None or plain is None else max(t, plain)
 
     def rate(self, g: int) -> float:
         t = self.round_seconds(g)
@@ -117,10 +127,11 @@ class DraftController:
             return options[-1] if options else 0
         if not options:
             return 0
-        if max(options) not in self.seconds and max(self.widths) == max(options):
-            return max(options)  # first: the widest width (acceptance at every depth, its cost)
         if 0 not in self.seconds:
-            return 0
+            return 0  # first: plain steps (their cost)
+        probes = [w for w in self.widths[:2] if w not in self.seconds]
+        if probes:  # then the two narrowest widths (the cost per draft, the first depths' acceptance)
+            return probes[0] if probes[0] <= cap else 0
         best = max(options, key=self.rate)
         if self.rate(best) > self.rate(0):
             return best
