@@ -265,6 +265,7 @@ def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_c
 
 @pytest.mark.cuda
 @pytest.mark.compiled
+@pytest.mark.slow  # 46 s on a fresh H100 (make test-cuda-slow); make test-cuda compiles one engine in test_cuda.py
 def test_compiled_steps_of_every_width_are_lossless_float32(scripted, exact_cuda_float32):
     import copy
 
