@@ -201,3 +201,28 @@ def test_prefix_cache_under_either_keyword():
     assert lengths[0] == 40 and out.past_key_values is cache
     with pytest.raises(TypeError, match="both past_key_values and cache"):
         verifier.generate(ids, cache=_prefix(verifier, ids, 50), past_key_values=_prefix(verifier, ids, 50), **kwargs)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_self_drafting_verification_writes_the_drafters_cache(arch):
+    """A self-drafting verify step also writes the drafter's cache: with every draft accepted (a full view), each
+    round is γ one-token draft forwards and one verify block, no catch-up forward, and the drafter's cache holds the
+    verifier's own keys/values at every position of the sequence."""
+    from hf_sparsekv.generation import engine as static_engine
+
+    model, gamma, p, new = tiny_model(arch), 4, 60, 31
+    ids = prompt(p, seed=5)
+    with _forward_lengths(model) as lengths:
+        out = model.generate(ids, assistant_model=model, draft_cache="full", num_assistant_tokens=gamma,
+                             num_assistant_tokens_schedule="constant", max_new_tokens=new, min_new_tokens=new,
+                             do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False))
+    assert out.spec_stats["acceptance_rate"] == 1.0
+    rounds = out.spec_stats["rounds"]
+    assert lengths.count(gamma + 1) == rounds and lengths.count(1) == gamma * rounds and len(lengths) == 1 + (gamma + 1) * rounds
+    engine = static_engine.current_engine(model)
+    assert "catch_up" not in engine.steps
+    for i in range(len(engine.verifier_cache.layers)):
+        for a, b in zip(engine.verifier_cache.sequence(i, 0, 0, p + new - 1),
+                        engine.drafter_cache.sequence(i, 0, 0, p + new - 1)):
+            assert torch.equal(a, b)

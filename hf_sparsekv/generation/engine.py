@@ -160,7 +160,7 @@ class StaticEngine:
             slack = max(self.tree.size, self.tree.block) + 2
         if spec.mode == "ar":  # a row may run up to AR_STEPS_PER_SYNC steps past its end before the host sees it
             slack += AR_STEPS_PER_SYNC
-        # self-drafting on a compressed cache: the verifier's steps without drafts also write its keys/values there
+        # self-drafting on a compressed cache: every verifier step also writes its keys/values there
         self.self_drafting = drafter is verifier and spec.mode in ("chunk", "window", "full")
         # a separate drafter falls behind in rounds without drafts; catch-ups of LAG_BLOCK tokens bring it back
         self.lagging = spec.adaptive and drafter is not None and not self.self_drafting and spec.mode in (
@@ -372,7 +372,23 @@ class StaticEngine:
         width = self.spec.gamma if width is None else width
         block = torch.cat([self.last(1), self.drafts[:, :width]], 1)
         positions = (self.n - 1)[:, None] + self.block_offsets[: width + 1]
-        return static_forward(self.verifier, block, positions, self.verifier_cache, 0, self.verifier_keyword)
+        return self._verifier_step(block, positions, 0)
+
+    def _verifier_step(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
+        """The verifier on ``tokens [B, L]`` at ``positions [B, L]`` over its cache. Self-drafting: the keys/values
+        also go to the drafter's cache (as the prefill's do), which so holds every kept token without a drafter
+        step (a plain step's token, a round's accepted drafts and the token after them; later slots are written
+        again before they are read)."""
+        if not self.self_drafting:
+            return static_forward(self.verifier, tokens, positions, self.verifier_cache, logits_to_keep,
+                                  self.verifier_keyword)
+        self.drafter_cache.begin_step(positions)
+        self.verifier_cache.companion = self.drafter_cache
+        try:
+            return static_forward(self.verifier, tokens, positions, self.verifier_cache, logits_to_keep,
+                                  self.verifier_keyword)
+        finally:
+            self.verifier_cache.companion = None
 
     def _tree_forward(self) -> tuple[torch.Tensor, tuple]:
         """The verifier on the round's tree (:mod:`.draft_tree`, built here from the drafts, the drafter's
@@ -428,20 +444,8 @@ class StaticEngine:
         self.logits.copy_(self._tree_forward()[0].float())
 
     def _ar_forward(self) -> torch.Tensor:
-        """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``. Self-drafting: its
-        keys/values also go to the drafter's cache (as the prefill's do), which so holds the token without a draft
-        step."""
-        positions = (self.n - 1)[:, None]
-        if not self.self_drafting:
-            return static_forward(self.verifier, self.last(1), positions, self.verifier_cache, 1,
-                                  self.verifier_keyword)
-        self.drafter_cache.begin_step(positions)
-        self.verifier_cache.companion = self.drafter_cache
-        try:
-            return static_forward(self.verifier, self.last(1), positions, self.verifier_cache, 1,
-                                  self.verifier_keyword)
-        finally:
-            self.verifier_cache.companion = None
+        """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
+        return self._verifier_step(self.last(1), (self.n - 1)[:, None], 1)
 
     def _verify(self, width: int | None = None) -> None:
         drafts = self.drafts if width is None else self.drafts[:, :width]
@@ -529,10 +533,9 @@ class StaticEngine:
         for width in widths:
             for name in names:
                 self.run_step(name, width, run=False)
-        if self.lagging:
+        if self.lagging:  # what the drafter missed in plain rounds: one token, or blocks of LAG_BLOCK (their warm-ups
+            self.run_step("catch_up", run=False)  # write from the slot of n - 1 on, as every draft step's does)
             self.run_step("catch_up_lag", run=False)
-        if self.self_drafting:  # after a round that kept every draft: the token the drafter has not read (its warm-up
-            self.run_step("catch_up", run=False)  # writes the slot of n - 1, as every draft step's does)
 
     def _capture(self, step: CapturedStep) -> None:
         # what a step's warm-up changes and a later round reads before writing it again

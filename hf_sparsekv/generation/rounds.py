@@ -226,7 +226,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                         fresh |= engine.run_step("catch_up_lag")
                 behind = behind if not drafting else [0] * rows
             elif catch_up is not None and (drafting or engine.self_drafting):  # (self-drafting: before a step
-                fresh |= engine.run_step(catch_up)  # without drafts too, which writes the drafter's cache at n - 1)
+                fresh |= engine.run_step(catch_up)  # without drafts too, which writes the drafter's cache from n - 1)
                 catch_up = None
             if drafting and not lookup:
                 fresh |= engine.run_step("draft", width)
@@ -264,15 +264,15 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 stats[row].retrieved_rounds += kind == RETRIEVED
                 stats[row].sibling_rounds += kind == SIBLING
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
-                # self-speculation holds every token), nor the tokens of a kept path off the chain; feeding it again
-                # to the other rows rewrites what they hold
+                # self-speculation holds every token, and a self-drafting verify step writes the drafter's cache), nor
+                # the tokens of a kept path off the chain; feeding it again to the other rows rewrites what they hold
                 if quant is not None or engine.drafter is None or done[row] or always_tree:
                     continue
                 if lagging:
                     behind[row] += steps if not drafting else int(a == width)
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
-                elif drafting and a == width and catch_up is None:
+                elif drafting and a == width and catch_up is None and not engine.self_drafting:
                     catch_up = "catch_up"
             now = time.perf_counter()
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
