@@ -452,7 +452,10 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
         out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
         assert torch.equal(out, reference)
         engine = static_engine.current_engine(verifier)
-        assert engine.compiled and all(step.fn is not step.eager_fn for step in engine.steps.values())
+        # every step compiled; a chain's draft step replays its one-token drafter step, compiled once for all widths
+        assert engine.compiled and all(step.fn is not step.eager_fn for key, step in engine.steps.items()
+                                       if "draft" not in key)
+        assert engine._compiled_draft_token is not None
 
 
 _TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the later ones are extended

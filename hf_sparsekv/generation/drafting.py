@@ -86,28 +86,17 @@ def drafter_input(tokens: torch.Tensor, draft_vocab: tuple[int, int] | None) -> 
 def draft(engine, width: int | None = None) -> None:
     """``width`` (default γ) drafter steps from ``seq[n-1]``: ``engine.drafts[:, :width]`` (each step's argmax, or
     draw, the next step's input) and, sampling, ``engine.q[:, :width]``. Self-speculation reads the shared store's
-    INT4 view."""
+    INT4 view. Each step is :meth:`~.engine.StaticEngine.draft_token` (:func:`draft_token`), one compiled function
+    for the steps of every width."""
     width = engine.spec.gamma if width is None else width
     quant = engine.spec.mode == "int4"
     if quant:
         engine.drafter_cache.view = "int4"
-    token = drafter_input(engine.last(1), engine.draft_vocab)
-    seen = None if engine.penalty is None else engine.seen  # the drafter's scores get the penalty too
+    engine.draft_input.copy_(drafter_input(engine.last(1), engine.draft_vocab))
+    if engine.penalty is not None:  # the drafter's scores get the penalty too, of the drafts as well
+        engine.draft_seen.copy_(engine.seen)
     for i in range(width):
-        logits = static_forward(engine.drafter, token, (engine.n - 1 + i)[:, None], engine.drafter_cache, 1,
-                                engine.drafter_keyword)[:, 0]
-        if engine.draft_vocab is not None:
-            logits = widened(logits, engine.vocab)
-        token = engine.drafts[:, i : i + 1]
-        if engine.warpers is None:
-            scores = logits if seen is None else penalized(logits, seen, engine.penalty[0])
-            token.copy_(scores.argmax(-1)[:, None])
-        else:
-            q = engine.probabilities(logits[:, None], engine.n + i, None if seen is None else seen[:, None])[:, 0]
-            engine.q.index_copy_(1, engine.block_offsets[i : i + 1], q[:, None])  # in place once compiled
-            token.copy_(draw(q)[:, None])
-        if seen is not None:
-            seen = seen.scatter(1, token, True)
+        engine.draft_token(engine.draft_index[i])
     if quant:
         engine.drafter_cache.view = "int8"
     if engine.tree is not None:  # what this step fed the drafter, checked against the sequence after verification
@@ -115,6 +104,29 @@ def draft(engine, width: int | None = None) -> None:
         engine.fed[:, 1:].copy_(engine.drafts[:, :-1])
         engine.fed_at.copy_(engine.n - 1)
         engine.fed_valid.fill_(True)
+
+
+def draft_token(engine, index: torch.Tensor) -> None:
+    """Draft ``i`` (``index = [i]``, int64 on the device) of :func:`draft`: the drafter reads ``draft_input [B, 1]``
+    at position ``n - 1 + i`` and writes its token to ``drafts[:, i]`` (sampling: its distribution to ``q[:, i]``)
+    and to ``draft_input``, the next step's input. The index is a tensor so that one compiled function serves every
+    step."""
+    logits = static_forward(engine.drafter, engine.draft_input, (engine.n - 1 + index)[:, None],
+                            engine.drafter_cache, 1, engine.drafter_keyword)[:, 0]
+    if engine.draft_vocab is not None:
+        logits = widened(logits, engine.vocab)
+    seen = None if engine.penalty is None else engine.draft_seen
+    if engine.warpers is None:
+        scores = logits if seen is None else penalized(logits, seen, engine.penalty[0])
+        token = scores.argmax(-1)[:, None]
+    else:
+        q = engine.probabilities(logits[:, None], engine.n + index, None if seen is None else seen[:, None])[:, 0]
+        engine.q.index_copy_(1, index, q[:, None])  # in place once compiled
+        token = draw(q)[:, None]
+    engine.drafts.index_copy_(1, index, token)
+    engine.draft_input.copy_(token)
+    if seen is not None:
+        seen.scatter_(1, token, True)
 
 
 def draft_tree(engine) -> None:

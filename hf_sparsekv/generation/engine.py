@@ -80,9 +80,11 @@ from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
-from .drafting import catch_up, catch_up_block, catch_up_lag, draft, draft_tree, drafter_cache, drafter_input
+from .drafting import (
+    catch_up, catch_up_block, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
+)
 from .graph_steps import (
-    DEVICE_WIDE, CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, wait_for,
+    DEVICE_WIDE, CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, step_backend, wait_for,
 )
 from .model_locks import exclusive
 from .retrieval import retrieve
@@ -233,8 +235,11 @@ class StaticEngine:
         self.penalty = spec.penalty
         if self.penalty is not None:  # the repetition penalty: each row's tokens so far, as a mask over the vocabulary
             self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=device)
+            self.draft_seen = torch.zeros_like(self.seen)  # and the drafts so far, while drafting
         if warpers is not None:  # the drafter's probabilities of each draft
             self.q = torch.zeros(rows, gamma, vocab, dtype=torch.float32, device=device)
+        self.draft_input = torch.zeros(rows, 1, dtype=torch.long, device=device)  # a draft step's input token
+        self.draft_index = [torch.full((1,), i, dtype=torch.long, device=device) for i in range(gamma)]
         if spec.host:  # the verify step's raw logits (a tree's: N + 1), for the host-side rules (:mod:`.host_rules`)
             width = gamma + 1 if self.tree is None else self.tree.size + 1
             self.logits = torch.zeros(rows, width, vocab, dtype=torch.float32, device=device)
@@ -246,6 +251,7 @@ class StaticEngine:
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
         self.round_seconds: dict[int, float] = {}  # the draft-length controller's round times by width
         self.compiled = spec.compiled
+        self._compiled_draft_token = None
 
     @property
     def verifier(self):
@@ -271,6 +277,18 @@ class StaticEngine:
             draft_tree(self)
         else:
             draft(self, width)
+
+    def draft_token(self, index: torch.Tensor) -> None:
+        """One draft step (:func:`~.drafting.draft_token`), compiled on its own when the steps are: every width's
+        draft step replays the same compiled code, so an adaptive engine compiles one draft step, not one per
+        width."""
+        if not self.compiled:
+            draft_token(self, index)
+            return
+        if self._compiled_draft_token is None:
+            self._compiled_draft_token = torch.compile(functools.partial(draft_token, self), backend=step_backend,
+                                                       dynamic=False)
+        self._compiled_draft_token(index)
 
     def _catch_up(self) -> None:
         catch_up(self)
@@ -512,8 +530,9 @@ class StaticEngine:
             new = step is None
             if new:
                 fn = getattr(self, "_" + name)
+                per_token = name == "draft" and not self.grows_tree  # its one-token steps compile on their own
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
-                                                      self.compiled, self.devices)
+                                                      self.compiled and not per_token, self.devices)
                 if self.use_graphs:
                     self._capture(step)
             if run:
