@@ -197,6 +197,14 @@ bench-multi-gpu: $(STAMP)
 		--hf-contexts 32768 --compile 0 --e2e-tokens 4 12 --repeats 10 --out runs/multi-gpu-70b
 	$(PY) benchmarks/ddp_training.py --processes 1 2 --out runs/ddp-training
 
+# Tensor parallelism (issue 56): the 8B-shape verifier sharded over two GPUs with tp_plan="auto" against one GPU,
+# AR / verify / draft steps and the all-reduces' share, compiled as generate() does; then a 70B shape on its first
+# 20 of 80 layers (36 GB, so that one GPU holds it too: a step's cost is per layer).
+bench-tp: $(STAMP)
+	$(PY) benchmarks/tensor_parallel.py --verifier llama-3.1-8b --contexts 16384 32768 65536 --compile --out runs/tp-8b
+	$(PY) benchmarks/tensor_parallel.py --verifier llama-3.1-70b --layers 20 --contexts 32768 65536 \
+		--compile --out runs/tp-70b
+
 # Drafter training throughput under DDP (accelerate launch, NCCL) on the bundled pair, 1 and 2 GPUs.
 bench-ddp-training: $(STAMP)
 	$(PY) benchmarks/ddp_training.py --out runs/ddp-training $(or $(ARGS),--processes 1 2)

@@ -102,11 +102,13 @@ def model_config(name: str, tiny: bool = False):
     return config
 
 
-def build(name: str, device: torch.device, dtype: torch.dtype, tiny: bool):
-    """Random weights, created on ``device`` directly (no CPU copy of an 8B model)."""
+def build(name: str, device: torch.device, dtype: torch.dtype, tiny: bool, **overrides):
+    """Random weights, created on ``device`` directly (no CPU copy of an 8B model); ``overrides``: config fields."""
     from transformers import LlamaForCausalLM, Qwen2ForCausalLM
 
     config = model_config(name, tiny)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     cls = Qwen2ForCausalLM if config.model_type == "qwen2" else LlamaForCausalLM
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)

@@ -205,3 +205,28 @@ def test_tensor_parallel_verifier_under_torchrun(tmp_path, backend):
         env.update(CUDA_VISIBLE_DEVICES="", HF_SPARSEKV_GRAPHS="1")
     torchrun_two(_TP_SCRIPT, tmp_path, env, 240, str(tmp_path))
     assert all((tmp_path / f"rank{r}.ok").exists() for r in (0, 1))
+
+
+@pytest.mark.extended  # two processes under torchrun: about 10 s of CPU
+def test_tensor_parallel_benchmark_runs_on_cpu(tmp_path):
+    """benchmarks/tensor_parallel.py --tiny on the CPU (gloo, uncaptured steps): the one-process steps, then the same
+    steps sharded over two ranks (transformers' tp_plan, each rank holding half of the key/value heads), one row per
+    context and step with both times, and its JSON, table and plot."""
+    import importlib.util
+    import json
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    if str(bench) not in sys.path:
+        sys.path.insert(0, str(bench))
+    spec = importlib.util.spec_from_file_location("tensor_parallel", bench / "tensor_parallel.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--tiny", "--device", "cpu", "--contexts", "64", "128", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    assert [(r["context"], r["step"]) for r in rows] == [(L, s) for L in (64, 128)
+                                                         for s in ("ar", "verify", "draft-chunk-16")]
+    assert all(r["one_gpu_ms"] > 0 and r["tp_ms"] > 0 for r in rows)
+    assert "tensor parallel over 2" in (tmp_path / "table.md").read_text()
+    assert (tmp_path / "tp_speedup.png").exists()
