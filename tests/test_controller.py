@@ -134,11 +134,18 @@ class _Scripted(DraftController):
     def plain_steps(self, most):
         return min(most, 3)  # several plain steps to a sync, and still many switches
 
+    def observe(self, g, accepted, seconds, rounds=1):
+        self.bursts.append(rounds)
+        super().observe(g, accepted, seconds, rounds)
+
+    bursts: list = []  # the plain steps of each observed round, over every instance (reset by the fixture)
+
 
 @pytest.fixture
 def scripted(monkeypatch):
     static_engine.release_engines()
     monkeypatch.setattr(rounds_module, "DraftController", _Scripted)
+    _Scripted.bursts.clear()
     yield
     static_engine.release_engines()
 
@@ -201,6 +208,18 @@ def test_int4_self_speculation_rounds_of_every_width_are_lossless(scripted):
     reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=16), max_new_tokens=60, do_sample=False)
     assert torch.equal(out.sequences, reference)  # greedy AR on the INT8 view, whatever each round drafted
     assert len(out.spec_stats.width_rounds) >= 3
+    assert max(_Scripted.bursts) == 3  # plain steps three to a sync, across the store's groups of 16
+    # two rows of other lengths together: each crosses its groups at other steps of a burst
+    a, b = prompt(37, 10), prompt(58, 11)
+    batch = torch.cat([torch.cat([torch.zeros(1, 21, dtype=a.dtype), a], 1), b])
+    mask = torch.cat([torch.cat([torch.zeros(1, 21), torch.ones(1, 37)], 1), torch.ones(1, 58)]).long()
+    out = verifier.generate(batch, attention_mask=mask, assistant_model=verifier, max_new_tokens=50, do_sample=False,
+                            draft_cache=HierarchicalQuantCache(group_size=16))
+    for row, ids in enumerate((a, b)):
+        alone = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=16), max_new_tokens=50,
+                                  do_sample=False)
+        new = alone[0, ids.shape[1]:]
+        assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
 
 
 def test_the_default_controller_is_lossless_with_a_useless_and_a_perfect_drafter():

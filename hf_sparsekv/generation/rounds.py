@@ -210,7 +210,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             width = controller.choose(allowed)
             drafting = width > 0
             steps = 1  # plain steps chosen by the controller run several to a sync (as greedy AR on the engine)
-            if not drafting and allowed > 0 and not (host or tree or quant is not None):
+            if not drafting and allowed > 0 and not (host or tree):
                 room = max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
                 steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room))
             if drafting and quant is not None:
@@ -239,7 +239,11 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
                 fresh |= engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step", width or None)
-                for _ in range(steps - 1):
+                for i in range(1, steps):
+                    if quant is not None:  # each plain step sees its own quantization state (known on the host)
+                        for row in range(rows):
+                            if not done[row]:
+                                quant.flush_to(len(tokens[row]) - 1 + i, row)
                     engine.run_step("ar_step")
                 if steps > 1:  # each row's tokens from its n before the steps on
                     at = torch.tensor([[len(t) + i for i in range(steps)] for t in tokens], device=device)
