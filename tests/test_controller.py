@@ -120,8 +120,8 @@ class _Scripted(DraftController):
 
     SCRIPT = [8, 0, 3, 0, 0, 1, 6] + [0] * 40 + [2, 8, 8, 0, 4]
 
-    def __init__(self, gamma, fixed=None, seconds=None):
-        super().__init__(gamma, fixed, seconds)
+    def __init__(self, gamma, fixed=None, seconds=None, choices=None):
+        super().__init__(gamma, fixed, seconds, choices)
         self._script = itertools.cycle(self.SCRIPT)
 
     def choose(self, allowed=None):
@@ -157,6 +157,8 @@ SPECS = {
     "self-chunk": lambda v, d: dict(assistant_model=v, draft_cache="chunk", kv_budget=16),
     "self-window": lambda v, d: dict(assistant_model=v, draft_cache="window", kv_budget=12),
     "lookup": lambda v, d: dict(prompt_lookup_num_tokens=8),
+    "tree-chunk": lambda v, d: dict(assistant_model=d, kv_budget=16, draft_tree_size=12),
+    "tree-window": lambda v, d: dict(assistant_model=d, draft_cache="window", kv_budget=12, draft_tree_size=8),
 }
 
 
@@ -173,7 +175,9 @@ def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
         assert torch.equal(out.sequences, greedy), (arch, mode, seed)
         stats = out.spec_stats
         # (retrieval drafts only where the text so far repeats: a random prompt gives few rounds with drafts)
-        assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= (3 if mode == "lookup" else 4), stats.width_rounds
+        # (a tree engine offers its tree or a plain step)
+        kinds = 2 if mode.startswith("tree") else 3 if mode == "lookup" else 4
+        assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= kinds, stats.width_rounds
         assert stats.drafted == sum(w * r for w, r in stats.width_rounds.items())
         assert sum(stats.width_rounds.values()) == stats.rounds
 
@@ -265,7 +269,7 @@ def test_sampled_rounds_of_every_width_keep_the_exact_distribution(scripted, mon
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("mode", ["chunk", "self-window", "lookup"])
+@pytest.mark.parametrize("mode", ["chunk", "self-window", "lookup", "tree-chunk"])
 def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_cuda_float32, mode):
     """The captured steps of every width (and the lag catch-ups) on CUDA graphs."""
     import copy
@@ -279,7 +283,7 @@ def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_c
     assert torch.equal(out.sequences, greedy)
     engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
-    assert len(out.spec_stats.width_rounds) >= 4
+    assert len(out.spec_stats.width_rounds) >= (2 if mode.startswith("tree") else 4)
 
 
 @pytest.mark.cuda

@@ -71,13 +71,15 @@ def interpolated(seconds: dict[int, float], g: int) -> float | None:
 
 class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
-    ``fixed``: a constant number of drafts (no choice; ``None``: choose among :func:`widths`); ``seconds``: the
-    round times measured so far (width -> seconds), kept by the engine across calls (its steps cost the same)."""
+    ``fixed``: a constant number of drafts (no choice; ``None``: choose among ``choices``, default :func:`widths`;
+    a tree engine offers ``(γ,)``: its tree or a plain step); ``seconds``: the round times measured so far (width ->
+    seconds), kept by the engine across calls (its steps cost the same)."""
 
-    def __init__(self, gamma: int, fixed: int | None = None, seconds: dict | None = None):
+    def __init__(self, gamma: int, fixed: int | None = None, seconds: dict | None = None,
+                 choices: tuple[int, ...] | None = None):
         self.gamma = gamma
         self.fixed = fixed
-        self.widths = widths(gamma) if fixed is None else (fixed,)
+        self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
         self.trials = [0.0] * gamma  # decayed trials and acceptances of depths 1..gamma (index i - 1)
         self.hits = [0.0] * gamma
         self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth

@@ -548,12 +548,17 @@ class StaticEngine:
         if self.lagging:
             self.held.copy_(self.n - 1)  # the catch-up's warm-up then writes past the sequence only
         self.run_step("ar_logits" if self.spec.host else "ar_step", run=False)
-        names = ["verify_logits" if self.spec.host else "verify"] + ([] if self.spec.mode == "lookup" else ["draft"])
+        if self.grows_tree:  # a tree of its one size, or a plain step
+            verify = "tree_logits" if self.spec.host else "verify_tree"
+        else:
+            verify = "verify_logits" if self.spec.host else "verify"
+        names = [verify] + ([] if self.spec.mode == "lookup" else ["draft"])
         for width in widths:
             for name in names:
                 self.run_step(name, width, run=False)
         if self.lagging:  # what the drafter missed in plain rounds: one token, or blocks of LAG_BLOCK (their warm-ups
-            self.run_step("catch_up", run=False)  # write from the slot of n - 1 on, as every draft step's does)
+            if not self.grows_tree:  # write from the slot of n - 1 on, as every draft step's does; a tree's draft
+                self.run_step("catch_up", run=False)  # step reads up to γ + 1 missed tokens itself)
             self.run_step("catch_up_lag", run=False)
 
     def _capture(self, step: CapturedStep) -> None:

@@ -35,7 +35,7 @@ DEFAULT_GAMMA = 5  # drafts per round of a constant γ when none is given (num_a
 ADAPTIVE_GAMMA = 8  # the most drafts a round may verify when the controller chooses (:mod:`.controller`)
 # stock's schedules: "constant" keeps γ; its adaptive ones are served by the controller
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
-ADAPTIVE_MODES = ("chunk", "window", "full", "int4", "lookup")  # chains; trees and retrieval beside keep γ
+ADAPTIVE_MODES = ("chunk", "window", "full", "int4", "lookup")  # (retrieval beside a drafter keeps γ)
 
 # Generation options this path does not serve (the logits processors stock builds from the rest of the config,
 # repetition penalty, n-gram and bad-word bans included, are applied: sampling.stock_processors).
@@ -520,7 +520,9 @@ def speculative_generate(
             _retrieval_beside(mode)
     tree_size = _tree_size(draft_tree_size, mode, gamma)
     # (tensor parallelism: every rank must run the same steps, and each would choose from its own clock)
-    adaptive = adaptive and mode in ADAPTIVE_MODES and tree_size is None and not retrieval and _tp_size(model) == 1
+    # (a tree: its one size or a plain step, with a separate drafter, which catches up after plain steps)
+    adaptive = (adaptive and mode in ADAPTIVE_MODES and (tree_size is None or assistant_model is not model)
+                and not retrieval and _tp_size(model) == 1)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1:
         one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block

@@ -96,12 +96,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
     lookup = engine.spec.mode == "lookup"  # retrieval: drafts come with each step; rows without a match draft nothing
     beside = bool(engine.spec.retrieval)  # retrieval beside a drafter: a round with a match verifies a tree
-    always_tree = engine.grows_tree  # draft_tree_size: every round a tree (whose
-    # draft step first feeds the drafter what it has not read: no catch-up step)
+    always_tree = engine.grows_tree  # draft_tree_size: every drafting round a tree (whose
+    # draft step first feeds the drafter what it has not read, up to γ + 1 tokens: no catch-up step)
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
     fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
-    controller = DraftController(gamma, fixed, engine.round_seconds)
+    controller = DraftController(gamma, fixed, engine.round_seconds, (gamma,) if always_tree else None)
     lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:
@@ -195,7 +195,6 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             allowed = gamma  # the most drafts this round may verify
             if lookup and not matched:  # one verifier step when no live row found a match (the report said so)
                 allowed = 0
-            tree = always_tree or (beside and matched)  # the round verifies a tree (the drafts, grafted retrieval)
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
                 for row in range(rows):
                     if not done[row]:
@@ -209,6 +208,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
             width = controller.choose(allowed)
             drafting = width > 0
+            tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
+            # grafted retrieval)
             steps = 1  # plain steps chosen by the controller run several to a sync (as greedy AR on the engine)
             if not drafting and allowed > 0 and not (host or tree):
                 room = max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
@@ -217,7 +218,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
             if lagging:  # a separate drafter reads what it missed (rounds without drafts) before it drafts
-                if drafting and max(behind) == 1:
+                if always_tree and max(behind) <= gamma:  # the tree's draft step feeds up to γ + 1 tokens itself
+                    pass
+                elif drafting and max(behind) == 1:
                     fresh |= engine.run_step("catch_up")
                 elif drafting and max(behind) > 1:
                     engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
@@ -270,10 +273,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token, and a self-drafting verify step writes the drafter's cache), nor
                 # the tokens of a kept path off the chain; feeding it again to the other rows rewrites what they hold
-                if quant is not None or engine.drafter is None or done[row] or always_tree:
+                if quant is not None or engine.drafter is None or done[row] or (always_tree and not lagging):
                     continue
-                if lagging:
-                    behind[row] += steps if not drafting else int(a == width)
+                if lagging:  # (a tree round: its draft step read up to the root; the kept tokens after it are new)
+                    behind[row] += steps if not drafting else a if always_tree else int(a == width)
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
                 elif drafting and a == width and catch_up is None and not engine.self_drafting:
