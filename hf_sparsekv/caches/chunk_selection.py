@@ -45,8 +45,10 @@ import torch.nn.functional as F
 from .base import is_integer
 
 METHODS = ("observed", "cumulative")
-SCORE_BLOCK = 64  # queries scored at a time: float32 logits and probabilities of 64·Hq·P each per layer (0.5 GiB at
-# 64K and 32 heads); the 512 observed queries take 8 blocks
+SCORE_BLOCK = 64  # the fewest queries scored at a time: float32 logits and probabilities of 64·Hq·P each per layer
+# (0.5 GiB at 64K and 32 heads); the 512 observed queries take 8 blocks
+SCORE_ELEMENTS = 2**25  # more queries to a block while a block's logits (queries·Hq·P) stay within this (128 MiB):
+# a short prompt's 512 observed queries in one block (each block is about ten eager kernels a layer at the prefill)
 
 
 @dataclass(frozen=True)
@@ -117,16 +119,19 @@ def as_selection(selection: "ChunkSelection | str", per_kv_head: bool = False,
 
 
 def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float, score_window: int | None = None,
-                         block_size: int = SCORE_BLOCK) -> torch.Tensor:
+                         block_size: int | None = None) -> torch.Tensor:
     """Attention mass each key receives from causal queries, summed over queries, in float32.
 
     query: ``[B, Hq, P, D]`` (prompt queries at positions 0..P-1), key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv.
     Only the last ``score_window`` queries vote when it is given. Computed ``block_size`` queries at a time, so
     memory is O(block_size·P), never P×P: each KV head's keys are read once by its group of query heads (no copy
     repeated per query head), the causal mask touches only the keys a block's queries can hide (from the block's
-    first position on), and one fused softmax normalises each row. Returns ``[B, Hq, P]``.
+    first position on), and one fused softmax normalises each row. ``block_size`` (default: as many queries as keep
+    a block's logits within :data:`SCORE_ELEMENTS`, at least :data:`SCORE_BLOCK`). Returns ``[B, Hq, P]``.
     """
     b, hq, p, d = query.shape
+    if block_size is None:
+        block_size = max(SCORE_BLOCK, SCORE_ELEMENTS // (b * hq * p))
     kv_heads = key.shape[1]
     group = hq // kv_heads
     k = key.float().transpose(-1, -2)  # [B, Hkv, D, P]
