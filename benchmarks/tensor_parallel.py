@@ -257,6 +257,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     if args.rank_worker:
         return rank_worker(args)
+    os.environ["HF_SPARSEKV_COMPILE"] = "1" if args.compile else "0"  # this process's steps and the ranks' alike
     checkpoint(args)
     single = None
     if not args.skip_single:

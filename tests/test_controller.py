@@ -119,10 +119,13 @@ class _Scripted(DraftController):
     width, single rounds without drafts and runs of more than a catch-up block (32) of them."""
 
     SCRIPT = [8, 0, 3, 0, 0, 1, 6] + [0] * 40 + [2, 8, 8, 0, 4]
+    # a tree engine (its tree or a plain step): trees in a row, after a few plain steps (the tree's draft step reads
+    # them), and after more than γ + 1 and more than a catch-up block of them (lag catch-ups first)
+    TREE_SCRIPT = [8, 8, 0, 8, 0, 0, 8] + [0] * 12 + [8, 8]
 
     def __init__(self, gamma, fixed=None, seconds=None, choices=None):
         super().__init__(gamma, fixed, seconds, choices)
-        self._script = itertools.cycle(self.SCRIPT)
+        self._script = itertools.cycle(self.TREE_SCRIPT if choices else self.SCRIPT)
 
     def choose(self, allowed=None):
         if self.fixed is not None:
@@ -158,15 +161,24 @@ SPECS = {
     "self-window": lambda v, d: dict(assistant_model=v, draft_cache="window", kv_budget=12),
     "lookup": lambda v, d: dict(prompt_lookup_num_tokens=8),
     "tree-chunk": lambda v, d: dict(assistant_model=d, kv_budget=16, draft_tree_size=12),
-    "tree-window": lambda v, d: dict(assistant_model=d, draft_cache="window", kv_budget=12, draft_tree_size=8),
+    "tree-window": lambda v, d: dict(assistant_model=d, draft_cache="window", kv_budget=12, draft_tree_size=12),
 }
 
 
 @pytest.mark.parametrize("arch", [a if a == "llama" else pytest.param(a, marks=pytest.mark.extended) for a in ARCHS])
 @pytest.mark.parametrize("mode", sorted(SPECS))
-def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
+def test_rounds_of_every_width_are_lossless(scripted, monkeypatch, arch, mode):
     verifier = tiny_model(arch)
     drafter = tiny_model(arch, role="drafter")
+    clean = []  # a tree on a ring: before each tree the drafter holds nothing at or past n (its block would see it)
+    draft = static_engine.StaticEngine._draft
+
+    def checked_draft(engine, width=None):
+        if engine.grows_tree and mode == "tree-window":  # (the window's slots hold real positions)
+            clean.append(not bool((engine.drafter_cache.slot_positions >= engine.n[:, None]).any()))
+        draft(engine, width)
+
+    monkeypatch.setattr(static_engine.StaticEngine, "_draft", checked_draft)
     for seed in (0, 1):
         ids = prompt(40 + 9 * seed, seed)
         greedy = verifier.generate(ids, max_new_tokens=70, do_sample=False)
@@ -178,6 +190,10 @@ def test_rounds_of_every_width_are_lossless(scripted, arch, mode):
         # (a tree engine offers its tree or a plain step)
         kinds = 2 if mode.startswith("tree") else 3 if mode == "lookup" else 4
         assert stats.ar_rounds >= 30 and len(stats.width_rounds) >= kinds, stats.width_rounds
+        if mode.startswith("tree"):
+            steps = static_engine.current_engine(verifier).steps
+            assert stats.width_rounds[8] >= 6 and "verify_tree" in steps and "catch_up_lag" in steps, stats
+            assert mode != "tree-window" or (len(clean) >= 6 and all(clean)), clean
         assert stats.drafted == sum(w * r for w, r in stats.width_rounds.items())
         assert sum(stats.width_rounds.values()) == stats.rounds
 

@@ -226,3 +226,24 @@ def test_self_drafting_verification_writes_the_drafters_cache(arch):
         for a, b in zip(engine.verifier_cache.sequence(i, 0, 0, p + new - 1),
                         engine.drafter_cache.sequence(i, 0, 0, p + new - 1)):
             assert torch.equal(a, b)
+
+
+def test_self_drafting_with_retrieval_leaves_no_hole_in_the_drafters_cache():
+    """Retrieval beside a self-drafter verifies trees, whose forward does not write the drafter's cache: after a
+    tree round that kept every draft, the last draft is fed to the drafter before the next round, so the drafter
+    holds every position of the sequence but the last round's (float64, greedy's tokens)."""
+    from hf_sparsekv.generation import engine as static_engine
+
+    model = tiny_model("llama")
+    base = prompt(30, seed=6)
+    ids = torch.cat([base, base, base[:, :12]], 1)  # repeats: retrieval finds matches
+    new = 40
+    out = model.generate(ids, assistant_model=model, draft_cache="full", prompt_lookup_num_tokens=3,
+                         num_assistant_tokens=3, max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                         return_dict_in_generate=True)
+    assert torch.equal(out.sequences, model.generate(ids, max_new_tokens=new, min_new_tokens=new, do_sample=False))
+    engine = static_engine.current_engine(model)
+    assert "verify_tree" in engine.steps and out.spec_stats.acceptance_rate == 1.0  # trees, each keeping the chain
+    held = engine.drafter_cache.slot_positions[0]
+    length = out.sequences.shape[1] - 5  # (the last round's tokens may still wait for their catch-up)
+    assert torch.equal(held[:length], torch.arange(length)), (held[:length] < 0).nonzero().flatten().tolist()

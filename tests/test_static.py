@@ -439,6 +439,8 @@ def compiled_steps(fresh_engines, monkeypatch):
 @pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5),
                                              ("qwen2", "int4", 3)])
 def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
+    from torch._dynamo.utils import counters
+
     verifier, drafter = tiny_model(arch), tiny_model(arch, role="drafter")
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     for length in (5, 300):
@@ -455,7 +457,10 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
         # every step compiled; a chain's draft step replays its one-token drafter step, compiled once for all widths
         assert engine.compiled and all(step.fn is not step.eager_fn for key, step in engine.steps.items()
                                        if "draft" not in key)
-        assert engine._compiled_draft_token is not None
+        graphs = counters["stats"]["unique_graphs"]
+        with torch.no_grad(), graph_steps.static_attention_for(verifier, engine.drafter):
+            engine.run_step("draft", 1)  # another width: the same compiled code
+        assert engine._compiled_draft_token is not None and counters["stats"]["unique_graphs"] == graphs
 
 
 _TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the later ones are extended

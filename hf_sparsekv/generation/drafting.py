@@ -243,14 +243,15 @@ def catch_up(engine) -> None:
 def catch_up_block(engine, offsets: torch.Tensor | None = None) -> None:
     """After a tree round whose kept path left the chain: feed the drafter ``seq[held .. held+γ]`` at their
     positions, the tokens it has not read (at most γ + 1: a round moves the sequence by at most that much); it then
-    holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale and land where the next steps
-    write over them. ``offsets`` (``arange(L)``): a block of L tokens instead (:func:`catch_up_lag`), after which the
-    drafter holds the positions before ``min(held + L, n - 1)``."""
+    holds every position before ``n - 1``. The block's tokens past ``n - 1`` are stale: their slots are marked
+    empty (on a ring, a later tree block would see them). ``offsets`` (``arange(L)``): a block of L tokens instead
+    (:func:`catch_up_lag`), after which the drafter holds the positions before ``min(held + L, n - 1)``."""
     offsets = engine.block_offsets if offsets is None else offsets
     positions = engine.held[:, None] + offsets
     tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
     static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,
                    engine.drafter_keyword)
+    engine.drafter_cache.forget(positions < engine.n[:, None])
     engine.held.copy_(torch.minimum(engine.held + offsets.numel(), engine.n - 1))
 
 

@@ -279,8 +279,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     behind[row] += steps if not drafting else a if always_tree else int(a == width)
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
-                elif drafting and a == width and catch_up is None and not engine.self_drafting:
-                    catch_up = "catch_up"
+                elif drafting and a == width and catch_up is None and not (engine.self_drafting and not tree):
+                    catch_up = "catch_up"  # (a self-drafting chain's verify step wrote the drafter's cache; a tree's not)
             now = time.perf_counter()
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
             last, fresh = now, False
