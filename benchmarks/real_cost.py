@@ -143,6 +143,23 @@ def time_graph_step(engine, name: str, device, repeats: int, warmup: int) -> flo
     return statistics.median(times)
 
 
+def engine_step_seconds(verifier, drafter, mode: str, budget, gamma: int, prompts: list, device, repeats: int,
+                        warmup: int, *names: str) -> list[float]:
+    """A fresh engine of ``mode`` (the previous one released with its caches), prefilled with ``prompts`` (one row
+    each, room for 64 more tokens): the median seconds of each step of ``names`` (:func:`time_graph_step`)."""
+    from hf_sparsekv.generation import engine as static_engine
+
+    static_engine.release_engines()  # free the previous configuration's caches (they hold the whole batch)
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    length = max(p.shape[1] for p in prompts)
+    engine = static_engine.engine_for(verifier, drafter, mode, budget, 1 if mode == "ar" else gamma, length + 64, 64,
+                                      device.type == "cuda", batch=len(prompts))
+    engine.prefill(prompts)
+    return [time_graph_step(engine, n, device, repeats, warmup) for n in names]
+
+
 def measure_pair(pair: str, args, device, dtype) -> list[dict]:
     """Per-step seconds on the path ``generate()`` takes on CUDA: the static engine's steps (captured as CUDA graphs
     on CUDA; on CPU run as they are). ``draft-*`` is one draft round divided by γ."""
@@ -153,21 +170,14 @@ def measure_pair(pair: str, args, device, dtype) -> list[dict]:
     verifier, drafter = build(v_name, device, dtype, args.tiny), build(d_name, device, dtype, args.tiny)
     vocab = verifier.config.vocab_size
     g = args.gamma
-    use_graphs = device.type == "cuda"
     rows = []
     for L, batch in ((L, B) for L in args.contexts for B in args.batches):
         prompts = [torch.randint(0, vocab, (1, L), device=device)] * batch
         steps = {}
 
         def timed(mode, budget, draft_model, *names):
-            static_engine.release_engines()  # free the previous configuration's caches (they hold the whole batch)
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-            engine = static_engine.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else g, L + 64, 64,
-                                           use_graphs, batch=batch)
-            engine.prefill(prompts)
-            return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
+            return engine_step_seconds(verifier, draft_model, mode, budget, g, prompts, device, args.repeats,
+                                       args.warmup, *names)
 
         with torch.no_grad(), static_attention_for(verifier, drafter):
             (steps["ar"],) = timed("ar", None, None, "ar_step")

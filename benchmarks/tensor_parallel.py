@@ -35,7 +35,7 @@ import torch
 
 import hf_sparsekv  # noqa: F401  (registers the attention implementations the models are built with)
 from provenance import commit
-from real_cost import SHAPES, build, time_graph_step
+from real_cost import SHAPES, build, engine_step_seconds, time_graph_step
 
 DRAFTER = "llama-3.2-1b"
 
@@ -91,22 +91,16 @@ def step_times(verifier, drafter, args, device) -> dict[int, dict[str, float]]:
     from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
-    use_graphs = device.type == "cuda"
     vocab = verifier.config.vocab_size
     out = {}
     for L in args.contexts:
         torch.manual_seed(L)
-        prompt = torch.randint(0, vocab, (1, L), device=device)
+        prompts = [torch.randint(0, vocab, (1, L), device=device)]
         steps = {}
 
         def timed(mode, budget, draft_model, *names):
-            static_engine.release_engines()
-            if use_graphs:
-                torch.cuda.empty_cache()
-            engine = static_engine.engine_for(verifier, draft_model, mode, budget, 1 if mode == "ar" else args.gamma,
-                                              L + 64, 64, use_graphs)
-            engine.prefill([prompt])
-            return [time_graph_step(engine, n, device, args.repeats, args.warmup) for n in names]
+            return engine_step_seconds(verifier, draft_model, mode, budget, args.gamma, prompts, device,
+                                       args.repeats, args.warmup, *names)
 
         with torch.no_grad(), static_attention_for(verifier, drafter):
             (steps["ar"],) = timed("ar", None, None, "ar_step")

@@ -147,6 +147,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         engine.commit([e for _, e, _ in results], [a for a, _, _ in results], kept if tree else None)
         return results
 
+    def flush(store, ahead: int) -> None:
+        """Bring a quantized store's live rows to the state of a step that starts ``ahead`` past their last token."""
+        for row in range(rows):
+            if not done[row]:
+                store.flush_to(len(tokens[row]) - 1 + ahead, row)
+
     retired = None  # how many rows the device's ``live`` last knew finished: a copy only when one has finished since
 
     def retire_finished() -> None:
@@ -196,15 +202,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             if lookup and not matched:  # one verifier step when no live row found a match (the report said so)
                 allowed = 0
             if drafter_store is not None:  # the drafter's forwards this round start at n - 2 (a catch-up) or later
-                for row in range(rows):
-                    if not done[row]:
-                        drafter_store.flush_to(len(tokens[row]) - 2, row)
+                flush(drafter_store, -1)
             if quant is not None:  # self-speculation: quantize each row up to this round's state, then keep no token
-                rooms = []  # that would see another state; a round in which no row can keep a draft runs one
-                for row in range(rows):  # verifier step instead
-                    if not done[row]:
-                        quant.flush_to(len(tokens[row]) - 1, row)
-                    rooms.append(quant.room(len(tokens[row]) - 1))
+                flush(quant, 0)  # that would see another state; a round in which no row can keep a draft runs one
+                rooms = [quant.room(len(t) - 1) for t in tokens]  # verifier step instead
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
             width = controller.choose(allowed)
             drafting = width > 0
@@ -218,11 +219,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
             if lagging:  # a separate drafter reads what it missed (rounds without drafts) before it drafts
-                if always_tree and max(behind) <= gamma:  # the tree's draft step feeds up to γ + 1 tokens itself
-                    pass
-                elif drafting and max(behind) == 1:
+                if drafting and max(behind) == 1 and not always_tree:
                     fresh |= engine.run_step("catch_up")
-                elif drafting and max(behind) > 1:
+                elif drafting and max(behind) > (gamma if always_tree else 1):  # (a tree's draft step reads up to
+                    # γ + 1 missed tokens itself)
                     engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
                                       non_blocking=True)
                     for _ in range(-(-max(behind) // LAG_BLOCK)):
@@ -244,9 +244,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 fresh |= engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step", width or None)
                 for i in range(1, steps):
                     if quant is not None:  # each plain step sees its own quantization state (known on the host)
-                        for row in range(rows):
-                            if not done[row]:
-                                quant.flush_to(len(tokens[row]) - 1 + i, row)
+                        flush(quant, i)
                     engine.run_step("ar_step")
                 if steps > 1:  # each row's tokens from its n before the steps on
                     at = torch.tensor([[len(t) + i for i in range(steps)] for t in tokens], device=device)
@@ -280,7 +278,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
                 elif drafting and a == width and catch_up is None and not (engine.self_drafting and not tree):
-                    catch_up = "catch_up"  # (a self-drafting chain's verify step wrote the drafter's cache; a tree's not)
+                    catch_up = "catch_up"  # (a self-drafting chain's verify step wrote the drafter's cache; a tree's
+                    # did not)
             now = time.perf_counter()
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
             last, fresh = now, False
