@@ -10,8 +10,11 @@ host work together, so nothing is synchronised for timing) and each live row's a
   both counted with an exponential decay (a round with ``a`` of ``g`` accepted tried depths 1..min(a+1, g)), shrunk
   towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
   instead of an old estimate that no round corrects.
-* ``t(g)``: a moving average of the measured round seconds of each width; a width not yet measured is interpolated
-  linearly between measured drafting widths (or extrapolated from their per-draft slope), never below a plain step.
+* ``t(g)``: the median of each width's last ``WINDOW`` measured round seconds. A width counts its own median once it
+  has ``TRUST`` samples (one slow sample, such as a graph's first replay or a host hiccup, would otherwise keep a
+  width from ever being chosen and measured again); until then, and for a width never measured, ``t(g)`` is
+  interpolated linearly between the trusted drafting widths (or extrapolated from their per-draft slope; while fewer
+  than two are trusted, from every measured drafting width), never below a plain step.
   Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
   fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
   (compilation, CUDA-graph capture) is not a sample.
@@ -31,11 +34,13 @@ same (sampling).
 from __future__ import annotations
 
 import math
+import statistics
 
 LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
 DECAY = 0.95  # weight of the past acceptance counts at each new trial (the same depth; the pooled ones per trial)
 SHRINK = 4.0  # pseudo-trials at the pooled rate in each depth's estimate
-TIME_RATE = 0.2  # moving-average weight of a new round time
+WINDOW = 7  # round times kept per width (the median of these is its time)
+TRUST = 3  # samples before a width's own median is used instead of its neighbours' line
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
@@ -72,10 +77,10 @@ def interpolated(seconds: dict[int, float], g: int) -> float | None:
 class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
     ``fixed``: a constant number of drafts (no choice; ``None``: choose among ``choices``, default :func:`widths`;
-    a tree engine offers ``(γ,)``: its tree or a plain step); ``seconds``: the round times measured so far (width ->
-    seconds), kept by the engine across calls (its steps cost the same)."""
+    a tree engine offers ``(γ,)``: its tree or a plain step); ``samples``: the round times measured so far (width ->
+    the last ``WINDOW`` seconds), kept by the engine across calls (its steps cost the same)."""
 
-    def __init__(self, gamma: int, fixed: int | None = None, seconds: dict | None = None,
+    def __init__(self, gamma: int, fixed: int | None = None, samples: dict | None = None,
                  choices: tuple[int, ...] | None = None):
         self.gamma = gamma
         self.fixed = fixed
@@ -83,8 +88,10 @@ class DraftController:
         self.trials = [0.0] * gamma  # decayed trials and acceptances of depths 1..gamma (index i - 1)
         self.hits = [0.0] * gamma
         self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth
-        self.seconds = {} if seconds is None else seconds  # width (0: a plain step) -> moving-average round seconds
+        self.samples = {} if samples is None else samples  # width (0: a plain step) -> its last round seconds
+        self.seconds = {w: statistics.median(v) for w, v in self.samples.items()}  # width -> median round seconds
         self.plain_run = 0  # plain rounds since the last drafting round
+        self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self.explorations = 0
 
     # ---- the model
@@ -109,13 +116,17 @@ class DraftController:
         if g == 0:
             return self.seconds.get(0)
         drafting = {w: s for w, s in self.seconds.items() if w > 0}
-        t = interpolated(drafting if len(drafting) >= 2 else self.seconds, g)
+        trusted = {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
+        t = interpolated(trusted if len(trusted) >= 2 else drafting if len(drafting) >= 2 else self.seconds, g)
         plain = self.seconds.get(0)
         return t if t is None or plain is None else max(t, plain)
 
     def rate(self, g: int) -> float:
-        t = self.round_seconds(g)
-        return 0.0 if t is None else self.expected_tokens(g) / t
+        """E[tokens | g] / t(g) (0 while nothing is measured); kept until the next observation."""
+        if g not in self._rates:
+            t = self.round_seconds(g)
+            self._rates[g] = 0.0 if t is None else self.expected_tokens(g) / t
+        return self._rates[g]
 
     def best_drafting(self) -> int:
         return max(self.widths, key=self.rate)
@@ -161,6 +172,7 @@ class DraftController:
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
         not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time."""
+        self._rates.clear()
         if g == 0:
             self.plain_run += rounds
         else:
@@ -172,5 +184,7 @@ class DraftController:
                     self.hits[i] = DECAY * self.hits[i] + hit
                     self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
         if seconds is not None:
-            old = self.seconds.get(g)
-            self.seconds[g] = seconds if old is None else old + TIME_RATE * (seconds - old)
+            kept = self.samples.setdefault(g, [])
+            kept.append(seconds)
+            del kept[:-WINDOW]
+            self.seconds[g] = statistics.median(kept)

@@ -249,7 +249,7 @@ class StaticEngine:
                                for device in c.layer_devices if device.type == "cuda"} - {device.index})
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
-        self.round_seconds: dict[int, float] = {}  # the draft-length controller's round times by width
+        self.round_times: dict[int, list[float]] = {}  # the draft-length controller's last round times by width
         self.compiled = spec.compiled
         self._compiled_draft_token = None
 

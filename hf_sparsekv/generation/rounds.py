@@ -101,7 +101,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
     fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
-    controller = DraftController(gamma, fixed, engine.round_seconds, (gamma,) if always_tree else None)
+    controller = DraftController(gamma, fixed, engine.round_times, (gamma,) if always_tree else None)
     lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:
