@@ -357,3 +357,15 @@ def test_the_8b_projection_of_the_controllers_choice(tmp_path):
     assert {r["mode"] for r in rows} == {"chunk-1024", "window-1024", "full", "int4"} and len(rows) >= 12
     for r in rows:
         assert r["chosen_speed"] >= r["gamma5_speed"] - 1e-12 and 0.99 <= r["vs_best"] <= 1.0 + 1e-12
+
+
+def test_burst_tokens_are_read_from_each_rows_own_position():
+    """``_after``: each live row's k tokens from its own n (rows at different lengths), the tail columns after them,
+    against indexing the whole sequence on the host."""
+    seq = torch.arange(40).reshape(2, 20)
+    tail = torch.tensor([[100], [200]])
+    n, k = [5, 9], 4
+    whole = seq.tolist()
+    assert rounds_module._after(seq, n, k, [False, False]) == [whole[0][5:9], whole[1][9:13]]
+    assert rounds_module._after(seq, n, k, [False, False], tail) == [whole[0][5:9] + [100], whole[1][9:13] + [200]]
+    assert rounds_module._after(seq, [17, 3], 4, [False, True])[0] == whole[0][17:20]  # cut at the end, row 1 finished

@@ -57,6 +57,18 @@ class _EventTimer:
         return total
 
 
+def _after(seq: torch.Tensor, n: list[int], k: int, done: list[bool], tail: torch.Tensor | None = None) -> list:
+    """Each row's ``k`` tokens of ``seq [B, L]`` from its position ``n[b]`` on (a finished row's from the live rows'
+    span; the caller drops them), followed by ``tail [B, m]``'s row: one device-to-host copy of the columns the live
+    rows wrote, not of the whole sequence."""
+    live = [m for m, d in zip(n, done) if not d] or n
+    lo, hi = min(live), min(max(live) + k, seq.shape[1])
+    block = seq[:, lo:hi] if tail is None else torch.cat([seq[:, lo:hi], tail], 1)
+    rows = block.tolist()  # the one sync
+    width = hi - lo
+    return [r[min(max(m - lo, 0), width) : min(max(m - lo, 0), width) + k] + r[width:] for r, m in zip(rows, n)]
+
+
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
                               streamed_prompt: torch.Tensor | None = None):
     """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
@@ -189,11 +201,11 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 for _ in range(k):
                     engine.run_step("ar_step")
                 timer.mark("verify", False)
-                new = engine.seq.tolist()
+                new = _after(engine.seq, n, k, done)
                 for row in range(rows):
                     if not done[row]:
                         stats[row].rounds += min(k, rules[row].max_length - n[row])
-                        accept(row, new[row][n[row] : n[row] + k])
+                        accept(row, new[row])
                 retire_finished()
                 continue
             rooms = [gamma + 1] * rows
@@ -247,8 +259,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                         flush(quant, i)
                     engine.run_step("ar_step")
                 if steps > 1:  # each row's tokens from its n before the steps on
-                    at = torch.tensor([[len(t) + i for i in range(steps)] for t in tokens], device=device)
-                    new = torch.cat([engine.seq.gather(1, at), engine.report[:, -1:]], 1).tolist()  # one sync
+                    new = _after(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:])
                     found = [r[-1] for r in new]
                     rounds = [(0, new[row][:-1], CHAIN) for row in range(rows)]
                 else:
