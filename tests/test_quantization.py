@@ -111,3 +111,30 @@ def test_memory_below_half_of_fp16_for_long_contexts():
     cache.update(k, k.clone(), 0)
     fp16_bytes = 2 * k.numel() * 2
     assert cache.nbytes() < 0.6 * fp16_bytes
+
+
+def test_static_store_reads_any_span_as_verification_sees_it():
+    """The static store's ``sequence(layer, row, start, end)`` (the returned cache of an int4 call) dequantizes only the
+    groups a span needs: it equals the whole INT8 view (every code dequantized, then the full-precision buffer) cut to
+    the span, for spans inside the codes, across their end, inside the buffer, and of one token."""
+    from hf_sparsekv.caches.static import StaticQuantCache
+    from hf_sparsekv.generation import engine as static_engine
+    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+    from .conftest import prompt, tiny_model
+
+    model = tiny_model("llama")
+    n = 150
+    model.generate(prompt(n - 20, seed=2), assistant_model=model, draft_cache=HierarchicalQuantCache(group_size=16), max_new_tokens=20,
+                   min_new_tokens=20, do_sample=False)
+    store = static_engine.current_engine(model).verifier_cache
+    assert isinstance(store, StaticQuantCache)
+    t, g = store.quantized[0], store.group_size
+    assert 0 < t < n - 1 and t % g == 0
+    for i in (0, len(store.layers) - 1):
+        layer = store.layers[i]
+        codes = [QuantizedTensor(q.upper[:1], q.lower[:1], q.scale[:1], q.zero[:1]) for q in (layer.qkeys, layer.qvalues)]
+        whole = (torch.cat([dequantize_keys(codes[0], g, True, layer.keys.dtype)[:, :, :t], layer.keys[:1, :, : n - t]], -2),
+                 torch.cat([dequantize_values(codes[1], True, layer.values.dtype)[:, :, :t], layer.values[:1, :, : n - t]], -2))
+        for start, end in ((0, n - 1), (0, t), (g // 2, t - 3), (t - 5, t + 7), (t, n - 1), (t + 3, t + 4), (g + 1, g + 2)):
+            keys, values = store.sequence(i, 0, start, end)
+            assert torch.equal(keys, whole[0][:, :, start:end]) and torch.equal(values, whole[1][:, :, start:end])

@@ -706,13 +706,18 @@ class StaticQuantCache(PreallocatedCache):
         codes, later ones from its full-precision buffer (``end`` at most the positions the row holds)."""
         from ..kernels.quant_reference import QuantizedTensor, dequantize_keys, dequantize_values
 
-        layer, t, r = self.layers[layer_idx], self.quantized[row], slice(row, row + 1)
-        codes = [QuantizedTensor(q.upper[r], q.lower[r], q.scale[r], q.zero[r]) for q in (layer.qkeys, layer.qvalues)]
-        dtype, buffered = layer.keys.dtype, max(end - t, 0)
-        keys = torch.cat([dequantize_keys(codes[0], self.group_size, True, dtype)[:, :, :t],
-                          layer.keys[r, :, :buffered]], -2)
-        values = torch.cat([dequantize_values(codes[1], True, dtype)[:, :, :t], layer.values[r, :, :buffered]], -2)
-        return keys[:, :, start:end], values[:, :, start:end]
+        layer, t, r, g = self.layers[layer_idx], self.quantized[row], slice(row, row + 1), self.group_size
+        # only the groups of codes that hold start..min(end, t) - 1 are dequantized (t is a multiple of G)
+        first, last = start // g * g, max(start, min(end, t))
+        groups, tokens = slice(first // g, -(-last // g)), slice(first, -(-last // g) * g)
+        k, v = layer.qkeys, layer.qvalues
+        keys = dequantize_keys(QuantizedTensor(k.upper[r, :, tokens], k.lower[r, :, tokens], k.scale[r, :, groups],
+                                               k.zero[r, :, groups]), g, True, layer.keys.dtype)
+        values = dequantize_values(QuantizedTensor(v.upper[r, :, tokens], v.lower[r, :, tokens], v.scale[r, :, tokens],
+                                                   v.zero[r, :, tokens]), True, layer.values.dtype)
+        held = slice(max(start, t) - t, max(end - t, 0))  # positions t.. are in the full-precision buffer
+        return (torch.cat([keys[:, :, start - first : last - first], layer.keys[r, :, held]], -2),
+                torch.cat([values[:, :, start - first : last - first], layer.values[r, :, held]], -2))
 
     def reset(self) -> None:
         super().reset()
