@@ -224,6 +224,34 @@ def test_stopping_criteria_like_stock():
     assert _ran_on_engine(verifier)
 
 
+class _Recording(StoppingCriteria):
+    """Keeps every ``input_ids`` it is handed (the tensor itself, not a copy) and a copy of it; never stops."""
+
+    def __init__(self):
+        self.kept, self.copies = [], []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        self.kept.append(input_ids)
+        self.copies.append(input_ids.clone())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_stopping_criteria_see_the_sequence_so_far_and_what_they_keep_stays():
+    """The rules hand criteria a view of a growing buffer (not the whole sequence converted again at every token): each
+    call sees the prompt and the tokens so far, as stock's does, and a tensor a criterion kept still holds those values
+    after the buffer grew and later tokens were written."""
+    verifier = tiny_model("llama")
+    ids = prompt(130, 8)  # the buffer starts at 2 x 131 tokens and grows once
+    theirs, ours = _Recording(), _Recording()
+    reference = verifier.generate(ids, max_new_tokens=150, do_sample=False, stopping_criteria=StoppingCriteriaList([theirs]))
+    out = verifier.generate(ids, max_new_tokens=150, do_sample=False, stopping_criteria=StoppingCriteriaList([ours]),
+                            assistant_model=_copy_of(verifier), kv_budget=24, num_assistant_tokens=4)
+    assert torch.equal(out, reference)
+    assert [c.tolist() for c in ours.copies] == [out[:, : ids.shape[1] + i + 1].tolist() for i in range(150)]
+    assert [c.tolist() for c in theirs.copies] == [c.tolist() for c in ours.copies]
+    assert all(torch.equal(k, c) for k, c in zip(ours.kept, ours.copies))
+
+
 def test_left_padded_attention_mask_like_stock():
     verifier = tiny_model("llama")
     ids = torch.cat([torch.zeros(1, 5, dtype=torch.long), prompt(30, 7)], dim=1)

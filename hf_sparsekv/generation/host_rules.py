@@ -38,6 +38,16 @@ class GreedyRules:
     logits_processor: LogitsProcessorList = field(default_factory=LogitsProcessorList)
     stopping_criteria: StoppingCriteriaList = field(default_factory=StoppingCriteriaList)
     keep_scores: bool = False  # the static loop keeps each token's scores and logits (output_scores/output_logits)
+    _held: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> SequenceBuffer
+
+    def sequence(self, tokens: list[int], device: torch.device | str = "cpu") -> torch.Tensor:
+        """The row's sequence ``tokens`` as ``[1, N]`` int64 on ``device``, a view of a buffer that receives only the
+        tokens it has not seen: a long context is not converted again at every token. Positions below N are never
+        written again (tokens are committed), so a view handed out earlier keeps its values."""
+        device = torch.device(device)
+        if device not in self._held:
+            self._held[device] = SequenceBuffer(device)
+        return self._held[device].view(tokens)
 
     def process(self, sequence: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """Scores for the token after ``sequence [1, N]`` from raw ``logits [1, V]``."""
@@ -55,9 +65,33 @@ class GreedyRules:
         """Whether generation stops after ``tokens`` (the row's sequence); the criteria get ``scores`` as stock passes
         them: the processed scores of every generated token so far (a tuple of ``[1, V]``) with ``output_scores``,
         else None."""
-        if len(tokens) >= self.max_length or tokens[-1] in self.eos_token_ids:
-            return True
-        return bool(self.stopping_criteria) and bool(self.stopping_criteria(torch.tensor([tokens]), scores).any())
+        ends = len(tokens) >= self.max_length or tokens[-1] in self.eos_token_ids
+        if not self.stopping_criteria:
+            return ends
+        return bool(self.stopping_criteria(self.sequence(tokens), scores).any()) or ends  # (called at the last token
+        # too, as stock calls every criterion after every token)
+
+
+class SequenceBuffer:
+    """A growing ``[1, capacity]`` int64 buffer on one device holding a row's committed tokens; :meth:`view` copies
+    only the tokens past what it holds (one small host-to-device copy) and returns ``[1, N]``."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.buffer = torch.empty((1, 0), dtype=torch.long, device=device)
+        self.held = 0
+
+    def view(self, tokens: list[int]) -> torch.Tensor:
+        n = len(tokens)
+        if n > self.buffer.shape[1]:  # a new buffer (views of the old one keep theirs)
+            grown = torch.empty((1, max(2 * n, 256)), dtype=torch.long, device=self.device)
+            grown[:, : self.held].copy_(self.buffer[:, : self.held])
+            self.buffer = grown
+        self.held = min(self.held, n)
+        if n > self.held:
+            self.buffer[0, self.held : n] = torch.tensor(tokens[self.held : n], dtype=torch.long)
+            self.held = n
+        return self.buffer[:, :n]
 
 
 @dataclass
@@ -107,7 +141,7 @@ def verify_block(rules: GreedyRules, tokens: list[int], drafts: list[int], raw: 
     drafts = drafts[:room]
     raw = raw[: len(drafts) + 1].clone()  # the engine's buffer is rewritten by the next round
     device = raw.device
-    sequence = torch.tensor([tokens + drafts], device=device)
+    sequence = torch.cat([rules.sequence(tokens, device), torch.tensor([drafts], dtype=torch.long, device=device)], 1)
     n, sampling = len(tokens), q is not None
     scores = [processed(rules, sequence[:, : n + i], raw[i : i + 1], sampling) for i in range(len(drafts) + 1)]
     if sampling:
@@ -134,7 +168,9 @@ def verify_tree(rules: GreedyRules, tokens: list[int], nodes: list[int], parents
     paths = [[]]  # each node's tokens after the sequence
     for i in range(1, len(nodes)):
         paths.append(paths[parents[i]] + [nodes[i]])
-    scores = [processed(rules, torch.tensor([tokens + path], device=raw.device), raw[i : i + 1], sampling)
+    held = rules.sequence(tokens, raw.device)
+    scores = [processed(rules, torch.cat([held, torch.tensor([path], dtype=torch.long, device=raw.device)], 1),
+                        raw[i : i + 1], sampling)
               for i, path in enumerate(paths)]
     stacked = torch.cat(scores)[None]  # [1, N+1, V]
     node_tokens, node_parents = torch.tensor([nodes], device=raw.device), torch.tensor([parents], device=raw.device)
