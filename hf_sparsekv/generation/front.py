@@ -280,13 +280,12 @@ def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> 
     return f"{name}={value!r} comes from the model's generation config (model.generation_config.{name})"
 
 
-def _user_setting(name: str, kwargs: dict, configs) -> tuple[bool, object]:
+def _user_setting(name: str, kwargs: dict, diffs: list[dict]) -> tuple[bool, object]:
     """``(set, value)`` of the generation option ``name`` as its owner set it (not a library default): the keyword,
-    else the first of ``configs`` (generation configs, None skipped) whose differences from the defaults name it."""
+    else the first of ``diffs`` (generation configs' differences from the defaults, ``to_diff_dict()``) naming it."""
     if name in kwargs:
         return True, kwargs[name]
-    for config in configs:
-        diff = {} if config is None else config.to_diff_dict()
+    for diff in diffs:
         if name in diff:
             return True, diff[name]
     return False, None
@@ -308,8 +307,11 @@ def _draft_length(model, assistant_model, generation_config, kwargs: dict, sampl
     assistant = getattr(assistant_model, "generation_config", None)
     if assistant_model is model or assistant_model is None:
         assistant = None
-    given, gamma = _user_setting("num_assistant_tokens", kwargs, own + (assistant,))
-    scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, own + (assistant,))
+    names = ("num_assistant_tokens", "num_assistant_tokens_schedule")
+    diffs = ([] if all(n in kwargs for n in names)
+             else [config.to_diff_dict() for config in own + (assistant,) if config is not None])  # (once a call)
+    given, gamma = _user_setting("num_assistant_tokens", kwargs, diffs)
+    scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, diffs)
     if scheduled and schedule not in SCHEDULES:
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
     adaptive = schedule in SCHEDULES[1:] or not (given or scheduled or sampling)
