@@ -369,3 +369,37 @@ def test_burst_tokens_are_read_from_each_rows_own_position():
     assert rounds_module._after(seq, n, k, [False, False]) == [whole[0][5:9], whole[1][9:13]]
     assert rounds_module._after(seq, n, k, [False, False], tail) == [whole[0][5:9] + [100], whole[1][9:13] + [200]]
     assert rounds_module._after(seq, [17, 3], 4, [False, True])[0] == whole[0][17:20]  # cut at the end, row 1 finished
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_self_drafter_lagging_behind_plain_steps_gets_the_verifiers_own_keys_and_values(scripted, monkeypatch, arch):
+    """Self-drafting with the controller: plain steps write the verifier's cache alone, and before the next draft the
+    missed positions are copied over (no forward). At every draft step the drafter's (full) cache holds exactly the
+    verifier's keys/values at every position before n - 1, and the output is stock greedy."""
+    from hf_sparsekv.generation import drafting
+
+    verifier = tiny_model(arch)
+    checks, copies = [], []
+    draft, copy = static_engine.StaticEngine._draft, drafting.catch_up_copy
+
+    def checked_draft(engine, width=None):
+        n = int(engine.n[0])
+        for i in range(len(engine.verifier_cache.layers)):
+            mine, theirs = engine.drafter_cache.sequence(i, 0, 0, n - 1), engine.verifier_cache.sequence(i, 0, 0, n - 1)
+            checks.append(all(torch.equal(a, b) for a, b in zip(mine, theirs)))
+        draft(engine, width)
+
+    def counted_copy(engine):
+        copies.append(int(engine.n[0]) - 1 - int(engine.held[0]))
+        copy(engine)
+
+    monkeypatch.setattr(static_engine.StaticEngine, "_draft", checked_draft)
+    monkeypatch.setattr(static_engine, "catch_up_copy", counted_copy)
+    ids = prompt(45, 3)
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache="full", max_new_tokens=190, do_sample=False,
+                            return_dict_in_generate=True)
+    assert torch.equal(out.sequences, verifier.generate(ids, max_new_tokens=190, do_sample=False))
+    assert static_engine.current_engine(verifier).lagging
+    assert len(checks) >= 8 * len(verifier.model.layers) and all(checks)
+    assert max(copies) > 32 and min(copies) >= 1  # a run longer than one copy block, and single plain steps
+    assert out.spec_stats.ar_rounds >= 40

@@ -255,6 +255,21 @@ def catch_up_block(engine, offsets: torch.Tensor | None = None) -> None:
     engine.held.copy_(torch.minimum(engine.held + offsets.numel(), engine.n - 1))
 
 
+def catch_up_copy(engine) -> None:
+    """:func:`catch_up_lag` of a self-drafting engine: the drafter's cache receives the verifier's own keys/values of
+    the ``LAG_BLOCK`` positions from ``held`` (the same model wrote them in its plain steps: copied, no forward), as
+    the companion write of those steps would have left them; slots past ``n - 1`` are marked empty."""
+    positions = engine.held[:, None] + engine.lag_offsets
+    source, target = engine.verifier_cache, engine.drafter_cache
+    slots = source.slots_of(positions).clamp(0, source.capacity - 1)  # (past the sequence: stale, forgotten below)
+    target.begin_step(positions)
+    for held, layer in zip(source.layers, target.layers):
+        rows, at = source.rows.to(held.keys.device), slots.to(held.keys.device)
+        target.write(layer, held.keys[rows, :, at].transpose(1, 2), held.values[rows, :, at].transpose(1, 2))
+    target.forget(positions < engine.n[:, None])
+    engine.held.copy_(torch.minimum(engine.held + engine.lag_offsets.numel(), engine.n - 1))
+
+
 def catch_up_lag(engine) -> None:
     """After rounds without drafts (adaptive engines, :mod:`.controller`): a separate drafter reads the next
     ``LAG_BLOCK`` tokens from ``held`` (set by the host); the host repeats it until the drafter holds every position

@@ -81,7 +81,7 @@ from .common import _attention_shape, layer_devices
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import (
-    catch_up, catch_up_block, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
+    catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
 from .graph_steps import (
     DEVICE_WIDE, CapturedStep, compile_setting, graphs_setting, static_forward, static_prefill, step_backend, wait_for,
@@ -164,9 +164,10 @@ class StaticEngine:
             slack += AR_STEPS_PER_SYNC
         # self-drafting on a compressed cache: every verifier step also writes its keys/values there
         self.self_drafting = drafter is verifier and spec.mode in ("chunk", "window", "full")
-        # a separate drafter falls behind in rounds without drafts; catch-ups of LAG_BLOCK tokens bring it back
-        self.lagging = spec.adaptive and drafter is not None and not self.self_drafting and spec.mode in (
-            "chunk", "window", "full")
+        # an adaptive engine's drafter falls behind in rounds without drafts; catch-ups of LAG_BLOCK tokens bring it
+        # back (a separate drafter: its forward on them; self-drafting: the verifier's keys/values copied over, its
+        # plain steps then write one cache, not both)
+        self.lagging = spec.adaptive and drafter is not None and spec.mode in ("chunk", "window", "full")
         self.max_tokens = _round_up(max_tokens)
         self.max_new = _round_up(max_new)
         self.cap = None  # int4: the most drafts each row may keep this round (its quantization state must not move)
@@ -297,7 +298,7 @@ class StaticEngine:
         catch_up_block(self)
 
     def _catch_up_lag(self) -> None:
-        catch_up_lag(self)
+        (catch_up_copy if self.self_drafting else catch_up_lag)(self)
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
@@ -392,12 +393,13 @@ class StaticEngine:
         positions = (self.n - 1)[:, None] + self.block_offsets[: width + 1]
         return self._verifier_step(block, positions, 0)
 
-    def _verifier_step(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int) -> torch.Tensor:
-        """The verifier on ``tokens [B, L]`` at ``positions [B, L]`` over its cache. Self-drafting: the keys/values
-        also go to the drafter's cache (as the prefill's do), which so holds every kept token without a drafter
-        step (a plain step's token, a round's accepted drafts and the token after them; later slots are written
-        again before they are read)."""
-        if not self.self_drafting:
+    def _verifier_step(self, tokens: torch.Tensor, positions: torch.Tensor, logits_to_keep: int,
+                       companion: bool = True) -> torch.Tensor:
+        """The verifier on ``tokens [B, L]`` at ``positions [B, L]`` over its cache. Self-drafting (and
+        ``companion``): the keys/values also go to the drafter's cache (as the prefill's do), which so holds every
+        kept token without a drafter step (a round's accepted drafts and the token after them, a plain step's token
+        unless the engine lags; later slots are written again before they are read)."""
+        if not (self.self_drafting and companion):
             return static_forward(self.verifier, tokens, positions, self.verifier_cache, logits_to_keep,
                                   self.verifier_keyword)
         self.drafter_cache.begin_step(positions)
@@ -463,7 +465,7 @@ class StaticEngine:
 
     def _ar_forward(self) -> torch.Tensor:
         """The verifier on ``seq[n-1]`` alone (a round without drafts): its logits ``[B, 1, V]``."""
-        return self._verifier_step(self.last(1), (self.n - 1)[:, None], 1)
+        return self._verifier_step(self.last(1), (self.n - 1)[:, None], 1, companion=not self.lagging)
 
     def _verify(self, width: int | None = None) -> None:
         drafts = self.drafts if width is None else self.drafts[:, :width]
@@ -557,8 +559,9 @@ class StaticEngine:
             for name in names:
                 self.run_step(name, width, run=False)
         if self.lagging:  # what the drafter missed in plain rounds: one token, or blocks of LAG_BLOCK (their warm-ups
-            if not self.grows_tree:  # write from the slot of n - 1 on, as every draft step's does; a tree's draft
-                self.run_step("catch_up", run=False)  # step reads up to γ + 1 missed tokens itself)
+            if not (self.grows_tree or self.self_drafting):  # write from the slot of n - 1 on, as every draft
+                self.run_step("catch_up", run=False)  # step's does; a tree's draft step reads up to γ + 1 missed
+                # tokens itself; self-drafting copies every missed token)
             self.run_step("catch_up_lag", run=False)
 
     def _capture(self, step: CapturedStep) -> None:

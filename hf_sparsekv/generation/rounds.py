@@ -230,11 +230,11 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
-            if lagging:  # a separate drafter reads what it missed (rounds without drafts) before it drafts
-                if drafting and max(behind) == 1 and not always_tree:
+            if lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
+                if drafting and max(behind) == 1 and not (always_tree or engine.self_drafting):
                     fresh |= engine.run_step("catch_up")
-                elif drafting and max(behind) > (gamma if always_tree else 1):  # (a tree's draft step reads up to
-                    # γ + 1 missed tokens itself)
+                elif drafting and max(behind) > (gamma if always_tree else 0 if engine.self_drafting else 1):
+                    # (a tree's draft step reads up to γ + 1 missed tokens itself; self-drafting copies them)
                     engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
                                       non_blocking=True)
                     for _ in range(-(-max(behind) // LAG_BLOCK)):
@@ -284,8 +284,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 # the tokens of a kept path off the chain; feeding it again to the other rows rewrites what they hold
                 if quant is not None or engine.drafter is None or done[row] or (always_tree and not lagging):
                     continue
-                if lagging:  # (a tree round: its draft step read up to the root; the kept tokens after it are new)
-                    behind[row] += steps if not drafting else a if always_tree else int(a == width)
+                if lagging:  # (a tree round: its draft step read up to the root; the kept tokens after it are new;
+                    # a self-drafting verify step wrote the drafter's cache)
+                    behind[row] += (steps if not drafting else 0 if engine.self_drafting
+                                    else a if always_tree else int(a == width))
                 elif kind != CHAIN:
                     catch_up = "catch_up_block"
                 elif drafting and a == width and catch_up is None and not (engine.self_drafting and not tree):
