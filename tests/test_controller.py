@@ -403,3 +403,18 @@ def test_a_self_drafter_lagging_behind_plain_steps_gets_the_verifiers_own_keys_a
     assert len(checks) >= 8 * len(verifier.model.layers) and all(checks)
     assert max(copies) > 32 and min(copies) >= 1  # a run longer than one copy block, and single plain steps
     assert out.spec_stats.ar_rounds >= 40
+
+
+def test_self_drafting_rows_of_other_lengths_lag_and_catch_up_together(scripted):
+    """Two left-padded rows of a self-drafter on a window cache under the scripted controller: each row's copies start
+    at its own position (its own held), and each row is stock greedy alone."""
+    verifier = tiny_model("mistral")
+    a, b = prompt(33, 12), prompt(51, 13)
+    batch = torch.cat([torch.cat([torch.zeros(1, 18, dtype=a.dtype), a], 1), b])
+    mask = torch.cat([torch.cat([torch.zeros(1, 18), torch.ones(1, 33)], 1), torch.ones(1, 51)]).long()
+    out = verifier.generate(batch, attention_mask=mask, assistant_model=verifier, draft_cache="window", kv_budget=12,
+                            max_new_tokens=120, do_sample=False)
+    assert static_engine.current_engine(verifier).lagging
+    for row, ids in enumerate((a, b)):
+        new = verifier.generate(ids, max_new_tokens=120, do_sample=False)[0, ids.shape[1]:]
+        assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
