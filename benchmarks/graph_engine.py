@@ -258,12 +258,22 @@ def main(argv=None) -> int:
     records, first_call = [], {}
     from tqdm import tqdm
 
+    def save() -> dict:
+        """results.json as it stands: written after every warm-up and every pass over the documents, so that a run
+        cut by a time limit keeps what it measured."""
+        payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
+                       torch=torch.__version__, settings=vars(args), summary=summarize(records),
+                       first_call_s=first_call, records=records)
+        (out / "results.json").write_text(json.dumps(payload, indent=1))
+        return payload
+
     for context in [int(c) for c in args.contexts.split(",")]:
         prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
         references = {}
         for name in tqdm(names, desc=f"warm-up {context}"):
             first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens,
                                                            args.temperature))[0]
+            save()
         for rep in range(args.repeats):
             for i, ids in enumerate(prompts):
                 for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
@@ -290,11 +300,9 @@ def main(argv=None) -> int:
                                                      - stats["verify_seconds"]) / stats["rounds"],
                             width_rounds=stats["width_rounds"])),
                     ))
-        summary = summarize(records)
-        payload = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
-                       torch=torch.__version__, settings=vars(args), summary=summary, first_call_s=first_call,
-                       records=records)
-        (out / "results.json").write_text(json.dumps(payload, indent=1))  # after each context: a cut run keeps it
+                save()
+        payload = save()
+        summary = payload["summary"]
         print(table([r for r in summary if r["context"] == context]), flush=True)
     for name in [n for n in args.profile.split(",") if n]:
         context = int(args.contexts.split(",")[0])
