@@ -107,6 +107,13 @@ ADAPTIVE_DEFAULTS := --contexts $(ADAPTIVE_CONTEXTS) --docs 2 --repeats 2 --new-
 bench-adaptive: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive $(or $(ARGS),$(ADAPTIVE_DEFAULTS))
 
+# The controller as a user runs it, every step compiled (each method compiles its widths on its first call, 30-50 s
+# on an H100): one context a run, so that a run fits a 10-minute device call; CONTEXT=16384 by default.
+ADAPTIVE_COMPILED := $(subst $(space),$(comma),$(strip $(foreach m,$(ADAPTIVE_MODES),$(m)-gA)))
+bench-adaptive-compiled: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --out runs/adaptive-compiled-$(or $(CONTEXT),16384) --contexts $(or $(CONTEXT),16384) \
+		--docs 2 --repeats 2 --new-tokens 128 --only hf-static-ar,graph-ar --extra $(ADAPTIVE_COMPILED) $(ARGS)
+
 # The controller's choice at Llama-3.1-8B shape per context and mode, against the best constant γ: a projection from
 # stored step costs (benchmarks/results/) and the real pair's τ; CPU, seconds (issue 52).
 bench-controller-projection: $(STAMP)
