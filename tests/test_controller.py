@@ -369,6 +369,7 @@ def test_burst_tokens_are_read_from_each_rows_own_position():
     assert rounds_module._after(seq, n, k, [False, False]) == [whole[0][5:9], whole[1][9:13]]
     assert rounds_module._after(seq, n, k, [False, False], tail) == [whole[0][5:9] + [100], whole[1][9:13] + [200]]
     assert rounds_module._after(seq, [17, 3], 4, [False, True])[0] == whole[0][17:20]  # cut at the end, row 1 finished
+    assert rounds_module._after(seq, [17, 3], 4, [False, True], tail)[0] == whole[0][17:20] + [100]  # (tail once)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

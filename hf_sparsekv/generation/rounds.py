@@ -66,7 +66,7 @@ def _after(seq: torch.Tensor, n: list[int], k: int, done: list[bool], tail: torc
     block = seq[:, lo:hi] if tail is None else torch.cat([seq[:, lo:hi], tail], 1)
     rows = block.tolist()  # the one sync
     width = hi - lo
-    return [r[min(max(m - lo, 0), width) : min(max(m - lo, 0), width) + k] + r[width:] for r, m in zip(rows, n)]
+    return [r[:width][max(m - lo, 0) : max(m - lo, 0) + k] + r[width:] for r, m in zip(rows, n)]
 
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
