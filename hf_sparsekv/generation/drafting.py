@@ -251,8 +251,7 @@ def catch_up_block(engine, offsets: torch.Tensor | None = None) -> None:
     tokens = engine.seq.gather(1, positions.clamp_max(engine.seq.shape[1] - 1))
     static_forward(engine.drafter, drafter_input(tokens, engine.draft_vocab), positions, engine.drafter_cache, 1,
                    engine.drafter_keyword)
-    engine.drafter_cache.forget(positions < engine.n[:, None])
-    engine.held.copy_(torch.minimum(engine.held + offsets.numel(), engine.n - 1))
+    _caught_up(engine, positions)
 
 
 def catch_up_copy(engine) -> None:
@@ -266,8 +265,14 @@ def catch_up_copy(engine) -> None:
     for held, layer in zip(source.layers, target.layers):
         rows, at = source.rows.to(held.keys.device), slots.to(held.keys.device)
         target.write(layer, held.keys[rows, :, at].transpose(1, 2), held.values[rows, :, at].transpose(1, 2))
-    target.forget(positions < engine.n[:, None])
-    engine.held.copy_(torch.minimum(engine.held + engine.lag_offsets.numel(), engine.n - 1))
+    _caught_up(engine, positions)
+
+
+def _caught_up(engine, positions: torch.Tensor) -> None:
+    """After a catch-up block at ``positions [B, L]`` (from ``held``): its slots past ``n - 1`` marked empty, and the
+    drafter holds the positions before ``min(held + L, n - 1)``."""
+    engine.drafter_cache.forget(positions < engine.n[:, None])
+    engine.held.copy_(torch.minimum(engine.held + positions.shape[1], engine.n - 1))
 
 
 def catch_up_lag(engine) -> None:
