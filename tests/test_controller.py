@@ -305,7 +305,7 @@ def test_sampled_rounds_of_every_width_keep_the_exact_distribution(scripted, mon
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("mode", ["chunk", "self-window", "lookup", "tree-chunk"])
-def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_cuda_float32, mode):
+def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_cuda_float32, monkeypatch, mode):
     """The captured steps of every width (and the lag catch-ups) on CUDA graphs."""
     import copy
 
@@ -313,11 +313,14 @@ def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_c
     drafter = copy.deepcopy(tiny_model("qwen2", role="drafter")).to("cuda", torch.float32)
     ids = prompt(300, 3).cuda()
     greedy = verifier.generate(ids, max_new_tokens=80, do_sample=False)
+    # a self-drafter's captured copy catch-up: a corrupt drafter cache would only lower acceptance, so check it
+    checks = _check_self_drafter_cache(monkeypatch) if mode.startswith("self") else [True]
     out = verifier.generate(ids, max_new_tokens=80, do_sample=False, return_dict_in_generate=True,
                             **SPECS[mode](verifier, drafter))
     assert torch.equal(out.sequences, greedy)
     engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
+    assert checks and all(checks) and (not mode.startswith("self") or "catch_up_lag" in engine.steps)
     assert len(out.spec_stats.width_rounds) >= (2 if mode.startswith("tree") else 4)
 
 
@@ -372,6 +375,27 @@ def test_burst_tokens_are_read_from_each_rows_own_position():
     assert rounds_module._after(seq, [17, 3], 4, [False, True], tail)[0] == whole[0][17:20] + [100]  # (tail once)
 
 
+def _check_self_drafter_cache(monkeypatch, recent: int = 8) -> list[bool]:
+    """Before every draft step of a self-drafting engine (row 0): what the drafter's next query would see at n - 1 is
+    the verifier's own keys/values at those positions, bit for bit, and it sees the ``recent`` positions before
+    n - 1 (a skipped catch-up would leave them out). Returns the list the checks are appended to."""
+    checks, run_step = [], static_engine.StaticEngine.run_step
+
+    def checked_run_step(engine, name, width=None, run=True):  # (the graph path replays _draft: check around it)
+        if name == "draft" and run:
+            n = int(engine.n[0])
+            for i in range(len(engine.verifier_cache.layers)):
+                keys, values, positions = engine.drafter_cache.stored(i, n - 1)
+                whole_keys, whole_values = engine.verifier_cache.sequence(i, 0, 0, n - 1)
+                at = positions.to(whole_keys.device)
+                checks.append(set(range(max(0, n - 1 - recent), n - 1)) <= set(positions.tolist())
+                              and torch.equal(keys, whole_keys[:, :, at]) and torch.equal(values, whole_values[:, :, at]))
+        return run_step(engine, name, width, run)
+
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", checked_run_step)
+    return checks
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_a_self_drafter_lagging_behind_plain_steps_gets_the_verifiers_own_keys_and_values(scripted, monkeypatch, arch):
     """Self-drafting with the controller: plain steps write the verifier's cache alone, and before the next draft the
@@ -380,21 +404,13 @@ def test_a_self_drafter_lagging_behind_plain_steps_gets_the_verifiers_own_keys_a
     from hf_sparsekv.generation import drafting
 
     verifier = tiny_model(arch)
-    checks, copies = [], []
-    draft, copy = static_engine.StaticEngine._draft, drafting.catch_up_copy
-
-    def checked_draft(engine, width=None):
-        n = int(engine.n[0])
-        for i in range(len(engine.verifier_cache.layers)):
-            mine, theirs = engine.drafter_cache.sequence(i, 0, 0, n - 1), engine.verifier_cache.sequence(i, 0, 0, n - 1)
-            checks.append(all(torch.equal(a, b) for a, b in zip(mine, theirs)))
-        draft(engine, width)
+    checks = _check_self_drafter_cache(monkeypatch)
+    copies, copy = [], drafting.catch_up_copy
 
     def counted_copy(engine):
         copies.append(int(engine.n[0]) - 1 - int(engine.held[0]))
         copy(engine)
 
-    monkeypatch.setattr(static_engine.StaticEngine, "_draft", checked_draft)
     monkeypatch.setattr(static_engine, "catch_up_copy", counted_copy)
     ids = prompt(45, 3)
     out = verifier.generate(ids, assistant_model=verifier, draft_cache="full", max_new_tokens=190, do_sample=False,
