@@ -5,13 +5,14 @@ distribution."""
 from __future__ import annotations
 
 import itertools
+import statistics
 
 import pytest
 import torch
 
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
-from hf_sparsekv.generation.controller import EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, DraftController, widths
+from hf_sparsekv.generation.controller import CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, DraftController, widths
 
 from .conftest import ARCHS, prompt, tiny_model
 
@@ -113,6 +114,34 @@ def test_unmeasured_widths_are_interpolated_between_measured_ones():
     assert ctl.round_seconds(12) == pytest.approx(3.0 + 1.5 / 7 * 4)
 
 
+def test_the_catch_up_after_plain_rounds_is_the_switchs_cost_not_the_widths():
+    """A lagging drafter (its catch-up after n plain rounds costs 0.3 plain steps per missed position, on top of the
+    round) whose drafts are first useless, then accepted 9 times in 10: once acceptance recovers the controller
+    drafts again, though every exploration came after a long plain run. Its width times stay the clean ones, and the
+    catch-up's cost per position is learnt. (Charged to the width, the explorations' samples made drafting look
+    slower than plain steps for good.)"""
+    t, per_position = linear(1.0, 0.1), 0.3
+    ctl, rng, chosen = DraftController(8), torch.Generator().manual_seed(2), []
+    for accept_prob, rounds in ((0.0, 600), (0.9, 2 * EXPLORE_MAX)):
+        missed = 0
+        for _ in range(rounds):
+            g = ctl.choose()
+            if g == 0:
+                steps = ctl.plain_steps(8)  # several plain steps to a sync, as the engine runs them
+                ctl.observe(0, [0], t(0), steps)
+                missed += steps
+            else:
+                a = 0
+                while a < g and float(torch.rand((), generator=rng)) < accept_prob:
+                    a += 1
+                ctl.observe(g, [a], t(g) + per_position * missed, 1, missed)
+                missed = 0
+            chosen.append(g)
+    assert chosen[-20:] == [8] * 20
+    assert all(s == pytest.approx(t(g)) for g, kept in ctl.samples.items() if g >= 0 for s in kept)
+    assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_position)
+
+
 def test_a_fixed_gamma_always_drafts_it_or_nothing():
     ctl = DraftController(5, fixed=5)
     assert _run(ctl, 0.0, linear(1.0, 1.0), 20) == [5] * 20
@@ -156,9 +185,9 @@ class _Scripted(DraftController):
     def plain_steps(self, most):
         return min(most, 3)  # several plain steps to a sync, and still many switches
 
-    def observe(self, g, accepted, seconds, rounds=1):
+    def observe(self, g, accepted, seconds, rounds=1, caught_up=0):
         self.bursts.append(rounds)
-        super().observe(g, accepted, seconds, rounds)
+        super().observe(g, accepted, seconds, rounds, caught_up)
 
     bursts: list = []  # the plain steps of each observed round, over every instance (reset by the fixture)
 

@@ -18,6 +18,12 @@ host work together, so nothing is synchronised for timing) and each live row's a
   Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
   fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
   (compilation, CUDA-graph capture) is not a sample.
+* The switch from plain steps to drafting: the first drafting round after plain rounds also catches the drafter up
+  on the positions it missed (a forward over them, or for a self-drafter a copy). That is a cost of the switch, not
+  of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
+  width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of the catch-up's
+  cost per missed position, which the exploration interval accounts for; and a width that has no sample of its own
+  yet drafts once more right after, to get one.
 
 The first rounds measure cheaply: plain steps, then one round at each of the two narrowest widths (a drafter that
 cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
@@ -44,6 +50,7 @@ TRUST = 3  # samples before a width's own median is used instead of its neighbou
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
+CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
 
 
 def widths(gamma: int) -> tuple[int, ...]:
@@ -78,7 +85,8 @@ class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
     ``fixed``: a constant number of drafts (no choice; ``None``: choose among ``choices``, default :func:`widths`;
     a tree engine offers ``(γ,)``: its tree or a plain step); ``samples``: the round times measured so far (width ->
-    the last ``WINDOW`` seconds), kept by the engine across calls (its steps cost the same)."""
+    the last ``WINDOW`` seconds; :data:`CATCH_UP`: the catch-up's seconds per missed position), kept by the engine
+    across calls (its steps cost the same)."""
 
     def __init__(self, gamma: int, fixed: int | None = None, samples: dict | None = None,
                  choices: tuple[int, ...] | None = None):
@@ -89,8 +97,9 @@ class DraftController:
         self.hits = [0.0] * gamma
         self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth
         self.samples = {} if samples is None else samples  # width (0: a plain step) -> its last round seconds
-        self.seconds = {w: statistics.median(v) for w, v in self.samples.items()}  # width -> median round seconds
+        self.seconds = {w: statistics.median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
         self.plain_run = 0  # plain rounds since the last drafting round
+        self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self.explorations = 0
 
@@ -140,6 +149,9 @@ class DraftController:
             return options[-1] if options else 0
         if not options:
             return 0
+        again, self.again = self.again, None
+        if again is not None and again <= cap:
+            return again
         if 0 not in self.seconds:
             return 0  # first: plain steps (their cost)
         probes = [w for w in self.widths[:2] if w not in self.seconds]
@@ -161,17 +173,33 @@ class DraftController:
         return max(1, min(most, self.explore_every(self.best_drafting()) - self.plain_run))
 
     def explore_every(self, g: int) -> int:
-        """Plain rounds between explorations at width ``g``: the expected loss of one (its time beyond what plain
-        steps take for the tokens it brings) is at most EXPLORE_SHARE of the plain rounds' time."""
+        """Plain rounds between explorations at width ``g``: the expected loss of one, n plain rounds after the last
+        (its time beyond what plain steps take for the tokens it brings, and the catch-up of the n positions the
+        drafter missed), is at most EXPLORE_SHARE of those n rounds' time."""
         t0, tg = self.round_seconds(0), self.round_seconds(g)
         if not t0 or tg is None:
             return EXPLORE_MIN
         loss = max(tg - self.expected_tokens(g) * t0, 0.0)
-        return min(max(math.ceil(loss / (EXPLORE_SHARE * t0)), EXPLORE_MIN), EXPLORE_MAX)
+        per_position = statistics.median(self.samples[CATCH_UP]) if self.samples.get(CATCH_UP) else 0.0
+        margin = EXPLORE_SHARE * t0 - per_position  # what each plain round leaves for the exploration's loss
+        if margin <= 0:
+            return EXPLORE_MAX
+        return min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
 
-    def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1) -> None:
+    def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1,
+                caught_up: int = 0) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
-        not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time."""
+        not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time;
+        ``caught_up``: the positions the drafter caught up on before drafting (after plain rounds: the switch's
+        cost, kept apart from the width's)."""
+        switch = g > 0 and self.plain_run > 0 and caught_up > 0
+        if switch and seconds is not None:
+            t = self.round_seconds(g)
+            if t is not None and g in self.seconds:
+                self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
+            if g not in self.seconds:
+                self.again = g
+            seconds = None
         self._rates.clear()
         if g == 0:
             self.plain_run += rounds
@@ -184,7 +212,11 @@ class DraftController:
                     self.hits[i] = DECAY * self.hits[i] + hit
                     self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
         if seconds is not None:
-            kept = self.samples.setdefault(g, [])
-            kept.append(seconds)
-            del kept[:-WINDOW]
-            self.seconds[g] = statistics.median(kept)
+            self._keep(g, seconds)
+
+    def _keep(self, key: int, seconds: float) -> None:
+        kept = self.samples.setdefault(key, [])
+        kept.append(seconds)
+        del kept[:-WINDOW]
+        if key >= 0:
+            self.seconds[key] = statistics.median(kept)

@@ -230,6 +230,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             timer.mark("draft", True)
+            caught_up = max(behind) if lagging and drafting else 0  # (the controller keeps this cost apart)
             if lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
                 if drafting and max(behind) == 1 and not (always_tree or engine.self_drafting):
                     fresh |= engine.run_step("catch_up")
@@ -294,7 +295,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     catch_up = "catch_up"  # (a self-drafting chain's verify step wrote the drafter's cache; a tree's
                     # did not)
             now = time.perf_counter()
-            controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps)
+            controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps,
+                               caught_up)
             last, fresh = now, False
             retire_finished()
     wait_for(engine.devices)
