@@ -12,7 +12,9 @@ import torch
 
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
-from hf_sparsekv.generation.controller import CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, DraftController, widths
+from hf_sparsekv.generation.controller import (
+    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, WINDOW, DraftController, widths,
+)
 
 from .conftest import ARCHS, prompt, tiny_model
 
@@ -140,6 +142,50 @@ def test_the_catch_up_after_plain_rounds_is_the_switchs_cost_not_the_widths():
     assert chosen[-20:] == [8] * 20
     assert all(s == pytest.approx(t(g)) for g, kept in ctl.samples.items() if g >= 0 for s in kept)
     assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_position)
+
+
+class _Recomputing(DraftController):
+    """The controller deciding every round afresh (no standing choice of plain steps)."""
+
+    def choose(self, allowed=None):
+        self._plain_until = None
+        return super().choose(allowed)
+
+
+def test_a_run_of_plain_steps_is_not_decided_again_and_chooses_the_same():
+    """While plain steps win, the standing choice gives the same rounds as deciding every round afresh (the same
+    explorations at the same rounds), without computing a single rate in between; and once the plain step's time
+    moves (here it goes from 1 to 10, so drafting wins) the controller decides again at once, long before the next
+    exploration was due."""
+    t = linear(1.0, 3.0)
+    calls = []
+
+    class Counted(DraftController):
+        def rate(self, g):
+            calls.append(g)
+            return super().rate(g)
+
+    standing, fresh = Counted(8), _Recomputing(8)
+    assert _run(standing, 0.05, t, 3000, seed=4) == _run(fresh, 0.05, t, 3000, seed=4)
+    assert standing.explorations >= 2
+    g = 0
+    while g == 0:  # to the next exploration, then one plain step decided afresh
+        g = standing.choose()
+        standing.observe(g, [0], t(g))
+    assert standing.choose() == 0
+    standing.observe(0, [0], 1.0)
+    calls.clear()
+    for _ in range(20):
+        assert standing.choose() == 0
+        standing.observe(0, [0], 1.0)
+    assert not calls  # decided once, before the run
+    due = standing._plain_until[0]
+    for i in range(WINDOW):  # the plain step now takes 10: its median moves within the window
+        g = standing.choose()
+        standing.observe(g, [g], 10.0 if g == 0 else t(g))
+        if g:
+            break
+    assert g > 0 and 20 + i < due - 50 and calls
 
 
 def test_a_fixed_gamma_always_drafts_it_or_nothing():

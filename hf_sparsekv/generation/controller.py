@@ -27,10 +27,12 @@ host work together, so nothing is synchronised for timing) and each live row's a
 
 The first rounds measure cheaply: plain steps, then one round at each of the two narrowest widths (a drafter that
 cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
-model expects it to win. While plain steps win,
-the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so that a drafter whose
-acceptance rises is used again; the interval is set so that an exploration round's expected loss stays under
-``EXPLORE_SHARE`` of the plain rounds it follows (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds).
+model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
+the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
+exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows (and within
+``EXPLORE_MIN..EXPLORE_MAX`` rounds). Until that exploration the choice of plain steps stands without being computed
+again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
+again at once): a run of plain steps costs the host about what plain decoding's loop does.
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -50,6 +52,7 @@ TRUST = 3  # samples before a width's own median is used instead of its neighbou
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
+PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
 
 
@@ -100,6 +103,8 @@ class DraftController:
         self.seconds = {w: statistics.median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
         self.plain_run = 0  # plain rounds since the last drafting round
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
+        self._plain_until: tuple[int, float] | None = None  # while plain steps win: (the plain run at which to
+        # explore, the plain step's seconds then); the choice stands until then unless that time moves
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self.explorations = 0
 
@@ -152,6 +157,11 @@ class DraftController:
         again, self.again = self.again, None
         if again is not None and again <= cap:
             return again
+        if self._plain_until is not None:  # a run of plain steps: nothing but their own time changed since
+            until, t0 = self._plain_until
+            if self.plain_run < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0:
+                return 0
+            self._plain_until = None
         if 0 not in self.seconds:
             return 0  # first: plain steps (their cost)
         probes = [w for w in self.widths[:2] if w not in self.seconds]
@@ -160,9 +170,11 @@ class DraftController:
         best = max(options, key=self.rate)
         if self.rate(best) > self.rate(0):
             return best
-        if self.plain_run >= self.explore_every(best):
+        until = self.explore_every(best)
+        if self.plain_run >= until:
             self.explorations += 1
             return best
+        self._plain_until = until, self.seconds[0]
         return 0
 
     def plain_steps(self, most: int) -> int:
@@ -170,7 +182,8 @@ class DraftController:
         and not past the next exploration)."""
         if self.fixed is not None:
             return 1
-        return max(1, min(most, self.explore_every(self.best_drafting()) - self.plain_run))
+        until = self._plain_until[0] if self._plain_until is not None else self.explore_every(self.best_drafting())
+        return max(1, min(most, until - self.plain_run))
 
     def explore_every(self, g: int) -> int:
         """Plain rounds between explorations at width ``g``: the expected loss of one, n plain rounds after the last
@@ -204,7 +217,7 @@ class DraftController:
         if g == 0:
             self.plain_run += rounds
         else:
-            self.plain_run = 0
+            self.plain_run, self._plain_until = 0, None
             for a in accepted:
                 for i in range(min(a + 1, g)):
                     hit = 1.0 if i < a else 0.0

@@ -229,7 +229,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room))
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
-            timer.mark("draft", True)
+            drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
+            if drafter_steps:
+                timer.mark("draft", True)
             caught_up = max(behind) if lagging and drafting else 0  # (the controller keeps this cost apart)
             if lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
                 if drafting and max(behind) == 1 and not (always_tree or engine.self_drafting):
@@ -246,7 +248,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 catch_up = None
             if drafting and not lookup:
                 fresh |= engine.run_step("draft", width)
-            timer.mark("draft", False)
+            if drafter_steps:
+                timer.mark("draft", False)
             timer.mark("verify", True)
             if host:
                 fresh |= engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits",
