@@ -74,7 +74,8 @@ class GreedyRules:
 
 class SequenceBuffer:
     """A growing ``[1, capacity]`` int64 buffer on one device holding a row's committed tokens; :meth:`view` copies
-    only the tokens past what it holds (one small host-to-device copy) and returns ``[1, N]``."""
+    only the tokens past what it holds (one small host-to-device copy) and returns ``[1, N]``. Invariant: each list
+    passed extends the one before (a row's committed tokens only grow), so one buffer serves one row of one call."""
 
     def __init__(self, device: torch.device):
         self.device = device
