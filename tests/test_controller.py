@@ -510,3 +510,14 @@ def test_self_drafting_rows_of_other_lengths_lag_and_catch_up_together(scripted)
     for row, ids in enumerate((a, b)):
         new = verifier.generate(ids, max_new_tokens=120, do_sample=False)[0, ids.shape[1]:]
         assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
+
+
+def test_the_engine_refuses_an_adaptive_self_drafting_tree():
+    """generate() keeps a constant γ for a self-drafting tree (its tree rounds do not write the drafter's cache, so a
+    plain step would leave it a hole); the engine refuses the combination itself rather than draft from that hole."""
+    verifier = tiny_model("llama")
+    common = dict(mode="chunk", budget=16, gamma=4, max_tokens=80, max_new=20, use_graphs=False, tree_size=8)
+    with pytest.raises(ValueError, match="self-drafting tree keeps a constant"):
+        static_engine.engine_for(verifier, verifier, adaptive=True, **common)
+    static_engine.engine_for(verifier, verifier, adaptive=False, **common)  # (the constant γ it gets)
+    static_engine.release_engines()

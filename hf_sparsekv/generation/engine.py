@@ -164,6 +164,9 @@ class StaticEngine:
             slack += AR_STEPS_PER_SYNC
         # self-drafting on a compressed cache: every verifier step also writes its keys/values there
         self.self_drafting = drafter is verifier and spec.mode in ("chunk", "window", "full")
+        if spec.adaptive and self.self_drafting and self.grows_tree:  # its tree round does not write the drafter's
+            raise ValueError("a self-drafting tree keeps a constant γ: its drafter cannot catch up after plain "
+                             "steps")  # cache, and no catch-up copy runs before it (the front never asks for this)
         # an adaptive engine's drafter falls behind in rounds without drafts; catch-ups of LAG_BLOCK tokens bring it
         # back (a separate drafter: its forward on them; self-drafting: the verifier's keys/values copied over, its
         # plain steps then write one cache, not both)
