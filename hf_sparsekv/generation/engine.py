@@ -530,7 +530,7 @@ class StaticEngine:
         the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
         this call)."""
         key = name if width is None or width == self.spec.gamma else (name, width)
-        with drafting(self.spec.draft_weights == "int4" and name in ("draft", "catch_up")):
+        with drafting(self.spec.draft_weights == "int4" and (name == "draft" or name.startswith("catch_up"))):
             step = self.steps.get(key)
             new = step is None
             if new:
