@@ -217,8 +217,8 @@ class _Scripted(DraftController):
     # them), and after more than γ + 1 and more than a catch-up block of them (lag catch-ups first)
     TREE_SCRIPT = [8, 8, 0, 8, 0, 0, 8] + [0] * 12 + [8, 8]
 
-    def __init__(self, gamma, fixed=None, samples=None, choices=None):
-        super().__init__(gamma, fixed, samples, choices)
+    def __init__(self, gamma, fixed=None, memory=None, choices=None):
+        super().__init__(gamma, fixed, memory, choices)
         self._script = itertools.cycle(self.TREE_SCRIPT if choices else self.SCRIPT)
 
     def choose(self, allowed=None):
@@ -231,9 +231,9 @@ class _Scripted(DraftController):
     def plain_steps(self, most):
         return min(most, 3)  # several plain steps to a sync, and still many switches
 
-    def observe(self, g, accepted, seconds, rounds=1, caught_up=0):
+    def observe(self, g, accepted, seconds, rounds=1, caught_up=0, prefilled=0):
         self.bursts.append(rounds)
-        super().observe(g, accepted, seconds, rounds, caught_up)
+        super().observe(g, accepted, seconds, rounds, caught_up, prefilled)
 
     bursts: list = []  # the plain steps of each observed round, over every instance (reset by the fixture)
 
@@ -396,6 +396,14 @@ def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_c
     engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert checks and all(checks) and (not mode.startswith("self") or "catch_up_lag" in engine.steps)
+    if mode == "chunk":  # again on the captured engine, the drafter's prefill deferred to a round between replays
+        prefills, real = [], static_engine.StaticEngine.prefill_drafter
+        monkeypatch.setattr(static_engine.StaticEngine, "prefill_drafter",
+                            lambda engine, prompts: (prefills.append(1), real(engine, prompts))[1])
+        monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
+        assert torch.equal(verifier.generate(ids, max_new_tokens=80, do_sample=False, **SPECS[mode](verifier, drafter)),
+                           greedy)
+        assert prefills == [1] and static_engine.current_engine(verifier) is engine
     assert len(out.spec_stats.width_rounds) >= (2 if mode.startswith("tree") else 4)
 
 
@@ -521,3 +529,85 @@ def test_the_engine_refuses_an_adaptive_self_drafting_tree():
         static_engine.engine_for(verifier, verifier, adaptive=True, **common)
     static_engine.engine_for(verifier, verifier, adaptive=False, **common)  # (the constant γ it gets)
     static_engine.release_engines()
+
+
+class _Deferring(_Scripted):
+    """Scripted, and every call starts as if plain steps had won before: the drafter's prefill waits for the first
+    drafting round (after more than a catch-up block of plain steps)."""
+
+    SCRIPT = [0] * 14 + [8, 3, 0, 0, 1, 6, 0, 2]
+
+    def defers(self):
+        return True
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+def test_a_deferred_drafter_prefill_drafts_what_an_early_one_would(scripted, monkeypatch, arch, mode):
+    """The drafter's prefill deferred to the first drafting round (then its catch-up on the tokens since): the output
+    is stock greedy, and every round accepts exactly what it accepts with the prefill at the start (the drafter's
+    cache holds the same), with one deferred prefill a call; a call that never drafts never runs the drafter."""
+    import copy
+
+    verifier = tiny_model(arch)
+    drafter = copy.deepcopy(verifier)  # a separate drafter that agrees often (on its compressed cache, not always)
+    ids = prompt(41, 6)
+    kw = dict(max_new_tokens=90, do_sample=False, return_dict_in_generate=True, **SPECS[mode](verifier, drafter))
+    monkeypatch.setattr(_Scripted, "SCRIPT", _Deferring.SCRIPT)
+    early = verifier.generate(ids, **kw)
+    static_engine.release_engines()
+    prefills, forwards = [], []
+    real = static_engine.StaticEngine.prefill_drafter
+    monkeypatch.setattr(static_engine.StaticEngine, "prefill_drafter",
+                        lambda engine, prompts: (prefills.append(len(prompts)), real(engine, prompts))[1])
+    monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
+    late = verifier.generate(ids, **kw)
+    assert torch.equal(late.sequences, verifier.generate(ids, max_new_tokens=90, do_sample=False))
+    assert torch.equal(late.sequences, early.sequences) and prefills == [1]
+    assert late.spec_stats.accepted == early.spec_stats.accepted > 0
+    assert late.spec_stats.width_rounds == early.spec_stats.width_rounds
+    monkeypatch.setattr(_Deferring, "SCRIPT", [0])
+    hook = drafter.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        plain = verifier.generate(ids, **kw)
+    finally:
+        hook.remove()
+    assert torch.equal(plain.sequences, late.sequences) and prefills == [1] and not forwards
+
+
+def test_deferred_drafter_prefill_in_a_batch_of_two_lengths(scripted, monkeypatch):
+    """Two left-padded rows: the deferred prefill reads each row's own prompt, each row catches up from its own
+    length, and each row is stock greedy alone."""
+    monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
+    import copy
+
+    verifier = tiny_model("qwen2")
+    drafter = copy.deepcopy(verifier)
+    a, b = prompt(29, 14), prompt(52, 15)
+    batch = torch.cat([torch.cat([torch.zeros(1, 23, dtype=a.dtype), a], 1), b])
+    mask = torch.cat([torch.cat([torch.zeros(1, 23), torch.ones(1, 29)], 1), torch.ones(1, 52)]).long()
+    out = verifier.generate(batch, attention_mask=mask, assistant_model=drafter, kv_budget=16, max_new_tokens=80,
+                            do_sample=False, return_dict_in_generate=True)
+    assert out.spec_stats.accepted > 0
+    for row, ids in enumerate((a, b)):
+        new = verifier.generate(ids, max_new_tokens=80, do_sample=False)[0, ids.shape[1]:]
+        assert torch.equal(out.sequences[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
+
+
+def test_the_controller_defers_the_prefill_where_plain_steps_win_and_explores_less_for_it():
+    """A useless drafter, measured: the next call defers the drafter's prefill; once a deferred prefill's cost is
+    learnt (per prompt token), explorations that would pay it come further apart."""
+    ctl = DraftController(8)
+    _run(ctl, 0.0, linear(1.0, 0.3), 300)
+    assert ctl.defers() and not DraftController(8).defers()
+    memory = ctl.memory
+    call = DraftController(8, memory=memory)  # the next call, on the same engine
+    assert call.defers()
+    best = call.best_drafting()
+    before = call.explore_every(best)
+    call.deferred = 1000  # its prompt's tokens
+    call.observe(best, [0], call.round_seconds(best) + 50.0, 1, caught_up=0, prefilled=1000)  # the prefill: 50 steps
+    assert statistics.median(memory.samples[-2]) == pytest.approx(0.05)
+    assert best not in memory.samples or len(memory.samples[best]) == len(ctl.samples[best])  # no width sample
+    call.deferred = 1000
+    assert call.explore_every(best) > 3 * before

@@ -34,6 +34,12 @@ exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rou
 again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
 again at once): a run of plain steps costs the host about what plain decoding's loop does.
 
+What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
+across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
+leaves a separate drafter's prefill for its first drafting round: a drafter that does not pay then costs no prefill
+in the calls between explorations. That prefill's cost is learnt per prompt token and counts in the exploration's
+expected loss while it is pending, so explorations that would pay it come further apart.
+
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
 same (sampling).
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from dataclasses import dataclass, field
 
 LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
 DECAY = 0.95  # weight of the past acceptance counts at each new trial (the same depth; the pooled ones per trial)
@@ -54,6 +61,7 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
+PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
 
 def widths(gamma: int) -> tuple[int, ...]:
@@ -84,29 +92,54 @@ def interpolated(seconds: dict[int, float], g: int) -> float | None:
     return max(seconds[anchor] + slope * (g - anchor), 1e-9)
 
 
+@dataclass
+class ControllerMemory:
+    """What a controller learns, kept by the engine across calls (its steps cost the same, and its drafter meets
+    text of the same kind): the round times (:attr:`DraftController.samples`), each depth's decayed trials and
+    acceptances, and the plain rounds since the last drafting round (so that an exploration falls due across short
+    calls too)."""
+
+    gamma: int
+    samples: dict = field(default_factory=dict)
+    trials: list = None
+    hits: list = None
+    pooled: list = None
+    plain_run: int = 0
+
+    def __post_init__(self):
+        self.trials = self.trials or [0.0] * self.gamma  # depths 1..gamma (index i - 1)
+        self.hits = self.hits or [0.0] * self.gamma
+        self.pooled = self.pooled or [1.0, PRIOR_ACCEPT]  # (trials, acceptances) over every depth
+
+
 class DraftController:
     """Chooses each round's number of drafts. ``gamma``: the most drafts a round may verify (the engine's width);
     ``fixed``: a constant number of drafts (no choice; ``None``: choose among ``choices``, default :func:`widths`;
-    a tree engine offers ``(γ,)``: its tree or a plain step); ``samples``: the round times measured so far (width ->
-    the last ``WINDOW`` seconds; :data:`CATCH_UP`: the catch-up's seconds per missed position), kept by the engine
-    across calls (its steps cost the same)."""
+    a tree engine offers ``(γ,)``: its tree or a plain step); ``memory``: what earlier calls learnt
+    (:class:`ControllerMemory`, kept by the engine; default: nothing yet). Its :attr:`samples` are the round times
+    measured so far (width -> the last ``WINDOW`` seconds; :data:`CATCH_UP`: the catch-up's seconds per missed
+    position; :data:`PREFILL`: a deferred drafter prefill's seconds per prompt token)."""
 
-    def __init__(self, gamma: int, fixed: int | None = None, samples: dict | None = None,
+    def __init__(self, gamma: int, fixed: int | None = None, memory: ControllerMemory | None = None,
                  choices: tuple[int, ...] | None = None):
         self.gamma = gamma
         self.fixed = fixed
         self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
-        self.trials = [0.0] * gamma  # decayed trials and acceptances of depths 1..gamma (index i - 1)
-        self.hits = [0.0] * gamma
-        self.pooled = [1.0, PRIOR_ACCEPT]  # decayed (trials, acceptances) over every depth
-        self.samples = {} if samples is None else samples  # width (0: a plain step) -> its last round seconds
+        self.memory = ControllerMemory(gamma) if memory is None else memory
         self.seconds = {w: statistics.median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
-        self.plain_run = 0  # plain rounds since the last drafting round
+        self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._plain_until: tuple[int, float] | None = None  # while plain steps win: (the plain run at which to
         # explore, the plain step's seconds then); the choice stands until then unless that time moves
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self.explorations = 0
+
+    # what earlier calls learnt, and this call adds to
+    samples = property(lambda self: self.memory.samples)
+    trials = property(lambda self: self.memory.trials)
+    hits = property(lambda self: self.memory.hits)
+    pooled = property(lambda self: self.memory.pooled, lambda self, v: setattr(self.memory, "pooled", v))
+    plain_run = property(lambda self: self.memory.plain_run, lambda self, v: setattr(self.memory, "plain_run", v))
 
     # ---- the model
     def acceptance(self, depth: int) -> float:
@@ -192,24 +225,34 @@ class DraftController:
         t0, tg = self.round_seconds(0), self.round_seconds(g)
         if not t0 or tg is None:
             return EXPLORE_MIN
-        loss = max(tg - self.expected_tokens(g) * t0, 0.0)
-        per_position = statistics.median(self.samples[CATCH_UP]) if self.samples.get(CATCH_UP) else 0.0
-        margin = EXPLORE_SHARE * t0 - per_position  # what each plain round leaves for the exploration's loss
+        loss = max(tg - self.expected_tokens(g) * t0, 0.0) + self._median(PREFILL) * self.deferred
+        margin = EXPLORE_SHARE * t0 - self._median(CATCH_UP)  # what each plain round leaves for the loss
         if margin <= 0:
             return EXPLORE_MAX
         return min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
 
+    def defers(self) -> bool:
+        """At a call's start: whether its first rounds will be plain steps (measured, and plain steps win), so that
+        the drafter's prefill may wait for the first drafting round (:attr:`deferred`)."""
+        measured = 0 in self.seconds and all(w in self.seconds for w in self.widths[:2])
+        return (self.fixed is None and measured and self.again is None
+                and self.rate(max(self.widths, key=self.rate)) <= self.rate(0))
+
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1,
-                caught_up: int = 0) -> None:
+                caught_up: int = 0, prefilled: int = 0) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
         not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time;
         ``caught_up``: the positions the drafter caught up on before drafting (after plain rounds: the switch's
-        cost, kept apart from the width's)."""
-        switch = g > 0 and self.plain_run > 0 and caught_up > 0
-        if switch and seconds is not None:
+        cost, kept apart from the width's); ``prefilled``: the prompt tokens of the drafter's deferred prefill,
+        which ran in this round (likewise)."""
+        if seconds is not None and g > 0 and (prefilled or (self.plain_run > 0 and caught_up > 0)):
             t = self.round_seconds(g)
             if t is not None and g in self.seconds:
-                self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
+                if prefilled:
+                    excess = seconds - t - self._median(CATCH_UP) * caught_up
+                    self._keep(PREFILL, max(excess, 0.0) / prefilled)
+                else:
+                    self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
             if g not in self.seconds:
                 self.again = g
             seconds = None
@@ -226,6 +269,10 @@ class DraftController:
                     self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
         if seconds is not None:
             self._keep(g, seconds)
+
+    def _median(self, key: int) -> float:
+        kept = self.samples.get(key)
+        return statistics.median(kept) if kept else 0.0
 
     def _keep(self, key: int, seconds: float) -> None:
         kept = self.samples.setdefault(key, [])

@@ -78,6 +78,7 @@ from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
+from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import (
@@ -253,7 +254,7 @@ class StaticEngine:
                                for device in c.layer_devices if device.type == "cuda"} - {device.index})
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
-        self.round_times: dict[int, list[float]] = {}  # the draft-length controller's last round times by width
+        self.controller_memory = ControllerMemory(spec.gamma)  # what the draft-length controller learnt so far
         self.compiled = spec.compiled
         self._compiled_draft_token = None
 
@@ -596,11 +597,14 @@ class StaticEngine:
                 torch.cuda.synchronize()
 
     # ---- prefill
-    def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None) -> list[int]:
+    def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None,
+                defer_drafter: bool = False) -> list[int]:
         """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
         row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
         rules: chosen on the host from its float32 logits). ``prefixes[b]``: a ``DynamicCache`` holding the first
-        tokens of row b's prompt (prompt caching), copied into the verifier's row, which then reads only the rest."""
+        tokens of row b's prompt (prompt caching), copied into the verifier's row, which then reads only the rest.
+        ``defer_drafter`` (a lagging separate drafter, :attr:`defers_drafter`): its cache is left empty, for
+        :meth:`prefill_drafter` when the first round drafts."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
@@ -625,7 +629,7 @@ class StaticEngine:
                 self.verifier_cache.companion = None
             if shared_prefill:
                 self.drafter_cache.end_prefill()
-            elif separate:
+            elif separate and not defer_drafter:
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
@@ -649,6 +653,20 @@ class StaticEngine:
         if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
         return first.tolist()
+
+    @property
+    def defers_drafter(self) -> bool:
+        """Whether :meth:`prefill` may leave the drafter's prefill for later: a separate drafter that catches up after
+        plain steps on its own (a lagging chain; a tree's draft step would read from ``held``)."""
+        return self.lagging and not self.self_drafting and not self.grows_tree
+
+    def prefill_drafter(self, prompts: list[torch.Tensor]) -> None:
+        """The drafter's prefill that :meth:`prefill` deferred: row b's prompt ``[1, P_b]`` into its empty cache; the
+        drafter then holds positions ``0..P_b-1``, and the host catches it up on the tokens since (eager, mid-call:
+        the captured steps read the same buffers)."""
+        self.drafter_cache.reset()
+        for row, prompt in enumerate(prompts):
+            static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
 
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last

@@ -113,7 +113,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
     fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
-    controller = DraftController(gamma, fixed, engine.round_times, (gamma,) if always_tree else None)
+    controller = DraftController(gamma, fixed, engine.controller_memory, (gamma,) if always_tree else None)
     lagging = engine.lagging
 
     def accept(row: int, new: list[int]) -> None:
@@ -179,11 +179,14 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if engine.drafter is None else [engine.drafter])):
-        firsts = engine.prefill(prompts, host_first if host else None, prefixes)
+        # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
+        defer = engine.defers_drafter and controller.defers()
+        firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer)
         wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
         if engine.spec.adaptive:
             engine.capture_widths(controller.widths)
+        controller.deferred = sum(p.shape[1] for p in prompts) if defer else 0
         if streamer is not None and streamed_prompt is not None:
             streamer.put(streamed_prompt)
         for row, first in enumerate(firsts):
@@ -232,7 +235,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
             if drafter_steps:
                 timer.mark("draft", True)
-            caught_up = max(behind) if lagging and drafting else 0  # (the controller keeps this cost apart)
+            prefilled = 0  # prompt tokens of the drafter's deferred prefill, run in this round
+            if drafting and controller.deferred:
+                engine.prefill_drafter(prompts)
+                prefilled, controller.deferred = controller.deferred, 0
+                behind = [0 if d else len(t) - 1 - p.shape[1] for t, p, d in zip(tokens, prompts, done)]
+            caught_up = max(behind) if lagging and drafting else 0  # (the controller keeps these costs apart)
             if lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
                 if drafting and max(behind) == 1 and not (always_tree or engine.self_drafting):
                     fresh |= engine.run_step("catch_up")
@@ -299,7 +307,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     # did not)
             now = time.perf_counter()
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps,
-                               caught_up)
+                               caught_up, prefilled)
             last, fresh = now, False
             retire_finished()
     wait_for(engine.devices)
