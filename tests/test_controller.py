@@ -592,6 +592,12 @@ def test_deferred_drafter_prefill_in_a_batch_of_two_lengths(scripted, monkeypatc
     for row, ids in enumerate((a, b)):
         new = verifier.generate(ids, max_new_tokens=80, do_sample=False)[0, ids.shape[1]:]
         assert torch.equal(out.sequences[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
+    # the host-side rules' path (scores kept) defers the same way
+    scored = verifier.generate(b, assistant_model=drafter, kv_budget=16, max_new_tokens=60, do_sample=False,
+                               return_dict_in_generate=True, output_scores=True)
+    stock = verifier.generate(b, max_new_tokens=60, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(scored.sequences, stock.sequences) and scored.spec_stats.accepted > 0
+    assert all(torch.allclose(x, y) for x, y in zip(scored.scores, stock.scores))
 
 
 def test_the_controller_defers_the_prefill_where_plain_steps_win_and_explores_less_for_it():
