@@ -156,6 +156,8 @@ def static_attention(
     if cache.prefilling:
         mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start)
         out = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
+        if cache.prompt_queries is not None:
+            cache.prompt_queries(layer.layer_idx, query, scale)
         for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
             if getattr(target, "needs_selection", None) is not None and target.needs_selection():  # chunk layouts
                 target.select(target.layers[layer.layer_idx], query, key, value, scale)

@@ -175,6 +175,24 @@ def test_observed_selection_equals_float64_reference(p, budget, chunk_size, per_
     assert all(tail <= kept for kept in want)  # the recent window, whenever it fits, is kept
 
 
+@pytest.mark.parametrize("sel", [ChunkSelection(), ChunkSelection(observe=8, pool=7),
+                                 ChunkSelection(method="cumulative", score_window=16)])
+def test_the_voting_queries_alone_select_what_all_the_queries_do(sel):
+    """A deferred self-drafter keeps only its prompt's last voting queries: scored from those (the rows before them
+    absent), the kept chunks are those of the whole queries; fewer than the voting ones are refused."""
+    from hf_sparsekv.caches.chunk_selection import select_chunks, voting_queries
+
+    g = torch.Generator().manual_seed(11)
+    p = 700  # more than the default 512 observed queries
+    q, k = torch.randn(1, 4, p, 16, generator=g) * 2, torch.randn(1, 2, p, 16, generator=g)
+    w = voting_queries(sel, p)
+    assert w == min(sel.score_window or sel.observe, p) and w < p
+    whole = select_chunks(q, k, 0.25, 64, 8, sel)
+    assert torch.equal(select_chunks(q[:, :, -w:].clone(), k, 0.25, 64, 8, sel), whole)
+    with pytest.raises(ValueError, match="cannot vote"):
+        select_chunks(q[:, :, -(w - 1):], k, 0.25, 64, 8, sel)
+
+
 @pytest.mark.parametrize("p,budget,chunk_size,per_head,window", [
     (64, 16, 8, False, None), (77, 24, 8, False, None), (100, 40, 4, True, None),
     (33, 200, 8, False, None), (96, 32, 8, True, 16), (50, 8, 8, False, None),

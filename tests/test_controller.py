@@ -396,14 +396,16 @@ def test_graph_path_rounds_of_every_width_are_lossless_float32(scripted, exact_c
     engine = static_engine.current_engine(verifier)
     assert engine.use_graphs and all(step.graph is not None for step in engine.steps.values())
     assert checks and all(checks) and (not mode.startswith("self") or "catch_up_lag" in engine.steps)
-    if mode == "chunk":  # again on the captured engine, the drafter's prefill deferred to a round between replays
+    if mode in ("chunk", "self-window"):  # again on the captured engine, the drafter's prefill deferred to a round
+        # between replays (a self-drafter's: filled from the verifier's cache, checked at every draft as above)
+        checks.clear()
         prefills, real = [], static_engine.StaticEngine.prefill_drafter
         monkeypatch.setattr(static_engine.StaticEngine, "prefill_drafter",
                             lambda engine, prompts: (prefills.append(1), real(engine, prompts))[1])
         monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
         assert torch.equal(verifier.generate(ids, max_new_tokens=80, do_sample=False, **SPECS[mode](verifier, drafter)),
                            greedy)
-        assert prefills == [1] and static_engine.current_engine(verifier) is engine
+        assert prefills == [1] and static_engine.current_engine(verifier) is engine and all(checks)
     assert len(out.spec_stats.width_rounds) >= (2 if mode.startswith("tree") else 4)
 
 
@@ -542,11 +544,13 @@ class _Deferring(_Scripted):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+@pytest.mark.parametrize("mode", ["chunk", "window", "full", "self-chunk", "self-window"])
 def test_a_deferred_drafter_prefill_drafts_what_an_early_one_would(scripted, monkeypatch, arch, mode):
     """The drafter's prefill deferred to the first drafting round (then its catch-up on the tokens since): the output
     is stock greedy, and every round accepts exactly what it accepts with the prefill at the start (the drafter's
-    cache holds the same), with one deferred prefill a call; a call that never drafts never runs the drafter."""
+    cache holds the same), with one deferred prefill a call; a call that never drafts never runs the drafter. A
+    self-drafter's deferred cache is filled from the verifier's (its chunks selected from the prompt queries kept at
+    the prefill): at every draft step it sees the verifier's own keys/values."""
     import copy
 
     verifier = tiny_model(arch)
@@ -561,7 +565,9 @@ def test_a_deferred_drafter_prefill_drafts_what_an_early_one_would(scripted, mon
     monkeypatch.setattr(static_engine.StaticEngine, "prefill_drafter",
                         lambda engine, prompts: (prefills.append(len(prompts)), real(engine, prompts))[1])
     monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
+    checks = _check_self_drafter_cache(monkeypatch) if mode.startswith("self") else [True]
     late = verifier.generate(ids, **kw)
+    assert checks and all(checks)
     assert torch.equal(late.sequences, verifier.generate(ids, max_new_tokens=90, do_sample=False))
     assert torch.equal(late.sequences, early.sequences) and prefills == [1]
     assert late.spec_stats.accepted == early.spec_stats.accepted > 0
@@ -572,7 +578,8 @@ def test_a_deferred_drafter_prefill_drafts_what_an_early_one_would(scripted, mon
         plain = verifier.generate(ids, **kw)
     finally:
         hook.remove()
-    assert torch.equal(plain.sequences, late.sequences) and prefills == [1] and not forwards
+    assert torch.equal(plain.sequences, late.sequences) and prefills == [1]
+    assert not forwards or mode.startswith("self")  # (a self-drafter's forwards are the verifier's)
 
 
 def test_deferred_drafter_prefill_in_a_batch_of_two_lengths(scripted, monkeypatch):

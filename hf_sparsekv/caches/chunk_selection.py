@@ -122,26 +122,31 @@ def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float,
                          block_size: int | None = None) -> torch.Tensor:
     """Attention mass each key receives from causal queries, summed over queries, in float32.
 
-    query: ``[B, Hq, P, D]`` (prompt queries at positions 0..P-1), key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv.
-    Only the last ``score_window`` queries vote when it is given. Computed ``block_size`` queries at a time, so
+    query: ``[B, Hq, P', D]``, the queries of the prompt's last P' <= P positions (P - P'..P-1; all of them: P' = P),
+    key: ``[B, Hkv, P, D]``, Hq a multiple of Hkv. Only the last ``score_window`` queries vote when it is given (at
+    most P' of them: the queries given must cover the window). Computed ``block_size`` queries at a time, so
     memory is O(block_size·P), never P×P: each KV head's keys are read once by its group of query heads (no copy
     repeated per query head), the causal mask touches only the keys a block's queries can hide (from the block's
     first position on), and one fused softmax normalises each row. ``block_size`` (default: as many queries as keep
     a block's logits within :data:`SCORE_ELEMENTS`, at least :data:`SCORE_BLOCK`). Returns ``[B, Hq, P]``.
     """
-    b, hq, p, d = query.shape
+    b, hq, given, d = query.shape
+    p = key.shape[-2]
+    offset = p - given  # the position of query row 0
     if block_size is None:
         block_size = max(SCORE_BLOCK, SCORE_ELEMENTS // (b * hq * p))
     kv_heads = key.shape[1]
     group = hq // kv_heads
     k = key.float().transpose(-1, -2)  # [B, Hkv, D, P]
     first = 0 if score_window is None else max(0, p - score_window)
+    if offset < 0 or first < offset:
+        raise ValueError(f"queries of the last {given} of {p} positions cannot vote for a window from {first} on")
     scores = torch.zeros(b, hq, p, dtype=torch.float32, device=query.device)
     key_pos = torch.arange(p, device=query.device)
     for start in range(first, p, block_size):
         stop = min(start + block_size, p)
         rows = stop - start
-        q = (query[:, :, start:stop].float() * scaling).reshape(b, kv_heads, group * rows, d)  # group's heads, queries
+        q = (query[:, :, start - offset : stop - offset].float() * scaling).reshape(b, kv_heads, group * rows, d)
         logits = torch.matmul(q, k).view(b, hq, rows, p)
         hidden = key_pos[None, start:] > key_pos[start:stop, None]  # query t sees keys 0..t
         logits[..., start:].masked_fill_(hidden, float("-inf"))  # every query sees key 0: no row is all -inf
@@ -157,8 +162,9 @@ def _grouped(scores: torch.Tensor, kv_heads: int, per_kv_head: bool) -> torch.Te
 
 def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selection: ChunkSelection) -> torch.Tensor:
     """Per-token scores ``[B, G, P]`` float32 (G = Hkv with ``per_kv_head``, else 1) under ``selection``;
-    query ``[B, Hq, P, D]``, key ``[B, Hkv, P, D]`` (post-RoPE, positions 0..P-1)."""
-    p = query.shape[-2]
+    query ``[B, Hq, P', D]`` (the last P' positions' queries, at least those that vote: :func:`voting_queries`),
+    key ``[B, Hkv, P, D]`` (post-RoPE, positions 0..P-1)."""
+    p = key.shape[-2]
     if selection.method == "cumulative":
         raw = cumulative_attention(query, key, scaling, selection.score_window)
         return _grouped(raw, key.shape[1], selection.per_kv_head)
@@ -169,6 +175,13 @@ def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selecti
     if selection.pool > 1:
         scores = F.max_pool1d(scores, selection.pool, stride=1, padding=selection.pool // 2)
     return scores
+
+
+def voting_queries(selection: ChunkSelection, p: int) -> int:
+    """How many of a ``p``-token prompt's last queries vote under ``selection`` (all of them: ``p``)."""
+    if selection.method == "cumulative":
+        return p if selection.score_window is None else min(selection.score_window, p)
+    return min(selection.observe, p)
 
 
 def kept_chunk_count(p: int, budget: int, chunk_size: int) -> int:
@@ -205,7 +218,7 @@ def top_chunk_indices(scores: torch.Tensor, budget: int, chunk_size: int, recent
 def select_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, budget: int, chunk_size: int,
                   selection: ChunkSelection) -> torch.Tensor:
     """The kept token indices ``[B, G, N]`` (ascending, N <= budget) of a prompt whose queries are
-    ``[B, Hq, P, D]`` and keys ``[B, Hkv, P, D]``."""
+    ``[B, Hq, P, D]`` (or only its last :func:`voting_queries`) and keys ``[B, Hkv, P, D]``."""
     scores = token_scores(query, key, scaling, selection)
     if selection.method == "cumulative":
         return top_chunk_indices(scores, budget, chunk_size)

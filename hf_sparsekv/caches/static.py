@@ -168,6 +168,8 @@ class PreallocatedCache(Cache):
         self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
         # a cache filled from this one's prefill and steps without drafts (self-drafting), set for their length
         self.companion: PreallocatedCache | None = None
+        # during a prefill: called with each layer's (index, queries [1, Hq, P, D], scaling) (a companion filled later)
+        self.prompt_queries = None
         self.live: torch.Tensor | None = None  # [B] int64 on the device, 0 for a finished row (None: every row runs)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
@@ -343,6 +345,17 @@ class PreallocatedCache(Cache):
 
     def nbytes(self) -> int:
         return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
+
+    def store_prompt(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
+                     query: torch.Tensor | None = None, scaling: float | None = None) -> None:
+        """Between :meth:`begin_prefill` and :meth:`end_prefill`, without a forward: keep layer ``layer_idx``'s prompt
+        keys/values ``[1, Hkv, P, D]`` as the prefill's own writes would (a companion filled later from the verifier's
+        cache), and where the layout selects chunks, select them from the prompt's queries ``query [1, Hq, P', D]``
+        (at least its voting ones, :func:`~.chunk_selection.voting_queries`) at ``scaling``."""
+        layer = self.layers[layer_idx]
+        self._store_prefill(layer, keys, values)
+        if getattr(self, "needs_selection", None) is not None and self.needs_selection():
+            self.select(layer, query, keys, values, scaling)
 
     def stored(self, layer_idx: int, position: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a query of row ``row`` at ``position`` would see in layer ``layer_idx`` besides its own token, in

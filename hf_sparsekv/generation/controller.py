@@ -36,8 +36,9 @@ again at once): a run of plain steps costs the host about what plain decoding's 
 
 What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
-leaves a separate drafter's prefill for its first drafting round: a drafter that does not pay then costs no prefill
-in the calls between explorations. That prefill's cost is learnt per prompt token and counts in the exploration's
+leaves the drafter's prefill for its first drafting round (a self-drafter's cache is then filled from the verifier's,
+its chunks selected from the prompt queries the prefill kept): a drafter that does not pay then costs no prefill in
+the calls between explorations. That prefill's cost is learnt per prompt token and counts in the exploration's
 expected loss while it is pending, so explorations that would pay it come further apart.
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it

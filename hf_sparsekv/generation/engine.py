@@ -78,6 +78,7 @@ from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
+from ..caches.chunk_selection import voting_queries
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
@@ -255,6 +256,8 @@ class StaticEngine:
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
         self.controller_memory = ControllerMemory(spec.gamma)  # what the draft-length controller learnt so far
+        self.drafter_deferred = False  # the drafter's prefill waits for a round that drafts (:meth:`prefill`)
+        self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         self.compiled = spec.compiled
         self._compiled_draft_token = None
 
@@ -603,8 +606,10 @@ class StaticEngine:
         row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
         rules: chosen on the host from its float32 logits). ``prefixes[b]``: a ``DynamicCache`` holding the first
         tokens of row b's prompt (prompt caching), copied into the verifier's row, which then reads only the rest.
-        ``defer_drafter`` (a lagging separate drafter, :attr:`defers_drafter`): its cache is left empty, for
-        :meth:`prefill_drafter` when the first round drafts."""
+        ``defer_drafter`` (where :attr:`defers_drafter`): the drafter's cache is left empty, for
+        :meth:`prefill_drafter` when a round first drafts (:attr:`drafter_deferred` says whether it was; a
+        self-drafter keeps its prompt's voting queries for it, unless they would take more than
+        :data:`DEFERRED_QUERY_BYTES`)."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
@@ -612,12 +617,20 @@ class StaticEngine:
         shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
         if separate:
             self.drafter_cache.reset()
+        voting = [self._voting_queries(prompt.shape[1]) for prompt in prompts] if shared_prefill else []
+        self.drafter_deferred = defer_drafter and self.defers_drafter and not (shared_prefill and (
+            (prefixes is not None and any(x is not None and x.get_seq_length() > 0 for x in prefixes))
+            or sum(voting) * self._query_bytes() > DEFERRED_QUERY_BYTES))  # (a prefix: not the whole prompt's keys)
+        self.prompt_queries = [{} for _ in prompts]  # a deferred self-drafter's: row -> layer -> (queries, scaling)
         last = []
         for row, prompt in enumerate(prompts):
             p = prompt.shape[1]
-            if shared_prefill:
+            if shared_prefill and not self.drafter_deferred:
                 self.drafter_cache.begin_prefill(p, row)
                 self.verifier_cache.companion = self.drafter_cache
+            elif shared_prefill and voting[row]:
+                self.verifier_cache.prompt_queries = functools.partial(_keep_queries, self.prompt_queries[row],
+                                                                       voting[row])
             try:
                 prefix = None if prefixes is None else prefixes[row]
                 start = 0
@@ -626,10 +639,10 @@ class StaticEngine:
                                                             row)
                 last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start))
             finally:
-                self.verifier_cache.companion = None
-            if shared_prefill:
+                self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
+            if shared_prefill and not self.drafter_deferred:
                 self.drafter_cache.end_prefill()
-            elif separate and not defer_drafter:
+            elif separate and not shared_prefill and not self.drafter_deferred:
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
@@ -656,17 +669,50 @@ class StaticEngine:
 
     @property
     def defers_drafter(self) -> bool:
-        """Whether :meth:`prefill` may leave the drafter's prefill for later: a separate drafter that catches up after
-        plain steps on its own (a lagging chain; a tree's draft step would read from ``held``)."""
-        return self.lagging and not self.self_drafting and not self.grows_tree
+        """Whether :meth:`prefill` may leave the drafter's prefill for later: a drafter that catches up after plain
+        steps (a lagging chain; a tree's draft step would read from ``held``)."""
+        return self.lagging and not self.grows_tree
 
     def prefill_drafter(self, prompts: list[torch.Tensor]) -> None:
-        """The drafter's prefill that :meth:`prefill` deferred: row b's prompt ``[1, P_b]`` into its empty cache; the
-        drafter then holds positions ``0..P_b-1``, and the host catches it up on the tokens since (eager, mid-call:
-        the captured steps read the same buffers)."""
+        """The drafter's prefill that :meth:`prefill` deferred: row b's prompt ``[1, P_b]`` into its empty cache (a
+        separate drafter: its forward; a self-drafter: the verifier's own keys/values of the prompt, and its chunks
+        selected from the queries kept at the prefill, as the shared prefill would have); the drafter then holds
+        positions ``0..P_b-1``, and the host catches it up on the tokens since (eager, mid-call: the captured steps
+        read the same buffers)."""
         self.drafter_cache.reset()
         for row, prompt in enumerate(prompts):
-            static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
+            if not self.self_drafting:
+                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
+                continue
+            p = prompt.shape[1]
+            self.drafter_cache.begin_prefill(p, row)
+            for i in range(len(self.drafter_cache.layers)):
+                keys, values = self.verifier_cache.sequence(i, row, 0, p)
+                self.drafter_cache.store_prompt(i, keys, values, *self.prompt_queries[row].get(i, (None, None)))
+            self.drafter_cache.end_prefill()
+        self.drafter_deferred = False
+        self.prompt_queries = [{} for _ in prompts]
+
+    def _voting_queries(self, p: int) -> int:
+        """How many of a ``p``-token prompt's last queries a self-drafter's chunk selection reads (0: it selects
+        nothing, the prompt fits its budget or the layout keeps a window)."""
+        cache = self.drafter_cache
+        if getattr(cache, "selection", None) is None or p <= cache.budget:
+            return 0
+        return voting_queries(cache.selection, p)
+
+    def _query_bytes(self) -> int:
+        """Bytes of one prompt position's queries over every layer of the verifier."""
+        config = self.verifier.config.get_text_config()
+        layers, _, head_dim = _attention_shape(self.verifier)
+        return layers * config.num_attention_heads * head_dim * self.spec.dtype.itemsize
+
+
+def _keep_queries(kept: dict, voting: int, layer_idx: int, query: torch.Tensor, scaling: float) -> None:
+    kept[layer_idx] = (query[:, :, -voting:].clone(), scaling)
+
+
+DEFERRED_QUERY_BYTES = 256 * 2**20  # the most a deferred self-drafter's kept prompt queries may take (all rows)
 
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last

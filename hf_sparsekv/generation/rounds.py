@@ -186,7 +186,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         stats[0].prefill_seconds = time.perf_counter() - t0
         if engine.spec.adaptive:
             engine.capture_widths(controller.widths)
-        controller.deferred = sum(p.shape[1] for p in prompts) if defer else 0
+        controller.deferred = sum(p.shape[1] for p in prompts) if engine.drafter_deferred else 0
         if streamer is not None and streamed_prompt is not None:
             streamer.put(streamed_prompt)
         for row, first in enumerate(firsts):
@@ -236,7 +236,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             if drafter_steps:
                 timer.mark("draft", True)
             prefilled = 0  # prompt tokens of the drafter's deferred prefill, run in this round
-            if drafting and controller.deferred:
+            if drafting and engine.drafter_deferred:
                 engine.prefill_drafter(prompts)
                 prefilled, controller.deferred = controller.deferred, 0
                 behind = [0 if d else len(t) - 1 - p.shape[1] for t, p, d in zip(tokens, prompts, done)]
