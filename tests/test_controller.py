@@ -13,7 +13,7 @@ import torch
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
-    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, WINDOW, DraftController, widths,
+    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, WINDOW, ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, prompt, tiny_model
@@ -186,6 +186,45 @@ def test_a_run_of_plain_steps_is_not_decided_again_and_chooses_the_same():
         if g:
             break
     assert g > 0 and 20 + i < due - 50 and calls
+
+
+def test_plain_steps_chosen_under_a_narrow_cap_do_not_hold_when_wider_widths_are_allowed():
+    """int4 self-speculation caps a round's drafts near each quantization group's end: a plain step chosen when only
+    width 1 was allowed (and lost) must not keep width 8 out of the next, uncapped round."""
+    ctl = DraftController(8)
+    _run(ctl, 0.9, lambda g: 2.0 + 0.02 * g if g else 1.0, 40)  # width 1 loses to a plain step, width 8 wins
+    assert ctl.choose() == 8
+    assert ctl.choose(allowed=1) == 0
+    ctl.observe(0, [0], 1.0)
+    assert ctl.choose() == 8
+
+
+def test_width_times_stay_current_while_a_lagging_drafter_mostly_waits():
+    """Round times kept from earlier calls are stale (10x the truth); each exploration after plain rounds is a switch
+    round (no sample), so the round after it drafts the same width again for a clean one: the widths' times catch up
+    with the truth and the controller drafts most rounds (width 8 pays 2.9x plain)."""
+    t, per_position = linear(1.2, 0.1), 0.01
+    memory = ControllerMemory(8)
+    stale = DraftController(8, memory=memory)
+    for g in (0, *widths(8)):
+        for _ in range(WINDOW):
+            stale.observe(g, [0] if g else [], 1.0 if g == 0 else 10.0 + 0.1 * g)
+    ctl, rng, missed, chosen = DraftController(8, memory=memory), torch.Generator().manual_seed(3), 0, []
+    for _ in range(3000):
+        g = ctl.choose()
+        if g == 0:
+            steps = ctl.plain_steps(8)
+            ctl.observe(0, [0], 1.0, steps)
+            missed += steps
+        else:
+            a = 0
+            while a < g and float(torch.rand((), generator=rng)) < 0.9:
+                a += 1
+            ctl.observe(g, [a], t(g) + per_position * missed, 1, missed)
+            missed = 0
+        chosen.append(g)
+    assert sum(g > 0 for g in chosen[-1000:]) > 900
+    assert ctl.seconds[8] == pytest.approx(t(8))
 
 
 def test_a_fixed_gamma_always_drafts_it_or_nothing():

@@ -22,8 +22,9 @@ host work together, so nothing is synchronised for timing) and each live row's a
   on the positions it missed (a forward over them, or for a self-drafter a copy). That is a cost of the switch, not
   of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
   width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of the catch-up's
-  cost per missed position, which the exploration interval accounts for; and a width that has no sample of its own
-  yet drafts once more right after, to get one.
+  cost per missed position, which the exploration interval accounts for; and the round after it drafts the same
+  width again, a clean sample (so that the width's time stays current while plain steps win; an exploration then
+  costs two rounds, both counted in its expected loss).
 
 The first rounds measure cheaply: plain steps, then one round at each of the two narrowest widths (a drafter that
 cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
@@ -130,8 +131,9 @@ class DraftController:
         self.seconds = {w: statistics.median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
         self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
-        self._plain_until: tuple[int, float] | None = None  # while plain steps win: (the plain run at which to
-        # explore, the plain step's seconds then); the choice stands until then unless that time moves
+        self._plain_until: tuple[int, float, int] | None = None  # while plain steps win: (the plain run at which
+        # to explore, the plain step's seconds then, the widest width allowed then); the choice stands until then
+        # unless that time moves or a wider width is allowed
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self.explorations = 0
 
@@ -192,8 +194,8 @@ class DraftController:
         if again is not None and again <= cap:
             return again
         if self._plain_until is not None:  # a run of plain steps: nothing but their own time changed since
-            until, t0 = self._plain_until
-            if self.plain_run < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0:
+            until, t0, widest = self._plain_until
+            if self.plain_run < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0 and cap <= widest:
                 return 0
             self._plain_until = None
         if 0 not in self.seconds:
@@ -208,7 +210,7 @@ class DraftController:
         if self.plain_run >= until:
             self.explorations += 1
             return best
-        self._plain_until = until, self.seconds[0]
+        self._plain_until = until, self.seconds[0], cap
         return 0
 
     def plain_steps(self, most: int) -> int:
@@ -226,15 +228,16 @@ class DraftController:
         t0, tg = self.round_seconds(0), self.round_seconds(g)
         if not t0 or tg is None:
             return EXPLORE_MIN
-        loss = max(tg - self.expected_tokens(g) * t0, 0.0) + self._median(PREFILL) * self.deferred
+        rounds = 2 if self.samples.get(CATCH_UP) else 1  # a lagging drafter's exploration: the switch, then a sample
+        loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0) + self._median(PREFILL) * self.deferred
         margin = EXPLORE_SHARE * t0 - self._median(CATCH_UP)  # what each plain round leaves for the loss
         if margin <= 0:
             return EXPLORE_MAX
         return min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
 
     def defers(self) -> bool:
-        """At a call's start: whether its first rounds will be plain steps (measured, and plain steps win), so that
-        the drafter's prefill may wait for the first drafting round (:attr:`deferred`)."""
+        """At a call's start: whether plain steps win (measured), so that the drafter's prefill may wait for the
+        first drafting round (:attr:`deferred`; an exploration due at once makes that the first round)."""
         measured = 0 in self.seconds and all(w in self.seconds for w in self.widths[:2])
         return (self.fixed is None and measured and self.again is None
                 and self.rate(max(self.widths, key=self.rate)) <= self.rate(0))
@@ -254,8 +257,7 @@ class DraftController:
                     self._keep(PREFILL, max(excess, 0.0) / prefilled)
                 else:
                     self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
-            if g not in self.seconds:
-                self.again = g
+            self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
         self._rates.clear()
         if g == 0:

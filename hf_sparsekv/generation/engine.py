@@ -6,7 +6,9 @@ The round itself (stopping rules, streaming, stats) is :mod:`.rounds`; the draft
 :mod:`.drafting`; acceptance :mod:`.acceptance`.
 
 Device state (all preallocated): ``seq [capacity]`` the token sequence, ``n [1]`` its length. Between rounds the
-verifier's cache holds positions ``0..n-2`` (all but the last token), and so does the drafter's. A round:
+verifier's cache holds positions ``0..n-2`` (all but the last token), and so does the drafter's (an adaptive engine's
+drafter lags behind after rounds without drafts, and may not have read its prompt yet: see "Adaptive engines"). A
+round:
 
 1. (only after a round that accepted every draft) **catch-up**: the drafter is fed ``seq[n-2]``, the last draft,
    which it proposed but never read;
@@ -18,6 +20,12 @@ verifier's cache holds positions ``0..n-2`` (all but the last token), and so doe
 Self-drafting on a chunk-budget or window cache (``drafter is verifier``, TriForce/MagicDec-style): the verifier's
 prefill fills the drafter's cache too (its ``companion``: one prefill, the chunk selection from the same queries);
 rounds are as above.
+
+Adaptive engines (:mod:`.controller`: each round drafts as many tokens as the controller chooses, or none): in a
+round without drafts the drafter reads nothing (``lagging``); before its next draft it catches up on what it missed
+(a separate drafter: its forward over blocks of :data:`LAG_BLOCK` tokens from ``held``; a self-drafter: the
+verifier's keys/values of those positions copied into its cache). A call that starts where plain steps win may
+leave the drafter's prefill for the first round that drafts (:meth:`StaticEngine.prefill`, ``defer_drafter``).
 
 Self-speculation on the INT4 view (QuantSpec, mode ``"int4"``): the verifier drafts on the INT4 view of its own
 :class:`~hf_sparsekv.caches.static.StaticQuantCache` and verifies on its INT8 view; there is no catch-up (verification

@@ -310,6 +310,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                                caught_up, prefilled)
             last, fresh = now, False
             retire_finished()
+    engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
     wait_for(engine.devices)
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")
