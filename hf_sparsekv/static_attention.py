@@ -159,7 +159,7 @@ def static_attention(
         if cache.prompt_queries is not None:
             cache.prompt_queries(layer.layer_idx, query, scale)
         for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
-            if getattr(target, "needs_selection", None) is not None and target.needs_selection():  # chunk layouts
+            if target is not None and target.needs_selection():  # chunk layouts
                 target.select(target.layers[layer.layer_idx], query, key, value, scale)
         return out
     if isinstance(cache, StaticQuantCache):

@@ -354,8 +354,12 @@ class PreallocatedCache(Cache):
         (at least its voting ones, :func:`~.chunk_selection.voting_queries`) at ``scaling``."""
         layer = self.layers[layer_idx]
         self._store_prefill(layer, keys, values)
-        if getattr(self, "needs_selection", None) is not None and self.needs_selection():
+        if self.needs_selection():
             self.select(layer, query, keys, values, scaling)
+
+    def needs_selection(self) -> bool:
+        """Whether this prefill selects chunks from the prompt's queries (:meth:`select`; chunk layouts only)."""
+        return False
 
     def stored(self, layer_idx: int, position: int, row: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """What a query of row ``row`` at ``position`` would see in layer ``layer_idx`` besides its own token, in

@@ -240,7 +240,7 @@ class DraftController:
         first drafting round (:attr:`deferred`; an exploration due at once makes that the first round)."""
         measured = 0 in self.seconds and all(w in self.seconds for w in self.widths[:2])
         return (self.fixed is None and measured and self.again is None
-                and self.rate(max(self.widths, key=self.rate)) <= self.rate(0))
+                and self.rate(self.best_drafting()) <= self.rate(0))
 
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1,
                 caught_up: int = 0, prefilled: int = 0) -> None:

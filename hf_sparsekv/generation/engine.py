@@ -82,11 +82,11 @@ import torch
 from transformers.utils import logging
 
 from ..cache_keyword import cache_keyword
+from ..caches.chunk_selection import voting_queries
 from ..caches.static import StaticFullCache, StaticQuantCache
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
-from ..caches.chunk_selection import voting_queries
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
@@ -699,7 +699,7 @@ class StaticEngine:
                 self.drafter_cache.store_prompt(i, keys, values, *self.prompt_queries[row].get(i, (None, None)))
             self.drafter_cache.end_prefill()
         self.drafter_deferred = False
-        self.prompt_queries = [{} for _ in prompts]
+        self.prompt_queries = []  # (read: not kept past their one use)
 
     def _voting_queries(self, p: int) -> int:
         """How many of a ``p``-token prompt's last queries a self-drafter's chunk selection reads (0: it selects
