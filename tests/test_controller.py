@@ -104,6 +104,28 @@ def test_one_slow_first_sample_does_not_shut_a_width_out():
     assert settled.count(3) + settled.count(4) > settled.count(2), {g: settled.count(g) for g in set(settled)}
 
 
+def test_a_slow_first_sample_of_the_second_width_does_not_lock_the_first_in():
+    """Measured on an H200 (chunk B=512, 16K, compiled): width 2's one sample, its first replay, took 1.5x its cost;
+    width 1 became trusted and every later round drafted 1, although wider widths paid more (its other widths never
+    ran). With width 1 alone trusted, an untrusted width is priced no higher than width 1 until it is trusted
+    itself: the controller settles on the best rate (float64 below)."""
+    p, c = 0.85, 0.12
+    seen = set()
+
+    def seconds(g):
+        slow = g == 2 and g not in seen
+        seen.add(g)
+        return (1.0 + c * g) * (1.5 if slow else 1.0)
+
+    ctl = DraftController(8)
+    chosen = _run(ctl, p, seconds, 400, seed=7)
+    rate = {g: (1 - p ** (g + 1)) / (1 - p) / (1 + c * g) for g in (0, *widths(8))}
+    assert rate[2] < rate[1] * 1.5 and rate[1] < max(rate.values())
+    settled = chosen[-200:]
+    top = max(set(settled), key=settled.count)
+    assert rate[top] >= 0.95 * max(rate.values()), ({g: settled.count(g) for g in set(settled)}, rate)
+
+
 def test_unmeasured_widths_are_interpolated_between_measured_ones():
     ctl = DraftController(8)
     ctl.observe(0, [], 1.0)

@@ -14,7 +14,9 @@ host work together, so nothing is synchronised for timing) and each live row's a
   has ``TRUST`` samples (one slow sample, such as a graph's first replay or a host hiccup, would otherwise keep a
   width from ever being chosen and measured again); until then, and for a width never measured, ``t(g)`` is
   interpolated linearly between the trusted drafting widths (or extrapolated from their per-draft slope; while fewer
-  than two are trusted, from every measured drafting width), never below a plain step.
+  than two are trusted, from every measured drafting width; but while drafting at the one trusted width beats
+  plain steps, never above that width's time, so that one slow first sample of another width cannot keep it from
+  being tried until it is trusted), never below a plain step.
   Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
   fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
   (compilation, CUDA-graph capture) is not a sample.
@@ -167,7 +169,14 @@ class DraftController:
             return self.seconds.get(0)
         drafting = {w: s for w, s in self.seconds.items() if w > 0}
         trusted = {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
-        t = interpolated(trusted if len(trusted) >= 2 else drafting if len(drafting) >= 2 else self.seconds, g)
+        if len(trusted) >= 2:
+            t = interpolated(trusted, g)
+        else:
+            t = interpolated(drafting if len(drafting) >= 2 else self.seconds, g)
+            if len(trusted) == 1 and g not in trusted and t is not None:
+                (w, tw), = trusted.items()  # while drafting w pays, an untrusted width's few samples (a slow first
+                if 0 not in self.seconds or self.expected_tokens(w) * self.seconds[0] > tw:  # replay) cannot price
+                    t = min(t, tw)  # it above w: it is tried until trusted
         plain = self.seconds.get(0)
         return t if t is None or plain is None else max(t, plain)
 
