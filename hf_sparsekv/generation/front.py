@@ -280,14 +280,20 @@ def _refuse_source(name: str, value, kwargs: dict, generation_config, model) -> 
     return f"{name}={value!r} comes from the model's generation config (model.generation_config.{name})"
 
 
-def _user_setting(name: str, kwargs: dict, diffs: list[dict]) -> tuple[bool, object]:
+_DEFAULTS = GenerationConfig()  # the library defaults, read only
+_UNSET = object()
+
+
+def _user_setting(name: str, kwargs: dict, configs: tuple) -> tuple[bool, object]:
     """``(set, value)`` of the generation option ``name`` as its owner set it (not a library default): the keyword,
-    else the first of ``diffs`` (generation configs' differences from the defaults, ``to_diff_dict()``) naming it."""
+    else the first of ``configs`` whose value differs from the library default (what ``to_diff_dict()`` would keep,
+    without its deep copies: this runs on every call)."""
     if name in kwargs:
         return True, kwargs[name]
-    for diff in diffs:
-        if name in diff:
-            return True, diff[name]
+    for config in configs:
+        value = getattr(config, name, _UNSET)
+        if value is not _UNSET and value != getattr(_DEFAULTS, name, _UNSET):
+            return True, value
     return False, None
 
 
@@ -307,11 +313,9 @@ def _draft_length(model, assistant_model, generation_config, kwargs: dict, sampl
     assistant = getattr(assistant_model, "generation_config", None)
     if assistant_model is model or assistant_model is None:
         assistant = None
-    names = ("num_assistant_tokens", "num_assistant_tokens_schedule")
-    diffs = ([] if all(n in kwargs for n in names)
-             else [config.to_diff_dict() for config in own + (assistant,) if config is not None])  # (once a call)
-    given, gamma = _user_setting("num_assistant_tokens", kwargs, diffs)
-    scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, diffs)
+    configs = tuple(config for config in own + (assistant,) if config is not None)
+    given, gamma = _user_setting("num_assistant_tokens", kwargs, configs)
+    scheduled, schedule = _user_setting("num_assistant_tokens_schedule", kwargs, configs)
     if scheduled and schedule not in SCHEDULES:
         raise ValueError(f"num_assistant_tokens_schedule must be one of {SCHEDULES}, got {schedule!r}")
     adaptive = schedule in SCHEDULES[1:] or not (given or scheduled or sampling)
