@@ -47,7 +47,7 @@ def test_widths_are_the_ladder_up_to_gamma():
 def test_a_perfect_cheap_drafter_drafts_the_widest_width():
     ctl = DraftController(8)
     chosen = _run(ctl, 1.0, linear(1.0, 0.05), 60)
-    assert chosen[:4] == [0, 1, 2, 8]  # plain steps, the two narrowest widths, then the best by the model
+    assert chosen[:6] == [0, 0, 0, 1, 2, 8]  # TRUST plain steps, the two narrowest widths, then the best by the model
     assert chosen[-40:] == [8] * 40
 
 
@@ -58,8 +58,8 @@ def test_a_useless_drafter_is_dropped_and_explored_within_the_budget():
     assert plain > 0.9 * len(chosen)
     # each exploration after the measuring rounds loses at most EXPLORE_SHARE of the plain rounds before it
     t = linear(1.0, 0.3)
-    assert chosen[:3] == [0, 1, 2]  # the measuring rounds: plain, then the two narrowest widths
-    loss = sum(t(g) - t(0) for g in chosen[3:] if g)  # nothing accepted: the plain step's token alone
+    assert chosen[:5] == [0, 0, 0, 1, 2]  # the measuring rounds: plain, then the two narrowest widths
+    loss = sum(t(g) - t(0) for g in chosen[5:] if g)  # nothing accepted: the plain step's token alone
     assert loss <= EXPLORE_SHARE * plain * t(0) + t(1)
     assert ctl.explorations >= 2  # it keeps looking
 
@@ -282,9 +282,9 @@ class _Scripted(DraftController):
         super().__init__(gamma, fixed, memory, choices)
         self._script = itertools.cycle(self.TREE_SCRIPT if choices else self.SCRIPT)
 
-    def choose(self, allowed=None):
+    def choose(self, allowed=None, remaining=None):
         if self.fixed is not None:
-            return super().choose(allowed)
+            return super().choose(allowed, remaining)
         cap = self.gamma if allowed is None else allowed
         want = min(next(self._script), cap)
         return max((w for w in self.widths if w <= want), default=0)
@@ -600,7 +600,7 @@ class _Deferring(_Scripted):
 
     SCRIPT = [0] * 14 + [8, 3, 0, 0, 1, 6, 0, 2]
 
-    def defers(self):
+    def defers(self, remaining=None, prompt_tokens=0):
         return True
 
 
@@ -685,3 +685,55 @@ def test_the_controller_defers_the_prefill_where_plain_steps_win_and_explores_le
     assert best not in memory.samples or len(memory.samples[best]) == len(ctl.samples[best])  # no width sample
     call.deferred = 1000
     assert call.explore_every(best) > 3 * before
+
+
+def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
+    """Drafting pays 1.3x per round here, but a call of 20 tokens after a prompt whose drafter prefill costs 40 plain
+    steps would not save it back: the call defers the prefill and never drafts; a call of 2000 tokens drafts."""
+    ctl = DraftController(8)
+    _run(ctl, 0.5, linear(1.0, 0.05), 200)
+    best = ctl.best_drafting()
+    gain = ctl.rate(best) / ctl.rate(0)
+    assert 1.2 < gain < 1.6, gain
+    ctl.prefill_cost(40.0, 1000)  # 40 plain steps' seconds for 1000 prompt tokens
+    call = DraftController(8, memory=ctl.memory)
+    assert call.defers(20, 1000) and not call.defers(2000, 1000) and not call.defers(None, 1000)
+    call.deferred = 1000
+    assert [call.choose(remaining=20 - i) for i in range(5)] == [0] * 5
+    assert DraftController(8, memory=ctl.memory).choose(remaining=2000) == best
+
+
+def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_drafter():
+    """On the engine: a call whose drafter read its prompt at the start records that prefill's cost per prompt token.
+    Then, with plain steps made to look 10 s each (so drafting wins every round) and the prefill 1000 s a token, a call
+    of 12 tokens leaves the drafter's prefill for a drafting round that never comes (the drafter never runs) and is
+    stock greedy; with the prefill cheap again, the next call drafts."""
+    import copy
+
+    from hf_sparsekv.generation.controller import PREFILL, WINDOW
+
+    verifier = tiny_model("mistral")
+    drafter = copy.deepcopy(verifier)
+    ids = prompt(60, 9)
+    kw = dict(assistant_model=drafter, kv_budget=24, do_sample=False, return_dict_in_generate=True)
+    first = verifier.generate(ids, max_new_tokens=60, **kw)
+    assert torch.equal(first.sequences, verifier.generate(ids, max_new_tokens=60, do_sample=False))
+    memory = static_engine.current_engine(verifier).controller_memory
+    learnt = memory.samples[PREFILL]
+    assert len(learnt) == 1 and learnt[0] > 0 and first.spec_stats.accepted > 0
+    memory.samples[0] = [10.0] * WINDOW
+    memory.samples[PREFILL] = [1000.0]
+    forwards = []
+    hook = drafter.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        short = verifier.generate(ids, max_new_tokens=12, **kw)
+        assert torch.equal(short.sequences, verifier.generate(ids, max_new_tokens=12, do_sample=False))
+        assert not forwards and set(short.spec_stats.width_rounds) == {0}
+        assert memory.samples[PREFILL] == [1000.0]  # (no prefill ran: nothing learnt)
+        memory.samples[PREFILL] = learnt
+        again = verifier.generate(ids, max_new_tokens=12, **kw)
+    finally:
+        hook.remove()
+    assert torch.equal(again.sequences, short.sequences)
+    assert forwards and set(again.spec_stats.width_rounds) != {0}
+    static_engine.release_engines()

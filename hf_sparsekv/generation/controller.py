@@ -28,7 +28,8 @@ host work together, so nothing is synchronised for timing) and each live row's a
   width again, a clean sample (so that the width's time stays current while plain steps win; an exploration then
   costs two rounds, both counted in its expected loss).
 
-The first rounds measure cheaply: plain steps, then one round at each of the two narrowest widths (a drafter that
+The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them), then one
+round at each of the two narrowest widths (a drafter that
 cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
 model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
 the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
@@ -41,8 +42,11 @@ What a controller learns (round times, acceptance, the plain rounds since the la
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
 leaves the drafter's prefill for its first drafting round (a self-drafter's cache is then filled from the verifier's,
 its chunks selected from the prompt queries the prefill kept): a drafter that does not pay then costs no prefill in
-the calls between explorations. That prefill's cost is learnt per prompt token and counts in the exploration's
-expected loss while it is pending, so explorations that would pay it come further apart.
+the calls between explorations. That prefill's cost is learnt per prompt token (from a deferred prefill's round,
+and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
+sync). It counts in the exploration's expected loss while it is pending, so explorations that would pay it come
+further apart; and a call whose remaining tokens would not save it by drafting (a short answer after a long prompt)
+does not draft, however well drafting pays per round.
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -191,8 +195,10 @@ class DraftController:
         return max(self.widths, key=self.rate)
 
     # ---- decisions
-    def choose(self, allowed: int | None = None) -> int:
-        """The next round's number of drafts, at most ``allowed`` (a width of :attr:`widths`, or 0)."""
+    def choose(self, allowed: int | None = None, remaining: int | None = None) -> int:
+        """The next round's number of drafts, at most ``allowed`` (a width of :attr:`widths`, or 0); ``remaining``:
+        the most tokens the call may still generate (None: no bound), against which a pending drafter prefill must
+        pay back (:meth:`pays_back`)."""
         cap = self.gamma if allowed is None else allowed
         options = [w for w in self.widths if w <= cap]
         if self.fixed is not None:
@@ -207,13 +213,13 @@ class DraftController:
             if self.plain_run < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0 and cap <= widest:
                 return 0
             self._plain_until = None
-        if 0 not in self.seconds:
-            return 0  # first: plain steps (their cost)
+        if len(self.samples.get(0, ())) < TRUST:
+            return 0  # first: plain steps (their cost: the yardstick of every choice, so TRUST samples of it)
         probes = [w for w in self.widths[:2] if w not in self.seconds]
         if probes:  # then the two narrowest widths (the cost per draft, the first depths' acceptance)
             return probes[0] if probes[0] <= cap else 0
         best = max(options, key=self.rate)
-        if self.rate(best) > self.rate(0):
+        if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
             return best
         until = self.explore_every(best)
         if self.plain_run >= until:
@@ -244,12 +250,32 @@ class DraftController:
             return EXPLORE_MAX
         return min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
 
-    def defers(self) -> bool:
-        """At a call's start: whether plain steps win (measured), so that the drafter's prefill may wait for the
-        first drafting round (:attr:`deferred`; an exploration due at once makes that the first round)."""
+    def defers(self, remaining: int | None = None, prompt_tokens: int = 0) -> bool:
+        """At a call's start: whether plain steps win (measured), or drafting at the best width would not save its
+        drafter's prefill of ``prompt_tokens`` over the call's ``remaining`` tokens (:meth:`pays_back`), so that the
+        drafter's prefill may wait for the first drafting round (:attr:`deferred`; an exploration due at once makes
+        that the first round)."""
         measured = 0 in self.seconds and all(w in self.seconds for w in self.widths[:2])
-        return (self.fixed is None and measured and self.again is None
-                and self.rate(self.best_drafting()) <= self.rate(0))
+        if self.fixed is not None or not measured or self.again is not None:
+            return False
+        best = self.best_drafting()
+        return self.rate(best) <= self.rate(0) or not self.pays_back(best, remaining, prompt_tokens)
+
+    def pays_back(self, g: int, remaining: int | None, prompt_tokens: int) -> bool:
+        """Whether drafting ``g`` a round for the call's ``remaining`` tokens saves more time than plain steps by
+        more than the drafter's prefill of ``prompt_tokens`` costs (its seconds per prompt token learnt,
+        :data:`PREFILL`): a short answer after a long prompt is decoded plainly, the drafter never reading the
+        prompt. True where nothing is pending or nothing is known of the prefill's cost."""
+        cost = self._median(PREFILL) * prompt_tokens
+        if not cost or remaining is None or self.rate(0) <= 0 or self.rate(g) <= 0:
+            return True
+        return remaining * (1.0 / self.rate(0) - 1.0 / self.rate(g)) > cost
+
+    def prefill_cost(self, seconds: float, prompt_tokens: int) -> None:
+        """A drafter prefill that ran at the call's start took ``seconds`` for ``prompt_tokens``: a sample of
+        :data:`PREFILL`."""
+        if prompt_tokens > 0:
+            self._keep(PREFILL, seconds / prompt_tokens)
 
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1,
                 caught_up: int = 0, prefilled: int = 0) -> None:

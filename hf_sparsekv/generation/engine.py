@@ -609,7 +609,7 @@ class StaticEngine:
 
     # ---- prefill
     def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None,
-                defer_drafter: bool = False) -> list[int]:
+                defer_drafter: bool = False, timer=None) -> list[int]:
         """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
         row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
         rules: chosen on the host from its float32 logits). ``prefixes[b]``: a ``DynamicCache`` holding the first
@@ -617,7 +617,8 @@ class StaticEngine:
         ``defer_drafter`` (where :attr:`defers_drafter`): the drafter's cache is left empty, for
         :meth:`prefill_drafter` when a round first drafts (:attr:`drafter_deferred` says whether it was; a
         self-drafter keeps its prompt's voting queries for it, unless they would take more than
-        :data:`DEFERRED_QUERY_BYTES`)."""
+        :data:`DEFERRED_QUERY_BYTES`). ``timer``: marks the phase ``"drafter_prefill"`` around a separate drafter's
+        prefill forwards (``mark(name, start)``)."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
@@ -651,7 +652,11 @@ class StaticEngine:
             if shared_prefill and not self.drafter_deferred:
                 self.drafter_cache.end_prefill()
             elif separate and not shared_prefill and not self.drafter_deferred:
+                if timer is not None:
+                    timer.mark("drafter_prefill", True)
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
+                if timer is not None:
+                    timer.mark("drafter_prefill", False)
             self.seq[row, :p].copy_(prompt[0])
             self.n[row] = p
             if self.penalty is not None:

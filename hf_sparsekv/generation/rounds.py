@@ -30,13 +30,17 @@ def _same_draws_on_every_rank(model, device: torch.device) -> None:
 
 
 class _EventTimer:
-    """Seconds between CUDA events recorded around phases, summed once at the end (no sync per phase)."""
+    """Seconds between CUDA events recorded around phases, summed once at the end (no sync per phase); and the host's
+    own seconds in each phase (:meth:`host_seconds`)."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
         self.spans: dict[str, list] = {}
+        self.host: dict[str, float] = {}
 
     def mark(self, name: str, start: bool):
+        now = time.perf_counter()
+        self.host[name] = self.host.get(name, 0.0) + (now if not start else -now)
         if not self.cuda:
             if start:
                 self.spans.setdefault(name, []).append([time.perf_counter(), None])
@@ -49,6 +53,9 @@ class _EventTimer:
             self.spans.setdefault(name, []).append([event, None])
         else:
             self.spans[name][-1][1] = event
+
+    def host_seconds(self, name: str) -> float:
+        return self.host.get(name, 0.0)
 
     def seconds(self, name: str) -> float:
         total = 0.0
@@ -180,13 +187,18 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     t0 = time.perf_counter()
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if engine.drafter is None else [engine.drafter])):
         # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
-        defer = engine.defers_drafter and controller.defers()
-        firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer)
+        prompt_tokens = sum(p.shape[1] for p in prompts)
+        defer = engine.defers_drafter and controller.defers(max(r.max_length - len(t) for r, t in zip(rules, tokens)),
+                                                            prompt_tokens)
+        firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer, timer)
         wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
+        if "drafter_prefill" in timer.host:  # its cost, for the next calls' choice to defer it (no extra sync)
+            controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
+                                    prompt_tokens)
         if engine.spec.adaptive:
             engine.capture_widths(controller.widths)
-        controller.deferred = sum(p.shape[1] for p in prompts) if engine.drafter_deferred else 0
+        controller.deferred = prompt_tokens if engine.drafter_deferred else 0
         if streamer is not None and streamed_prompt is not None:
             streamer.put(streamed_prompt)
         for row, first in enumerate(firsts):
@@ -222,7 +234,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 flush(quant, 0)  # that would see another state; a round in which no row can keep a draft runs one
                 rooms = [quant.room(len(t) - 1) for t in tokens]  # verifier step instead
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
-            width = controller.choose(allowed)
+            width = controller.choose(allowed, max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done)
+                                                   if not d))
             drafting = width > 0
             tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
             # grafted retrieval)
