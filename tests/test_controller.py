@@ -700,6 +700,8 @@ def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
     assert call.defers(20, 1000) and not call.defers(2000, 1000) and not call.defers(None, 1000)
     call.deferred = 1000
     assert [call.choose(remaining=20 - i) for i in range(5)] == [0] * 5
+    call.plain_run = 10 * EXPLORE_MAX  # nor does it explore: drafting is already known to win a round
+    assert call.choose(remaining=15) == 0 and call.explorations == 0
     assert DraftController(8, memory=ctl.memory).choose(remaining=2000) == best
 
 

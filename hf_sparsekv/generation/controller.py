@@ -46,7 +46,8 @@ the calls between explorations. That prefill's cost is learnt per prompt token (
 and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
 sync). It counts in the exploration's expected loss while it is pending, so explorations that would pay it come
 further apart; and a call whose remaining tokens would not save it by drafting (a short answer after a long prompt)
-does not draft, however well drafting pays per round.
+does not draft, however well drafting pays per round (nor explores: what an exploration would learn could not make
+the call longer).
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -219,8 +220,9 @@ class DraftController:
         if probes:  # then the two narrowest widths (the cost per draft, the first depths' acceptance)
             return probes[0] if probes[0] <= cap else 0
         best = max(options, key=self.rate)
-        if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
-            return best
+        if self.rate(best) > self.rate(0):  # (else plain steps, explored now and then) drafting wins a round: unless
+            return best if self.pays_back(best, remaining, self.deferred) else 0  # the call is too short for the
+            # pending prefill, which no exploration would change (the call's remaining tokens only shrink)
         until = self.explore_every(best)
         if self.plain_run >= until:
             self.explorations += 1
