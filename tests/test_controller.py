@@ -700,8 +700,12 @@ def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
     assert call.defers(20, 1000) and not call.defers(2000, 1000) and not call.defers(None, 1000)
     call.deferred = 1000
     assert [call.choose(remaining=20 - i) for i in range(5)] == [0] * 5
-    call.plain_run = 10 * EXPLORE_MAX  # nor does it explore: drafting is already known to win a round
-    assert call.choose(remaining=15) == 0 and call.explorations == 0
+    # it still explores, but the pending prefill (here 40 plain steps) spaces explorations past EXPLORE_MAX rounds
+    # so that each costs at most EXPLORE_SHARE of the plain rounds before it
+    every = call.explore_every(best)
+    assert every > EXPLORE_MAX and 40.0 <= EXPLORE_SHARE * every * call.round_seconds(0) <= 41.0 + EXPLORE_MIN
+    call.plain_run = every
+    assert call.choose(remaining=15) == best and call.explorations == 1
     assert DraftController(8, memory=ctl.memory).choose(remaining=2000) == best
 
 

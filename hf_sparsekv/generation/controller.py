@@ -34,7 +34,8 @@ cannot pay costs little more than a plain step there), then the choice, which tr
 model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
 the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
 exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows (and within
-``EXPLORE_MIN..EXPLORE_MAX`` rounds). Until that exploration the choice of plain steps stands without being computed
+``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
+``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
 again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
 again at once): a run of plain steps costs the host about what plain decoding's loop does.
 
@@ -46,8 +47,8 @@ the calls between explorations. That prefill's cost is learnt per prompt token (
 and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
 sync). It counts in the exploration's expected loss while it is pending, so explorations that would pay it come
 further apart; and a call whose remaining tokens would not save it by drafting (a short answer after a long prompt)
-does not draft, however well drafting pays per round (nor explores: what an exploration would learn could not make
-the call longer).
+does not draft, however well drafting pays per round (it still explores now and then, within the budget above:
+the acceptance it learnt on other text may be stale).
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -68,6 +69,7 @@ TRUST = 3  # samples before a width's own median is used instead of its neighbou
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
+PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
@@ -220,9 +222,8 @@ class DraftController:
         if probes:  # then the two narrowest widths (the cost per draft, the first depths' acceptance)
             return probes[0] if probes[0] <= cap else 0
         best = max(options, key=self.rate)
-        if self.rate(best) > self.rate(0):  # (else plain steps, explored now and then) drafting wins a round: unless
-            return best if self.pays_back(best, remaining, self.deferred) else 0  # the call is too short for the
-            # pending prefill, which no exploration would change (the call's remaining tokens only shrink)
+        if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
+            return best  # (else plain steps, explored now and then: acceptance learnt on other text may be stale)
         until = self.explore_every(best)
         if self.plain_run >= until:
             self.explorations += 1
@@ -246,11 +247,15 @@ class DraftController:
         if not t0 or tg is None:
             return EXPLORE_MIN
         rounds = 2 if self.samples.get(CATCH_UP) else 1  # a lagging drafter's exploration: the switch, then a sample
-        loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0) + self._median(PREFILL) * self.deferred
+        loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0)
+        prefill = self._median(PREFILL) * self.deferred
         margin = EXPLORE_SHARE * t0 - self._median(CATCH_UP)  # what each plain round leaves for the loss
         if margin <= 0:
-            return EXPLORE_MAX
-        return min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
+            return EXPLORE_MAX if not prefill else PREFILL_EXPLORE_MAX
+        n = min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
+        # a pending prefill's share lengthens the interval past EXPLORE_MAX (else, with a long prompt, each
+        # exploration would pay a prefill of several times EXPLORE_SHARE of the rounds before it)
+        return n if not prefill else min(n + math.ceil(prefill / margin), PREFILL_EXPLORE_MAX)
 
     def defers(self, remaining: int | None = None, prompt_tokens: int = 0) -> bool:
         """At a call's start: whether plain steps win (measured), or drafting at the best width would not save its
