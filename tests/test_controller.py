@@ -743,3 +743,21 @@ def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_dra
     assert torch.equal(again.sequences, short.sequences)
     assert forwards and set(again.spec_stats.width_rounds) != {0}
     static_engine.release_engines()
+
+
+def test_a_deferred_prefill_counts_as_prefill_not_drafting(scripted, monkeypatch):
+    """The drafter's prefill deferred to a drafting round (made to take 0.3 s here) is reported in ``prefill_seconds``,
+    not in ``draft_seconds``."""
+    import copy
+    import time as time_module
+
+    verifier = tiny_model("llama")
+    drafter = copy.deepcopy(verifier)
+    real = static_engine.StaticEngine.prefill_drafter
+    monkeypatch.setattr(static_engine.StaticEngine, "prefill_drafter",
+                        lambda engine, prompts: (time_module.sleep(0.3), real(engine, prompts))[1])
+    monkeypatch.setattr(rounds_module, "DraftController", _Deferring)
+    out = verifier.generate(prompt(30, 4), assistant_model=drafter, kv_budget=16, max_new_tokens=80, do_sample=False,
+                            return_dict_in_generate=True)
+    assert out.spec_stats.accepted > 0
+    assert out.spec_stats.prefill_seconds >= 0.3 > out.spec_stats.draft_seconds

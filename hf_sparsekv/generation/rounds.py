@@ -246,13 +246,15 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
-            if drafter_steps:
-                timer.mark("draft", True)
             prefilled = 0  # prompt tokens of the drafter's deferred prefill, run in this round
-            if drafting and engine.drafter_deferred:
+            if drafting and engine.drafter_deferred:  # (its seconds count as prefill, not drafting)
+                timer.mark("deferred_prefill", True)
                 engine.prefill_drafter(prompts)
+                timer.mark("deferred_prefill", False)
                 prefilled, controller.deferred = controller.deferred, 0
                 behind = [0 if d else len(t) - 1 - p.shape[1] for t, p, d in zip(tokens, prompts, done)]
+            if drafter_steps:
+                timer.mark("draft", True)
             caught_up = max(behind) if lagging and drafting else 0  # (the controller keeps these costs apart)
             if lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
                 if drafting and max(behind) == 1 and not (always_tree or engine.self_drafting):
@@ -325,6 +327,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             retire_finished()
     engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
     wait_for(engine.devices)
+    stats[0].prefill_seconds += timer.seconds("deferred_prefill")
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:

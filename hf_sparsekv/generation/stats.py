@@ -45,7 +45,8 @@ class SpecStats:
       rounds without drafts (one plain verifier step: the draft-length controller's choice, :mod:`.controller`, or no
       retrieval match, or no room in a quantized store). ``ar_rounds`` (derived) is that count.
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
-    - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt.
+    - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt (a drafter
+      prefill deferred to the first drafting round: its device seconds there, or host seconds on CPU).
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
       All seconds are wall-clock, CUDA-synchronized on a CUDA device.
     - ``prompts``: how many prompts (batch rows) the counters add up; ``rows``: for a batch of more than one
