@@ -58,7 +58,6 @@ same (sampling).
 from __future__ import annotations
 
 import math
-import statistics
 from dataclasses import dataclass, field
 
 LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
@@ -73,6 +72,13 @@ PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
+
+
+def median(values: list[float]) -> float:
+    """The median of a short list (cheaper than :func:`statistics.median`; it runs after every round)."""
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
 
 
 def widths(gamma: int) -> tuple[int, ...]:
@@ -137,7 +143,7 @@ class DraftController:
         self.fixed = fixed
         self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
         self.memory = ControllerMemory(gamma) if memory is None else memory
-        self.seconds = {w: statistics.median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
+        self.seconds = {w: median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
         self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._plain_until: tuple[int, float, int] | None = None  # while plain steps win: (the plain run at which
@@ -317,11 +323,11 @@ class DraftController:
 
     def _median(self, key: int) -> float:
         kept = self.samples.get(key)
-        return statistics.median(kept) if kept else 0.0
+        return median(kept) if kept else 0.0
 
     def _keep(self, key: int, seconds: float) -> None:
         kept = self.samples.setdefault(key, [])
         kept.append(seconds)
         del kept[:-WINDOW]
         if key >= 0:
-            self.seconds[key] = statistics.median(kept)
+            self.seconds[key] = median(kept)

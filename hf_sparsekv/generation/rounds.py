@@ -234,8 +234,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 flush(quant, 0)  # that would see another state; a round in which no row can keep a draft runs one
                 rooms = [quant.room(len(t) - 1) for t in tokens]  # verifier step instead
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
-            width = controller.choose(allowed, max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done)
-                                                   if not d))
+            width = controller.choose(allowed, None if not controller.deferred else  # (only a pending prefill asks)
+                                      max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d))
             drafting = width > 0
             tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
             # grafted retrieval)
@@ -285,10 +285,13 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     if quant is not None:  # each plain step sees its own quantization state (known on the host)
                         flush(quant, i)
                     engine.run_step("ar_step")
-                if steps > 1:  # each row's tokens from its n before the steps on
-                    new = _after(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:])
+                if steps > 1 and (lookup or beside):  # each row's tokens from its n before the steps on (and the
+                    new = _after(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:])  # match)
                     found = [r[-1] for r in new]
                     rounds = [(0, new[row][:-1], CHAIN) for row in range(rows)]
+                elif steps > 1:
+                    new = _after(engine.seq, [len(t) for t in tokens], steps, done)
+                    rounds = [(0, new[row], CHAIN) for row in range(rows)]
                 else:
                     report = engine.report.tolist()  # the round's one sync
                     rounds = [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report]
