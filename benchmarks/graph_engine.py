@@ -21,6 +21,9 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
   NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
 
+Our graph AR's round loop is read too (a round a token), so that its prefill, step and host times sit beside the
+speculative methods'.
+
 ``gG`` fixes γ = G (``num_assistant_tokens=G``, the constant schedule); ``gA`` leaves it to the draft-length controller
 (at most 8 drafts a round; lookup-gA: prompt_lookup_num_tokens=8).
 
@@ -31,7 +34,8 @@ speculative sampling on the graph path), graph-ar is left out (it is greedy only
 Every method is called as a user calls it, ``generate(ids, ...)`` returning sequences (no returned cache, as the
 baselines); the speculative stats are read from the engine's round loop. End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
 (torch.compile and graph capture happen there; its duration is reported as ``first_call_s``; a second warm-up
-pass catches the recompiles one method's model change causes in another's steps), acceptance α and τ, peak memory, token identity against greedy AR.
+pass catches the recompiles one method's model change causes in another's steps), acceptance α and τ, peak memory, token identity against greedy AR (stock's; our graph AR's where stock's eager AR
+is not in the run).
 The slow stock baselines run ``--slow-repeats`` times. ``--steps`` also times one captured draft step and one
 captured verify step against the same steps run eagerly. Prints a table, writes ``results.json`` and a PNG plot.
 
@@ -51,7 +55,7 @@ from pathlib import Path
 import torch
 
 import hf_sparsekv
-from hf_sparsekv.generation import engine as static_engine, front, graph_steps
+from hf_sparsekv.generation import engine as static_engine, front, graph_steps, rounds
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -76,6 +80,24 @@ def _compile_env(value: str | None):
     finally:
         if value is not None:
             os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
+
+
+@contextlib.contextmanager
+def _recorded_ar_stats():
+    """As :func:`_recorded_stats`, for our graph AR (``graph_greedy_generate``): the stats of its round loop (prefill,
+    the seconds of its steps, a round a token), so that its host time is split as the speculative methods' is."""
+    calls = []
+    original = rounds.static_decode_rows
+
+    def recorded(*args, **kwargs):
+        results = original(*args, **kwargs)
+        calls.append(results[0].stats)
+        return results
+    rounds.static_decode_rows = recorded
+    try:
+        yield calls
+    finally:
+        rounds.static_decode_rows = original
 
 
 @contextlib.contextmanager
@@ -116,7 +138,12 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
     if name == "hf-static-ar":
         return lambda: (verifier.generate(ids, cache_implementation="static", **common), None)
     if name == "graph-ar":
-        return lambda: (hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[]), None)
+
+        def ar():
+            with _recorded_ar_stats() as calls:
+                sequences = hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[])
+            return sequences, calls[-1] if calls else None
+        return ar
     if name == "static-engine":
         return lambda: (verifier.generate(ids, static_engine=True, **common), None)
     if name == "assisted":
@@ -287,15 +314,15 @@ def main(argv=None) -> int:
                     torch.manual_seed(1000 * rep + i)
                     seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens,
                                                              args.temperature))
-                    if name == "hf-eager-ar" and not sampling:
-                        references[i] = seq
+                    if not sampling and (name == "hf-eager-ar" or (name == "graph-ar" and "hf-eager-ar" not in names)):
+                        references[i] = seq  # stock greedy; else our AR (itself tested identical to it)
                     ref = references.get(i)
                     records.append(dict(
                         context=context, doc=i, rep=rep, method=name, seconds=seconds,
                         tokens=int(seq.shape[1] - ids.shape[1]), peak_bytes=peak,
                         identical=None if ref is None else bool(torch.equal(seq, ref)),
-                        acceptance=None if stats is None else stats["acceptance_rate"],
-                        tau=None if stats is None else stats["mean_accepted_length"],
+                        acceptance=None if stats is None or name == "graph-ar" else stats["acceptance_rate"],
+                        tau=None if stats is None or name == "graph-ar" else stats["mean_accepted_length"],
                         **({} if stats is None or not stats["rounds"] else dict(
                             rounds=stats["rounds"], prefill_ms=1e3 * stats["prefill_seconds"],
                             draft_ms_per_round=1e3 * stats["draft_seconds"] / stats["rounds"],
