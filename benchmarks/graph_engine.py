@@ -55,7 +55,7 @@ from pathlib import Path
 import torch
 
 import hf_sparsekv
-from hf_sparsekv.generation import engine as static_engine, front, graph_steps, rounds
+from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -83,9 +83,12 @@ def _compile_env(value: str | None):
 
 
 @contextlib.contextmanager
-def _recorded_ar_stats():
-    """As :func:`_recorded_stats`, for our graph AR (``graph_greedy_generate``): the stats of its round loop (prefill,
-    the seconds of its steps, a round a token), so that its host time is split as the speculative methods' is."""
+def _recorded_stats():
+    """A list that receives the ``SpecStats`` of each call's first row on our engine inside the block, read from the
+    engine's round loop (``rounds.static_decode_rows``, which our graph AR and the one-row speculative calls run):
+    the timed call stays ``generate(ids, ...)`` returning sequences, the call shape of the baselines
+    (``return_dict_in_generate=True`` would add the copy of the whole KV cache into the returned cache, which stock's
+    static AR hands back without a copy)."""
     calls = []
     original = rounds.static_decode_rows
 
@@ -98,26 +101,6 @@ def _recorded_ar_stats():
         yield calls
     finally:
         rounds.static_decode_rows = original
-
-
-@contextlib.contextmanager
-def _recorded_stats():
-    """A list that receives the ``SpecStats`` of each one-row call on our engine inside the block, read from the
-    engine's round loop: the timed call stays ``generate(ids, ...)`` returning sequences, the call shape of the
-    baselines (``return_dict_in_generate=True`` would add the copy of the whole KV cache into the returned cache,
-    which stock's static AR hands back without a copy)."""
-    calls = []
-    original = front.static_speculative_decode
-
-    def recorded(*args, **kwargs):
-        result = original(*args, **kwargs)
-        calls.append(result.stats)
-        return result
-    front.static_speculative_decode = recorded
-    try:
-        yield calls
-    finally:
-        front.static_speculative_decode = original
 
 
 def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, temperature: float | None = None):
@@ -140,7 +123,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
     if name == "graph-ar":
 
         def ar():
-            with _recorded_ar_stats() as calls:
+            with _recorded_stats() as calls:
                 sequences = hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[])
             return sequences, calls[-1] if calls else None
         return ar
