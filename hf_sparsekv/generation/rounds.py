@@ -41,18 +41,14 @@ class _EventTimer:
     def mark(self, name: str, start: bool):
         now = time.perf_counter()
         self.host[name] = self.host.get(name, 0.0) + (now if not start else -now)
-        if not self.cuda:
-            if start:
-                self.spans.setdefault(name, []).append([time.perf_counter(), None])
-            else:
-                self.spans[name][-1][1] = time.perf_counter()
-            return
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        stamp = now  # (on CPU, the host's clock is the device's)
+        if self.cuda:
+            stamp = torch.cuda.Event(enable_timing=True)
+            stamp.record()
         if start:
-            self.spans.setdefault(name, []).append([event, None])
+            self.spans.setdefault(name, []).append([stamp, None])
         else:
-            self.spans[name][-1][1] = event
+            self.spans[name][-1][1] = stamp
 
     def host_seconds(self, name: str) -> float:
         return self.host.get(name, 0.0)
