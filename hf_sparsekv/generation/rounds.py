@@ -170,6 +170,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
 
     retired = None  # how many rows the device's ``live`` last knew finished: a copy only when one has finished since
 
+    def room_left() -> int:
+        """The most tokens a live row may still generate."""
+        return max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
+
     def retire_finished() -> None:
         nonlocal retired
         if retired != sum(done):
@@ -184,8 +188,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     with torch.no_grad(), static_attention_for(engine.verifier, *([] if engine.drafter is None else [engine.drafter])):
         # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
         prompt_tokens = sum(p.shape[1] for p in prompts)
-        defer = engine.defers_drafter and controller.defers(max(r.max_length - len(t) for r, t in zip(rules, tokens)),
-                                                            prompt_tokens)
+        defer = engine.defers_drafter and controller.defers(room_left(), prompt_tokens)
         firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer, timer)
         wait_for(engine.devices)
         stats[0].prefill_seconds = time.perf_counter() - t0
@@ -207,7 +210,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         while not all(done):
             if is_ar:
                 n = [len(t) for t in tokens]
-                k = min(AR_STEPS_PER_SYNC, max(r.max_length - m for r, m, d in zip(rules, n, done) if not d))
+                k = min(AR_STEPS_PER_SYNC, room_left())
                 timer.mark("verify", True)
                 for _ in range(k):
                     engine.run_step("ar_step")
@@ -230,15 +233,13 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 flush(quant, 0)  # that would see another state; a round in which no row can keep a draft runs one
                 rooms = [quant.room(len(t) - 1) for t in tokens]  # verifier step instead
                 allowed = min(allowed, max(r for r, d in zip(rooms, done) if not d) - 1)
-            width = controller.choose(allowed, None if not controller.deferred else  # (only a pending prefill asks)
-                                      max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d))
+            width = controller.choose(allowed, room_left() if controller.deferred else None)  # (a pending prefill asks)
             drafting = width > 0
             tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
             # grafted retrieval)
             steps = 1  # plain steps chosen by the controller run several to a sync (as greedy AR on the engine)
             if not drafting and allowed > 0 and not (host or tree):
-                room = max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
-                steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room))
+                steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room_left()))
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
