@@ -27,7 +27,8 @@ speculative methods'.
 ``gG`` fixes γ = G (``num_assistant_tokens=G``, the constant schedule); ``gA`` leaves it to the draft-length controller
 (at most 8 drafts a round; lookup-gA: prompt_lookup_num_tokens=8).
 
-``--profile NAME,...`` runs each named method once more under torch.profiler (CUDA time by kernel).
+``--profile NAME,...`` runs each named method once more under torch.profiler (CUDA time by kernel; the host's and
+the device's timeline as a gzipped Chrome trace beside it, to find where a call's wall time goes between steps).
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
 
@@ -56,6 +57,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
+from hf_sparsekv.generation.controller import PREFILL, median
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -92,9 +94,15 @@ def _recorded_stats():
     calls = []
     original = rounds.static_decode_rows
 
-    def recorded(*args, **kwargs):
-        results = original(*args, **kwargs)
+    def recorded(engine, *args, **kwargs):
+        results = original(engine, *args, **kwargs)
         calls.append(results[0].stats)
+        memory = engine.controller_memory  # what the controller knows after the call (why it chose what it did)
+        calls[-1].controller = dict(
+            round_ms={w: round(1e3 * median(v), 4) for w, v in memory.samples.items() if w >= 0},
+            prefill_us_per_token=round(1e6 * median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
+            acceptance=[round(h / t, 3) if t else None for h, t in zip(memory.hits, memory.trials)],
+            plain_run=memory.plain_run)
         return results
     rounds.static_decode_rows = recorded
     try:
@@ -313,7 +321,7 @@ def main(argv=None) -> int:
                             # the call's time outside the prefill and the timed steps: the host's share of a round
                             host_ms_per_round=1e3 * (seconds - stats["prefill_seconds"] - stats["draft_seconds"]
                                                      - stats["verify_seconds"]) / stats["rounds"],
-                            width_rounds=stats["width_rounds"])),
+                            width_rounds=stats["width_rounds"], controller=stats.controller)),
                     ))
                 save()
         payload = save()
@@ -323,7 +331,8 @@ def main(argv=None) -> int:
         context = int(args.contexts.split(",")[0])
         path = out / f"profile-{name}.txt"
         path.write_text(profile_method(runner(name, verifier, drafter, docs[0][None, :context].cuda(),
-                                              args.new_tokens, args.temperature), f"{name} at {context}"))
+                                              args.new_tokens, args.temperature), f"{name} at {context}",
+                                       out / f"trace-{name}.json.gz"))
         print(path.read_text()[:4000], flush=True)
     if args.steps:
         ids = docs[0][None, :16384].cuda()
@@ -336,16 +345,18 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile_method(fn, label: str) -> str:
+def profile_method(fn, label: str, trace: Path) -> str:
     """torch.profiler table (CUDA time by kernel, with launch counts) of one more run of ``fn`` (compiled and captured
-    already), headed by the run's rounds and its draft / verify milliseconds per round."""
+    already), headed by the run's rounds and its draft / verify milliseconds per round; the run's host and device
+    timeline is written to ``trace`` (Chrome trace format, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, stats = fn()
         torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace))
     head = f"{label}: one run under torch.profiler\n"
     if stats is not None and stats["rounds"]:
         head += (f"rounds {stats['rounds']}, τ {stats['mean_accepted_length']:.2f}, draft "

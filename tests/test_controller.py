@@ -210,6 +210,45 @@ def test_a_run_of_plain_steps_is_not_decided_again_and_chooses_the_same():
     assert g > 0 and 20 + i < due - 50 and calls
 
 
+def _queued_rounds(controller: DraftController, seconds, rounds: int, queue: bool) -> list[tuple[int, int]]:
+    """Drive ``controller`` with a drafter that never agrees, as the round loop does: a plain choice runs bursts of
+    up to 8 steps, the next burst (:meth:`~DraftController.plain_ahead`) queued before the last one is observed when
+    ``queue``; the (plain steps so far, width) of each drafting round."""
+    drafted, plain = [], 0
+    while plain + len(drafted) < rounds:
+        g = controller.choose()
+        if g:
+            drafted.append((plain, g))
+            controller.observe(g, [0], seconds(g))
+            continue
+        steps = controller.plain_steps(8)
+        while steps:
+            more = controller.plain_ahead(steps, 8) if queue else 0
+            controller.observe(0, [0], seconds(0), steps)
+            plain += steps
+            steps = more
+    return drafted
+
+
+def test_queued_plain_steps_stop_at_the_exploration_and_change_no_choice():
+    """Bursts of plain steps queued ahead of the host's reads (each before the last is observed) run up to the
+    standing choice's next exploration and no further: the same rounds draft, at the same widths, as when every
+    burst is chosen after the one before is read; greedy AR (``fixed`` 0) queues the most, a constant γ none; and a
+    plain step whose time moves queues nothing more (the choice is made again)."""
+    t = linear(1.0, 0.3)
+    queued, chosen = DraftController(8), DraftController(8)
+    assert _queued_rounds(queued, t, 3000, True) == _queued_rounds(chosen, t, 3000, False)
+    assert queued.explorations >= 2
+    assert DraftController(8, fixed=0).plain_ahead(8, 8) == 8 and DraftController(8, fixed=3).plain_ahead(8, 8) == 0
+    while queued.choose() or queued._plain_until is None:  # (past an exploration, into a standing plain choice)
+        queued.observe(1, [0], t(1))
+    until = queued._plain_until[0]
+    assert queued.plain_ahead(until - queued.plain_run - 3, 8) == 3 and queued.plain_ahead(until, 8) == 0
+    for _ in range(WINDOW):  # the plain step now takes 10x: its median moves
+        queued.observe(0, [0], 10.0, 1)
+    assert queued.plain_ahead(1, 8) == 0
+
+
 def test_plain_steps_chosen_under_a_narrow_cap_do_not_hold_when_wider_widths_are_allowed():
     """int4 self-speculation caps a round's drafts near each quantization group's end: a plain step chosen when only
     width 1 was allowed (and lost) must not keep width 8 out of the next, uncapped round."""
@@ -509,16 +548,23 @@ def test_the_8b_projection_of_the_controllers_choice(tmp_path):
 
 
 def test_burst_tokens_are_read_from_each_rows_own_position():
-    """``_after``: each live row's k tokens from its own n (rows at different lengths), the tail columns after them,
-    against indexing the whole sequence on the host."""
+    """``_Tokens``: each live row's k tokens from its own n (rows at different lengths), the tail columns after them,
+    against indexing the whole sequence on the host; and what it read stays as it was when later steps write the
+    sequence before the host reads it."""
     seq = torch.arange(40).reshape(2, 20)
     tail = torch.tensor([[100], [200]])
     n, k = [5, 9], 4
     whole = seq.tolist()
-    assert rounds_module._after(seq, n, k, [False, False]) == [whole[0][5:9], whole[1][9:13]]
-    assert rounds_module._after(seq, n, k, [False, False], tail) == [whole[0][5:9] + [100], whole[1][9:13] + [200]]
-    assert rounds_module._after(seq, [17, 3], 4, [False, True])[0] == whole[0][17:20]  # cut at the end, row 1 finished
-    assert rounds_module._after(seq, [17, 3], 4, [False, True], tail)[0] == whole[0][17:20] + [100]  # (tail once)
+
+    def read(*args):
+        return rounds_module._Tokens(seq, *args).read()
+    assert read(n, k, [False, False]) == [whole[0][5:9], whole[1][9:13]]
+    assert read(n, k, [False, False], tail) == [whole[0][5:9] + [100], whole[1][9:13] + [200]]
+    assert read([17, 3], 4, [False, True])[0] == whole[0][17:20]  # cut at the end, row 1 finished
+    assert read([17, 3], 4, [False, True], tail)[0] == whole[0][17:20] + [100]  # (tail once)
+    queued = rounds_module._Tokens(seq, n, k, [False, False])
+    seq.zero_()  # a burst queued behind it writes the sequence
+    assert queued.read() == [whole[0][5:9], whole[1][9:13]]
 
 
 def _check_self_drafter_cache(monkeypatch, recent: int = 8) -> list[bool]:

@@ -25,7 +25,7 @@ from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCach
 from hf_sparsekv.caches.static import (
     StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
 )
-from hf_sparsekv.generation import engine as static_engine, graph_steps
+from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
 from hf_sparsekv.generation.acceptance import accepted_length
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
@@ -372,6 +372,31 @@ def test_graph_greedy_generate_equals_generate(arch):
             reference = verifier.generate(ids, max_new_tokens=30, do_sample=False, **kwargs)
             out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=30, eos_token_id=eos if eos else [])
             assert torch.equal(out, reference)
+
+
+def test_greedy_ar_queues_each_burst_before_it_waits_for_the_last(monkeypatch):
+    """Plain steps run in bursts of AR_STEPS_PER_SYNC, the host waiting for a burst's tokens only once the next
+    burst is queued behind it (so the device does not wait for the host), the last burst cut to the room left; the
+    tokens are stock greedy's."""
+    verifier = tiny_model("llama")
+    ids = prompt(50, seed=2)
+    launched, reads = [0], []
+    run_step, read = static_engine.StaticEngine.run_step, rounds._Tokens.read
+
+    def counted(engine, name, width=None, run=True):
+        launched[0] += run and name == "ar_step"
+        return run_step(engine, name, width, run)
+
+    def recorded(tokens):
+        reads.append((launched[0], tokens.k))
+        return read(tokens)
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
+    monkeypatch.setattr(rounds._Tokens, "read", recorded)
+    out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=30, eos_token_id=[])
+    assert torch.equal(out, verifier.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
+                                              pad_token_id=0))
+    assert static_engine.AR_STEPS_PER_SYNC == 8  # the prefill gives the first token, 29 steps the rest:
+    assert reads == [(16, 8), (24, 8), (29, 8), (29, 5)]  # each read after the next burst is queued
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -37,7 +37,8 @@ exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rou
 ``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
 ``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
 again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
-again at once): a run of plain steps costs the host about what plain decoding's loop does.
+again at once), and its steps run as greedy AR's do: bursts of several steps to a sync, each queued before the
+host reads the tokens of the one before (:meth:`plain_ahead`), so that the device does not wait for the host.
 
 What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
@@ -218,8 +219,7 @@ class DraftController:
         if again is not None and again <= cap:
             return again
         if self._plain_until is not None:  # a run of plain steps: nothing but their own time changed since
-            until, t0, widest = self._plain_until
-            if self.plain_run < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0 and cap <= widest:
+            if self._plain_stands() and cap <= self._plain_until[2]:
                 return 0
             self._plain_until = None
         if len(self.samples.get(0, ())) < TRUST:
@@ -239,11 +239,27 @@ class DraftController:
 
     def plain_steps(self, most: int) -> int:
         """After choosing a plain step: how many to run before the next choice (one sync for all; at most ``most``,
-        and not past the next exploration)."""
+        and not past the next exploration; greedy AR, ``fixed`` 0: ``most``)."""
         if self.fixed is not None:
-            return 1
+            return most if self.fixed == 0 else 1
         until = self._plain_until[0] if self._plain_until is not None else self.explore_every(self.best_drafting())
         return max(1, min(most, until - self.plain_run))
+
+    def plain_ahead(self, launched: int, most: int) -> int:
+        """While ``launched`` plain steps run, not yet observed: how many more (at most ``most``) the choice of plain
+        steps that stands may queue behind them, before the host reads theirs (0: the round after them is chosen
+        first; greedy AR: ``most``)."""
+        if self.fixed is not None:
+            return most if self.fixed == 0 else 0
+        if self._plain_until is None or not self._plain_stands(launched):
+            return 0
+        return max(0, min(most, self._plain_until[0] - self.plain_run - launched))
+
+    def _plain_stands(self, ahead: int = 0) -> bool:
+        """Whether the choice of plain steps stands for a round ``ahead`` plain steps from now: its exploration not
+        yet due, and the plain step's time within PLAIN_DRIFT of what it was when it was chosen."""
+        until, t0, _ = self._plain_until
+        return self.plain_run + ahead < until and abs(self.seconds[0] - t0) <= PLAIN_DRIFT * t0
 
     def explore_every(self, g: int) -> int:
         """Plain rounds between explorations at width ``g``: the expected loss of one, n plain rounds after the last

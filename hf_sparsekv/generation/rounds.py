@@ -1,7 +1,8 @@
 """The round loop on a :class:`~.engine.StaticEngine`: prefill, then rounds of (catch-up,) draft and verify with one
 transfer of ``[a, v]`` per round, the host applying the stopping rules, the streamer and the stats token by token
-(:mod:`.host_rules` where processors, criteria or outputs need the host), until every row stops. Greedy AR runs on the
-same engine, one verifier step per token and one sync per ``AR_STEPS_PER_SYNC`` tokens."""
+(:mod:`.host_rules` where processors, criteria or outputs need the host), until every row stops. Plain steps (greedy
+AR's every round, the controller's choice of none) run in bursts of up to ``AR_STEPS_PER_SYNC``, each queued before
+the host waits for the tokens of the one before."""
 
 from __future__ import annotations
 
@@ -60,16 +61,34 @@ class _EventTimer:
         return total
 
 
-def _after(seq: torch.Tensor, n: list[int], k: int, done: list[bool], tail: torch.Tensor | None = None) -> list:
+class _Tokens:
     """Each row's ``k`` tokens of ``seq [B, L]`` from its position ``n[b]`` on (a finished row's from the live rows'
-    span; the caller drops them), followed by ``tail [B, m]``'s row: one device-to-host copy of the columns the live
-    rows wrote, not of the whole sequence."""
-    live = [m for m, d in zip(n, done) if not d] or n
-    lo, hi = min(live), min(max(live) + k, seq.shape[1])
-    block = seq[:, lo:hi] if tail is None else torch.cat([seq[:, lo:hi], tail], 1)
-    rows = block.tolist()  # the one sync
-    width = hi - lo
-    return [r[:width][max(m - lo, 0) : max(m - lo, 0) + k] + r[width:] for r, m in zip(rows, n)]
+    span; the caller drops them), followed by ``tail [B, m]``'s row, on their way to the host: one copy of the columns
+    the live rows wrote, queued behind the steps that write them (on CUDA into pinned memory, with an event), so that
+    the host may queue more steps before it waits for these (:meth:`read`)."""
+
+    def __init__(self, seq: torch.Tensor, n: list[int], k: int, done: list[bool], tail: torch.Tensor | None = None):
+        live = [m for m, d in zip(n, done) if not d] or n
+        self.n, self.k, self.lo = n, k, min(live)
+        hi = min(max(live) + k, seq.shape[1])
+        self.width = hi - self.lo
+        block = seq[:, self.lo : hi] if tail is None else torch.cat([seq[:, self.lo : hi], tail], 1)
+        self.event = None
+        if block.is_cuda:
+            self.block = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
+            self.block.copy_(block, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(block.device))
+        else:  # (steps queued after this one write ``seq`` in place at once)
+            self.block = block.clone()
+
+    def read(self) -> list:
+        """The rows' tokens (the host waits for the copy)."""
+        if self.event is not None:
+            self.event.synchronize()
+        rows = self.block.tolist()
+        return [r[: self.width][max(m - self.lo, 0) : max(m - self.lo, 0) + self.k] + r[self.width :]
+                for r, m in zip(rows, self.n)]
 
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
@@ -105,7 +124,6 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     stats = [SpecStats() for _ in range(rows)]
     done = [False] * rows
     host = engine.spec.host
-    is_ar = engine.spec.mode == "ar" and not host  # plain decoding, tokens chosen on the device: the short loop
     gamma = engine.spec.gamma
     quant = engine.verifier_cache if engine.spec.mode == "int4" else None  # self-speculation's shared store
     drafter_store = engine.drafter_cache if engine.spec.mode == "int4-drafter" else None
@@ -174,6 +192,44 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         """The most tokens a live row may still generate."""
         return max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
 
+    def launch_plain(k: int, n: list[int]) -> tuple[_Tokens, bool]:
+        """``k`` plain verifier steps from each row's position ``n[b]``, and their tokens on their way to the host;
+        whether the step was new (captured in this call)."""
+        new = engine.run_step("ar_step")
+        for _ in range(1, k):
+            engine.run_step("ar_step")
+        return _Tokens(engine.seq, n, k, done), new
+
+    def plain_run(steps: int, fresh: bool) -> None:
+        """Plain steps, ``steps`` first, then more while the controller's choice of plain steps stands (greedy AR:
+        until every row stops) and every live row has room for them: each burst of up to ``AR_STEPS_PER_SYNC`` is
+        queued before the host waits for the tokens of the one before, so that the device does not wait for the host
+        between bursts. Each burst is a round of the controller's (its time per step observed)."""
+        nonlocal last
+        timer.mark("verify", True)
+        burst, new = launch_plain(steps, [len(t) for t in tokens])
+        fresh |= new
+        while burst is not None:
+            live = [row for row in range(rows) if not done[row]]
+            room = min(rules[row].max_length - len(tokens[row]) for row in live) - burst.k
+            more = min(controller.plain_ahead(burst.k, AR_STEPS_PER_SYNC), room)
+            following = launch_plain(more, [m + burst.k for m in burst.n])[0] if more > 0 else None
+            new = burst.read()
+            for row in live:
+                before = stats[row].new_tokens
+                accept(row, new[row])
+                ran = stats[row].new_tokens - before  # the row's steps up to its stop
+                stats[row].rounds += ran
+                stats[row].width_rounds[0] = stats[row].width_rounds.get(0, 0) + ran
+                if lagging and not done[row]:  # its drafter missed these positions
+                    behind[row] += burst.k
+            now = time.perf_counter()
+            controller.observe(0, [0] * len(live), None if fresh else (now - last) / burst.k, burst.k)
+            last, fresh = now, False
+            retire_finished()
+            burst = None if all(done) else following  # (a burst queued past every row's stop is left to run)
+        timer.mark("verify", False)
+
     def retire_finished() -> None:
         nonlocal retired
         if retired != sum(done):
@@ -208,20 +264,6 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         behind = [0] * rows  # per row: positions before n - 1 its drafter has not read (after rounds without drafts)
         last, fresh = time.perf_counter(), True  # the last round's end; whether this round ran a step first
         while not all(done):
-            if is_ar:
-                n = [len(t) for t in tokens]
-                k = min(AR_STEPS_PER_SYNC, room_left())
-                timer.mark("verify", True)
-                for _ in range(k):
-                    engine.run_step("ar_step")
-                timer.mark("verify", False)
-                new = _after(engine.seq, n, k, done)
-                for row in range(rows):
-                    if not done[row]:
-                        stats[row].rounds += min(k, rules[row].max_length - n[row])
-                        accept(row, new[row])
-                retire_finished()
-                continue
             rooms = [gamma + 1] * rows
             matched = found is not None and any(f and not d for f, d in zip(found, done))  # a live row's match
             allowed = gamma  # the most drafts this round may verify
@@ -237,9 +279,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             drafting = width > 0
             tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
             # grafted retrieval)
-            steps = 1  # plain steps chosen by the controller run several to a sync (as greedy AR on the engine)
+            steps = 1  # plain steps chosen by the controller run several to a sync (greedy AR: every round)
             if not drafting and allowed > 0 and not (host or tree):
                 steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room_left()))
+            # plain steps whose tokens alone come back (no retrieval match, no quantization state between them) run
+            # as bursts queued ahead of the host's reads
+            queued = not drafting and allowed > 0 and not (host or tree or lookup or beside) and quant is None
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
@@ -270,6 +315,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 fresh |= engine.run_step("draft", width)
             if drafter_steps:
                 timer.mark("draft", False)
+            if queued:
+                plain_run(steps, fresh)
+                fresh = False
+                continue
             timer.mark("verify", True)
             if host:
                 fresh |= engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits",
@@ -282,12 +331,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     if quant is not None:  # each plain step sees its own quantization state (known on the host)
                         flush(quant, i)
                     engine.run_step("ar_step")
-                if steps > 1 and (lookup or beside):  # each row's tokens from its n before the steps on (and the
-                    new = _after(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:])  # match)
+                if steps > 1 and (lookup or beside):  # each row's tokens from its n on, and the match
+                    new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:]).read()
                     found = [r[-1] for r in new]
                     rounds = [(0, new[row][:-1], CHAIN) for row in range(rows)]
-                elif steps > 1:
-                    new = _after(engine.seq, [len(t) for t in tokens], steps, done)
+                elif steps > 1:  # (int4 self-speculation's plain steps)
+                    new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done).read()
                     rounds = [(0, new[row], CHAIN) for row in range(rows)]
                 else:
                     report = engine.report.tolist()  # the round's one sync
@@ -341,7 +390,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                           attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
-    per ``AR_STEPS_PER_SYNC`` tokens. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
+    per burst of ``AR_STEPS_PER_SYNC`` tokens, the next burst queued first. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
     ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
     ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
     ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
