@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 import statistics
+import time
 
 import pytest
 import torch
@@ -756,8 +757,9 @@ def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
 
 
 def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_drafter():
-    """On the engine: a call whose drafter read its prompt at the start records that prefill's cost per prompt token.
-    Then, with plain steps made to look 10 s each (so drafting wins every round) and the prefill 1000 s a token, a call
+    """On the engine: a call whose drafter read its prompt at the start records that prefill's cost per prompt token,
+    but not the engine's first such call (here made 0.5 s slower: one-time costs, which one sample would have made
+    the drafter's cost for good, as it did on an H200, 150 ms against 7 ms a call). Then, with plain steps made to look 10 s each (so drafting wins every round) and the prefill 1000 s a token, a call
     of 12 tokens leaves the drafter's prefill for a drafting round that never comes (the drafter never runs) and is
     stock greedy; with the prefill cheap again, the next call drafts."""
     import copy
@@ -768,12 +770,20 @@ def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_dra
     drafter = copy.deepcopy(verifier)
     ids = prompt(60, 9)
     kw = dict(assistant_model=drafter, kv_budget=24, do_sample=False, return_dict_in_generate=True)
-    first = verifier.generate(ids, max_new_tokens=60, **kw)
+    slowed = []  # the drafter's first forward, its prefill, sleeps 0.5 s
+    slow = drafter.register_forward_pre_hook(lambda *a: None if slowed else slowed.append(time.sleep(0.5)))
+    try:
+        first = verifier.generate(ids, max_new_tokens=60, **kw)
+    finally:
+        slow.remove()
     assert torch.equal(first.sequences, verifier.generate(ids, max_new_tokens=60, do_sample=False))
     memory = static_engine.current_engine(verifier).controller_memory
+    assert PREFILL not in memory.samples and first.spec_stats.accepted > 0
+    assert static_engine.current_engine(verifier).drafter_prefills == 1
+    memory.samples[0] = [10.0] * WINDOW  # (drafting wins: the next call's drafter reads its prompt at the start)
+    verifier.generate(ids, max_new_tokens=60, **kw)
     learnt = memory.samples[PREFILL]
-    assert len(learnt) == 1 and learnt[0] > 0 and first.spec_stats.accepted > 0
-    memory.samples[0] = [10.0] * WINDOW
+    assert len(learnt) == 1 and 0 < learnt[0] < 0.5 / ids.shape[1]
     memory.samples[PREFILL] = [1000.0]
     forwards = []
     hook = drafter.register_forward_hook(lambda *a: forwards.append(1))

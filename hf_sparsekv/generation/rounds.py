@@ -209,11 +209,14 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         timer.mark("verify", True)
         burst, new = launch_plain(steps, [len(t) for t in tokens])
         fresh |= new
+        carried = 0.0  # the host seconds of queueing this burst, spent before ``last`` (in the round before)
         while burst is not None:
             live = [row for row in range(rows) if not done[row]]
             room = min(rules[row].max_length - len(tokens[row]) for row in live) - burst.k
             more = min(controller.plain_ahead(burst.k, AR_STEPS_PER_SYNC), room)
+            queued = time.perf_counter()
             following = launch_plain(more, [m + burst.k for m in burst.n])[0] if more > 0 else None
+            queued = time.perf_counter() - queued  # (a step runs as it is queued where nothing is asynchronous)
             new = burst.read()
             for row in live:
                 before = stats[row].new_tokens
@@ -224,8 +227,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 if lagging and not done[row]:  # its drafter missed these positions
                     behind[row] += burst.k
             now = time.perf_counter()
-            controller.observe(0, [0] * len(live), None if fresh else (now - last) / burst.k, burst.k)
-            last, fresh = now, False
+            seconds = now - last - queued + carried  # this burst's time, not the next one's queueing
+            controller.observe(0, [0] * len(live), None if fresh else seconds / burst.k, burst.k)
+            last, fresh, carried = now, False, queued
             retire_finished()
             burst = None if all(done) else following  # (a burst queued past every row's stop is left to run)
         timer.mark("verify", False)
