@@ -175,6 +175,27 @@ class _Recomputing(DraftController):
         return super().choose(allowed)
 
 
+class _Underived(DraftController):
+    """The controller deriving its rates, E[tokens] and measured widths afresh at every choice."""
+
+    def choose(self, allowed=None, remaining=None):
+        self._forget_derived()
+        return super().choose(allowed, remaining)
+
+
+def test_what_the_controller_derives_is_kept_only_until_the_next_observation():
+    """The rates, E[tokens | g] and the measured widths are kept between observations (the host's cost a round): the
+    widths chosen are those of a controller that derives everything afresh each round, over drafters of every
+    acceptance and costs of every slope; and E[tokens | g] is the product of the depths' acceptances."""
+    for p, slope in ((0.0, 0.3), (0.5, 0.05), (0.85, 0.12), (1.0, 0.02)):
+        kept, fresh = DraftController(8), _Underived(8)
+        assert _run(kept, p, linear(1.0, slope), 600, seed=2) == _run(fresh, p, linear(1.0, slope), 600, seed=2)
+        for g in range(9):
+            want = 1.0 + sum(float(torch.tensor([kept.acceptance(d) for d in range(1, k + 1)],
+                                                dtype=torch.float64).prod()) for k in range(1, g + 1))
+            assert kept.expected_tokens(g) == pytest.approx(want, rel=1e-12)
+
+
 def test_a_run_of_plain_steps_is_not_decided_again_and_chooses_the_same():
     """While plain steps win, the standing choice gives the same rounds as deciding every round afresh (the same
     explorations at the same rounds), without computing a single rate in between; and once the plain step's time

@@ -151,6 +151,8 @@ class DraftController:
         # to explore, the plain step's seconds then, the widest width allowed then); the choice stands until then
         # unless that time moves or a wider width is allowed
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
+        self._expected: list[float] | None = None  # E[tokens | g] for g = 0..gamma, since the last observation
+        self._measured: tuple[dict, dict] | None = None  # the drafting widths' medians, and the trusted ones
         self.explorations = 0
 
     # what earlier calls learnt, and this call adds to
@@ -169,20 +171,26 @@ class DraftController:
         return (self.hits[i] + SHRINK * pooled) / (self.trials[i] + SHRINK)
 
     def expected_tokens(self, g: int) -> float:
-        """E[tokens | g]: the verifier's own token plus the expected accepted drafts."""
-        total, survive = 1.0, 1.0
-        for depth in range(1, g + 1):
-            survive *= self.acceptance(depth)
-            total += survive
-        return total
+        """E[tokens | g]: the verifier's own token plus the expected accepted drafts (every g's at once, kept until
+        the next observation)."""
+        if self._expected is None:
+            pooled, hits, trials = self.pooled[1] / self.pooled[0], self.hits, self.trials
+            total, survive, self._expected = 1.0, 1.0, [1.0]
+            for i in range(self.gamma):  # (acceptance(i + 1), inline)
+                survive *= (hits[i] + SHRINK * pooled) / (trials[i] + SHRINK)
+                total += survive
+                self._expected.append(total)
+        return self._expected[g]
 
     def round_seconds(self, g: int) -> float | None:
         """t(g) from the round times measured so far (:func:`interpolated`): a drafting width from the drafting
         widths once two are measured (else from every measured width), and never below a plain step."""
         if g == 0:
             return self.seconds.get(0)
-        drafting = {w: s for w, s in self.seconds.items() if w > 0}
-        trusted = {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
+        if self._measured is None:
+            drafting = {w: s for w, s in self.seconds.items() if w > 0}
+            self._measured = drafting, {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
+        drafting, trusted = self._measured
         if len(trusted) >= 2:
             t = interpolated(trusted, g)
         else:
@@ -323,17 +331,19 @@ class DraftController:
                     self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
             self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
-        self._rates.clear()
+        self._forget_derived()
         if g == 0:
             self.plain_run += rounds
         else:
             self.plain_run, self._plain_until = 0, None
+            trials, hits, (tried, hit_all) = self.trials, self.hits, self.pooled
             for a in accepted:
                 for i in range(min(a + 1, g)):
                     hit = 1.0 if i < a else 0.0
-                    self.trials[i] = DECAY * self.trials[i] + 1.0
-                    self.hits[i] = DECAY * self.hits[i] + hit
-                    self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
+                    trials[i] = DECAY * trials[i] + 1.0
+                    hits[i] = DECAY * hits[i] + hit
+                    tried, hit_all = DECAY * tried + 1.0, DECAY * hit_all + hit
+            self.pooled = [tried, hit_all]
         if seconds is not None:
             self._keep(g, seconds)
 
@@ -347,3 +357,9 @@ class DraftController:
         del kept[:-WINDOW]
         if key >= 0:
             self.seconds[key] = median(kept)
+            self._forget_derived()
+
+    def _forget_derived(self) -> None:
+        """Drop what was derived from the samples and counts (rates, E[tokens], the measured widths)."""
+        self._rates.clear()
+        self._expected = self._measured = None
