@@ -375,9 +375,9 @@ def test_graph_greedy_generate_equals_generate(arch):
 
 
 def test_greedy_ar_queues_each_burst_before_it_waits_for_the_last(fresh_engines, monkeypatch):
-    """Plain steps run in bursts of AR_STEPS_PER_SYNC, the host waiting for a burst's tokens only once the next
-    burst is queued behind it (so the device does not wait for the host), the last burst cut to the room left; the
-    tokens are stock greedy's."""
+    """Plain steps run in bursts of QUEUED_BURST, the host waiting for a burst's tokens only once the next burst is
+    queued behind it (so the device does not wait for the host), the last burst cut to the room left; the tokens are
+    stock greedy's."""
     verifier = tiny_model("llama")
     ids = prompt(50, seed=2)
     launched, reads = [0], []
@@ -395,12 +395,35 @@ def test_greedy_ar_queues_each_burst_before_it_waits_for_the_last(fresh_engines,
     out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=30, eos_token_id=[])
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
                                               pad_token_id=0))
-    assert static_engine.AR_STEPS_PER_SYNC == 8  # the prefill gives the first token, 29 steps the rest:
-    assert reads == [(16, 8), (24, 8), (29, 8), (29, 5)]  # each read after the next burst is queued
-    # each burst's time per step is its own (on CPU a step runs as it is queued: the next burst's queueing is not
-    # this one's time), the first burst's (its step's first run) no sample
-    seconds = static_engine.current_engine(verifier).controller_memory.samples[0]
-    assert len(seconds) == 3 and min(seconds) > 0.3 * max(seconds), seconds
+    assert rounds.QUEUED_BURST == 4  # the prefill gives the first token, 29 steps the rest:
+    assert reads == [(8, 4), (12, 4), (16, 4), (20, 4), (24, 4), (28, 4), (29, 4), (29, 1)]  # each read after the
+    # next burst is queued; each burst's time per step is its own (on CPU a step runs as it is queued: the next
+    # burst's queueing is not this one's time). The first burst is no sample (its step's first run); the last, of
+    # one step, is left out here
+    seconds = static_engine.current_engine(verifier).controller_memory.samples[0][:6]
+    assert len(seconds) == 6 and min(seconds) > 0.3 * max(seconds), seconds
+
+
+def test_a_call_that_stops_at_eos_wastes_less_than_two_bursts(fresh_engines, monkeypatch):
+    """A greedy call that ends at EOS: its tokens are stock's, and the steps run past its last token (the rest of
+    the burst that held it and the burst queued then) are fewer than 2 * QUEUED_BURST."""
+    verifier = tiny_model("qwen2")
+    ids = prompt(40, seed=4)
+    free = verifier.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    launched = [0]
+    run_step = static_engine.StaticEngine.run_step
+
+    def counted(engine, name, width=None, run=True):
+        launched[0] += run and name == "ar_step"
+        return run_step(engine, name, width, run)
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
+    for stop in (3, 9, 22):  # the EOS id: the token generated at that step (unless it came earlier)
+        eos = int(free[0, ids.shape[1] + stop])
+        launched[0] = 0
+        out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=40, eos_token_id=eos)
+        assert torch.equal(out, verifier.generate(ids, max_new_tokens=40, do_sample=False, eos_token_id=eos))
+        steps = out.shape[1] - ids.shape[1] - 1  # (the prefill gave the first token)
+        assert steps <= launched[0] < steps + 2 * rounds.QUEUED_BURST, (stop, steps, launched[0])
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -1,8 +1,9 @@
 """The round loop on a :class:`~.engine.StaticEngine`: prefill, then rounds of (catch-up,) draft and verify with one
 transfer of ``[a, v]`` per round, the host applying the stopping rules, the streamer and the stats token by token
 (:mod:`.host_rules` where processors, criteria or outputs need the host), until every row stops. Plain steps (greedy
-AR's every round, the controller's choice of none) run in bursts of up to ``AR_STEPS_PER_SYNC``, each queued before
-the host waits for the tokens of the one before."""
+AR's every round, the controller's choice of none) run in bursts of up to ``QUEUED_BURST``, each queued before the
+host waits for the tokens of the one before (where the next round cannot be queued: up to ``AR_STEPS_PER_SYNC``
+steps to a sync)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,11 @@ from .graph_steps import static_attention_for, wait_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .model_locks import holding
 from .stats import SpecStats
+
+# plain steps per queued burst: the device never waits for the host between queued bursts, so a burst needs only
+# to outlast the host's work on the one before (about 0.1-0.2 ms); what a call wastes after its last token is the
+# burst queued then and the rest of the burst that held it, up to 2 * QUEUED_BURST - 1 steps
+QUEUED_BURST = 4
 
 
 def _same_draws_on_every_rank(model, device: torch.device) -> None:
@@ -202,18 +208,18 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
 
     def plain_run(steps: int, fresh: bool) -> None:
         """Plain steps, ``steps`` first, then more while the controller's choice of plain steps stands (greedy AR:
-        until every row stops) and every live row has room for them: each burst of up to ``AR_STEPS_PER_SYNC`` is
+        until every row stops) and every live row has room for them: each burst of up to ``QUEUED_BURST`` is
         queued before the host waits for the tokens of the one before, so that the device does not wait for the host
         between bursts. Each burst is a round of the controller's (its time per step observed)."""
         nonlocal last
         timer.mark("verify", True)
-        burst, new = launch_plain(steps, [len(t) for t in tokens])
+        burst, new = launch_plain(min(steps, QUEUED_BURST), [len(t) for t in tokens])
         fresh |= new
         carried = 0.0  # the host seconds of queueing this burst, spent before ``last`` (in the round before)
         while burst is not None:
             live = [row for row in range(rows) if not done[row]]
             room = min(rules[row].max_length - len(tokens[row]) for row in live) - burst.k
-            more = min(controller.plain_ahead(burst.k, AR_STEPS_PER_SYNC), room)
+            more = min(controller.plain_ahead(burst.k, QUEUED_BURST), room)
             queued = time.perf_counter()
             following = launch_plain(more, [m + burst.k for m in burst.n])[0] if more > 0 else None
             queued = time.perf_counter() - queued  # (a step runs as it is queued where nothing is asynchronous)
@@ -394,7 +400,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                           attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
-    per burst of ``AR_STEPS_PER_SYNC`` tokens, the next burst queued first. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
+    per burst of ``QUEUED_BURST`` tokens, the next burst queued first. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
     ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
     ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
     ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
