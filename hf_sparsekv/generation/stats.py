@@ -34,7 +34,8 @@ class SpecStats:
 
     Fields (attributes; ``out.spec_stats["rounds"]`` works too, and :meth:`to_dict` gives a plain dict):
 
-    - ``rounds``: verifier decode forwards after the prefill (one per draft-and-verify round).
+    - ``rounds``: verifier decode forwards after the prefill (one per draft-and-verify round), up to each row's
+      stop: plain steps run past it (the rest of a burst, :mod:`.rounds`) are not counted.
     - ``drafted``: draft tokens proposed by the drafter, summed over rounds (at most γ per round).
     - ``accepted``: draft tokens the verifier accepted (``accepted <= drafted``).
     - ``retrieved_rounds``: rounds (retrieval beside a drafter) whose kept tokens followed the retrieved branch of
