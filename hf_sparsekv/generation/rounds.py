@@ -207,13 +207,13 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         return _Tokens(engine.seq, n, k, done), new
 
     def plain_run(steps: int, fresh: bool) -> None:
-        """Plain steps, ``steps`` first, then more while the controller's choice of plain steps stands (greedy AR:
+        """Plain steps, ``steps`` (at most ``QUEUED_BURST``) first, then more while the controller's choice of plain steps stands (greedy AR:
         until every row stops) and every live row has room for them: each burst of up to ``QUEUED_BURST`` is
         queued before the host waits for the tokens of the one before, so that the device does not wait for the host
         between bursts. Each burst is a round of the controller's (its time per step observed)."""
         nonlocal last
         timer.mark("verify", True)
-        burst, new = launch_plain(min(steps, QUEUED_BURST), [len(t) for t in tokens])
+        burst, new = launch_plain(steps, [len(t) for t in tokens])
         fresh |= new
         carried = 0.0  # the host seconds of queueing this burst, spent before ``last`` (in the round before)
         while burst is not None:
@@ -289,12 +289,12 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             drafting = width > 0
             tree = (always_tree and drafting) or (beside and matched)  # the round verifies a tree (the drafts,
             # grafted retrieval)
-            steps = 1  # plain steps chosen by the controller run several to a sync (greedy AR: every round)
-            if not drafting and allowed > 0 and not (host or tree):
-                steps = controller.plain_steps(min(AR_STEPS_PER_SYNC, room_left()))
             # plain steps whose tokens alone come back (no retrieval match, no quantization state between them) run
             # as bursts queued ahead of the host's reads
             queued = not drafting and allowed > 0 and not (host or tree or lookup or beside) and quant is None
+            steps = 1  # plain steps chosen by the controller run several to a sync (greedy AR: every round)
+            if not drafting and allowed > 0 and not (host or tree):
+                steps = controller.plain_steps(min(QUEUED_BURST if queued else AR_STEPS_PER_SYNC, room_left()))
             if drafting and quant is not None:
                 engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
             drafter_steps = drafting or catch_up is not None  # (else no drafter step runs: no events to record)
