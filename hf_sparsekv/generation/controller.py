@@ -46,10 +46,11 @@ leaves the drafter's prefill for its first drafting round (a self-drafter's cach
 its chunks selected from the prompt queries the prefill kept): a drafter that does not pay then costs no prefill in
 the calls between explorations. That prefill's cost is learnt per prompt token (from a deferred prefill's round,
 and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
-sync; not the engine's first, whose one-time costs would stand for good). It counts in the exploration's expected loss while it is pending, so explorations that would pay it come
-further apart; and a call whose remaining tokens would not save it by drafting (a short answer after a long prompt)
-does not draft, however well drafting pays per round (it still explores now and then, within the budget above:
-the acceptance it learnt on other text may be stale).
+sync; not the engine's first, whose one-time costs would stand for good). It counts in the exploration's expected
+loss while it is pending, so explorations that would pay it come further apart; and a call whose remaining tokens
+would not save it by drafting (a short answer after a long prompt) does not draft, however well drafting pays per
+round (it still explores now and then, within the budget above: the acceptance it learnt on other text may be
+stale).
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the

@@ -207,10 +207,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         return _Tokens(engine.seq, n, k, done), new
 
     def plain_run(steps: int, fresh: bool) -> None:
-        """Plain steps, ``steps`` (at most ``QUEUED_BURST``) first, then more while the controller's choice of plain steps stands (greedy AR:
-        until every row stops) and every live row has room for them: each burst of up to ``QUEUED_BURST`` is
-        queued before the host waits for the tokens of the one before, so that the device does not wait for the host
-        between bursts. Each burst is a round of the controller's (its time per step observed)."""
+        """Plain steps, ``steps`` (at most ``QUEUED_BURST``) first, then more while the controller's choice of plain
+        steps stands (greedy AR: until every row stops) and every live row has room for them: each burst of up to
+        ``QUEUED_BURST`` is queued before the host waits for the tokens of the one before, so that the device does not
+        wait for the host between bursts. Each burst is a round of the controller's (its time per step observed)."""
         nonlocal last
         timer.mark("verify", True)
         burst, new = launch_plain(steps, [len(t) for t in tokens])
@@ -400,11 +400,11 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
 def graph_greedy_generate(model, input_ids: torch.Tensor, max_new_tokens: int, eos_token_id=None,
                           attention_mask: torch.Tensor | None = None, pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy AR on the static engine: one verifier step per token, replayed as a CUDA graph on CUDA, one host sync
-    per burst of ``QUEUED_BURST`` tokens, the next burst queued first. ``input_ids [B, L]`` (a batch left-padded, with its ``attention_mask``) ->
-    ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is token-identical to
-    ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone, followed by
-    ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest row. The rows
-    run together, one engine row each. The call holds ``model``'s lock (:mod:`.model_locks`)."""
+    per burst of ``QUEUED_BURST`` tokens, the next burst queued first. ``input_ids [B, L]`` (a batch left-padded,
+    with its ``attention_mask``) -> ``[B, L + n]``: each row stops at EOS or after ``max_new_tokens`` and is
+    token-identical to ``model.generate(row, do_sample=False, max_new_tokens=...)`` of its unpadded prompt alone,
+    followed by ``pad_token_id`` (default: the model's, else the first EOS id) where it stopped before the longest
+    row. The rows run together, one engine row each. The call holds ``model``'s lock (:mod:`.model_locks`)."""
     if input_ids.dim() != 2 or input_ids.shape[0] < 1 or input_ids.shape[1] < 1:
         raise ValueError(f"input_ids must be [B, L] with B, L >= 1, got shape {tuple(input_ids.shape)}")
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
