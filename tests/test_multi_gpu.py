@@ -230,3 +230,5 @@ def test_tensor_parallel_benchmark_runs_on_cpu(tmp_path):
     assert all(r["one_gpu_ms"] > 0 and r["tp_ms"] > 0 for r in rows)
     assert "tensor parallel over 2" in (tmp_path / "table.md").read_text()
     assert (tmp_path / "tp_speedup.png").exists()
+    for who in ("one-gpu", "tp"):  # the AR step's costliest operators (host ones on CPU)
+        assert "aten::" in (tmp_path / f"profile-ar-{who}-128.txt").read_text()

@@ -48,10 +48,15 @@ def _traced(model, ids):
 
 def _grouped_weights(gm) -> list[list[str]]:
     """The weight inputs of each grouped call, by the module path dynamo names them after."""
+    return _grouped_weights_through(gm, lambda w: w)
+
+
+def _grouped_weights_through(gm, graph_input) -> list[list[str]]:
+    """As :func:`_grouped_weights`, each weight node mapped to its graph input by ``graph_input``."""
     out = []
     for node in gm.graph.nodes:
         if node.target is GROUPED:
-            out.append([w.target.split("_modules_")[-1].split("_parameters")[0] for w in node.args[1]])
+            out.append([graph_input(w).target.split("_modules_")[-1].split("_parameters")[0] for w in node.args[1]])
     return out
 
 
@@ -115,3 +120,91 @@ def test_step_backend_runs_the_pass_unless_switched_off(monkeypatch):
             torch.compile(lambda ids: model(input_ids=ids).logits, backend=graph_steps.step_backend)(ids)
     assert seen[0] == [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * 2
     assert seen[1] == []
+
+
+_TP_SCRIPT = r'''
+import copy, os, sys
+from unittest import mock
+import torch
+import torch.distributed as dist
+sys.path.insert(0, sys.argv[1])
+from transformers import AutoModelForCausalLM
+from tests.conftest import prompt, tiny_model
+import hf_sparsekv
+from hf_sparsekv.generation.projection_groups import group_projections
+from hf_sparsekv.kernels import runtime
+
+rank = int(os.environ["LOCAL_RANK"])
+path = os.path.join(sys.argv[2], f"rank{rank}")
+copy.deepcopy(tiny_model("llama")).to(torch.bfloat16).save_pretrained(path)
+tp = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", dtype=torch.bfloat16)
+assert tp._tp_size == 2
+graphs = []
+ids = prompt(1, seed=3)
+with torch.no_grad(), mock.patch.object(runtime, "enabled", lambda device: False):
+    reference = tp(input_ids=ids).logits
+    torch.compile(lambda ids: tp(input_ids=ids).logits, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward,
+                  dynamic=False)(ids)
+(gm, inputs), = graphs
+with mock.patch.object(runtime, "enabled", lambda device: True):
+    inserted = group_projections(gm)
+groups = []
+for node in gm.graph.nodes:
+    if node.target is torch.ops.hf_sparsekv.grouped_linear.default:
+        weights = node.args[1]
+        assert all(w.op == "call_method" and w.target == "to_local" for w in weights), weights
+        groups.append([w.args[0].target.split("_modules_")[-1].split("_parameters")[0] for w in weights])
+        shards = [tuple(w.meta["example_value"].shape) for w in weights]
+        full = [tuple(w.args[0].meta["example_value"].shape) for w in weights]
+        assert all(s != f and s[0] * s[1] * 2 == f[0] * f[1] for s, f in zip(shards, full)), (shards, full)
+expected = []
+for _ in range(tp.config.num_hidden_layers):
+    expected += [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+assert groups[:len(expected)] == expected and inserted == len(groups), groups
+with torch.no_grad(), mock.patch.object(runtime, "enabled", lambda device: False):
+    out = gm(*inputs)
+assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+dist.barrier()
+dist.destroy_process_group()
+open(os.path.join(sys.argv[2], f"rank{rank}.ok"), "w").write("ok")
+'''
+
+
+@pytest.mark.extended  # two processes under torchrun: about 15 s of CPU
+def test_sharded_projections_of_a_tensor_parallel_model_are_grouped(tmp_path):
+    """A model loaded with ``tp_plan="auto"`` (two ranks, gloo) computes each linear layer on its local shard
+    (``weight.to_local()``): the pass groups q/k/v and gate/up on those shards as on one GPU (the kernel reads half of
+    each weight), the row-parallel o_proj/down_proj before their all-reduces, and the rewritten graph's logits equal
+    the sharded model's own on every rank."""
+    from .conftest import torchrun_two
+
+    torchrun_two(_TP_SCRIPT, tmp_path, {"CUDA_VISIBLE_DEVICES": ""}, 180, str(tmp_path))
+    assert all((tmp_path / f"rank{r}.ok").exists() for r in (0, 1))
+
+
+def _to_local_fn_with_prim_types(weight):  # the name torch 2.11's dynamo gives the call it writes for to_local()
+    return weight
+
+
+def test_shards_written_as_a_function_call_are_grouped():
+    """torch 2.11's dynamo writes a sharded parameter's ``to_local()`` as a call of a wrapper function, just before
+    each linear layer: every weight read that way still joins its group (its shard read moved before the group's
+    call), and the logits are unchanged."""
+    model = _model("llama", torch.bfloat16)
+    (gm, inputs), reference = _traced(model, prompt(1, seed=5))
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in (torch._C._nn.linear, torch.nn.functional.linear):
+            weight = node.args[1]
+            with gm.graph.inserting_before(node):
+                shard = gm.graph.call_function(_to_local_fn_with_prim_types, (weight,))
+            shard.meta["example_value"] = weight.meta["example_value"]
+            node.replace_input_with(weight, shard)
+    gm.recompile()
+    with _kernels_run(True):
+        group_projections(gm)
+    groups = _grouped_weights_through(gm, lambda w: w.args[0])
+    assert groups[:4] == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+    assert len(groups) == 4 * model.config.num_hidden_layers + 1  # and the lm_head
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)

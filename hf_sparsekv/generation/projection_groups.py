@@ -9,8 +9,9 @@ the engine compiles a step and nowhere else. A lone layer becomes a call only wh
 (:func:`~hf_sparsekv.kernels.grouped_linear.worth_it`).
 
 A ``linear`` call joins a group when its weight (and bias, if any) are graph inputs of a dtype the kernel takes,
-contiguous, on a device where :func:`hf_sparsekv.kernels.runtime.enabled`, and its input has at most
-:data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` rows (decode and verify steps; larger batches keep cuBLAS).
+contiguous (or, under tensor parallelism, a graph input's ``to_local()`` shard: transformers' sharded layers compute
+on their local shard, so the kernel reads that), on a device where :func:`hf_sparsekv.kernels.runtime.enabled`,
+and its input has at most :data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` rows (decode and verify steps; larger batches keep cuBLAS).
 Groups keep the order in which the layers were called; a group holds at most three layers, all with a bias or all
 without.
 """
@@ -36,6 +37,26 @@ def _plain_tensor(t) -> bool:
     return isinstance(t, torch.Tensor) and type(t).__name__ != "DTensor" and not getattr(t, "_is_view_of_dtensor", 0)
 
 
+def _local_shard(node: torch.fx.Node) -> bool:
+    """Whether ``node`` is ``x.to_local()`` of a graph input ``x`` (a DTensor parameter of a model loaded with
+    ``tp_plan``). dynamo writes it as a ``to_local`` method call, or (torch 2.11) as a call of a function it wraps the
+    method in, named ``..._to_local_...``; its only node argument is the input."""
+    if node.op == "call_method":
+        named = node.target == "to_local"
+    else:
+        named = node.op == "call_function" and "to_local" in getattr(node.target, "__name__", "")
+    nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
+    return named and nodes == [node.args[0]] and node.args[0].op == "placeholder"
+
+
+def _parameter(node) -> bool:
+    """Whether ``node`` is a graph input holding a plain tensor, or the local shard of a graph input holding a
+    DTensor (:func:`_local_shard`)."""
+    if not isinstance(node, torch.fx.Node) or not _plain_tensor(_value(node)):
+        return False
+    return node.op == "placeholder" or _local_shard(node)
+
+
 def _linear_parts(node: torch.fx.Node):
     """``(input, weight, bias)`` nodes of a ``linear`` call the kernel can take, else None."""
     if node.op != "call_function" or node.target not in _LINEARS:
@@ -43,10 +64,7 @@ def _linear_parts(node: torch.fx.Node):
     args = list(node.args) + [None] * (3 - len(node.args))
     x, weight, bias = args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     w, xv = _value(weight), _value(x)
-    if not (isinstance(weight, torch.fx.Node) and weight.op == "placeholder" and _plain_tensor(w) and _plain_tensor(xv)):
-        return None
-    if bias is not None and not (isinstance(bias, torch.fx.Node) and bias.op == "placeholder"
-                                 and _plain_tensor(_value(bias))):
+    if not (_parameter(weight) and _plain_tensor(xv)) or (bias is not None and not _parameter(bias)):
         return None
     biases = [_value(bias)] if bias is not None else []
     if not (runtime.enabled(w.device) and w.device == xv.device and kernel.kernel_takes(xv, [w], biases)):
@@ -82,6 +100,9 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, calls, position: dict) -> 
     first = min((c[0] for c in calls), key=position.__getitem__)
     weights = [c[1] for c in calls]
     biases = [c[2] for c in calls if c[2] is not None]
+    for shard in weights + biases:  # a later layer's to_local() (it reads only a graph input) moves before the call
+        if shard.op != "placeholder" and position[shard] > position[first]:
+            first.prepend(shard)
     with graph.inserting_before(first):
         grouped = graph.call_function(torch.ops.hf_sparsekv.grouped_linear.default, (x, weights, biases))
         grouped.meta["example_value"] = [_value(c[0]) for c in calls]
