@@ -9,7 +9,7 @@ Per context L, batch 1, milliseconds per captured step (compiled with ``--compil
 * ``draft-chunk-B``: one draft round of the drafter (Llama-3.2-1B shape, replicated on every rank, its cache a chunk
   budget B) divided by γ: tensor parallelism does not split it, so it shows what the replicated drafter costs;
 * for the sharded verifier, the all-reduces' share of the AR step's GPU time (``torch.profiler``, kernels whose name
-  holds ``nccl``), on rank 0.
+  holds ``nccl``), on rank 0; the AR step's costliest kernels, one GPU and TP rank 0, go to ``profile-ar-*.txt``.
 
 The one-GPU steps run first, in this process on ``cuda:0``; then ``--gpus`` processes under torchrun load the same
 checkpoint with ``tp_plan="auto"`` and run the same steps in lockstep (each step's all-reduces join every rank), rank
@@ -51,6 +51,7 @@ def parse(argv=None):
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--compile", action="store_true", help="compile the steps before capture (generate()'s default)")
+    p.add_argument("--ar-only", action="store_true", help="time the AR step only (no verify or draft steps)")
     p.add_argument("--skip-single", action="store_true", help="no one-GPU baseline (a shape that does not fit one)")
     p.add_argument("--tiny", action="store_true", help="tiny shapes and contexts: the same code path as a smoke test")
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: gloo, uncaptured (with --tiny)")
@@ -104,46 +105,49 @@ def step_times(verifier, drafter, args, device) -> dict[int, dict[str, float]]:
 
         with torch.no_grad(), static_attention_for(verifier, drafter):
             (steps["ar"],) = timed("ar", None, None, "ar_step")
-            draft_round, steps["verify"] = timed("chunk", args.budget, drafter, "draft", "verify")
-            steps[f"draft-chunk-{args.budget}"] = draft_round / args.gamma
+            if not args.ar_only:
+                draft_round, steps["verify"] = timed("chunk", args.budget, drafter, "draft", "verify")
+                steps[f"draft-chunk-{args.budget}"] = draft_round / args.gamma
         out[L] = steps
         print(f"[L={L}] " + " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in steps.items()), flush=True)
     static_engine.release_engines()
     return out
 
 
-def allreduce_share(verifier, args, device) -> dict[int, float | None]:
-    """Per context: the share of the AR step's GPU kernel time spent in NCCL kernels (rank 0's profile of 10 replays);
-    None on CPU."""
+def profile_ar(verifier, args, device) -> dict[int, tuple[float | None, str]]:
+    """Per context: the share of the AR step's kernel time spent in NCCL kernels, and the profile's table of its
+    costliest kernels (10 replays; GPU kernels on CUDA, host operators on CPU)."""
     from torch.profiler import ProfilerActivity, profile
 
     from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 
-    if device.type != "cuda":
-        return {L: None for L in args.contexts}
-    shares = {}
+    cuda = device.type == "cuda"
+    out = {}
     for L in args.contexts:
         torch.manual_seed(L)
         prompt = torch.randint(0, verifier.config.vocab_size, (1, L), device=device)
         static_engine.release_engines()
         with torch.no_grad(), static_attention_for(verifier):
-            engine = static_engine.engine_for(verifier, None, "ar", None, 1, L + 64, 64, True)
+            engine = static_engine.engine_for(verifier, None, "ar", None, 1, L + 64, 64, cuda)
             engine.prefill([prompt])
             time_graph_step(engine, "ar_step", device, 1, args.warmup)
             n0, seq0 = engine.n.clone(), engine.seq.clone()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
                 for _ in range(10):
                     engine.run_step("ar_step")
                     engine.n.copy_(n0)
                     engine.seq.copy_(seq0)
-                torch.cuda.synchronize(device)
-        kernels = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+                if cuda:
+                    torch.cuda.synchronize(device)
+        events = prof.key_averages()
+        kernels = [e for e in events if e.device_type.name == "CUDA"] if cuda else list(events)
         total = sum(e.self_device_time_total for e in kernels)
         nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower())
-        shares[L] = nccl / total if total else None
+        sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+        out[L] = (nccl / total if cuda and total else None, events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
     static_engine.release_engines()
-    return shares
+    return out
 
 
 def rank_worker(args) -> int:
@@ -161,14 +165,16 @@ def rank_worker(args) -> int:
     device = verifier.device
     drafter = _model(DRAFTER, device, args.tiny, None)  # seed 0 on every rank: the same replicated weights
     seconds = step_times(verifier, drafter, args, device)
-    shares = allreduce_share(verifier, args, device)
+    profiles = profile_ar(verifier, args, device)
     from hf_sparsekv.generation import engine as static_engine
 
     static_engine.release_engines()  # before the group goes: a live graph holding NCCL calls makes the destroy hang
     if rank == 0:
+        for L, (_, table) in profiles.items():
+            (Path(args.out) / f"profile-ar-tp-{L}.txt").write_text(table)
         (Path(args.out) / "tp.json").write_text(json.dumps(dict(
             tp_size=verifier._tp_size, seconds={str(k): v for k, v in seconds.items()},
-            allreduce_share={str(k): v for k, v in shares.items()})))
+            allreduce_share={str(k): share for k, (share, _) in profiles.items()})))
     dist.barrier()
     dist.destroy_process_group()
     return 0
@@ -192,6 +198,7 @@ def _forwarded(args) -> list[str]:
     out += ["--layers", str(args.layers)] if args.layers is not None else []
     out += ["--work", args.work] if args.work else []
     out += ["--compile"] if args.compile else []
+    out += ["--ar-only"] if args.ar_only else []
     out += ["--tiny"] if args.tiny else []
     return out
 
@@ -259,6 +266,8 @@ def main(argv=None) -> int:
         verifier = _model(args.verifier, device, args.tiny, args.layers)
         drafter = _model(DRAFTER, device, args.tiny, None)
         single = step_times(verifier, drafter, args, device)
+        for L, (_, table) in profile_ar(verifier, args, device).items():
+            (out / f"profile-ar-one-gpu-{L}.txt").write_text(table)
         del verifier, drafter
         if device.type == "cuda":
             torch.cuda.empty_cache()
