@@ -145,7 +145,8 @@ def profile_ar(verifier, args, device) -> dict[int, tuple[float | None, str]]:
         total = sum(e.self_device_time_total for e in kernels)
         nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower())
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        out[L] = (nccl / total if cuda and total else None, events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
+        table = events.table(sort_by=sort, row_limit=30, max_name_column_width=90)
+        out[L] = (nccl / total if cuda and total else None, table)
     static_engine.release_engines()
     return out
 

@@ -14,7 +14,7 @@ import torch
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
-    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, WINDOW, ControllerMemory, DraftController, widths,
+    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, TRUST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, prompt, tiny_model
@@ -262,6 +262,8 @@ def test_queued_plain_steps_stop_at_the_exploration_and_change_no_choice():
     assert _queued_rounds(queued, t, 3000, True) == _queued_rounds(chosen, t, 3000, False)
     assert queued.explorations >= 2
     assert DraftController(8, fixed=0).plain_ahead(8, 8) == 8 and DraftController(8, fixed=3).plain_ahead(8, 8) == 0
+    first = DraftController(8)  # the first plain steps (measuring them) queue what plain_steps would choose next
+    assert first.choose() == 0 and first.plain_steps(4) == 4 and first.plain_ahead(4, 4) == 4
     while queued.choose() or queued._plain_until is None:  # (past an exploration, into a standing plain choice)
         queued.observe(1, [0], t(1))
     until = queued._plain_until[0]
@@ -838,3 +840,35 @@ def test_a_deferred_prefill_counts_as_prefill_not_drafting(scripted, monkeypatch
                             return_dict_in_generate=True)
     assert out.spec_stats.accepted > 0
     assert out.spec_stats.prefill_seconds >= 0.3 > out.spec_stats.draft_seconds
+
+
+def test_the_first_plain_steps_of_an_engine_are_queued_too(monkeypatch):
+    """The plain bursts that measure a plain step before the first probes are queued like every later plain run (each
+    read after the next burst is launched), so their samples hold no host wait between bursts: unqueued, they read
+    0.47 ms a step on an H200 where the queued steps took 0.34, and a controller that then always drafts never
+    corrects it."""
+    static_engine.release_engines()
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(50, seed=2)
+    launched, reads, first_draft = [0], [], []
+    run_step, read = static_engine.StaticEngine.run_step, rounds_module._Tokens.read
+
+    def counted(engine, name, width=None, run=True):
+        launched[0] += run and name == "ar_step"
+        if run and name == "draft" and not first_draft:
+            first_draft.append(len(reads))
+        return run_step(engine, name, width, run)
+
+    def recorded(tokens):
+        reads.append((launched[0], tokens.k))
+        return read(tokens)
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
+    monkeypatch.setattr(rounds_module._Tokens, "read", recorded)
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, **kwargs)
+    static_engine.release_engines()
+    assert torch.equal(out, verifier.generate(ids, **kwargs))
+    measuring = reads[: first_draft[0]]  # the reads before the first probe
+    assert len(measuring) >= TRUST
+    steps = list(itertools.accumulate(k for _, k in measuring))
+    assert all(at > ran for (at, _), ran in zip(measuring[:-1], steps)), measuring  # the next burst was queued

@@ -28,9 +28,9 @@ host work together, so nothing is synchronised for timing) and each live row's a
   width again, a clean sample (so that the width's time stays current while plain steps win; an exploration then
   costs two rounds, both counted in its expected loss).
 
-The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them), then one
-round at each of the two narrowest widths (a drafter that
-cannot pay costs little more than a plain step there), then the choice, which tries a wider width as soon as the
+The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them; queued as
+every plain run is, below), then one round at each of the two narrowest widths (a drafter that cannot pay costs
+little more than a plain step there), then the choice, which tries a wider width as soon as the
 model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
 the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
 exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows (and within
@@ -257,10 +257,16 @@ class DraftController:
     def plain_ahead(self, launched: int, most: int) -> int:
         """While ``launched`` plain steps run, not yet observed: how many more (at most ``most``) the choice of plain
         steps that stands may queue behind them, before the host reads theirs (0: the round after them is chosen
-        first; greedy AR: ``most``)."""
+        first; greedy AR: ``most``). The first plain rounds, which measure a plain step before any width is probed,
+        queue the steps :meth:`plain_steps` would choose next, until the burst that gives the last of their
+        ``TRUST`` samples is in flight."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 0
-        if self._plain_until is None or not self._plain_stands(launched):
+        if self._plain_until is None:  # the first plain steps, measuring a plain step (TRUST samples): queued too,
+            if len(self.samples.get(0, ())) + 1 >= TRUST:  # so that no sample holds a host wait that the later,
+                return 0  # queued runs do not pay (the burst in flight gives one sample; then the probes)
+            return max(1, min(most, self.explore_every(self.best_drafting()) - self.plain_run - launched))
+        if not self._plain_stands(launched):
             return 0
         return max(0, min(most, self._plain_until[0] - self.plain_run - launched))
 

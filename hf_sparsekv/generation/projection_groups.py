@@ -11,7 +11,8 @@ the engine compiles a step and nowhere else. A lone layer becomes a call only wh
 A ``linear`` call joins a group when its weight (and bias, if any) are graph inputs of a dtype the kernel takes,
 contiguous (or, under tensor parallelism, a graph input's ``to_local()`` shard: transformers' sharded layers compute
 on their local shard, so the kernel reads that), on a device where :func:`hf_sparsekv.kernels.runtime.enabled`,
-and its input has at most :data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` rows (decode and verify steps; larger batches keep cuBLAS).
+and its input has at most :data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` rows (decode and verify steps;
+larger batches keep cuBLAS).
 Groups keep the order in which the layers were called; a group holds at most three layers, all with a bias or all
 without.
 """
