@@ -248,9 +248,11 @@ class DraftController:
 
     def plain_steps(self, most: int) -> int:
         """After choosing a plain step: how many to run before the next choice (one sync for all; at most ``most``,
-        and not past the next exploration; greedy AR, ``fixed`` 0: ``most``)."""
+        and not past the next exploration; greedy AR, ``fixed`` 0, and the first plain rounds: ``most``)."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 1
+        if self._plain_until is None and len(self.samples.get(0, ())) < TRUST:
+            return most  # measuring a plain step: no exploration is due (the probes come next)
         until = self._plain_until[0] if self._plain_until is not None else self.explore_every(self.best_drafting())
         return max(1, min(most, until - self.plain_run))
 
@@ -258,14 +260,13 @@ class DraftController:
         """While ``launched`` plain steps run, not yet observed: how many more (at most ``most``) the choice of plain
         steps that stands may queue behind them, before the host reads theirs (0: the round after them is chosen
         first; greedy AR: ``most``). The first plain rounds, which measure a plain step before any width is probed,
-        queue the steps :meth:`plain_steps` would choose next, until the burst that gives the last of their
-        ``TRUST`` samples is in flight."""
+        queue whole bursts until the burst that gives the last of their ``TRUST`` samples is in flight."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 0
-        if self._plain_until is None:  # the first plain steps, measuring a plain step (TRUST samples): queued too,
-            if len(self.samples.get(0, ())) + 1 >= TRUST:  # so that no sample holds a host wait that the later,
-                return 0  # queued runs do not pay (the burst in flight gives one sample; then the probes)
-            return max(1, min(most, self.explore_every(self.best_drafting()) - self.plain_run - launched))
+        if self._plain_until is None:  # the first plain steps, measuring a plain step (TRUST samples): whole bursts,
+            # queued too, so that no sample holds a host wait the later, queued runs do not pay; the burst in flight
+            # gives one sample, then the probes
+            return most if len(self.samples.get(0, ())) + 1 < TRUST else 0
         if not self._plain_stands(launched):
             return 0
         return max(0, min(most, self._plain_until[0] - self.plain_run - launched))

@@ -46,8 +46,8 @@ def _local_shard(node: torch.fx.Node) -> bool:
         named = node.target == "to_local"
     else:
         named = node.op == "call_function" and "to_local" in getattr(node.target, "__name__", "")
-    nodes = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, torch.fx.Node)]
-    return named and nodes == [node.args[0]] and node.args[0].op == "placeholder"
+    return (named and len(node.args) > 0 and node.all_input_nodes == [node.args[0]]
+            and node.args[0].op == "placeholder")
 
 
 def _parameter(node) -> bool:
@@ -104,6 +104,7 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, calls, position: dict) -> 
     for shard in weights + biases:  # a later layer's to_local() (it reads only a graph input) moves before the call
         if shard.op != "placeholder" and position[shard] > position[first]:
             first.prepend(shard)
+            position[shard] = position[first] - 0.5  # (where it is now, for a later group that reads it too)
     with graph.inserting_before(first):
         grouped = graph.call_function(torch.ops.hf_sparsekv.grouped_linear.default, (x, weights, biases))
         grouped.meta["example_value"] = [_value(c[0]) for c in calls]
