@@ -75,6 +75,28 @@ def prompt(length: int, seed: int) -> torch.Tensor:
     return torch.randint(3, VOCAB, (1, length), generator=g)
 
 
+def record_plain_reads(monkeypatch) -> tuple[list, list]:
+    """Patch the static engine to record each read of a burst of plain tokens as ``(plain steps launched so far, the
+    burst's steps)``, and before each draft step the number of reads so far: the two lists, filled as calls run."""
+    from hf_sparsekv.generation import engine as static_engine, rounds
+
+    launched, reads, drafts = [0], [], []
+    run_step, read = static_engine.StaticEngine.run_step, rounds._Tokens.read
+
+    def counted(engine, name, width=None, run=True):
+        launched[0] += run and name == "ar_step"
+        if run and name == "draft":
+            drafts.append(len(reads))
+        return run_step(engine, name, width, run)
+
+    def recorded(tokens):
+        reads.append((launched[0], tokens.k))
+        return read(tokens)
+    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
+    monkeypatch.setattr(rounds._Tokens, "read", recorded)
+    return reads, drafts
+
+
 def torchrun_two(script_text: str, tmp_path, env: dict, timeout: float, *args: str) -> None:
     """Run ``script_text`` in two processes under torchrun (``python -m torch.distributed.run``), in ``tmp_path`` with
     ``env`` added, its arguments: the repository root, then ``args``; fail the test with its output if it fails or

@@ -17,7 +17,7 @@ from hf_sparsekv.generation.controller import (
     CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, TRUST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
-from .conftest import ARCHS, prompt, tiny_model
+from .conftest import ARCHS, prompt, record_plain_reads, tiny_model
 
 
 def _run(controller: DraftController, accept_prob: float, seconds, rounds: int, seed: int = 0) -> list[int]:
@@ -850,25 +850,12 @@ def test_the_first_plain_steps_of_an_engine_are_queued_too(monkeypatch):
     static_engine.release_engines()
     verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
     ids = prompt(50, seed=2)
-    launched, reads, first_draft = [0], [], []
-    run_step, read = static_engine.StaticEngine.run_step, rounds_module._Tokens.read
-
-    def counted(engine, name, width=None, run=True):
-        launched[0] += run and name == "ar_step"
-        if run and name == "draft" and not first_draft:
-            first_draft.append(len(reads))
-        return run_step(engine, name, width, run)
-
-    def recorded(tokens):
-        reads.append((launched[0], tokens.k))
-        return read(tokens)
-    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
-    monkeypatch.setattr(rounds_module._Tokens, "read", recorded)
+    reads, drafts = record_plain_reads(monkeypatch)
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, **kwargs)
     static_engine.release_engines()
     assert torch.equal(out, verifier.generate(ids, **kwargs))
-    measuring = reads[: first_draft[0]]  # the reads before the first probe
+    measuring = reads[: drafts[0]]  # the reads before the first probe
     assert len(measuring) >= TRUST
     steps = list(itertools.accumulate(k for _, k in measuring))
     assert all(at > ran for (at, _), ran in zip(measuring[:-1], steps)), measuring  # the next burst was queued

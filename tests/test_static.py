@@ -28,7 +28,7 @@ from hf_sparsekv.caches.static import (
 from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
 from hf_sparsekv.generation.acceptance import accepted_length
 
-from .conftest import ARCHS, left_padded, prompt, tiny_model
+from .conftest import ARCHS, left_padded, prompt, record_plain_reads, tiny_model
 
 H, D = 2, 8
 
@@ -380,18 +380,7 @@ def test_greedy_ar_queues_each_burst_before_it_waits_for_the_last(fresh_engines,
     stock greedy's."""
     verifier = tiny_model("llama")
     ids = prompt(50, seed=2)
-    launched, reads = [0], []
-    run_step, read = static_engine.StaticEngine.run_step, rounds._Tokens.read
-
-    def counted(engine, name, width=None, run=True):
-        launched[0] += run and name == "ar_step"
-        return run_step(engine, name, width, run)
-
-    def recorded(tokens):
-        reads.append((launched[0], tokens.k))
-        return read(tokens)
-    monkeypatch.setattr(static_engine.StaticEngine, "run_step", counted)
-    monkeypatch.setattr(rounds._Tokens, "read", recorded)
+    reads, _ = record_plain_reads(monkeypatch)
     out = hf_sparsekv.graph_greedy_generate(verifier, ids, max_new_tokens=30, eos_token_id=[])
     assert torch.equal(out, verifier.generate(ids, max_new_tokens=30, do_sample=False, eos_token_id=None,
                                               pad_token_id=0))
