@@ -140,13 +140,13 @@ def profile_ar(verifier, args, device) -> dict[int, tuple[float | None, str]]:
                     engine.seq.copy_(seq0)
                 if cuda:
                     torch.cuda.synchronize(device)
-        events = prof.key_averages()
-        kernels = [e for e in events if e.device_type.name == "CUDA"] if cuda else list(events)
-        total = sum(e.self_device_time_total for e in kernels)
-        nccl = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower())
+        events, share = prof.key_averages(), None
+        if cuda:
+            kernels = [e for e in events if e.device_type.name == "CUDA"]
+            total = sum(e.self_device_time_total for e in kernels)
+            share = sum(e.self_device_time_total for e in kernels if "nccl" in e.key.lower()) / total if total else None
         sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-        table = events.table(sort_by=sort, row_limit=30, max_name_column_width=90)
-        out[L] = (nccl / total if cuda and total else None, table)
+        out[L] = (share, events.table(sort_by=sort, row_limit=30, max_name_column_width=90))
     static_engine.release_engines()
     return out
 
