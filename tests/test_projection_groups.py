@@ -133,6 +133,7 @@ from tests.conftest import prompt, tiny_model
 import hf_sparsekv
 from hf_sparsekv.generation.projection_groups import _local_shard, group_projections
 from hf_sparsekv.kernels import runtime
+from tests.test_projection_groups import GROUPED, _grouped_weights_through
 
 rank = int(os.environ["LOCAL_RANK"])
 path = os.path.join(sys.argv[2], f"rank{rank}")
@@ -148,12 +149,11 @@ with torch.no_grad(), mock.patch.object(runtime, "enabled", lambda device: False
 (gm, inputs), = graphs
 with mock.patch.object(runtime, "enabled", lambda device: True):
     inserted = group_projections(gm)
-groups = []
+groups = _grouped_weights_through(gm, lambda w: w.args[0])
 for node in gm.graph.nodes:
-    if node.target is torch.ops.hf_sparsekv.grouped_linear.default:
+    if node.target is GROUPED:
         weights = node.args[1]
         assert all(_local_shard(w) for w in weights), weights  # (a method call, or torch 2.11's function call)
-        groups.append([w.args[0].target.split("_modules_")[-1].split("_parameters")[0] for w in weights])
         shards = [tuple(w.meta["example_value"].shape) for w in weights]
         full = [tuple(w.args[0].meta["example_value"].shape) for w in weights]
         assert all(s != f and s[0] * s[1] * 2 == f[0] * f[1] for s, f in zip(shards, full)), (shards, full)
