@@ -14,7 +14,8 @@ import torch
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
-    CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, TRUST, WINDOW, ControllerMemory, DraftController, widths,
+    CALL_PRIOR, CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, LONG_DECAY, PLAIN_DRIFT, PREFILL, TRUST, WINDOW,
+    ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, prompt, record_plain_reads, tiny_model
@@ -271,6 +272,23 @@ def test_queued_plain_steps_stop_at_the_exploration_and_change_no_choice():
     for _ in range(WINDOW):  # the plain step now takes 10x: its median moves
         queued.observe(0, [0], 10.0, 1)
     assert queued.plain_ahead(1, 8) == 0
+
+
+def test_a_plain_step_whose_time_drifts_keeps_its_queue_while_plain_steps_still_win():
+    """The plain step's median moves by more than PLAIN_DRIFT (here 1.0 to 1.15) but plain steps still beat every
+    width (a useless drafter): the queue of plain steps goes on (no host round trip to choose again) up to the
+    exploration that was due, and the standing choice keeps the new time; the next choice is plain too."""
+    t = linear(1.0, 0.3)
+    ctl = DraftController(8)
+    while (g := ctl.choose()) or ctl._plain_until is None:
+        ctl.observe(g, [0], t(g))
+    until = ctl._plain_until[0]
+    for _ in range(WINDOW):
+        ctl.observe(0, [0], 1.15, 1)
+    assert abs(ctl.seconds[0] - 1.0) > PLAIN_DRIFT
+    assert ctl.plain_ahead(1, 8) == min(8, until - ctl.plain_run - 1)
+    assert ctl._plain_until[:2] == (until, ctl.seconds[0])
+    assert ctl.choose() == 0 and ctl._plain_until[0] == until
 
 
 def test_plain_steps_chosen_under_a_narrow_cap_do_not_hold_when_wider_widths_are_allowed():
@@ -755,6 +773,54 @@ def test_the_controller_defers_the_prefill_where_plain_steps_win_and_explores_le
     assert best not in memory.samples or len(memory.samples[best]) == len(ctl.samples[best])  # no width sample
     call.deferred = 1000
     assert call.explore_every(best) > 3 * before
+
+
+def _call(memory: ControllerMemory, accept_prob: float, seconds, new_tokens: int, prompt_tokens: int,
+          rng: torch.Generator, tried: list) -> list[int]:
+    """One ``generate()`` call as the round loop drives the controller: the drafter's prefill deferred where
+    :meth:`~DraftController.defers` says so (paid, at its learnt cost, by the first drafting round); the widths of
+    its rounds until ``new_tokens`` are out. Each draft tried is appended to ``tried`` as (depth, accepted)."""
+    ctl = DraftController(8, memory=memory)
+    if ctl.defers(new_tokens, prompt_tokens):
+        ctl.deferred = prompt_tokens
+    chosen, made = [], 0
+    while made < new_tokens:
+        g = ctl.choose(remaining=new_tokens - made if ctl.deferred else None)
+        a = 0
+        while a < g and float(torch.rand((), generator=rng)) < accept_prob:
+            a += 1
+        prefilled, ctl.deferred = (ctl.deferred, 0) if g else (0, ctl.deferred)
+        ctl.observe(g, [a], seconds(g) + ctl._median(PREFILL) * prefilled, 1, 0, prefilled)
+        tried += [(i, float(i < a)) for i in range(min(a + 1, g))]
+        chosen.append(g)
+        made += a + 1
+    return chosen
+
+
+def test_a_call_starts_from_the_acceptance_over_earlier_calls():
+    """Calls alternate between a text the drafter predicts well (each draft accepted 0.95) and one it does not (0.5),
+    with the H200's costs at 16K (chunk B=512: a plain step 0.334 ms, a round of g drafts 0.6 + 0.05 g ms, the
+    drafter's prefill 0.29 us a prompt token, 128 new tokens). A call starts from each depth's rate over the earlier
+    calls (float64 below), not from where the last call ended: measured there, a well-predicted document after a
+    poorly predicted one started at the latter's acceptance, judged that drafting would not pay back the drafter's
+    prefill, and decoded all 128 tokens plainly (1.31x slower than drafting 4 a round)."""
+    seconds = lambda g: 0.334e-3 if g == 0 else (0.6 + 0.05 * g) * 1e-3  # noqa: E731
+    memory, rng, tried = ControllerMemory(8), torch.Generator().manual_seed(11), []
+    memory.samples[PREFILL] = [0.29e-6]
+    for call in range(6):
+        chosen = _call(memory, 0.95 if call % 2 == 0 else 0.5, seconds, 128, 16384, rng, tried)
+        if call % 2 == 0:  # (the well-predicted calls draft, the first one and those after a poorly predicted one)
+            assert sum(g > 0 for g in chosen) > 0.8 * len(chosen), (call, chosen)
+    ctl = DraftController(8, memory=memory)  # the next call: each depth's rate over the calls, in float64
+    for depth in range(8):
+        mine = [hit for d, hit in tried if d == depth][::-1]  # newest first
+        if not mine:
+            continue
+        weights = torch.tensor([LONG_DECAY] * len(mine), dtype=torch.float64).cumprod(0) / LONG_DECAY
+        total = float(weights.sum())
+        rate = float((weights * torch.tensor(mine, dtype=torch.float64)).sum()) / total
+        assert ctl.trials[depth] == pytest.approx(min(total, CALL_PRIOR), rel=1e-9)
+        assert ctl.hits[depth] / ctl.trials[depth] == pytest.approx(rate, rel=1e-9)
 
 
 def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():

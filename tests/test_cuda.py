@@ -25,6 +25,19 @@ def _on_cuda(arch, role="verifier", dtype=torch.float32):
     return copy.deepcopy(tiny_model(arch, role=role)).to("cuda", dtype)
 
 
+def test_a_captured_steps_first_replay_is_reported_and_runs_the_step():
+    """A step's graph uploads itself at its first replay (slower than later ones): calling the step says which replay
+    was the first, so that the controller takes no round time from it; every replay runs the step."""
+    from hf_sparsekv.generation.graph_steps import CapturedStep
+
+    x = torch.zeros(4, device="cuda")
+    step = CapturedStep(lambda: x.add_(1.0))
+    step.capture((x,))
+    assert float(x.sum()) == 0.0  # (the warm-up's writes were put back)
+    assert [step() for _ in range(3)] == [True, False, False]
+    assert torch.equal(x, torch.full((4,), 3.0, device="cuda"))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])

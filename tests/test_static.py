@@ -451,6 +451,23 @@ def test_a_users_logits_processor_runs_on_the_host_between_the_steps(fresh_engin
     assert static_engine.current_engine(verifier).spec.host  # the static engine, the processor applied on the host
 
 
+def test_a_captured_step_reports_its_graphs_first_replay():
+    """Calling a step says whether it replayed its graph for the first time (the controller's round holding it is no
+    time sample); an uncaptured step never does. (The graph here is a stand-in; test_cuda captures a real one.)"""
+    ran = []
+    step = graph_steps.CapturedStep(lambda: ran.append(1))
+    assert [step(), step()] == [False, False] and ran == [1, 1]
+
+    class Graph:
+        replays = 0
+
+        def replay(self):
+            self.replays += 1
+
+    step.graph, step.replayed = Graph(), False
+    assert [step() for _ in range(3)] == [True, False, False] and step.graph.replays == 3 and ran == [1, 1]
+
+
 def test_graphs_off_runs_the_engine_uncaptured(monkeypatch):
     """HF_SPARSEKV_GRAPHS=0: the same engine and steps, never captured; a wrong value is refused, naming it."""
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "0")

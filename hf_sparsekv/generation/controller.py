@@ -9,7 +9,10 @@ host work together, so nothing is synchronised for timing) and each live row's a
 * ``p_i``: the probability that draft i is accepted once drafts 1..i-1 were: that depth's acceptances over its trials,
   both counted with an exponential decay (a round with ``a`` of ``g`` accepted tried depths 1..min(a+1, g)), shrunk
   towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
-  instead of an old estimate that no round corrects.
+  instead of an old estimate that no round corrects. A call starts from each depth's rate over the earlier calls
+  (decayed by ``LONG_DECAY`` a trial), weighing ``CALL_PRIOR`` trials, not from where the last call ended: its text
+  is new, and the end of one document (measured: acceptance 0.5 at the end of one, 0.9 over the next) is a poor
+  guess of the next one's start.
 * ``t(g)``: the median of each width's last ``WINDOW`` measured round seconds. A width counts its own median once it
   has ``TRUST`` samples (one slow sample, such as a graph's first replay or a host hiccup, would otherwise keep a
   width from ever being chosen and measured again); until then, and for a width never measured, ``t(g)`` is
@@ -37,8 +40,9 @@ exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rou
 ``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
 ``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
 again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
-again at once), and its steps run as greedy AR's do: bursts of several steps to a sync, each queued before the
-host reads the tokens of the one before (:meth:`plain_ahead`), so that the device does not wait for the host.
+again at once, without stopping the queue of plain steps where they still win), and its steps run as greedy AR's
+do: bursts of several steps to a sync, each queued before the host reads the tokens of the one before
+(:meth:`plain_ahead`), so that the device does not wait for the host.
 
 What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
@@ -68,6 +72,8 @@ SHRINK = 4.0  # pseudo-trials at the pooled rate in each depth's estimate
 WINDOW = 7  # round times kept per width (the median of these is its time)
 TRUST = 3  # samples before a width's own median is used instead of its neighbours' line
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
+LONG_DECAY = 0.995  # ... the weight of the past counts at each new trial in the rate over calls
+CALL_PRIOR = 8.0  # the trials that rate weighs at a call's start
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
@@ -124,11 +130,35 @@ class ControllerMemory:
     hits: list = None
     pooled: list = None
     plain_run: int = 0
+    calls: list = None  # per depth, then pooled: (trials, acceptances) decayed by LONG_DECAY, over every call
 
     def __post_init__(self):
         self.trials = self.trials or [0.0] * self.gamma  # depths 1..gamma (index i - 1)
         self.hits = self.hits or [0.0] * self.gamma
         self.pooled = self.pooled or [1.0, PRIOR_ACCEPT]  # (trials, acceptances) over every depth
+        self.calls = self.calls or [[0.0, 0.0] for _ in range(self.gamma + 1)]
+
+    def count(self, depth: int, hit: float) -> None:
+        """One trial of ``depth`` (0-based), accepted (``hit`` 1) or not, in the call's counts and the counts over
+        calls."""
+        self.trials[depth] = DECAY * self.trials[depth] + 1.0
+        self.hits[depth] = DECAY * self.hits[depth] + hit
+        self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
+        for counts in (self.calls[depth], self.calls[-1]):
+            counts[0] = LONG_DECAY * counts[0] + 1.0
+            counts[1] = LONG_DECAY * counts[1] + hit
+
+    def start_call(self) -> None:
+        """A new call: each depth's counts (and the pooled ones) become its rate over the calls so far, weighing at
+        most CALL_PRIOR trials (depths never tried keep theirs)."""
+        for i, (tried, hit) in enumerate(self.calls):
+            if tried <= 0.0:
+                continue
+            weight = min(tried, CALL_PRIOR)
+            if i < self.gamma:
+                self.trials[i], self.hits[i] = weight, weight * hit / tried
+            else:
+                self.pooled = [weight, weight * hit / tried]
 
 
 class DraftController:
@@ -145,6 +175,7 @@ class DraftController:
         self.fixed = fixed
         self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
         self.memory = ControllerMemory(gamma) if memory is None else memory
+        self.memory.start_call()
         self.seconds = {w: median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
         self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
@@ -160,7 +191,7 @@ class DraftController:
     samples = property(lambda self: self.memory.samples)
     trials = property(lambda self: self.memory.trials)
     hits = property(lambda self: self.memory.hits)
-    pooled = property(lambda self: self.memory.pooled, lambda self, v: setattr(self.memory, "pooled", v))
+    pooled = property(lambda self: self.memory.pooled)
     plain_run = property(lambda self: self.memory.plain_run, lambda self, v: setattr(self.memory, "plain_run", v))
 
     # ---- the model
@@ -267,9 +298,22 @@ class DraftController:
             # queued too, so that no sample holds a host wait the later, queued runs do not pay; the burst in flight
             # gives one sample, then the probes
             return most if len(self.samples.get(0, ())) + 1 < TRUST else 0
-        if not self._plain_stands(launched):
+        if not self._plain_stands(launched) and not self._plain_still_wins(launched):
             return 0
         return max(0, min(most, self._plain_until[0] - self.plain_run - launched))
+
+    def _plain_still_wins(self, ahead: int) -> bool:
+        """The plain step's time moved while the choice of plain steps stood: whether plain steps still beat every
+        width then allowed (the choice then stands, at the new time, its exploration where it was), so that a drift
+        which changes nothing does not stop the queue of plain steps; False where the exploration falls due."""
+        until, _, cap = self._plain_until
+        if self.plain_run + ahead >= until:
+            return False
+        options = [w for w in self.widths if w <= cap]
+        if options and self.rate(max(options, key=self.rate)) > self.rate(0):
+            return False  # (:meth:`choose` decides, the prefill's pay-back too)
+        self._plain_until = until, self.seconds[0], cap
+        return True
 
     def _plain_stands(self, ahead: int = 0) -> bool:
         """Whether the choice of plain steps stands for a round ``ahead`` plain steps from now: its exploration not
@@ -344,14 +388,9 @@ class DraftController:
             self.plain_run += rounds
         else:
             self.plain_run, self._plain_until = 0, None
-            trials, hits, (tried, hit_all) = self.trials, self.hits, self.pooled
             for a in accepted:
                 for i in range(min(a + 1, g)):
-                    hit = 1.0 if i < a else 0.0
-                    trials[i] = DECAY * trials[i] + 1.0
-                    hits[i] = DECAY * hits[i] + hit
-                    tried, hit_all = DECAY * tried + 1.0, DECAY * hit_all + hit
-            self.pooled = [tried, hit_all]
+                    self.memory.count(i, 1.0 if i < a else 0.0)
         if seconds is not None:
             self._keep(g, seconds)
 

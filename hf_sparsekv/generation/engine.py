@@ -541,7 +541,7 @@ class StaticEngine:
         """Run (and on first use, capture) the step ``name`` (``"draft"``, ``"verify"``, ``"verify_logits"``: of
         ``width`` drafts, default γ; ``run=False``: only capture it); the drafter's steps with its 4-bit weights where
         the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
-        this call)."""
+        this call) or replayed its graph for the first time: its time then is no sample of the step's."""
         key = name if width is None or width == self.spec.gamma else (name, width)
         with drafting(self.spec.draft_weights == "int4" and (name == "draft" or name.startswith("catch_up"))):
             step = self.steps.get(key)
@@ -554,7 +554,7 @@ class StaticEngine:
                 if self.use_graphs:
                     self._capture(step)
             if run:
-                step()
+                new |= step()
         return new
 
     def capture_widths(self, widths: tuple[int, ...]) -> None:

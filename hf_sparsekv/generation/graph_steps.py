@@ -90,12 +90,14 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
 class CapturedStep:
     """``fn`` (device ops on static tensors only), compiled with ``torch.compile`` when ``compiled``, replayed as a
     CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
-    and capture may change and must be put back (the warm-up really runs ``fn``)."""
+    and capture may change and must be put back (the warm-up really runs ``fn``). Calling it returns whether this
+    was a graph's first replay (which uploads the graph to the device: slower than every later one)."""
 
     def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = ()):
         self.eager_fn, self.pool = fn, pool
         self.fn = torch.compile(fn, backend=step_backend, dynamic=False) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
+        self.replayed = False  # whether :attr:`graph` ran once
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
         self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph
 
@@ -149,7 +151,7 @@ class CapturedStep:
                 streams[home].wait_stream(streams[d])
         for t, s in zip(restore, saved):
             t.copy_(s)
-        self.graph = graph
+        self.graph, self.replayed = graph, False
 
     def release(self) -> None:
         """Destroy the captured graph now (not when the last reference goes); the step runs uncaptured after."""
@@ -158,11 +160,13 @@ class CapturedStep:
                 self.graph.reset()
             self.graph = None
 
-    def __call__(self) -> None:
-        if self.graph is not None:
-            self.graph.replay()
-        else:
+    def __call__(self) -> bool:
+        if self.graph is None:
             self.run()
+            return False
+        self.graph.replay()
+        first, self.replayed = not self.replayed, True
+        return first
 
 
 # One thread at a time captures a CUDA graph or does what would break another thread's capture: torch.cuda.graph's
