@@ -57,7 +57,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
-from hf_sparsekv.generation.controller import PREFILL, median
+from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, median
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -101,6 +101,8 @@ def _recorded_stats():
         calls[-1].controller = dict(
             round_ms={w: round(1e3 * median(v), 4) for w, v in memory.samples.items() if w >= 0},
             prefill_us_per_token=round(1e6 * median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
+            catch_up_us_per_position=(round(1e6 * median(memory.samples[CATCH_UP]), 3) if CATCH_UP in memory.samples
+                                      else None),
             acceptance=[round(h / t, 3) if t else None for h, t in zip(memory.hits, memory.trials)],
             plain_run=memory.plain_run)
         return results

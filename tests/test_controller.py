@@ -384,6 +384,7 @@ class _Scripted(DraftController):
 def scripted(monkeypatch):
     static_engine.release_engines()
     monkeypatch.setattr(rounds_module, "DraftController", _Scripted)
+    monkeypatch.setattr(static_engine, "LAG_BLOCK", 32)  # (the scripts' runs of 40 plain steps: two catch-up blocks)
     _Scripted.bursts.clear()
     yield
     static_engine.release_engines()

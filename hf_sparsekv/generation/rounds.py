@@ -15,7 +15,7 @@ from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
 from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .controller import DraftController
-from .engine import AR_STEPS_PER_SYNC, LAG_BLOCK, StaticEngine, captures, engine_for
+from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for, wait_for
 from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
 from .model_locks import holding
@@ -315,7 +315,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     # (a tree's draft step reads up to γ + 1 missed tokens itself; self-drafting copies them)
                     engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
                                       non_blocking=True)
-                    for _ in range(-(-max(behind) // LAG_BLOCK)):
+                    for _ in range(-(-max(behind) // engine.lag_offsets.numel())):
                         fresh |= engine.run_step("catch_up_lag")
                 behind = behind if not drafting else [0] * rows
             elif catch_up is not None and (drafting or engine.self_drafting):  # (self-drafting: before a step
