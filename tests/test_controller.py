@@ -5,6 +5,7 @@ distribution."""
 from __future__ import annotations
 
 import itertools
+import math
 import statistics
 import time
 
@@ -166,6 +167,37 @@ def test_the_catch_up_after_plain_rounds_is_the_switchs_cost_not_the_widths():
     assert chosen[-20:] == [8] * 20
     assert all(s == pytest.approx(t(g)) for g, kept in ctl.samples.items() if g >= 0 for s in kept)
     assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_position)
+
+
+def test_a_catch_up_step_is_priced_per_step_and_explorations_come_within_a_call():
+    """A lagging drafter whose catch-up steps read 128 missed positions each and cost 0.6 plain steps a step whatever
+    they read (measured on an H200: the drafter's forward, not the positions), first useless, then accepted 9 times
+    in 10: each switch round's excess is a sample of one step's cost, and explorations come often enough that
+    drafting resumes within 10 rounds of the recovery. (Priced per position, a switch after 5 plain rounds made each
+    cost 0.12 plain steps, more than EXPLORE_SHARE of a plain step: no exploration for EXPLORE_MAX rounds.)"""
+    t, per_step, block = linear(1.0, 0.1), 0.6, 128
+    ctl, rng = DraftController(8, lag_block=block), torch.Generator().manual_seed(4)
+    for g in (0, 0, 0, 1, 1, 1, 8, 8, 8):  # measured, then a switch to drafting after 5 plain rounds
+        ctl.observe(g, [g], t(g))
+    ctl.plain_run = 5
+    ctl.observe(8, [8], t(8) + per_step, 1, 5)
+    for accept_prob, rounds in ((0.0, 400), (0.9, 150)):
+        missed, chosen = 0, []
+        for _ in range(rounds):
+            g = ctl.choose()
+            if g == 0:
+                steps = ctl.plain_steps(4)
+                ctl.observe(0, [0], t(0), steps)
+                missed += steps
+            else:
+                a = 0
+                while a < g and float(torch.rand((), generator=rng)) < accept_prob:
+                    a += 1
+                ctl.observe(g, [a], t(g) + per_step * math.ceil(missed / block), 1, missed)
+                missed = 0
+            chosen.append(g)
+    assert chosen[-20:] == [8] * 20 and any(chosen[:10]), chosen  # (priced per position: the first after 22)
+    assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_step)
 
 
 class _Recomputing(DraftController):
@@ -359,8 +391,8 @@ class _Scripted(DraftController):
     # them), and after more than γ + 1 and more than a catch-up block of them (lag catch-ups first)
     TREE_SCRIPT = [8, 8, 0, 8, 0, 0, 8] + [0] * 12 + [8, 8]
 
-    def __init__(self, gamma, fixed=None, memory=None, choices=None):
-        super().__init__(gamma, fixed, memory, choices)
+    def __init__(self, gamma, fixed=None, memory=None, choices=None, lag_block=1):
+        super().__init__(gamma, fixed, memory, choices, lag_block)
         self._script = itertools.cycle(self.TREE_SCRIPT if choices else self.SCRIPT)
 
     def choose(self, allowed=None, remaining=None):

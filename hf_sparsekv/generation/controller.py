@@ -26,8 +26,10 @@ host work together, so nothing is synchronised for timing) and each live row's a
 * The switch from plain steps to drafting: the first drafting round after plain rounds also catches the drafter up
   on the positions it missed (a forward over them, or for a self-drafter a copy). That is a cost of the switch, not
   of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
-  width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of the catch-up's
-  cost per missed position, which the exploration interval accounts for; and the round after it drafts the same
+  width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of a catch-up
+  step's cost (a step reads up to ``lag_block`` missed positions: its cost is mostly the drafter's forward, not the
+  positions; counted per position, a switch after a few plain rounds priced each at 42 us on an H200, an eighth of a
+  plain step, and no exploration came within a call), which the exploration interval accounts for; and the round after it drafts the same
   width again, a clean sample (so that the width's time stays current while plain steps win; an exploration then
   costs two rounds, both counted in its expected loss).
 
@@ -78,7 +80,7 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
-CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the catch-up's seconds per missed position
+CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
 
@@ -166,12 +168,14 @@ class DraftController:
     ``fixed``: a constant number of drafts (no choice; ``None``: choose among ``choices``, default :func:`widths`;
     a tree engine offers ``(γ,)``: its tree or a plain step); ``memory``: what earlier calls learnt
     (:class:`ControllerMemory`, kept by the engine; default: nothing yet). Its :attr:`samples` are the round times
-    measured so far (width -> the last ``WINDOW`` seconds; :data:`CATCH_UP`: the catch-up's seconds per missed
-    position; :data:`PREFILL`: a deferred drafter prefill's seconds per prompt token)."""
+    measured so far (width -> the last ``WINDOW`` seconds; :data:`CATCH_UP`: a catch-up step's seconds;
+    :data:`PREFILL`: a deferred drafter prefill's seconds per prompt token). ``lag_block``: the missed positions a
+    lagging drafter's catch-up step reads."""
 
     def __init__(self, gamma: int, fixed: int | None = None, memory: ControllerMemory | None = None,
-                 choices: tuple[int, ...] | None = None):
+                 choices: tuple[int, ...] | None = None, lag_block: int = 1):
         self.gamma = gamma
+        self.lag_block = lag_block
         self.fixed = fixed
         self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
         self.memory = ControllerMemory(gamma) if memory is None else memory
@@ -323,17 +327,20 @@ class DraftController:
 
     def explore_every(self, g: int) -> int:
         """Plain rounds between explorations at width ``g``: the expected loss of one, n plain rounds after the last
-        (its time beyond what plain steps take for the tokens it brings, and the catch-up of the n positions the
-        drafter missed), is at most EXPLORE_SHARE of those n rounds' time."""
+        (its time beyond what plain steps take for the tokens it brings, and the catch-up steps over the n positions
+        the drafter missed: at most n / lag_block + 1), is at most EXPLORE_SHARE of those n rounds' time."""
         t0, tg = self.round_seconds(0), self.round_seconds(g)
         if not t0 or tg is None:
             return EXPLORE_MIN
         rounds = 2 if self.samples.get(CATCH_UP) else 1  # a lagging drafter's exploration: the switch, then a sample
         loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0)
         prefill = self._median(PREFILL) * self.deferred
-        margin = EXPLORE_SHARE * t0 - self._median(CATCH_UP)  # what each plain round leaves for the loss
+        step = self._median(CATCH_UP)
+        margin = EXPLORE_SHARE * t0 - step / self.lag_block  # what each plain round leaves for the loss
         if margin <= 0:
             return EXPLORE_MAX if not prefill else PREFILL_EXPLORE_MAX
+        if self.lag_block > 1:  # (the last, partly filled catch-up step)
+            loss += step
         n = min(max(math.ceil(loss / margin), EXPLORE_MIN), EXPLORE_MAX)
         # a pending prefill's share lengthens the interval past EXPLORE_MAX (else, with a long prompt, each
         # exploration would pay a prefill of several times EXPLORE_SHARE of the rounds before it)
@@ -377,10 +384,10 @@ class DraftController:
             t = self.round_seconds(g)
             if t is not None and g in self.seconds:
                 if prefilled:
-                    excess = seconds - t - self._median(CATCH_UP) * caught_up
+                    excess = seconds - t - self._median(CATCH_UP) * math.ceil(caught_up / self.lag_block)
                     self._keep(PREFILL, max(excess, 0.0) / prefilled)
                 else:
-                    self._keep(CATCH_UP, max(seconds - t, 0.0) / caught_up)
+                    self._keep(CATCH_UP, max(seconds - t, 0.0) / math.ceil(caught_up / self.lag_block))
             self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
         self._forget_derived()

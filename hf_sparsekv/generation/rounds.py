@@ -140,8 +140,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     sampling = engine.warpers is not None
     outputs = [RowOutput(r.keep_scores) for r in rules]
     fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
-    controller = DraftController(gamma, fixed, engine.controller_memory, (gamma,) if always_tree else None)
     lagging = engine.lagging
+    controller = DraftController(gamma, fixed, engine.controller_memory, (gamma,) if always_tree else None,
+                                 engine.lag_offsets.numel() if lagging else 1)
 
     def accept(row: int, new: list[int]) -> None:
         for token in new:
