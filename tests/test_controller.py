@@ -141,6 +141,29 @@ def test_unmeasured_widths_are_interpolated_between_measured_ones():
     assert ctl.round_seconds(12) == pytest.approx(3.0 + 1.5 / 7 * 4)
 
 
+def _lagging_rounds(ctl: DraftController, phases, seconds, catch_up, burst: int, seed: int) -> list[int]:
+    """Drive ``ctl`` as the round loop drives it for a lagging drafter: each phase (acceptance per draft, rounds); a
+    plain choice runs up to ``burst`` plain steps to a sync, and the drafting round after plain steps also pays
+    ``catch_up(missed positions)``. The widths chosen in the last phase."""
+    rng = torch.Generator().manual_seed(seed)
+    for accept_prob, rounds in phases:
+        missed, chosen = 0, []
+        for _ in range(rounds):
+            g = ctl.choose()
+            if g == 0:
+                steps = ctl.plain_steps(burst)
+                ctl.observe(0, [0], seconds(0), steps)
+                missed += steps
+            else:
+                a = 0
+                while a < g and float(torch.rand((), generator=rng)) < accept_prob:
+                    a += 1
+                ctl.observe(g, [a], seconds(g) + catch_up(missed), 1, missed)
+                missed = 0
+            chosen.append(g)
+    return chosen
+
+
 def test_the_catch_up_after_plain_rounds_is_the_switchs_cost_not_the_widths():
     """A lagging drafter (its catch-up after n plain rounds costs 0.3 plain steps per missed position, on top of the
     round) whose drafts are first useless, then accepted 9 times in 10: once acceptance recovers the controller
@@ -148,22 +171,8 @@ def test_the_catch_up_after_plain_rounds_is_the_switchs_cost_not_the_widths():
     catch-up's cost per position is learnt. (Charged to the width, the explorations' samples made drafting look
     slower than plain steps for good.)"""
     t, per_position = linear(1.0, 0.1), 0.3
-    ctl, rng, chosen = DraftController(8), torch.Generator().manual_seed(2), []
-    for accept_prob, rounds in ((0.0, 600), (0.9, 2 * EXPLORE_MAX)):
-        missed = 0
-        for _ in range(rounds):
-            g = ctl.choose()
-            if g == 0:
-                steps = ctl.plain_steps(8)  # several plain steps to a sync, as the engine runs them
-                ctl.observe(0, [0], t(0), steps)
-                missed += steps
-            else:
-                a = 0
-                while a < g and float(torch.rand((), generator=rng)) < accept_prob:
-                    a += 1
-                ctl.observe(g, [a], t(g) + per_position * missed, 1, missed)
-                missed = 0
-            chosen.append(g)
+    ctl = DraftController(8)
+    chosen = _lagging_rounds(ctl, ((0.0, 600), (0.9, 2 * EXPLORE_MAX)), t, lambda missed: per_position * missed, 8, 2)
     assert chosen[-20:] == [8] * 20
     assert all(s == pytest.approx(t(g)) for g, kept in ctl.samples.items() if g >= 0 for s in kept)
     assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_position)
@@ -176,26 +185,13 @@ def test_a_catch_up_step_is_priced_per_step_and_explorations_come_within_a_call(
     drafting resumes within 10 rounds of the recovery. (Priced per position, a switch after 5 plain rounds made each
     cost 0.12 plain steps, more than EXPLORE_SHARE of a plain step: no exploration for EXPLORE_MAX rounds.)"""
     t, per_step, block = linear(1.0, 0.1), 0.6, 128
-    ctl, rng = DraftController(8, lag_block=block), torch.Generator().manual_seed(4)
+    ctl = DraftController(8, lag_block=block)
     for g in (0, 0, 0, 1, 1, 1, 8, 8, 8):  # measured, then a switch to drafting after 5 plain rounds
         ctl.observe(g, [g], t(g))
     ctl.plain_run = 5
     ctl.observe(8, [8], t(8) + per_step, 1, 5)
-    for accept_prob, rounds in ((0.0, 400), (0.9, 150)):
-        missed, chosen = 0, []
-        for _ in range(rounds):
-            g = ctl.choose()
-            if g == 0:
-                steps = ctl.plain_steps(4)
-                ctl.observe(0, [0], t(0), steps)
-                missed += steps
-            else:
-                a = 0
-                while a < g and float(torch.rand((), generator=rng)) < accept_prob:
-                    a += 1
-                ctl.observe(g, [a], t(g) + per_step * math.ceil(missed / block), 1, missed)
-                missed = 0
-            chosen.append(g)
+    chosen = _lagging_rounds(ctl, ((0.0, 400), (0.9, 150)), t, lambda missed: per_step * math.ceil(missed / block),
+                             4, 4)
     assert chosen[-20:] == [8] * 20 and any(chosen[:10]), chosen  # (priced per position: the first after 22)
     assert statistics.median(ctl.samples[CATCH_UP]) == pytest.approx(per_step)
 
