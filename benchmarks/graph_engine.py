@@ -102,7 +102,7 @@ def _recorded_stats():
             round_ms={w: round(1e3 * median(v), 4) for w, v in memory.samples.items() if w >= 0},
             prefill_us_per_token=round(1e6 * median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
             catch_up_us_per_step=(round(1e6 * median(memory.samples[CATCH_UP]), 3) if CATCH_UP in memory.samples
-                                      else None),
+                                  else None),
             acceptance=[round(h / t, 3) if t else None for h, t in zip(memory.hits, memory.trials)],
             plain_run=memory.plain_run)
         return results
