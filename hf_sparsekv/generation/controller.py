@@ -28,10 +28,10 @@ host work together, so nothing is synchronised for timing) and each live row's a
   of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
   width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of a catch-up
   step's cost (a step reads up to ``lag_block`` missed positions: its cost is mostly the drafter's forward, not the
-  positions; counted per position, a switch after a few plain rounds priced each at 42 us on an H200, an eighth of a
-  plain step, and no exploration came within a call), which the exploration interval accounts for; and the round after it drafts the same
-  width again, a clean sample (so that the width's time stays current while plain steps win; an exploration then
-  costs two rounds, both counted in its expected loss).
+  positions; counted per position, a switch after a few plain rounds priced each at 42 us on an H200, an eighth of
+  a plain step, and no exploration came within a call), which the exploration interval accounts for; and the round
+  after it drafts the same width again, a clean sample (so that the width's time stays current while plain steps
+  win; an exploration then costs two rounds, both counted in its expected loss).
 
 The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them; queued as
 every plain run is, below), then one round at each of the two narrowest widths (a drafter that cannot pay costs
@@ -383,11 +383,12 @@ class DraftController:
         if seconds is not None and g > 0 and (prefilled or (self.plain_run > 0 and caught_up > 0)):
             t = self.round_seconds(g)
             if t is not None and g in self.seconds:
+                steps = math.ceil(caught_up / self.lag_block)  # the catch-up steps this round ran
                 if prefilled:
-                    excess = seconds - t - self._median(CATCH_UP) * math.ceil(caught_up / self.lag_block)
+                    excess = seconds - t - self._median(CATCH_UP) * steps
                     self._keep(PREFILL, max(excess, 0.0) / prefilled)
                 else:
-                    self._keep(CATCH_UP, max(seconds - t, 0.0) / math.ceil(caught_up / self.lag_block))
+                    self._keep(CATCH_UP, max(seconds - t, 0.0) / steps)
             self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
         self._forget_derived()

@@ -316,7 +316,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     # (a tree's draft step reads up to γ + 1 missed tokens itself; self-drafting copies them)
                     engine.held.copy_(torch.tensor([len(t) - 1 - b for t, b in zip(tokens, behind)]),
                                       non_blocking=True)
-                    for _ in range(-(-max(behind) // engine.lag_offsets.numel())):
+                    for _ in range(-(-max(behind) // controller.lag_block)):
                         fresh |= engine.run_step("catch_up_lag")
                 behind = behind if not drafting else [0] * rows
             elif catch_up is not None and (drafting or engine.self_drafting):  # (self-drafting: before a step
