@@ -15,8 +15,8 @@ import torch
 import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
-    CALL_PRIOR, CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, LONG_DECAY, PLAIN_DRIFT, PREFILL, TRUST, WINDOW,
-    ControllerMemory, DraftController, widths,
+    CALL_PRIOR, CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, EXPLORE_SHARE_CALLS, LONG_DECAY, PLAIN_DRIFT,
+    PREFILL, TRUST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, prompt, record_plain_reads, tiny_model
@@ -373,6 +373,57 @@ def test_exploration_interval_is_bounded():
     ctl.observe(0, [], 1.0)
     ctl.observe(8, [8], 1.0)
     assert ctl.explore_every(8) == EXPLORE_MIN
+
+
+H200_ROUND_MS = {0: 0.334, 1: 0.591, 2: 0.646, 3: 0.70, 4: 0.805, 6: 0.92, 8: 1.10}  # chunk B=512 at 16K (run h)
+
+
+def _document_call(memory: ControllerMemory, first: float, later: float, hard: int, rng: torch.Generator,
+                   new_tokens: int = 128, step_ms: float = 0.21, block: int = 128) -> tuple[float, list[int]]:
+    """One call on a document the drafter predicts at acceptance ``first`` for a round's first draft and ``later``
+    for each next one, whose first ``hard`` rounds accept nothing (the answer's first tokens), at the
+    H200's round times; a lagging drafter's switch round also pays a catch-up step of ``step_ms`` per ``block``
+    missed positions. -> (the call's tokens per plain step's time, the widths of its rounds)."""
+    ctl = DraftController(8, memory=memory, lag_block=block)
+    made, missed, ms, chosen = 0, 0, 0.0, []
+    for round_ in itertools.count():
+        if made >= new_tokens:
+            break
+        g = ctl.choose()
+        if g == 0:
+            steps = ctl.plain_steps(min(8, new_tokens - made))
+            ctl.observe(0, [0], H200_ROUND_MS[0] * 1e-3, steps)
+            made, missed, ms, chosen = made + steps, missed + steps, ms + steps * H200_ROUND_MS[0], chosen + [0] * steps
+            continue
+        a = 0
+        while round_ >= hard and a < g and float(torch.rand((), generator=rng)) < (later if a else first):
+            a += 1
+        seconds = H200_ROUND_MS[g] + step_ms * math.ceil(missed / block)
+        ctl.observe(g, [a], seconds * 1e-3, 1, missed)
+        made, missed, ms, chosen = made + a + 1, 0, ms + seconds, chosen + [g]
+    return made * H200_ROUND_MS[0] / ms, chosen
+
+
+def test_a_document_whose_answer_starts_hard_drafts_again_within_the_call(monkeypatch):
+    """Calls alternate between a document the drafter predicts well (0.85, then 0.95) whose first five rounds
+    accept nothing, and a middling one (0.44, then 0.85), at the H200's costs with a catch-up step of 0.63
+    plain steps (measured, run h). The acceptance over the calls says drafting pays, so the exploration budget is
+    EXPLORE_SHARE_CALLS: the well-predicted calls draft again soon after their dip. (At EXPLORE_SHARE, as in run h,
+    they stayed plain for 45-60 rounds, 0.91x the best fixed width there.)"""
+    def calls(seed):
+        memory, rng, out = ControllerMemory(8), torch.Generator().manual_seed(seed), []
+        for c in range(8):
+            out.append(_document_call(memory, *((0.85, 0.95, 5) if c % 2 == 0 else (0.44, 0.85, 0)), rng))
+        return out
+    runs = [calls(seed) for seed in range(4)]
+    good = [r for run in runs for r in run[2::2]]  # the well-predicted calls after the first
+    middling = [r for run in runs for r in run[1::2]]
+    assert statistics.median(ch.count(0) for _, ch in good) <= 30
+    monkeypatch.setattr("hf_sparsekv.generation.controller.EXPLORE_SHARE_CALLS", EXPLORE_SHARE)
+    before = [calls(seed) for seed in range(4)]
+    assert statistics.median(ch.count(0) for run in before for _, ch in run[2::2]) >= 40  # the measured failure
+    assert statistics.mean(s for s, _ in good) > 1.1 * statistics.mean(s for run in before for s, _ in run[2::2])
+    assert statistics.mean(s for s, _ in middling) > 0.97 * statistics.mean(s for run in before for s, _ in run[1::2])
 
 
 # ---- the engine under scripted choices: every width, rounds without drafts, long runs of them
@@ -866,9 +917,10 @@ def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
     call.deferred = 1000
     assert [call.choose(remaining=20 - i) for i in range(5)] == [0] * 5
     # it still explores, but the pending prefill (here 40 plain steps) spaces explorations past EXPLORE_MAX rounds
-    # so that each costs at most EXPLORE_SHARE of the plain rounds before it
+    # so that each costs at most EXPLORE_SHARE_CALLS of the plain rounds before it (drafting paid on earlier calls)
     every = call.explore_every(best)
-    assert every > EXPLORE_MAX and 40.0 <= EXPLORE_SHARE * every * call.round_seconds(0) <= 41.0 + EXPLORE_MIN
+    assert call.pays_over_calls(best)
+    assert every > EXPLORE_MAX and 40.0 <= EXPLORE_SHARE_CALLS * every * call.round_seconds(0) <= 41.0 + EXPLORE_MIN
     call.plain_run = every
     assert call.choose(remaining=15) == best and call.explorations == 1
     assert DraftController(8, memory=ctl.memory).choose(remaining=2000) == best

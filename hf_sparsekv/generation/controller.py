@@ -38,9 +38,12 @@ every plain run is, below), then one round at each of the two narrowest widths (
 little more than a plain step there), then the choice, which tries a wider width as soon as the
 model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
 the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
-exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows (and within
-``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
-``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
+exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows, or
+``EXPLORE_SHARE_CALLS`` where drafting that width pays at the acceptance over the earlier calls (a good document
+whose first answer tokens are hard dips this call's estimates: simulated at the H200's costs, such calls ran a median
+of 58 plain rounds of about 75 at 2 %, 18 of about 40 at 5 %; a drafter that pays on no text keeps the smaller
+budget) (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds
+rounds up to ``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
 again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
 again at once, without stopping the queue of plain steps where they still win), and its steps run as greedy AR's
 do: bursts of several steps to a sync, each queued before the host reads the tokens of the one before
@@ -77,6 +80,7 @@ PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 LONG_DECAY = 0.995  # ... the weight of the past counts at each new trial in the rate over calls
 CALL_PRIOR = 8.0  # the trials that rate weighs at a call's start
 EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain rounds before it
+EXPLORE_SHARE_CALLS = 0.05  # ... where the acceptance over earlier calls says drafting pays (this call's may be a dip)
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
@@ -95,6 +99,17 @@ def widths(gamma: int) -> tuple[int, ...]:
     """The draft widths an adaptive engine of at most ``gamma`` drafts may run: :data:`LADDER` up to ``gamma``, and
     ``gamma`` itself."""
     return tuple(sorted({w for w in LADDER if w < gamma} | {gamma}))
+
+
+def _expected(hits: list, trials: list, pooled: list) -> list[float]:
+    """E[tokens | g] for g = 0..len(hits) from each depth's (decayed) acceptances and trials, each shrunk towards
+    the pooled rate (``pooled``: its trials, acceptances) by SHRINK trials."""
+    rate, total, survive, expected = pooled[1] / pooled[0], 1.0, 1.0, [1.0]
+    for hit, tried in zip(hits, trials):
+        survive *= (hit + SHRINK * rate) / (tried + SHRINK)
+        total += survive
+        expected.append(total)
+    return expected
 
 
 def interpolated(seconds: dict[int, float], g: int) -> float | None:
@@ -210,13 +225,16 @@ class DraftController:
         """E[tokens | g]: the verifier's own token plus the expected accepted drafts (every g's at once, kept until
         the next observation)."""
         if self._expected is None:
-            pooled, hits, trials = self.pooled[1] / self.pooled[0], self.hits, self.trials
-            total, survive, self._expected = 1.0, 1.0, [1.0]
-            for i in range(self.gamma):  # (acceptance(i + 1), inline)
-                survive *= (hits[i] + SHRINK * pooled) / (trials[i] + SHRINK)
-                total += survive
-                self._expected.append(total)
+            self._expected = _expected(self.hits, self.trials, self.pooled)
         return self._expected[g]
+
+    def pays_over_calls(self, g: int) -> bool:
+        """Whether drafting ``g`` beats plain steps at the acceptance over the earlier calls
+        (:attr:`ControllerMemory.calls`) rather than this call's."""
+        calls, t0, tg = self.memory.calls, self.round_seconds(0), self.round_seconds(g)
+        if calls[-1][0] <= 0.0 or not t0 or tg is None:
+            return False
+        return _expected([h for _, h in calls[:-1]], [t for t, _ in calls[:-1]], calls[-1])[g] * t0 > tg
 
     def round_seconds(self, g: int) -> float | None:
         """t(g) from the round times measured so far (:func:`interpolated`): a drafting width from the drafting
@@ -328,7 +346,8 @@ class DraftController:
     def explore_every(self, g: int) -> int:
         """Plain rounds between explorations at width ``g``: the expected loss of one, n plain rounds after the last
         (its time beyond what plain steps take for the tokens it brings, and the catch-up steps over the n positions
-        the drafter missed: at most n / lag_block + 1), is at most EXPLORE_SHARE of those n rounds' time."""
+        the drafter missed: at most n / lag_block + 1), is at most EXPLORE_SHARE of those n rounds' time
+        (EXPLORE_SHARE_CALLS where :meth:`pays_over_calls`)."""
         t0, tg = self.round_seconds(0), self.round_seconds(g)
         if not t0 or tg is None:
             return EXPLORE_MIN
@@ -336,7 +355,8 @@ class DraftController:
         loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0)
         prefill = self._median(PREFILL) * self.deferred
         step = self._median(CATCH_UP)
-        margin = EXPLORE_SHARE * t0 - step / self.lag_block  # what each plain round leaves for the loss
+        share = EXPLORE_SHARE_CALLS if self.pays_over_calls(g) else EXPLORE_SHARE
+        margin = share * t0 - step / self.lag_block  # what each plain round leaves for the loss
         if margin <= 0:
             return EXPLORE_MAX if not prefill else PREFILL_EXPLORE_MAX
         if self.lag_block > 1:  # (the last, partly filled catch-up step)
