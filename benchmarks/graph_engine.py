@@ -22,7 +22,8 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
 
 Our graph AR's round loop is read too (a round a token), so that its prefill, step and host times sit beside the
-speculative methods'.
+speculative methods'. The host's time is split: between the rounds' steps (per round), and outside the prefill and
+the rounds (per call: ``generate()``'s front end, the engine's lookup, the output's assembly).
 
 ``gG`` fixes γ = G (``num_assistant_tokens=G``, the constant schedule); ``gA`` leaves it to the draft-length controller
 (at most 8 drafts a round; lookup-gA: prompt_lookup_num_tokens=8).
@@ -320,9 +321,11 @@ def main(argv=None) -> int:
                             rounds=stats["rounds"], prefill_ms=1e3 * stats["prefill_seconds"],
                             draft_ms_per_round=1e3 * stats["draft_seconds"] / stats["rounds"],
                             verify_ms_per_round=1e3 * stats["verify_seconds"] / stats["rounds"],
-                            # the call's time outside the prefill and the timed steps: the host's share of a round
-                            host_ms_per_round=1e3 * (seconds - stats["prefill_seconds"] - stats["draft_seconds"]
+                            # the host's time between the rounds' steps, and the call's outside the prefill and the
+                            # rounds (its front end, the output's assembly)
+                            host_ms_per_round=1e3 * (stats["rounds_seconds"] - stats["draft_seconds"]
                                                      - stats["verify_seconds"]) / stats["rounds"],
+                            outside_ms=1e3 * (seconds - stats["prefill_seconds"] - stats["rounds_seconds"]),
                             width_rounds=stats["width_rounds"], controller=stats.controller)),
                     ))
                 save()
@@ -383,8 +386,9 @@ def summarize(records: list[dict]) -> list[dict]:
             acc = [r["acceptance"] for r in rs if r["acceptance"] is not None]
             tau = [r["tau"] for r in rs if r["tau"] is not None]
             ident = [r["identical"] for r in rs if r["identical"] is not None]
-            per_round = {key: statistics.median([r[key] for r in rs]) for key in ("draft_ms_per_round",
-                         "verify_ms_per_round", "host_ms_per_round", "prefill_ms") if all(key in r for r in rs)}
+            per_round = {key: statistics.median([r[key] for r in rs])
+                         for key in ("draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round", "outside_ms",
+                                     "prefill_ms") if all(key in r for r in rs)}
             rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs), **per_round,
                              acceptance=statistics.mean(acc) if acc else None, tau=statistics.mean(tau) if tau else None,
                              peak_gib=max(r["peak_bytes"] for r in rs) / 2**30,
@@ -400,14 +404,14 @@ def table(rows: list[dict]) -> str:
     def f(x, spec=".2f"):
         return "-" if x is None else format(x, spec)
 
-    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | draft / verify / host ms a round | peak GiB "
-             "| identical to AR | runs |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| context | method | tokens/s | × HF static | × graph AR | α | τ | draft / verify / host ms a round "
+             "| ms outside the rounds | peak GiB | identical to AR | runs |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         lines.append(f"| {r['context']} | {r['method']} | {r['tokens_per_s']:.0f} | {f(r['vs_hf_static'])} | "
                      f"{f(r['vs_graph_ar'])} | {f(r['acceptance'])} | {f(r['tau'])} | "
                      f"{f(r.get('draft_ms_per_round'), '.3f')} / {f(r.get('verify_ms_per_round'), '.3f')} / "
-                     f"{f(r.get('host_ms_per_round'), '.3f')} | {r['peak_gib']:.2f} | "
+                     f"{f(r.get('host_ms_per_round'), '.3f')} | {f(r.get('outside_ms'))} | {r['peak_gib']:.2f} | "
                      f"{r['identical']} | {r['runs']} |")
     return "\n".join(lines)
 

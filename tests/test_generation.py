@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 
 import pytest
 import torch
@@ -275,11 +276,28 @@ def test_return_dict_carries_scores_and_stats():
     torch.testing.assert_close(torch.cat(out.logits), torch.cat(reference.logits), rtol=1e-9, atol=1e-9)
     stats = out.spec_stats
     for key in ("rounds", "drafted", "accepted", "new_tokens", "acceptance_rate", "mean_accepted_length",
-                "prefill_seconds", "draft_seconds", "verify_seconds"):
+                "prefill_seconds", "draft_seconds", "verify_seconds", "rounds_seconds"):
         assert key in stats
         assert stats[key] == getattr(stats, key) == stats.to_dict()[key]
     assert set(stats.to_dict()) == set(stats.keys()) and {**stats} == stats.to_dict()
     assert isinstance(stats, hf_sparsekv.SpecStats)
+
+
+def test_the_seconds_of_a_call_partition_its_wall_clock_time():
+    """prefill + rounds fit in the call's time (a clock around the call), and the rounds' steps in the rounds, with
+    the controller choosing and with a constant γ."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(40, seed=5)
+    for kwargs in (dict(assistant_model=drafter, kv_budget=16), dict(assistant_model=drafter, kv_budget=16,
+                                                                    num_assistant_tokens=3,
+                                                                    num_assistant_tokens_schedule="constant")):
+        start = time.perf_counter()
+        stats = verifier.generate(ids, max_new_tokens=24, do_sample=False, return_dict_in_generate=True,
+                                  **kwargs).spec_stats
+        wall = time.perf_counter() - start
+        assert stats.rounds_seconds > 0 and stats.prefill_seconds > 0
+        assert stats.prefill_seconds + stats.rounds_seconds <= wall
+        assert stats.draft_seconds + stats.verify_seconds <= stats.rounds_seconds
 
 
 def test_spec_stats_is_a_dataclass_with_dict_access():
@@ -288,7 +306,7 @@ def test_spec_stats_is_a_dataclass_with_dict_access():
     assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
     assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
     assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, retrieved_rounds=0, sibling_rounds=0, new_tokens=14, prefill_seconds=0.0,
-                                   draft_seconds=0.5, verify_seconds=0.0, prompts=1, rows=[], width_rounds={},
+                                   draft_seconds=0.5, verify_seconds=0.0, rounds_seconds=0.0, prompts=1, rows=[], width_rounds={},
                                    acceptance_rate=0.75, mean_accepted_length=3.25, ar_rounds=0)
     text = repr(stats)
     assert text.startswith("SpecStats(acceptance_rate=0.750, mean_accepted_length=3.25, rounds=4")

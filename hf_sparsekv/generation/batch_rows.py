@@ -136,6 +136,6 @@ def assemble(sequences: list[torch.Tensor], stats: list[SpecStats], pad: int | N
         return out
     total = SpecStats.of_rows(stats)
     if shared_seconds:
-        for name in ("prefill_seconds", "draft_seconds", "verify_seconds"):
+        for name in SpecStats.SECONDS:
             setattr(total, name, getattr(stats[0], name))
     return output_cls(sequences=out, spec_stats=total, **({} if cache is None else {output_field(output_cls): cache}))

@@ -258,7 +258,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         defer = engine.defers_drafter and controller.defers(room_left(), prompt_tokens)
         firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer, timer)
         wait_for(engine.devices)
-        stats[0].prefill_seconds = time.perf_counter() - t0
+        rounds_from = time.perf_counter()
+        stats[0].prefill_seconds = rounds_from - t0
         if "drafter_prefill" in timer.host:  # its cost, for the next calls' choice to defer it (no extra sync)
             controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
                                     prompt_tokens)
@@ -387,6 +388,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             retire_finished()
     engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
     wait_for(engine.devices)
+    stats[0].rounds_seconds = time.perf_counter() - rounds_from - timer.seconds("deferred_prefill")
     stats[0].prefill_seconds += timer.seconds("deferred_prefill")
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")

@@ -49,6 +49,10 @@ class SpecStats:
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt (a drafter
       prefill deferred to the first drafting round: its device seconds there, or host seconds on CPU).
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
+    - ``rounds_seconds``: wall-clock seconds from the prefill's end to the last round's end (a deferred drafter
+      prefill excluded): ``rounds_seconds - draft_seconds - verify_seconds`` is the host's time between the rounds'
+      steps; a call's time beyond ``prefill_seconds + rounds_seconds`` is spent before the prefill (the front end:
+      argument checks, the engine's lookup) and after the last round (the output's assembly).
       All seconds are wall-clock, CUDA-synchronized on a CUDA device.
     - ``prompts``: how many prompts (batch rows) the counters add up; ``rows``: for a batch of more than one
       prompt, each row's own ``SpecStats`` in batch order (empty for one prompt).
@@ -70,10 +74,12 @@ class SpecStats:
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
+    rounds_seconds: float = 0.0
     prompts: int = 1
     rows: list = field(default_factory=list)
 
     DERIVED = ("acceptance_rate", "mean_accepted_length", "ar_rounds")
+    SECONDS = ("prefill_seconds", "draft_seconds", "verify_seconds", "rounds_seconds")  # a call's, not a row's
 
     @property
     def ar_rounds(self) -> int:
@@ -120,7 +126,7 @@ class SpecStats:
     def of_rows(cls, rows: list["SpecStats"]) -> "SpecStats":
         """Totals over the rows of a batch (counters and seconds summed), keeping each row's stats in ``rows``."""
         total = cls(prompts=len(rows), rows=list(rows))
-        for name in ("rounds", "drafted", "accepted", "retrieved_rounds", "sibling_rounds", "new_tokens", "prefill_seconds", "draft_seconds", "verify_seconds"):
+        for name in ("rounds", "drafted", "accepted", "retrieved_rounds", "sibling_rounds", "new_tokens") + cls.SECONDS:
             setattr(total, name, sum(getattr(r, name) for r in rows))
         for r in rows:
             for width, count in r.width_rounds.items():
