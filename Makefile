@@ -61,15 +61,18 @@ zoo: $(STAMP)
 	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
 
 # On a CUDA machine: the GPU tests (graph path, kernels at real sizes); the slow cases separately.
+# Spread over CUDA_WORKERS processes on the one GPU (pytest-xdist, a file to a process): most of its time is compiling
+# kernels and steps on the host's cores.
+CUDA_WORKERS ?= 4
 test-cuda: $(STAMP)
-	$(PY) -m pytest tests -m "cuda and not slow" --durations=10
+	$(PY) -m pytest tests -m "cuda and not slow" -n $(CUDA_WORKERS) --dist loadfile --durations=10
 
 # A model dispatched over two GPUs (device_map) on the static engine; needs a machine with two CUDA GPUs.
 test-multi-gpu: $(STAMP)
 	$(PY) -m pytest tests -m multi_gpu --durations=10
 
 test-cuda-slow: $(STAMP)
-	$(PY) -m pytest tests -m "cuda and slow" --durations=10
+	$(PY) -m pytest tests -m "cuda and slow" -n $(CUDA_WORKERS) --dist loadfile --durations=10
 
 # Benchmarks: each target runs one script of benchmarks/ (its docstring says what it measures) and writes JSON,
 # tables and plots under runs/. ARGS, when given, replaces the target's default options (not its --out), so that a

@@ -394,8 +394,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     stats[0].verify_seconds = timer.seconds("verify")
     if streamer is not None:
         streamer.end()
-    return [SpeculativeResult(torch.tensor([t], dtype=prompts[0].dtype, device=device), st, out.scores[: len(t) - p.shape[1]],
-                              out.logits[: len(t) - p.shape[1]])
+    # each row: its prompt (on the device already) and its new tokens (only these converted from the host's list: a
+    # whole 16K-token sequence took 1.8 ms on a CPU core, 128K 15 ms)
+    return [SpeculativeResult(torch.cat([p, torch.tensor([t[p.shape[1]:]], dtype=p.dtype, device=device)], 1), st,
+                              out.scores[: len(t) - p.shape[1]], out.logits[: len(t) - p.shape[1]])
             for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
 
