@@ -363,6 +363,32 @@ def test_engine_is_reused_and_rebuilt_when_needed(fresh_engines):
     assert static_engine.current_engine(verifier) is not first  # another budget: a new engine
 
 
+def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):
+    """The engine's key holds every parameter's storage: a parameter replaced in place of another (a state dict
+    loaded with ``assign=True``) or a module swapped for a new one gives a new engine, whose output follows the new
+    weights (stock greedy with them); unchanged weights keep the engine."""
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = prompt(40, seed=9)
+    verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    first = static_engine.current_engine(verifier)
+    verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    assert static_engine.current_engine(verifier) is first
+    state = {k: v.clone() + 0.05 * torch.randn_like(v) for k, v in verifier.state_dict().items()
+             if "layers.1.mlp" in k}
+    verifier.load_state_dict(state, strict=False, assign=True)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    assert static_engine.current_engine(verifier) is not first
+    assert torch.equal(out, verifier.generate(ids, **kwargs))
+    second = static_engine.current_engine(verifier)
+    old = drafter.model.layers[0].self_attn.o_proj
+    drafter.model.layers[0].self_attn.o_proj = torch.nn.Linear(old.in_features, old.out_features, bias=False,
+                                                                dtype=old.weight.dtype)
+    out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    assert static_engine.current_engine(verifier) is not second
+    assert torch.equal(out, verifier.generate(ids, **kwargs))
+
+
 def test_graph_greedy_generate_equals_generate(arch):
     verifier = tiny_model(arch)
     for length in (1, 77, 300):
