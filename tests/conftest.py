@@ -32,6 +32,8 @@ _CLASSES = {
 
 @functools.lru_cache(maxsize=None)
 def tiny_model(arch: str, role: str = "verifier", seed: int = 0, layers: int | None = None):
+    """A tiny random model (float64), built once per arguments and shared by every test that asks for it: a test that
+    changes its weights or settings (its attention implementation, say) works on a ``copy.deepcopy``."""
     config_cls, model_cls = _CLASSES[arch]
     big = role == "verifier"
     kwargs = dict(

@@ -367,7 +367,8 @@ def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):
     """The engine's key holds every parameter's storage: a parameter replaced by a new one or a module swapped for a
     new one gives a new engine, whose output follows the new
     weights (stock greedy with them); unchanged weights keep the engine."""
-    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    # (copies: tiny_model's models are shared by the tests, and this one replaces their weights)
+    verifier, drafter = copy.deepcopy(tiny_model("llama")), copy.deepcopy(tiny_model("llama", role="drafter"))
     kwargs = dict(max_new_tokens=16, do_sample=False, eos_token_id=None, pad_token_id=0)
     ids = prompt(40, seed=9)
     verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
@@ -388,6 +389,37 @@ def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):
     out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
     assert static_engine.current_engine(verifier) is not second
     assert torch.equal(out, verifier.generate(ids, **kwargs))
+
+
+def test_the_attention_switch_is_recorded_once_and_leaves_each_model_as_it_was(fresh_engines, monkeypatch):
+    """A call runs both models on the engine's attention and leaves each with its own: transformers'
+    ``set_attn_implementation`` runs at an engine's first call only (later calls write the recorded values), again
+    after the user changed a model's implementation (which the call then keeps); every output is stock greedy."""
+    from hf_sparsekv.static_attention import NAME
+
+    # (copies: tiny_model's models are shared by the tests, and this one changes the verifier's attention)
+    verifier, drafter = copy.deepcopy(tiny_model("qwen2")), copy.deepcopy(tiny_model("qwen2", role="drafter"))
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    ids = prompt(30, seed=4)
+    reference = verifier.generate(ids, **kwargs)
+    switched, inside = [], []
+    real_switch = type(verifier).set_attn_implementation
+    monkeypatch.setattr(type(verifier), "set_attn_implementation",
+                        lambda self, value, **kw: (switched.append(value), real_switch(self, value, **kw))[1])
+    real_prefill = static_engine.StaticEngine.prefill
+    monkeypatch.setattr(static_engine.StaticEngine, "prefill", lambda self, *a, **kw: (
+        inside.append((verifier.config._attn_implementation, drafter.config._attn_implementation)),
+        real_prefill(self, *a, **kw))[1])
+    before = (verifier.config._attn_implementation, drafter.config._attn_implementation)
+    for user_value, expected_switches in ((None, [NAME, NAME]), (None, []), ("eager", [NAME])):
+        if user_value is not None:
+            real_switch(verifier, user_value)
+            before = (user_value, before[1])
+        switched.clear()
+        out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+        assert torch.equal(out, reference)
+        assert switched == expected_switches and inside[-1] == (NAME, NAME)
+        assert (verifier.config._attn_implementation, drafter.config._attn_implementation) == before
 
 
 def test_graph_greedy_generate_equals_generate(arch):

@@ -277,6 +277,7 @@ class StaticEngine:
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
         self.controller_memory = ControllerMemory(spec.gamma)  # what the draft-length controller learnt so far
+        self.attention_switches = {}  # id(model) -> graph_steps.AttentionSwitch of its calls' attention switch
         self.drafter_deferred = False  # the drafter's prefill waits for a round that drafts (:meth:`prefill`)
         self.drafter_prefills = 0  # the drafter's prefills on this engine so far (the first pays one-time costs)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer

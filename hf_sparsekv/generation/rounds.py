@@ -252,7 +252,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     engine.set_min_length([max(r.min_length, r.prompt_length + r.min_new_tokens) for r in rules],
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
-    with torch.no_grad(), static_attention_for(engine.verifier, *([] if engine.drafter is None else [engine.drafter])):
+    models = [engine.verifier] + ([] if engine.drafter is None else [engine.drafter])
+    with torch.no_grad(), static_attention_for(*models, switches=engine.attention_switches):
         # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
         prompt_tokens = sum(p.shape[1] for p in prompts)
         defer = engine.defers_drafter and controller.defers(room_left(), prompt_tokens)
