@@ -21,6 +21,7 @@ from ..cache_keyword import output_field, pop_user_cache
 from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, place_rows, token_ids
 from .common import _strip_left_padding, _text_config, _tp_size
+from .config_memo import prepare_generation_config
 from .draft_modes import check_budget, check_prefix, draft_mode
 from .draft_tree import MAX_TREE_NODES
 from .draft_weights import check_choice, default_choice
@@ -327,7 +328,8 @@ def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Ten
     model's ``generation_config`` over the library defaults, then ``max_length``/``min_length`` made absolute (the
     default length with the same warning stock gives). Returns ``(config, kwargs generate() would not use)``.
 
-    Uses the same ``GenerationMixin`` helpers stock ``generate()`` calls (identical in transformers 5.17-5.24)."""
+    Uses the same ``GenerationMixin`` helpers stock ``generate()`` calls (identical in transformers 5.17-5.24); the
+    merged config is remembered per model (:mod:`.config_memo`)."""
     has_default_max_length = (
         kwargs.get("max_length") is None
         and (generation_config is None or generation_config.max_length is None)
@@ -338,7 +340,7 @@ def _prepare_config(model, generation_config, kwargs: dict, input_ids: torch.Ten
         and (generation_config is None or generation_config.min_length is None)
         and model.generation_config.min_length is None
     )
-    config, unused = model._prepare_generation_config(generation_config, **kwargs)
+    config, unused = prepare_generation_config(model, generation_config, kwargs)
     for name in ("output_attentions", "output_hidden_states"):  # refused below, naming them
         if name not in kwargs:
             unused.pop(name, None)
