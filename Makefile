@@ -117,6 +117,11 @@ bench-adaptive-compiled: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive-compiled-$(or $(CONTEXT),16384) --contexts $(or $(CONTEXT),16384) \
 		--docs 2 --repeats 2 --new-tokens 128 --only hf-static-ar,graph-ar --extra $(ADAPTIVE_COMPILED) $(ARGS)
 
+# Where a call's time outside its prefill and rounds goes, by front-end function (issue 52); CPU or CUDA, a minute
+# (HF_SPARSEKV_COMPILE=0: the front end does not depend on compilation).
+bench-front-end: $(STAMP)
+	HF_SPARSEKV_COMPILE=0 $(PY) benchmarks/front_end.py --out runs/front-end $(ARGS)
+
 # The controller's choice at Llama-3.1-8B shape per context and mode, against the best constant γ: a projection from
 # stored step costs (benchmarks/results/) and the real pair's τ; CPU, seconds (issue 52).
 bench-controller-projection: $(STAMP)
