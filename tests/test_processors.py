@@ -244,3 +244,32 @@ def test_drafts_follow_the_processors(mode):
         assert out.spec_stats.acceptance_rate > 0.5
     assert static_engine.current_engine(verifier) is not None
     static_engine.release_engines()
+
+
+def test_a_row_sequence_reads_as_its_list_and_keeps_its_prompt_on_the_device(monkeypatch):
+    """RowSequence answers len, indexing and slicing as ``prompt.tolist() + new`` does, and a sequence buffer fed
+    from it holds the same tensor; a greedy call without host rules never brings a row's prompt to the host (the
+    stop rules read only the length and the last token), and its output is stock greedy's."""
+    from hf_sparsekv.generation import rounds
+    from hf_sparsekv.generation.host_rules import RowSequence, SequenceBuffer
+
+    ids = prompt(37, seed=8)
+    row, reference = RowSequence(ids), ids[0].tolist()
+    for token in (5, 9, 11):
+        row.append(token)
+        reference.append(token)
+    for index in (-1, -3, 0, 36, 37, 39, slice(37, None), slice(38, 40), slice(40, 45), slice(0, 3), slice(30, 39),
+                  slice(-2, None), slice(None, 5)):
+        assert row[index] == reference[index], index
+    assert len(row) == len(reference)
+    listed, fed = SequenceBuffer(torch.device("cpu")), SequenceBuffer(torch.device("cpu"))
+    assert torch.equal(fed.view(RowSequence(ids)), listed.view(ids[0].tolist()))
+    assert torch.equal(fed.view(row), listed.view(reference)) and torch.equal(fed.view(row), torch.tensor([reference]))
+
+    made = []
+    monkeypatch.setattr(rounds, "RowSequence", lambda p: made.append(RowSequence(p)) or made[-1])
+    model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    kwargs = dict(max_new_tokens=20, do_sample=False, eos_token_id=2, pad_token_id=0)
+    out = model.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    assert torch.equal(out, model.generate(ids, **kwargs))
+    assert made and all(r._prompt_list is None for r in made)

@@ -17,7 +17,9 @@ from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .controller import DraftController
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
 from .graph_steps import static_attention_for, wait_for
-from .host_rules import GreedyRules, RowOutput, SpeculativeResult, choose, processed, verify_block, verify_tree
+from .host_rules import (
+    GreedyRules, RowOutput, RowSequence, SpeculativeResult, choose, processed, verify_block, verify_tree,
+)
 from .model_locks import holding
 from .stats import SpecStats
 
@@ -126,7 +128,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     rows = len(prompts)
     device = prompts[0].device
     timer = _EventTimer(device.type == "cuda")
-    tokens = [prompt[0].tolist() for prompt in prompts]
+    tokens = [RowSequence(prompt) for prompt in prompts]  # (the prompts stay on the device)
     stats = [SpecStats() for _ in range(rows)]
     done = [False] * rows
     host = engine.spec.host
@@ -397,7 +399,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         streamer.end()
     # each row: its prompt (on the device already) and its new tokens (only these converted from the host's list: a
     # whole 16K-token sequence took 1.8 ms on a CPU core, 128K 15 ms)
-    return [SpeculativeResult(torch.cat([p, torch.tensor([t[p.shape[1]:]], dtype=p.dtype, device=device)], 1), st,
+    return [SpeculativeResult(torch.cat([p, torch.tensor([t.new], dtype=p.dtype, device=device)], 1), st,
                               out.scores[: len(t) - p.shape[1]], out.logits[: len(t) - p.shape[1]])
             for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
