@@ -75,8 +75,8 @@ class GreedyRules:
 class RowSequence:
     """A row's committed tokens: its prompt ``[1, P]`` (a tensor, on the model's device) and the tokens generated after
     it (a host list). ``len`` and the last token are read every token; the prompt's values come to the host only
-    where something indexes into them (a 16K-token prompt's ``tolist()`` took 0.5-0.9 ms of a call on an H200's host,
-    growing with the context). :class:`SequenceBuffer` copies the prompt tensor itself."""
+    where something indexes into them (a prompt's ``tolist()`` grows with the context: 0.2 ms for 16K tokens and
+    2.8 ms for 128K on one CPU core). :class:`SequenceBuffer` copies the prompt tensor itself."""
 
     def __init__(self, prompt: torch.Tensor):
         self.prompt = prompt
