@@ -55,6 +55,10 @@ def prepare_generation_config(model, generation_config: GenerationConfig | None,
         return copy.deepcopy(memo[1]), dict(memo[2])
     config, unused = model._prepare_generation_config(generation_config, **kwargs)
     if all(_plain(v) for v in unused.values()):
+        try:
+            memo = (copy.deepcopy(inputs), copy.deepcopy(config), dict(unused))
+        except Exception:  # (an attribute that cannot be copied: the call is served, nothing is remembered)
+            return config, unused
         with _lock:
-            _memos[model] = (copy.deepcopy(inputs), copy.deepcopy(config), dict(unused))
+            _memos[model] = memo
     return config, unused
