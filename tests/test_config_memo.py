@@ -54,3 +54,14 @@ def test_generation_parameters_on_the_model_config_are_refused_as_stock_refuses_
         model._prepare_generation_config(None, **kwargs)
     with pytest.raises(ValueError, match="modified the pretrained model configuration"):
         prepare_generation_config(model, None, kwargs)
+
+
+def test_inputs_that_cannot_be_copied_are_served_and_not_remembered():
+    import threading
+
+    from hf_sparsekv.generation import config_memo
+
+    model = copy.deepcopy(tiny_model("mistral"))
+    model.config.not_copyable = threading.Lock()  # (deepcopy raises on a lock)
+    _same_as_stock(model, None, dict(max_new_tokens=5, do_sample=False))
+    assert model not in config_memo._memos
