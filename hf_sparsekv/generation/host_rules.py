@@ -94,9 +94,9 @@ class RowSequence:
         p = self.prompt_length
         if isinstance(index, int) and -len(self.new) <= index < 0:
             return self.new[index]
-        if isinstance(index, slice) and index.step is None and (index.start or 0) >= p:
-            stop = None if index.stop is None else max(index.stop - p, 0)
-            return self.new[index.start - p : stop]
+        start = (index.start or 0) if isinstance(index, slice) else None
+        if start is not None and start >= p and index.step is None:  # a slice of the generated tokens
+            return self.new[start - p : None if index.stop is None else max(index.stop - p, 0)]
         if self._prompt_list is None:
             self._prompt_list = self.prompt[0].tolist()
         return (self._prompt_list + self.new)[index]
