@@ -53,12 +53,11 @@ def prepare_generation_config(model, generation_config: GenerationConfig | None,
         memo = _memos.get(model)
     if memo is not None and _equal(memo[0], inputs):
         return copy.deepcopy(memo[1]), dict(memo[2])
-    config, unused = model._prepare_generation_config(generation_config, **kwargs)
-    if all(_plain(v) for v in unused.values()):
-        try:
-            memo = (copy.deepcopy(inputs), copy.deepcopy(config), dict(unused))
-        except Exception:  # (an attribute that cannot be copied: the call is served, nothing is remembered)
-            return config, unused
-        with _lock:
-            _memos[model] = memo
+    config, unused = model._prepare_generation_config(generation_config, **kwargs)  # (unused: plain kwargs, flags)
+    try:
+        memo = (copy.deepcopy(inputs), copy.deepcopy(config), dict(unused))
+    except Exception:  # (an attribute that cannot be copied: the call is served, nothing is remembered)
+        return config, unused
+    with _lock:
+        _memos[model] = memo
     return config, unused
