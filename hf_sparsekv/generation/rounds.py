@@ -400,7 +400,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     # each row: its prompt (on the device already) and its new tokens (only these converted from the host's list: a
     # whole 16K-token sequence took 1.8 ms on a CPU core, 128K 15 ms)
     return [SpeculativeResult(torch.cat([p, torch.tensor([t.new], dtype=p.dtype, device=device)], 1), st,
-                              out.scores[: len(t) - p.shape[1]], out.logits[: len(t) - p.shape[1]])
+                              out.scores[: len(t.new)], out.logits[: len(t.new)])
             for t, st, out, p in zip(tokens, stats, outputs, prompts)]
 
 
