@@ -34,7 +34,8 @@ from kernels import Timer, sdpa_flash
 from provenance import commit
 from scale import copy_rate
 
-SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-1.5b": (12, 2, 128)}
+SHAPES = {"llama3-8b": (32, 8, 128), "qwen2.5-7b": (28, 4, 128), "qwen2.5-1.5b": (12, 2, 128),
+          "bundled": (4, 2, 64)}  # the bundled pair's verifier and drafter (hf_sparsekv/zoo/pair)
 CONTEXTS = (8192, 16384, 32768, 65536, 131072)
 QUERIES = (1, 4, 6, 16)
 
@@ -68,6 +69,9 @@ def kv_bytes(shape, batch, context, dtype) -> int:
 
 
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(4, 8), num_stages=(2, 3, 4), programs_per_sm=(2, 4, 8))
+# Few KV heads (the bundled pair's 2): the split length decides how many programs fill the GPU, so it is swept too.
+SMALL_SWEEP = dict(block_n=(32, 64), num_warps=(2, 4), num_stages=(2, 3), programs_per_sm=(2, 4, 8),
+                   min_split=(64, 128, 256))
 
 
 def _swept(timer, grid: dict, error, calls: list, label: str) -> tuple[dict, list]:
@@ -95,13 +99,15 @@ def _swept(timer, grid: dict, error, calls: list, label: str) -> tuple[dict, lis
     return best["config"], results
 
 
-def sweep(timer, dtype, contexts, batch=1) -> tuple[dict, list]:
-    """Every setting of SWEEP (min_split fixed at one block's worth of splits) at Llama-3 shape, ``batch`` rows, q 1
-    and 6: correct first (relative error < 2e-2 against float32 at 3000 tokens), then the sum of the times."""
-    shape = SHAPES["llama3-8b"]
+def sweep(timer, dtype, contexts, batch=1, shape_name="llama3-8b") -> tuple[dict, list]:
+    """Every setting of SWEEP (min_split fixed; SMALL_SWEEP, min_split included, for a shape of at most 2 KV heads)
+    at ``shape_name``, ``batch`` rows, q 1 and 6: correct first (relative error < 2e-2 against float32 at 3000
+    tokens), then the sum of the times."""
+    shape = SHAPES[shape_name]
     cases = [inputs(shape, batch, n, c, c, dtype) for c in contexts for n in (1, 6)]
     check = [inputs(shape, b, n, 3000, 4096, dtype) for b, n in ((1, 1), (2, 6))]
-    return _swept(timer, SWEEP, lambda: max(relative_error(*c) for c in check),
+    grid = SMALL_SWEEP if shape[1] <= 2 else SWEEP
+    return _swept(timer, grid, lambda: max(relative_error(*c) for c in check),
                   [lambda c=c: ours(*c) for c in cases], "sweep")
 
 
@@ -204,6 +210,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer repetitions (a smoke run)")
     p.add_argument("--sweep-batch", type=int, default=1, help="--sweep: rows of the swept launches")
     p.add_argument("--sweep-contexts", type=int, nargs="+", default=[8192, 32768, 131072])
+    p.add_argument("--sweep-shape", default="llama3-8b", choices=list(SHAPES), help="--sweep: the shape swept")
     p.add_argument("--tree", action="store_true", help="tree verification's attention instead of the grid")
     p.add_argument("--tree-sweep", action="store_true", help="--tree: sweep the launch settings on the tree cases first")
     args = p.parse_args(argv)
@@ -219,7 +226,7 @@ def main(argv=None) -> int:
         return tree_main(args, timer, copy_gbps)
     config, sweep_rows = {}, []  # the library's settings (batch-1 and batched launches), unless a sweep chose
     if args.sweep:
-        chosen, sweep_rows = sweep(timer, torch.bfloat16, args.sweep_contexts, args.sweep_batch)
+        chosen, sweep_rows = sweep(timer, torch.bfloat16, args.sweep_contexts, args.sweep_batch, args.sweep_shape)
         config.update(chosen)
         print(f"sweep winner: {chosen}", flush=True)
     rows = []

@@ -376,27 +376,30 @@ def test_sampled_batch_rows_together_on_the_captured_engine_float32(mode):
 
 @pytest.mark.compiled
 def test_compiled_bfloat16_steps_read_projections_through_the_grouped_kernel(monkeypatch):
-    """bf16 steps compiled by Inductor call the grouped kernel for q/k/v and gate/up (the compile pass), and the
-    compiled forward's logits match the eager forward's (relative error, bf16 rounding)."""
+    """bf16 steps compiled by Inductor call the grouped kernel for q/k/v and the gated kernel for gate/up with their
+    activation (the compile passes), and the compiled forward's logits match the eager forward's (relative error,
+    bf16 rounding)."""
     from hf_sparsekv.generation import graph_steps
-    from hf_sparsekv.kernels import grouped_linear
+    from hf_sparsekv.kernels import gated_linear, grouped_linear
 
     launches = []
-    launch = grouped_linear.launch
+    launch, gated_launch = grouped_linear.launch, gated_linear.launch
     monkeypatch.setattr(grouped_linear, "launch", lambda *a, **k: launches.append(len(a[1])) or launch(*a, **k))
+    monkeypatch.setattr(gated_linear, "launch", lambda *a, **k: launches.append("gated") or gated_launch(*a, **k))
     model = _on_cuda("qwen2", dtype=torch.bfloat16)
     ids = prompt(3, 0).cuda()
     torch._dynamo.reset()
     with torch.no_grad():
         eager = model(input_ids=ids).logits.float()
         compiled = torch.compile(lambda ids: model(input_ids=ids).logits, backend=graph_steps.step_backend)(ids)
-    assert launches.count(3) == launches.count(2) == model.config.num_hidden_layers
+    assert launches.count(3) == launches.count("gated") == model.config.num_hidden_layers
+    assert 2 not in launches
     assert float((compiled.float() - eager).norm() / eager.norm()) < 1e-2
     launches.clear()
     out = hf_sparsekv.graph_greedy_generate(model, prompt(50, 1).cuda(), max_new_tokens=8, eos_token_id=[])
     engine = static_engine.current_engine(model)
     assert out.shape == (1, 58) and engine.compiled and engine.steps["ar_step"].graph is not None
-    assert 3 in launches and 2 in launches  # the captured AR step (one row: every layer goes through the kernel)
+    assert 3 in launches and "gated" in launches  # the captured AR step (one row: every layer goes through them)
 
 
 @pytest.mark.parametrize("do_sample", [False, True])

@@ -28,6 +28,8 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E4
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
 from hf_sparsekv.kernels import runtime  # noqa: E402
 from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference  # noqa: E402
+from hf_sparsekv.kernels.gated_linear import gated_linear, gated_linear_reference  # noqa: E402
+from hf_sparsekv.kernels.gated_linear import kernel_takes as gated_takes  # noqa: E402
 from hf_sparsekv.kernels.grouped_linear import grouped_linear, kernel_takes  # noqa: E402
 from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.quantize import (  # noqa: E402
@@ -140,6 +142,44 @@ def test_grouped_linear_leaves_other_calls_to_the_reference():
         assert not kernel_takes(xi, wi, bi)
         for out, w, b in zip(grouped_linear(xi, wi, bi), wi, bi or [None] * len(wi)):
             assert torch.equal(out, torch.nn.functional.linear(xi, w, b))
+
+
+def _gated_reference(x, w_gate, w_up):
+    """``silu(x @ w_gate.T) * (x @ w_up.T)`` in float64, the projections rounded to ``x``'s dtype first (as the
+    kernel, and separate projections, store them)."""
+    gate, up = (x.double() @ w.double().T for w in (w_gate, w_up))
+    gate, up = gate.to(x.dtype).double(), up.to(x.dtype).double()
+    return torch.nn.functional.silu(gate) * up
+
+
+GATED_CASES = [(1, 64, 48), (1, 80, 24), (3, 128, 40), (16, 272, 64), (17, 96, 40), (32, 48, 20)]  # (rows, K, N)
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", GATED_CASES, ids=lambda c: "r{}-k{}-n{}".format(*c))
+def test_gated_linear_matches_reference(case, dtype):
+    rows, k, n = case
+    x, (w_gate, w_up), _ = _grouped_inputs(rows, k, (n, n), False, dtype, seed=rows * k + 7)
+    x = x.reshape(1, rows, k) * 2  # (a wider spread of gate values: silu's curved part and its negative side)
+    assert gated_takes(x, w_gate, w_up)
+    out = gated_linear(x, w_gate, w_up)
+    assert out.shape == (1, rows, n) and out.dtype == dtype and out.is_contiguous()
+    # Triton 3.6's interpreter converts float32 to bfloat16 by truncation (1 + 2^-8 + 2^-10 -> 1.0, not 1 + 2^-7):
+    # three truncations (gate, up, product) bias the result towards zero by up to 3 x 2^-8
+    tol = 2e-2 if dtype == torch.bfloat16 and runtime.interpreting() else TOL
+    assert _rel(out, _gated_reference(x, w_gate, w_up)) < tol
+
+
+def test_gated_linear_leaves_other_calls_to_the_reference():
+    """Calls the kernel does not take (float32, gate and up of different shapes, more rows than one pass serves) are
+    computed by eager PyTorch: exact against it."""
+    x, (w_gate, w_up, w_other), _ = _grouped_inputs(3, 64, (32, 32, 16), False, torch.float32, seed=2)
+    cases = [(x, w_gate, w_up), (x.half(), w_gate.half(), w_other.half()),
+             (torch.randn(33, 64).to(DEVICE, torch.float16), w_gate.half(), w_up.half())]
+    for xi, gi, ui in cases:
+        assert not gated_takes(xi, gi, ui)
+        if gi.shape == ui.shape:
+            assert torch.equal(gated_linear(xi, gi, ui), gated_linear_reference(xi, gi, ui))
 
 
 # ---------------------------------------------------------------- chunk-budget decode attention
@@ -1168,6 +1208,17 @@ def test_cuda_lossless_with_kernels(mode):
                 spec = dict(assistant_model=drafter, draft_cache=mode, kv_budget=64)
             out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
             assert torch.equal(out, reference)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 6, 32])
+def test_cuda_gated_linear_real_sizes(rows):
+    """Llama-3.1-8B's, Qwen2.5-0.5B's and the bundled verifier's gate/up with their activation, bf16, against
+    float64."""
+    for k, n in [(4096, 14336), (896, 4864), (256, 768)]:
+        x, (w_gate, w_up), _ = _grouped_inputs(rows, k, (n, n), False, torch.bfloat16, seed=rows + k)
+        assert gated_takes(x, w_gate, w_up)
+        assert _rel(gated_linear(x, w_gate, w_up), _gated_reference(x, w_gate, w_up)) < TOL
 
 
 @pytest.mark.cuda

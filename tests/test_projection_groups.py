@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from hf_sparsekv.generation import graph_steps
-from hf_sparsekv.generation.projection_groups import group_projections
+from hf_sparsekv.generation.projection_groups import gate_projections, group_projections
 from hf_sparsekv.kernels import grouped_linear, runtime
 
 from .conftest import prompt, tiny_model
 
 GROUPED = torch.ops.hf_sparsekv.grouped_linear.default
+GATED = torch.ops.hf_sparsekv.gated_linear.default
 
 
 def _model(arch: str, dtype: torch.dtype, role: str = "verifier"):
@@ -60,6 +61,12 @@ def _grouped_weights_through(gm, graph_input) -> list[list[str]]:
     return out
 
 
+def _gated_weights(gm) -> list[list[str]]:
+    """The (gate, up) weight inputs of each gated call, by module path."""
+    return [[w.target.split("_modules_")[-1].split("_parameters")[0] for w in node.args[1:]]
+            for node in gm.graph.nodes if node.target is GATED]
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("rows,role", [(1, "verifier"), (4, "verifier"), (4, "drafter")])
 def test_projections_sharing_an_input_become_one_call(arch, rows, role):
@@ -99,12 +106,67 @@ def test_nothing_is_grouped_where_the_kernels_do_not_run():
     assert group_projections(gm) == 0  # CPU: runtime.enabled is False
 
 
-def test_step_backend_runs_the_pass_unless_switched_off(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_a_gated_mlp_becomes_one_gated_call(arch, rows):
+    """After grouping, each layer's gate/up call and its ``silu(gate) * up`` become one ``gated_linear`` call (no
+    activation left in the graph), and the rewritten graph's logits equal the model's (the operator's reference is
+    eager PyTorch's computation)."""
+    model = _model(arch, torch.bfloat16)
+    (gm, inputs), reference = _traced(model, prompt(rows, seed=rows + 10))
+    with _kernels_run(True):
+        group_projections(gm)
+        rewritten = gate_projections(gm)
+    layers = model.config.num_hidden_layers
+    assert rewritten == layers and _gated_weights(gm) == [["gate_proj", "up_proj"]] * layers
+    assert ["gate_proj", "up_proj"] not in _grouped_weights(gm)
+    assert not [n for n in gm.graph.nodes if n.target is torch.nn.functional.silu]
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+
+
+class _Gated(torch.nn.Module):
+    """A gated MLP whose gate output is also read after the activation (``leak``), or whose product is written
+    ``up * silu(gate)``."""
+
+    def __init__(self, leak: bool):
+        super().__init__()
+        self.gate, self.up = torch.nn.Linear(32, 48, bias=False), torch.nn.Linear(32, 48, bias=False)
+        self.leak = leak
+
+    def forward(self, x):
+        gate = self.gate(x)
+        out = self.up(x) * torch.nn.functional.silu(gate)
+        return out + gate if self.leak else out
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_gate_read_elsewhere_keeps_its_projections(leak):
+    """The product written ``up * silu(gate)`` is rewritten too; where the gate's output is read again the grouped
+    call stays (its outputs are needed), and the result is unchanged either way."""
+    module = _Gated(leak).to(torch.bfloat16)
+    x = torch.randn(1, 2, 32, dtype=torch.bfloat16)
+    graphs = []
+    with torch.no_grad():
+        reference = module(x)
+        torch._dynamo.reset()
+        torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=False)(x)
+    (gm, inputs), = graphs
+    with _kernels_run(True):
+        assert group_projections(gm) == 1
+        assert gate_projections(gm) == (0 if leak else 1)
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+
+
+def test_step_backend_runs_the_passes_unless_switched_off(monkeypatch):
     model = _model("qwen2", torch.bfloat16)
     seen = []
 
     def inner(gm, example_inputs):
-        seen.append(_grouped_weights(gm))
+        seen.append((_grouped_weights(gm), _gated_weights(gm)))
 
         def run(*args):
             with _kernels_run(False):  # the operator's reference
@@ -113,13 +175,15 @@ def test_step_backend_runs_the_pass_unless_switched_off(monkeypatch):
 
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", inner)
     ids = prompt(2, seed=3)
-    for switch in ("1", "0"):
-        monkeypatch.setenv(graph_steps.GROUPED_LINEAR_ENV, switch)
+    for grouped, gated in (("1", "1"), ("1", "0"), ("0", "1")):
+        monkeypatch.setenv(graph_steps.GROUPED_LINEAR_ENV, grouped)
+        monkeypatch.setenv(graph_steps.GATED_LINEAR_ENV, gated)
         torch._dynamo.reset()
         with torch.no_grad(), _kernels_run(True):
             torch.compile(lambda ids: model(input_ids=ids).logits, backend=graph_steps.step_backend)(ids)
-    assert seen[0] == [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * 2
-    assert seen[1] == []
+    assert seen[0] == ([["q_proj", "k_proj", "v_proj"]] * 2, [["gate_proj", "up_proj"]] * 2)
+    assert seen[1] == ([["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * 2, [])
+    assert seen[2] == ([], [])
 
 
 _TP_SCRIPT = r'''

@@ -15,6 +15,10 @@ and its input has at most :data:`~hf_sparsekv.kernels.grouped_linear.MAX_ROWS` r
 larger batches keep cuBLAS).
 Groups keep the order in which the layers were called; a group holds at most three layers, all with a bias or all
 without.
+
+:func:`gate_projections` then turns a gated MLP's grouped gate/up call whose outputs only feed ``silu(gate) * up``
+into one ``hf_sparsekv::gated_linear`` call (:mod:`hf_sparsekv.kernels.gated_linear`): the activation and the
+product are computed where the projections are, one kernel fewer a layer.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import operator
 import torch
 import torch.nn.functional as F
 
+from ..kernels import gated_linear
 from ..kernels import grouped_linear as kernel
 from ..kernels import runtime
 
@@ -115,3 +120,60 @@ def _replace(graph: torch.fx.Graph, x: torch.fx.Node, calls, position: dict) -> 
     for node, _, _ in calls:
         graph.erase_node(node)
 
+
+
+_SILU = (F.silu,)
+_MUL = (operator.mul, torch.mul)
+
+
+def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _gated_parts(node: torch.fx.Node):
+    """``(product, [nodes it replaces])`` where ``node`` is a grouped call of two weights without biases whose
+    outputs feed only ``silu(out[0]) * out[1]`` and the gated kernel takes it; else None."""
+    if node.op != "call_function" or node.target is not torch.ops.hf_sparsekv.grouped_linear.default:
+        return None
+    x, weights, biases = node.args
+    if len(weights) != 2 or biases or len(node.users) != 2:
+        return None
+    items = {}
+    for user in node.users:
+        if user.op != "call_function" or user.target is not operator.getitem or len(user.users) != 1:
+            return None
+        items[user.args[1]] = user
+    gate, up = items.get(0), items.get(1)
+    silu = _only_user(gate) if gate is not None and up is not None else None
+    if silu is None or silu.op != "call_function" or silu.target not in _SILU or silu.kwargs.get("inplace"):
+        return None
+    product = _only_user(silu)
+    if product is None or product.op != "call_function" or product.target not in _MUL or product.kwargs or \
+            set(product.args) != {silu, up} or _only_user(up) is not product:
+        return None
+    if not gated_linear.kernel_takes(_value(x), _value(weights[0]), _value(weights[1])):
+        return None
+    return product, [silu, gate, up, node]
+
+
+def gate_projections(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place: each grouped gate/up call whose outputs only feed ``silu(gate) * up`` becomes one
+    ``gated_linear`` call (see the module docstring); the number rewritten. Run after :func:`group_projections`."""
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        parts = _gated_parts(node)
+        if parts is None:
+            continue
+        product, replaced = parts
+        x, (w_gate, w_up), _ = node.args
+        with gm.graph.inserting_before(product):
+            gated = gm.graph.call_function(torch.ops.hf_sparsekv.gated_linear.default, (x, w_gate, w_up))
+        gated.meta.update(product.meta)
+        product.replace_all_uses_with(gated)
+        for dead in [product, *replaced]:
+            gm.graph.erase_node(dead)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten

@@ -5,12 +5,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
-             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
-    """``Y[:, cols] = X @ W[cols].T (+ B[cols])`` for the ``BLOCK_N`` columns of block ``col_block``, over all of K.
-    One row (BLOCK_M == 1): products accumulated per input channel, one reduction at the end. Several rows: tensor
-    cores, the rows padded to BLOCK_M."""
+def _dot_columns(X, W, col_block, M, K, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
+    """``X @ W[cols].T`` in float32 ``[BLOCK_M, BLOCK_N]`` (``[1, BLOCK_N]`` for one row) for the ``BLOCK_N`` columns
+    of block ``col_block``, over all of K. One row (BLOCK_M == 1): products accumulated per input channel, one
+    reduction at the end. Several rows: tensor cores, the rows padded to BLOCK_M."""
     cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < N
     ks = tl.arange(0, BLOCK_K)
@@ -28,7 +27,6 @@ def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
             acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
             w_ptrs += BLOCK_K
         out = tl.sum(acc, axis=1)[None, :]
-        rows = tl.arange(0, 1)
     else:
         rows = tl.arange(0, BLOCK_M)
         row_ok = rows < M
@@ -48,10 +46,28 @@ def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
                 out = tl.dot(x, tl.trans(w), out)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-    if HAS_BIAS:
-        out += tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    return out
+
+
+@triton.jit
+def _store_columns(Y, out, col_block, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``Y[:, cols] = out`` (``out`` as :func:`_dot_columns` returns it), in Y's dtype."""
+    cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.arange(0, BLOCK_M)
     y_ptrs = Y + rows[:, None] * N + cols[None, :]
-    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=(rows[:, None] < M) & col_ok[None, :])
+    tl.store(y_ptrs, out.to(Y.dtype.element_ty), mask=(rows[:, None] < M) & (cols < N)[None, :])
+
+
+@triton.jit
+def _columns(X, W, B, Y, col_block, M, K, N, stride_xm,
+             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+             EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
+    """``Y[:, cols] = X @ W[cols].T (+ B[cols])`` for the ``BLOCK_N`` columns of block ``col_block``."""
+    out = _dot_columns(X, W, col_block, M, K, N, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+    if HAS_BIAS:
+        cols = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+        out += tl.load(B + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    _store_columns(Y, out, col_block, M, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -68,3 +84,16 @@ def grouped_linear_kernel(
         _columns(X, W1, B1, Y1, pid - NB0, M, K, N1, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
     else:
         _columns(X, W2, B2, Y2, pid - NB0 - NB1, M, K, N2, stride_xm, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+
+
+@triton.jit
+def gated_linear_kernel(X, WG, WU, Y, M, K, N, stride_xm, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, WIDEN: tl.constexpr):
+    """``Y[:, cols] = silu(g) * u`` with ``g = X @ WG[cols].T`` and ``u = X @ WU[cols].T``, each rounded to Y's dtype
+    first (as the separate projections store them), the product formed in float32 and rounded once."""
+    col_block = tl.program_id(0)
+    g = _dot_columns(X, WG, col_block, M, K, N, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+    g = g.to(Y.dtype.element_ty).to(tl.float32)
+    u = _dot_columns(X, WU, col_block, M, K, N, stride_xm, BLOCK_M, BLOCK_N, BLOCK_K, EVEN_K, WIDEN)
+    u = u.to(Y.dtype.element_ty).to(tl.float32)
+    _store_columns(Y, g * tl.sigmoid(g) * u, col_block, M, N, BLOCK_M, BLOCK_N)
