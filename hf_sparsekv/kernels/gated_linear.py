@@ -54,8 +54,8 @@ def _gated_linear_shape(x, w_gate, w_up):
 def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
            config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
     """The Triton kernel on a call :func:`kernel_takes`; ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``
-    instead of :func:`~.grouped_linear.launch_config`'s for ``N`` outputs (each program reads twice the weight a
-    grouped program of that block does)."""
+    instead of :func:`~.grouped_linear.launch_config`'s for ``N`` outputs (each program reads both weights' columns
+    in the same K tiles)."""
     from ._grouped_linear_triton import gated_linear_kernel
 
     runtime.require(x, w_gate, w_up)
@@ -65,7 +65,12 @@ def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         flat = flat.contiguous()
     rows = flat.shape[0]
     out = x.new_empty(rows, n)
-    block_n, block_k, warps, stages = config or launch_config(rows, k, n, _sm_count(x.device.index or 0))
+    if config is None:
+        block_n, block_k, warps, stages = launch_config(rows, k, n, _sm_count(x.device.index or 0))
+        if rows == 1:  # two per-channel accumulators of [BLOCK_N, BLOCK_K]: half the grouped kernel's K tile
+            block_k //= 2
+    else:
+        block_n, block_k, warps, stages = config
     runtime.launch(
         gated_linear_kernel, (-(-n // block_n),),
         flat, w_gate, w_up, out, rows, k, n, flat.stride(0),
