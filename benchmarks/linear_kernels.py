@@ -1,6 +1,8 @@
 """The decode step's linear layers (issue 30): cuBLAS (one ``F.linear`` per weight, as the model calls them) against
 the grouped kernel (``hf_sparsekv::grouped_linear``: the weights that share an input in one launch), at the
-projection shapes of real models, for the few rows of a decode / verify step. Random weights (costs only).
+projection shapes of real models, for the few rows of a decode / verify step; for gate/up also the gated kernel
+(``hf_sparsekv::gated_linear``: both projections and ``silu(gate) * up`` in one launch, which the grouped kernel's
+time does not include). Random weights (costs only).
 
 Each method is captured as one CUDA graph over ``--layers`` copies of the group's weights (as a step reads each
 layer's weights once: more bytes than L2 holds), replayed ``--repeats`` times interleaved with the other method;
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from hf_sparsekv.kernels import gated_linear
 from hf_sparsekv.kernels import grouped_linear as gl
 from provenance import commit
 
@@ -32,6 +35,7 @@ MODELS = {
     "llama-3.2-1b": (2048, 2048, 512, 8192, 128256),
     "qwen2.5-7b": (3584, 3584, 512, 18944, 152064),
     "qwen2.5-0.5b": (896, 896, 128, 4864, 151936),
+    "bundled": (256, 256, 128, 768, 8192),  # the bundled pair's verifier (hf_sparsekv/zoo/pair)
 }
 
 
@@ -97,6 +101,8 @@ def measure(shapes, rows: int, layers: int, dtype, repeats: int, configs: list |
             if cfg is None:
                 raise
             print(f"  {name}: {type(err).__name__}", flush=True)
+    if len(shapes) == 2 and shapes[0] == shapes[1] and not configs:
+        graphs["gated"] = captured(lambda: [gated_linear.launch(x, *ws) for ws in stacks])
     ms = {name: t / layers for name, t in time_graphs(graphs, repeats).items()}
     nbytes = sum(n * k for n, k in shapes) * x.element_size()
     del stacks, graphs
@@ -139,24 +145,26 @@ def main(argv=None) -> int:
             for rows in args.rows:
                 r = measure(shapes, rows, layers, dtype, args.repeats,
                             [c for c in configs if c is None or _fits(c, rows)] if configs else None)
-                best = min((v, k) for k, v in r["ms"].items() if k != "cublas")
+                best = min((v, k) for k, v in r["ms"].items() if k not in ("cublas", "gated"))
                 row = dict(model=model, group=group, rows=rows, layers=layers, **r, best=best[1])
                 rows_out.append(row)
                 gbs = {k: r["bytes"] / v / 1e6 for k, v in r["ms"].items()}
                 print(f"{model:13s} {group:8s} rows={rows:2d}  cublas {r['ms']['cublas'] * 1e3:8.1f} us "
                       f"({gbs['cublas']:5.0f} GB/s)  grouped {r['ms']['grouped'] * 1e3:8.1f} us "
-                      f"({gbs['grouped']:5.0f} GB/s)  best {best[1]} {best[0] * 1e3:.1f} us  err {r['max_abs_error']:.3g}",
-                      flush=True)
+                      f"({gbs['grouped']:5.0f} GB/s)  best {best[1]} {best[0] * 1e3:.1f} us  err {r['max_abs_error']:.3g}"
+                      + (f"  gated {r['ms']['gated'] * 1e3:.1f} us" if "gated" in r["ms"] else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), commit=commit(), torch=torch.__version__, dtype=args.dtype,
                 copy_rate=bandwidth, date=time.strftime("%Y-%m-%d"))
     (out / "linear_kernels.json").write_text(json.dumps(dict(meta=meta, rows=rows_out), indent=1))
-    print("\n| model | group | rows | cuBLAS µs (GB/s) | grouped µs (GB/s) | ratio |\n|---|---|---|---|---|---|")
+    print("\n| model | group | rows | cuBLAS µs (GB/s) | grouped µs (GB/s) | ratio | gated µs (with the activation) |\n"
+          "|---|---|---|---|---|---|---|")
     for r in rows_out:
         c, g = r["ms"]["cublas"], r["ms"]["grouped"]
+        gated = f"{r['ms']['gated'] * 1e3:.1f}" if "gated" in r["ms"] else "–"
         print(f"| {r['model']} | {r['group']} | {r['rows']} | {c * 1e3:.1f} ({r['bytes'] / c / 1e6:.0f}) | "
-              f"{g * 1e3:.1f} ({r['bytes'] / g / 1e6:.0f}) | {c / g:.2f}× |")
+              f"{g * 1e3:.1f} ({r['bytes'] / g / 1e6:.0f}) | {c / g:.2f}× | {gated} |")
     return 0
 
 
