@@ -377,15 +377,23 @@ def test_sampled_batch_rows_together_on_the_captured_engine_float32(mode):
 @pytest.mark.compiled
 def test_compiled_bfloat16_steps_read_projections_through_the_grouped_kernel(monkeypatch):
     """bf16 steps compiled by Inductor call the grouped kernel for q/k/v and the gated kernel for gate/up with their
-    activation (the compile passes), and the compiled forward's logits match the eager forward's (relative error,
-    bf16 rounding)."""
+    activation, each computing the RMSNorm before it (the compile passes), and the compiled forward's logits match
+    the eager forward's (relative error, bf16 rounding)."""
     from hf_sparsekv.generation import graph_steps
     from hf_sparsekv.kernels import gated_linear, grouped_linear
 
-    launches = []
+    launches, normed = [], []
     launch, gated_launch = grouped_linear.launch, gated_linear.launch
-    monkeypatch.setattr(grouped_linear, "launch", lambda *a, **k: launches.append(len(a[1])) or launch(*a, **k))
-    monkeypatch.setattr(gated_linear, "launch", lambda *a, **k: launches.append("gated") or gated_launch(*a, **k))
+
+    def counted(kind, fn):
+        def run(*a, **k):
+            launches.append(kind if kind == "gated" else len(a[1]))
+            normed.append(k.get("norm") is not None)
+            return fn(*a, **k)
+        return run
+
+    monkeypatch.setattr(grouped_linear, "launch", counted("grouped", launch))
+    monkeypatch.setattr(gated_linear, "launch", counted("gated", gated_launch))
     model = _on_cuda("qwen2", dtype=torch.bfloat16)
     ids = prompt(3, 0).cuda()
     torch._dynamo.reset()
@@ -393,7 +401,7 @@ def test_compiled_bfloat16_steps_read_projections_through_the_grouped_kernel(mon
         eager = model(input_ids=ids).logits.float()
         compiled = torch.compile(lambda ids: model(input_ids=ids).logits, backend=graph_steps.step_backend)(ids)
     assert launches.count(3) == launches.count("gated") == model.config.num_hidden_layers
-    assert 2 not in launches
+    assert 2 not in launches and normed.count(True) == 2 * model.config.num_hidden_layers  # both norms of each layer
     assert float((compiled.float() - eager).norm() / eager.norm()) < 1e-2
     launches.clear()
     out = hf_sparsekv.graph_greedy_generate(model, prompt(50, 1).cuda(), max_new_tokens=8, eos_token_id=[])

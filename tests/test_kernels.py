@@ -31,6 +31,8 @@ from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_de
 from hf_sparsekv.kernels.gated_linear import gated_linear, gated_linear_reference  # noqa: E402
 from hf_sparsekv.kernels.gated_linear import kernel_takes as gated_takes  # noqa: E402
 from hf_sparsekv.kernels.grouped_linear import grouped_linear, kernel_takes  # noqa: E402
+from hf_sparsekv.kernels.normed_linear import kernel_takes as normed_takes  # noqa: E402
+from hf_sparsekv.kernels.normed_linear import normed_linear, normed_linear_reference  # noqa: E402
 from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.quantize import (  # noqa: E402
     quantize_keys,
@@ -180,6 +182,72 @@ def test_gated_linear_leaves_other_calls_to_the_reference():
         assert not gated_takes(xi, gi, ui)
         if gi.shape == ui.shape:
             assert torch.equal(gated_linear(xi, gi, ui), gated_linear_reference(xi, gi, ui))
+
+
+def _normed_reference(x, delta, norm_weight, eps, weights, biases, gated):
+    """float64, rounded to ``x``'s dtype where the model's eager code rounds: the residual sum, the normalised rows,
+    their product with the norm weight (then :func:`_grouped_reference` / :func:`_gated_reference`)."""
+    dt = x.dtype
+    h = x if delta is None else (x.double() + delta.double()).to(dt)
+    h64 = h.double()
+    normed = (h64 * torch.rsqrt(h64.pow(2).mean(-1, keepdim=True) + eps)).to(dt)
+    normed = (norm_weight.double() * normed.double()).to(dt)
+    outs = [_gated_reference(normed, *weights)] if gated else _grouped_reference(normed, weights, biases)
+    return h, outs
+
+
+NORMED_CASES = [  # (rows, K, output sizes, bias, residual, gated)
+    (1, 64, (48, 16, 16), False, True, False),
+    (1, 80, (24,), True, False, False),
+    (3, 128, (40, 40), False, True, True),
+    (1, 96, (32, 32), False, False, True),
+    (17, 96, (40, 24), False, True, False),
+    (5, 48, (20, 20), False, True, True),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES, ids=str)
+@pytest.mark.parametrize("case", NORMED_CASES, ids=lambda c: "r{}-k{}-n{}{}{}{}".format(
+    c[0], c[1], "_".join(map(str, c[2])), "-bias" * c[3], "-residual" * c[4], "-gated" * c[5]))
+def test_normed_linear_matches_reference(case, dtype):
+    """The projections of an RMSNorm's output (of a residual sum, or of the rows themselves), and the sum, against
+    float64 with the model's roundings."""
+    rows, k, ns, bias, residual, gated = case
+    x, ws, bs = _grouped_inputs(rows, k, ns, bias, dtype, seed=rows * k + 3)
+    g = torch.Generator(device="cpu").manual_seed(k)
+    delta = torch.randn(rows, k, generator=g).to(DEVICE, dtype).reshape(1, rows, k) if residual else None
+    norm_weight = (1 + 0.3 * torch.randn(k, generator=g)).to(DEVICE, dtype)
+    x = x.reshape(1, rows, k) * 3
+    assert normed_takes(x, delta, norm_weight, ws, bs, gated)
+    outs = normed_linear(x, delta, norm_weight, 1e-5, ws, bs, gated)
+    h, refs = _normed_reference(x, delta, norm_weight, 1e-5, ws, bs, gated)
+    if residual:
+        total, outs = outs[0], outs[1:]
+        assert total.shape == x.shape and total.dtype == dtype
+        if dtype == torch.float16 or not runtime.interpreting():
+            assert torch.equal(total, h)
+        else:  # (the interpreter's bfloat16 rounding truncates, see test_gated_linear_matches_reference)
+            assert _rel(total, h) < 1e-2
+    assert len(outs) == len(refs)
+    # (under the interpreter, bfloat16 truncations at the sum, the normalised rows, their product with the weight,
+    # and for the gated kernel at gate, up and their product: up to 6 x 2^-8 towards zero)
+    tol = (4e-2 if gated else 2e-2) if dtype == torch.bfloat16 and runtime.interpreting() else TOL
+    for out, ref in zip(outs, refs):
+        assert out.shape == (1, rows, ref.shape[-1]) and out.dtype == dtype
+        assert _rel(out, ref) < tol
+
+
+def test_normed_linear_leaves_other_calls_to_the_reference():
+    """Calls the kernels do not take (float32; more rows than one pass serves) are the model's eager computation:
+    exact against it."""
+    x, ws, _ = _grouped_inputs(2, 64, (32, 32), False, torch.float32, seed=4)
+    wide = torch.randn(33, 64, device=DEVICE, dtype=torch.float16)
+    for xi, wi in ((x, ws), (wide, [w.half() for w in ws])):
+        nw = torch.ones(64, device=DEVICE, dtype=xi.dtype)
+        assert not normed_takes(xi, xi, nw, wi, [], True)
+        expected = normed_linear_reference(xi, xi, nw, 1e-6, wi, [], True)
+        got = normed_linear(xi, xi, nw, 1e-6, wi, [], True)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected))
 
 
 # ---------------------------------------------------------------- chunk-budget decode attention
@@ -1219,6 +1287,24 @@ def test_cuda_gated_linear_real_sizes(rows):
         x, (w_gate, w_up), _ = _grouped_inputs(rows, k, (n, n), False, torch.bfloat16, seed=rows + k)
         assert gated_takes(x, w_gate, w_up)
         assert _rel(gated_linear(x, w_gate, w_up), _gated_reference(x, w_gate, w_up)) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("rows", [1, 6, 32])
+def test_cuda_normed_linear_real_sizes(rows):
+    """Llama-3.1-8B's and the bundled verifier's normed q/k/v and gate/up after a residual sum, bf16, against float64
+    with the model's roundings; the sum exactly."""
+    for k, ns, gated in [(4096, (4096, 1024, 1024), False), (4096, (14336, 14336), True), (256, (256, 128, 128), False),
+                         (256, (768, 768), True)]:
+        x, ws, _ = _grouped_inputs(rows, k, ns, False, torch.bfloat16, seed=rows + k)
+        delta = torch.randn_like(x)
+        norm_weight = 1 + 0.3 * torch.randn(k, device=DEVICE, dtype=torch.bfloat16)
+        assert normed_takes(x, delta, norm_weight, ws, [], gated)
+        total, *outs = normed_linear(x, delta, norm_weight, 1e-5, ws, [], gated)
+        h, refs = _normed_reference(x, delta, norm_weight, 1e-5, ws, [], gated)
+        assert torch.equal(total, h)
+        for out, ref in zip(outs, refs):
+            assert _rel(out, ref) < TOL
 
 
 @pytest.mark.cuda

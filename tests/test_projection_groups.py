@@ -11,13 +11,14 @@ import pytest
 import torch
 
 from hf_sparsekv.generation import graph_steps
-from hf_sparsekv.generation.projection_groups import gate_projections, group_projections
+from hf_sparsekv.generation.projection_groups import gate_projections, group_projections, norm_projections
 from hf_sparsekv.kernels import grouped_linear, runtime
 
 from .conftest import prompt, tiny_model
 
 GROUPED = torch.ops.hf_sparsekv.grouped_linear.default
 GATED = torch.ops.hf_sparsekv.gated_linear.default
+NORMED = torch.ops.hf_sparsekv.normed_linear.default
 
 
 def _model(arch: str, dtype: torch.dtype, role: str = "verifier"):
@@ -56,15 +57,17 @@ def _grouped_weights_through(gm, graph_input) -> list[list[str]]:
     """As :func:`_grouped_weights`, each weight node mapped to its graph input by ``graph_input``."""
     out = []
     for node in gm.graph.nodes:
-        if node.target is GROUPED:
-            out.append([graph_input(w).target.split("_modules_")[-1].split("_parameters")[0] for w in node.args[1]])
+        if node.target is GROUPED or (node.target is NORMED and not node.args[6]):
+            weights = node.args[1] if node.target is GROUPED else node.args[4]
+            out.append([graph_input(w).target.split("_modules_")[-1].split("_parameters")[0] for w in weights])
     return out
 
 
 def _gated_weights(gm) -> list[list[str]]:
-    """The (gate, up) weight inputs of each gated call, by module path."""
-    return [[w.target.split("_modules_")[-1].split("_parameters")[0] for w in node.args[1:]]
-            for node in gm.graph.nodes if node.target is GATED]
+    """The (gate, up) weight inputs of each gated call (a normed one's too), by module path."""
+    return [[w.target.split("_modules_")[-1].split("_parameters")[0]
+             for w in (node.args[1:] if node.target is GATED else node.args[4])]
+            for node in gm.graph.nodes if node.target is GATED or (node.target is NORMED and node.args[6])]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -161,12 +164,72 @@ def test_a_gate_read_elsewhere_keeps_its_projections(leak):
     assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_norms_before_projections_become_part_of_their_calls(arch, rows):
+    """After grouping and gating, both RMSNorms of every layer become part of the call that reads them, the residual
+    add before each (all but the first layer's input norm, which reads the embeddings) too; the final norm, read
+    through a slice, stays. The rewritten graph's logits equal the model's."""
+    model = _model(arch, torch.bfloat16)
+    (gm, inputs), reference = _traced(model, prompt(rows, seed=rows + 20))
+    with _kernels_run(True):
+        group_projections(gm)
+        gate_projections(gm)
+        rewritten = norm_projections(gm)
+    layers = model.config.num_hidden_layers
+    normed = [n for n in gm.graph.nodes if n.target is NORMED]
+    assert rewritten == len(normed) == 2 * layers
+    assert [n.args[6] for n in normed] == [False, True] * layers  # q/k/v, then gate/up
+    assert [n.args[1] is not None for n in normed] == [False] + [True] * (2 * layers - 1)
+    assert len([n for n in gm.graph.nodes if n.op == "call_method" and n.target == "pow"]) == 1
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+
+
+class _NormRead(torch.nn.Module):
+    """A norm whose output is also read after its projections (``leak``)."""
+
+    def __init__(self, leak: bool):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(32) + 0.5)
+        self.q, self.k = torch.nn.Linear(32, 16, bias=False), torch.nn.Linear(32, 16, bias=False)
+        self.leak = leak
+
+    def forward(self, x, residual):
+        h = x + residual
+        h32 = h.to(torch.float32)
+        normed = self.weight * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+        out = torch.cat([self.q(normed), self.k(normed)], -1) + h[..., :32]
+        return out + normed if self.leak else out
+
+
+@pytest.mark.parametrize("leak", [False, True])
+def test_a_norm_read_elsewhere_stays(leak):
+    """A norm whose output another node reads stays as it is; otherwise it and its residual add fold into the call,
+    whose sum the later reader gets. The result is unchanged either way."""
+    module = _NormRead(leak).to(torch.bfloat16)
+    x, residual = torch.randn(1, 2, 32, dtype=torch.bfloat16), torch.randn(1, 2, 32, dtype=torch.bfloat16)
+    graphs = []
+    with torch.no_grad():
+        reference = module(x, residual)
+        torch._dynamo.reset()
+        torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=False)(x, residual)
+    (gm, inputs), = graphs
+    with _kernels_run(True):
+        assert group_projections(gm) == 1
+        assert norm_projections(gm) == (0 if leak else 1)
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+
+
 def test_step_backend_runs_the_passes_unless_switched_off(monkeypatch):
     model = _model("qwen2", torch.bfloat16)
     seen = []
 
     def inner(gm, example_inputs):
-        seen.append((_grouped_weights(gm), _gated_weights(gm)))
+        seen.append((_grouped_weights(gm), _gated_weights(gm), len([n for n in gm.graph.nodes if n.target is NORMED])))
 
         def run(*args):
             with _kernels_run(False):  # the operator's reference
@@ -175,15 +238,18 @@ def test_step_backend_runs_the_passes_unless_switched_off(monkeypatch):
 
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", inner)
     ids = prompt(2, seed=3)
-    for grouped, gated in (("1", "1"), ("1", "0"), ("0", "1")):
+    for grouped, gated, normed in (("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1"), ("1", "1", "0")):
         monkeypatch.setenv(graph_steps.GROUPED_LINEAR_ENV, grouped)
         monkeypatch.setenv(graph_steps.GATED_LINEAR_ENV, gated)
+        monkeypatch.setenv(graph_steps.NORMED_LINEAR_ENV, normed)
         torch._dynamo.reset()
         with torch.no_grad(), _kernels_run(True):
             torch.compile(lambda ids: model(input_ids=ids).logits, backend=graph_steps.step_backend)(ids)
-    assert seen[0] == ([["q_proj", "k_proj", "v_proj"]] * 2, [["gate_proj", "up_proj"]] * 2)
-    assert seen[1] == ([["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]] * 2, [])
-    assert seen[2] == ([], [])
+    qkv, gate_up = ["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]
+    assert seen[0] == ([qkv] * 2, [gate_up] * 2, 4)
+    assert seen[1] == ([qkv, gate_up] * 2, [], 0)
+    assert seen[2] == ([], [], 0)
+    assert seen[3] == ([qkv] * 2, [gate_up] * 2, 0)
 
 
 _TP_SCRIPT = r'''

@@ -27,13 +27,14 @@ import torch
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
-from .projection_groups import gate_projections, group_projections
+from .projection_groups import gate_projections, group_projections, norm_projections
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, no code generation
 GROUPED_LINEAR_ENV = "HF_SPARSEKV_GROUPED_LINEAR"  # "0": keep each linear layer a cuBLAS call in compiled steps
 GATED_LINEAR_ENV = "HF_SPARSEKV_GATED_LINEAR"  # "0": keep gate/up a grouped call and the activation Inductor's
+NORMED_LINEAR_ENV = "HF_SPARSEKV_NORMED_LINEAR"  # "0": keep the RMSNorms (and residual adds) Inductor's
 RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
 
@@ -57,13 +58,16 @@ def compile_setting(use_graphs: bool) -> bool:
 
 def step_backend(gm: torch.fx.GraphModule, example_inputs):
     """The ``torch.compile`` backend of the steps: the linear layers that share an input become one grouped kernel,
-    then a gated MLP's gate/up and its ``silu(gate) * up`` one gated kernel (:mod:`.projection_groups`; both off with
-    ``HF_SPARSEKV_GROUPED_LINEAR=0``, the second with ``HF_SPARSEKV_GATED_LINEAR=0``), then :data:`COMPILE_BACKEND`
-    compiles."""
+    then a gated MLP's gate/up and its ``silu(gate) * up`` one gated kernel, then the RMSNorm (and residual add)
+    before a grouped or gated call part of that call (:mod:`.projection_groups`; all off with
+    ``HF_SPARSEKV_GROUPED_LINEAR=0``, the second with ``HF_SPARSEKV_GATED_LINEAR=0``, the third with
+    ``HF_SPARSEKV_NORMED_LINEAR=0``), then :data:`COMPILE_BACKEND` compiles."""
     if os.environ.get(GROUPED_LINEAR_ENV, "1") != "0":
         group_projections(gm)
         if os.environ.get(GATED_LINEAR_ENV, "1") != "0":
             gate_projections(gm)
+        if os.environ.get(NORMED_LINEAR_ENV, "1") != "0":
+            norm_projections(gm)
     return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
 
 

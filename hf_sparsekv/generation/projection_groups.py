@@ -18,7 +18,9 @@ without.
 
 :func:`gate_projections` then turns a gated MLP's grouped gate/up call whose outputs only feed ``silu(gate) * up``
 into one ``hf_sparsekv::gated_linear`` call (:mod:`hf_sparsekv.kernels.gated_linear`): the activation and the
-product are computed where the projections are, one kernel fewer a layer.
+product are computed where the projections are, one kernel fewer a layer. And :func:`norm_projections` folds the
+RMSNorm that feeds a grouped or gated call (and the residual add before it) into one
+``hf_sparsekv::normed_linear`` call (:mod:`hf_sparsekv.kernels.normed_linear`): two kernels fewer a layer.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels import gated_linear
 from ..kernels import grouped_linear as kernel
+from ..kernels import normed_linear
 from ..kernels import runtime
 
 _LINEARS = (torch._C._nn.linear, F.linear)
@@ -172,6 +175,131 @@ def gate_projections(gm: torch.fx.GraphModule) -> int:
         product.replace_all_uses_with(gated)
         for dead in [product, *replaced]:
             gm.graph.erase_node(dead)
+        rewritten += 1
+    if rewritten:
+        gm.graph.lint()
+        gm.recompile()
+    return rewritten
+
+
+def _call(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _method(node, name: str) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
+
+
+def _cast_to(node, dtype) -> bool:
+    """Whether ``node`` is ``t.to(dtype)``."""
+    if not _method(node, "to"):
+        return False
+    cast = node.kwargs.get("dtype", node.args[1] if len(node.args) == 2 else None)
+    return cast == dtype and len(node.args) <= 2 and set(node.kwargs) <= {"dtype"}
+
+
+def _other(node: torch.fx.Node, known: torch.fx.Node):
+    """The argument of a two-argument call that is not ``known`` (None if ``known`` is not one of them)."""
+    a, b = node.args
+    return b if a is known else a if b is known else None
+
+
+def _rms_norm(x: torch.fx.Node):
+    """``(h, norm weight node, eps, chain nodes)`` where ``x`` is transformers' RMSNorm of ``h`` (Llama, Qwen2,
+    Mistral: ``w * (h.to(float32) * rsqrt(h.to(float32).pow(2).mean(-1, keepdim=True) + eps)).to(dtype)``) and no
+    node of it but ``x`` is read elsewhere; else None."""
+    if not _call(x, operator.mul) or len(x.args) != 2 or x.kwargs:
+        return None
+    cast = next((a for a in x.args if _method(a, "to")), None)
+    weight = _other(x, cast) if cast is not None else None
+    wv, xv = _value(weight), _value(x)
+    if weight is None or not _parameter(weight) or wv.dim() != 1 or xv is None or not _cast_to(cast, xv.dtype):
+        return None
+    scaled = cast.args[0]
+    if not _call(scaled, operator.mul) or len(scaled.users) != 1 or len(cast.users) != 1:
+        return None
+    rsqrt = next((a for a in scaled.args if _call(a, torch.rsqrt)), None)
+    h32 = _other(scaled, rsqrt) if rsqrt is not None else None
+    if h32 is None or not _cast_to(h32, torch.float32) or len(rsqrt.users) != 1:
+        return None
+    add = rsqrt.args[0]
+    if not _call(add, operator.add) or len(add.users) != 1 or not isinstance(add.args[1], float):
+        return None
+    mean = add.args[0]
+    if not _method(mean, "mean") or len(mean.users) != 1 or mean.kwargs.get("keepdim") is not True or \
+            tuple(mean.args[1:]) + tuple(v for k, v in mean.kwargs.items() if k == "dim") not in ((-1,), ([-1],)):
+        return None
+    square = mean.args[0]
+    if not _method(square, "pow") or tuple(square.args) != (h32, 2) or len(square.users) != 1:
+        return None
+    if set(h32.users) != {square, scaled}:
+        return None
+    return h32.args[0], weight, add.args[1], [x, cast, scaled, rsqrt, add, mean, square, h32]
+
+
+def _residual(h: torch.fx.Node, before: torch.fx.Node, position: dict):
+    """``(a, b)`` where ``h = a + b`` of two tensors of h's shape and dtype whose other readers all come after
+    ``before`` (they then read the fused call's sum); else None."""
+    if not _call(h, operator.add) or len(h.args) != 2 or h.kwargs:
+        return None
+    hv = _value(h)
+    parts = [_value(a) for a in h.args]
+    if not all(isinstance(p, torch.Tensor) and p.shape == hv.shape and p.dtype == hv.dtype for p in parts):
+        return None
+    later = [u for u in h.users if not _cast_to(u, torch.float32)]
+    if any(u not in position or position[u] < position[before] for u in later):
+        return None
+    return h.args
+
+
+def norm_projections(gm: torch.fx.GraphModule) -> int:
+    """Rewrite ``gm`` in place: each grouped or gated call whose input is an RMSNorm read by nothing else becomes one
+    ``normed_linear`` call, which also computes the residual add before the norm where there is one (its sum then
+    read from the call; see the module docstring); the number rewritten. Run after :func:`gate_projections`."""
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    rewritten = 0
+    for node in list(gm.graph.nodes):
+        gated = _call(node, torch.ops.hf_sparsekv.gated_linear.default)
+        if not (gated or _call(node, torch.ops.hf_sparsekv.grouped_linear.default)):
+            continue
+        x = node.args[0]
+        norm = _rms_norm(x) if isinstance(x, torch.fx.Node) and len(x.users) == 1 else None
+        if norm is None:
+            continue
+        h, weight, eps, chain = norm
+        weights, biases = (list(node.args[1:]), []) if gated else (node.args[1], node.args[2])
+        residual = _residual(h, node, position)
+        inputs = residual if residual is not None else (h, None)
+        values = [_value(w) for w in weights]
+        if not normed_linear.kernel_takes(_value(inputs[0]), _value(inputs[1]) if residual else None, _value(weight),
+                                          values, [_value(b) for b in biases], gated):
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(torch.ops.hf_sparsekv.normed_linear.default,
+                                           (*inputs, weight, eps, weights, biases, gated))
+            outs = ([_value(h)] if residual else []) + ([_value(node)] if gated else list(_value(node)))
+            fused.meta["example_value"] = outs
+            items = [gm.graph.call_function(operator.getitem, (fused, i)) for i in range(len(outs))]
+        for item, value in zip(items, outs):
+            item.meta["example_value"] = value
+        first = 1 if residual else 0
+        if gated:
+            items[first].meta.update(node.meta)
+            node.replace_all_uses_with(items[first])
+        else:
+            for user in list(node.users):
+                user.replace_all_uses_with(items[first + user.args[1]])
+                gm.graph.erase_node(user)
+        gm.graph.erase_node(node)
+        for dead in chain:
+            gm.graph.erase_node(dead)
+        if residual:
+            items[0].meta.update(h.meta)
+            h.replace_all_uses_with(items[0])
+            gm.graph.erase_node(h)
+        for i, item in enumerate(items):
+            if not item.users:
+                gm.graph.erase_node(item)
         rewritten += 1
     if rewritten:
         gm.graph.lint()

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from .grouped_linear import _sm_count, block_rows, kernel_takes as grouped_takes, launch_config
+from .grouped_linear import _sm_count, block_rows, kernel_takes as grouped_takes, launch_config, prologue_args, rows_of
 
 
 def kernel_takes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -52,17 +52,15 @@ def _gated_linear_shape(x, w_gate, w_up):
 
 
 def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
-           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+           config: tuple[int, int, int, int] | None = None, norm: tuple | None = None) -> torch.Tensor:
     """The Triton kernel on a call :func:`kernel_takes`; ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``
     instead of :func:`~.grouped_linear.launch_config`'s for ``N`` outputs (each program reads both weights' columns
-    in the same K tiles)."""
+    in the same K tiles); ``norm``: the input rows are an RMSNorm's output (:func:`~.grouped_linear.prologue_args`)."""
     from ._grouped_linear_triton import gated_linear_kernel
 
     runtime.require(x, w_gate, w_up)
     k, n = x.shape[-1], w_gate.shape[0]
-    flat = x.reshape(-1, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = rows_of(x)
     rows = flat.shape[0]
     out = x.new_empty(rows, n)
     if config is None:
@@ -71,9 +69,10 @@ def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
             block_k //= 2
     else:
         block_n, block_k, warps, stages = config
+    prologue, flags = prologue_args(flat, norm)
     runtime.launch(
         gated_linear_kernel, (-(-n // block_n),),
-        flat, w_gate, w_up, out, rows, k, n, flat.stride(0),
+        flat, *prologue, w_gate, w_up, out, rows, k, n, flat.stride(0), **flags,
         BLOCK_M=block_rows(rows), BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages,
         **runtime.LAUNCH_OPTIONS,

@@ -103,16 +103,15 @@ def _sm_count(index: int) -> int:
 
 
 def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
-           config: tuple[int, int, int, int] | None = None) -> list[torch.Tensor]:
+           config: tuple[int, int, int, int] | None = None, norm: tuple | None = None) -> list[torch.Tensor]:
     """The Triton kernel on a call :func:`kernel_takes`; ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``
-    instead of :func:`launch_config`'s (benchmarks)."""
+    instead of :func:`launch_config`'s; ``norm``: the input rows are an RMSNorm's output (:mod:`.normed_linear`'s
+    :func:`~.normed_linear.norm_args`)."""
     from ._grouped_linear_triton import grouped_linear_kernel
 
     runtime.require(x, *weights)
     k = x.shape[-1]
-    flat = x.reshape(-1, k)
-    if flat.stride(-1) != 1:
-        flat = flat.contiguous()
+    flat = rows_of(x)
     rows = flat.shape[0]
     outs = [x.new_empty(rows, w.shape[0]) for w in weights]
     ns = [w.shape[0] for w in weights]
@@ -124,12 +123,31 @@ def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tens
     b3 = (list(biases) + [biases[0]] * pad) if biases else w3  # unread without HAS_BIAS
     n3 = ns + [0] * pad
     nb = blocks + [0] * pad
+    prologue, flags = prologue_args(flat, norm)
     runtime.launch(
         grouped_linear_kernel, (sum(blocks),),
-        flat, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
-        NB0=nb[0], NB1=nb[1], HAS_BIAS=bool(biases), BLOCK_M=block_rows(rows), BLOCK_N=block_n,
+        flat, *prologue, *w3, *b3, *o3, rows, k, *n3, flat.stride(0),
+        NB0=nb[0], NB1=nb[1], **flags, HAS_BIAS=bool(biases), BLOCK_M=block_rows(rows), BLOCK_N=block_n,
         BLOCK_K=block_k, EVEN_K=k % block_k == 0,
         WIDEN=x.dtype == torch.bfloat16 and runtime.interpreting(), num_warps=warps, num_stages=stages,
         **runtime.LAUNCH_OPTIONS,
     )
     return [o.reshape(*x.shape[:-1], n) for o, n in zip(outs, ns)]
+
+
+def rows_of(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., K]`` as ``[M, K]`` rows with a contiguous last dimension."""
+    flat = x.reshape(-1, x.shape[-1])
+    return flat if flat.stride(-1) == 1 else flat.contiguous()
+
+
+def prologue_args(flat: torch.Tensor, norm: tuple | None) -> tuple[tuple, dict]:
+    """The kernels' ``(D, NW, HS, eps)`` arguments and ``NORM``/``ADD`` flags for ``norm`` = ``(delta [M, K] or
+    None, norm weight [K], eps, sum output [M, K] or None)`` with rows of ``flat``'s strides (None: no norm)."""
+    if norm is None:
+        return (flat, flat, flat, 0.0), dict(NORM=False, ADD=False)
+    delta, weight, eps, total = norm
+    if delta is not None and delta.stride() != flat.stride():
+        raise ValueError("the residual's rows must have the input rows' strides")
+    return ((flat if delta is None else delta), weight, (flat if total is None else total), float(eps)), \
+        dict(NORM=True, ADD=delta is not None)
