@@ -99,10 +99,15 @@ def group_projections(gm: torch.fx.GraphModule) -> int:
                 if kernel.worth_it(rows, [tuple(_value(c[1]).shape) for c in group]):
                     _replace(gm.graph, x, group, position)
                     inserted += 1
-    if inserted:
+    return _recompiled(gm, inserted)
+
+
+def _recompiled(gm: torch.fx.GraphModule, changes: int) -> int:
+    """``changes``, after checking and recompiling ``gm`` where there were any."""
+    if changes:
         gm.graph.lint()
         gm.recompile()
-    return inserted
+    return changes
 
 
 def _replace(graph: torch.fx.Graph, x: torch.fx.Node, calls, position: dict) -> None:
@@ -176,10 +181,7 @@ def gate_projections(gm: torch.fx.GraphModule) -> int:
         for dead in [product, *replaced]:
             gm.graph.erase_node(dead)
         rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    return rewritten
+    return _recompiled(gm, rewritten)
 
 
 def _call(node, *targets) -> bool:
@@ -297,11 +299,8 @@ def norm_projections(gm: torch.fx.GraphModule) -> int:
             items[0].meta.update(h.meta)
             h.replace_all_uses_with(items[0])
             gm.graph.erase_node(h)
-        for i, item in enumerate(items):
+        for item in items:
             if not item.users:
                 gm.graph.erase_node(item)
         rewritten += 1
-    if rewritten:
-        gm.graph.lint()
-        gm.recompile()
-    return rewritten
+    return _recompiled(gm, rewritten)
