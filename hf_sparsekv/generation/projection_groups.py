@@ -246,7 +246,7 @@ def _residual(h: torch.fx.Node, before: torch.fx.Node, position: dict):
         return None
     hv = _value(h)
     parts = [_value(a) for a in h.args]
-    if not all(isinstance(p, torch.Tensor) and p.shape == hv.shape and p.dtype == hv.dtype for p in parts):
+    if not all(_plain_tensor(p) and p.shape == hv.shape and p.dtype == hv.dtype for p in parts):
         return None
     later = [u for u in h.users if not _cast_to(u, torch.float32)]
     if any(u not in position or position[u] < position[before] for u in later):
@@ -269,6 +269,8 @@ def norm_projections(gm: torch.fx.GraphModule) -> int:
         if norm is None:
             continue
         h, weight, eps, chain = norm
+        if not _plain_tensor(_value(h)):
+            continue
         weights, biases = (list(node.args[1:]), []) if gated else (node.args[1], node.args[2])
         residual = _residual(h, node, position)
         inputs = residual if residual is not None else (h, None)
