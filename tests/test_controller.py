@@ -141,6 +141,60 @@ def test_unmeasured_widths_are_interpolated_between_measured_ones():
     assert ctl.round_seconds(12) == pytest.approx(3.0 + 1.5 / 7 * 4)
 
 
+def _round_seconds_by_definition(ctl: DraftController, g: int):
+    """t(g) as the controller's docstring defines it, from its samples alone: each width's median of its kept samples;
+    a plain step's own; a drafting width interpolated (or extrapolated) from the trusted drafting widths once two are
+    trusted, else from the drafting widths once two are measured, else from every measured width; while one width w is
+    trusted and drafting it beats plain steps, no other width above t(w); never below a plain step."""
+    medians = {w: statistics.median(v) for w, v in ctl.samples.items() if w >= 0 and v}
+    if g == 0:
+        return medians.get(0)
+    drafting = {w: t for w, t in medians.items() if w > 0}
+    trusted = {w: t for w, t in drafting.items() if len(ctl.samples[w]) >= TRUST}
+    base = trusted if len(trusted) >= 2 else drafting if len(drafting) >= 2 else medians
+    if g in base:
+        t = base[g]
+    elif not base:
+        return None
+    else:
+        lower, upper = [w for w in base if w < g], [w for w in base if w > g]
+        if lower and upper:
+            a, b = max(lower), min(upper)
+            t = base[a] + (base[b] - base[a]) * (g - a) / (b - a)
+        elif len(base) == 1:
+            t = next(iter(base.values()))
+        else:
+            a, b = min(base), max(base)
+            slope = max((base[b] - base[a]) / (b - a), 0.0)
+            anchor = b if g > b else a
+            t = max(base[anchor] + slope * (g - anchor), 1e-9)
+    if len(trusted) == 1 and g not in trusted:
+        (w, tw), = trusted.items()
+        if 0 not in medians or ctl.expected_tokens(w) * medians[0] > tw:
+            t = min(t, tw)
+    return t if 0 not in medians else max(t, medians[0])
+
+
+def test_round_times_follow_their_definition_whatever_was_measured():
+    """Random sets of measured widths, sample counts (below and at TRUST) and times, plain steps measured or not: every
+    width's t(g), and its rate, equal the docstring's definition computed from the samples."""
+    g_rng = torch.Generator().manual_seed(7)
+    for case in range(300):
+        ctl = DraftController(8)
+        widths_seen = [w for w in (0, 1, 2, 3, 4, 6, 8) if float(torch.rand((), generator=g_rng)) < 0.5]
+        for w in widths_seen:
+            for _ in range(int(torch.randint(1, TRUST + 2, (), generator=g_rng))):
+                seconds = 1.0 + w * 0.1 + float(torch.rand((), generator=g_rng))
+                ctl.observe(w, [int(torch.randint(0, w + 1, (), generator=g_rng))] if w else [], seconds)
+                ctl.again = None
+        for g in range(0, 11):
+            expected = _round_seconds_by_definition(ctl, g)
+            got = ctl.round_seconds(g)
+            assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (case, g)
+            if g <= 8 and got is not None:
+                assert ctl.rate(g) == pytest.approx(ctl.expected_tokens(g) / got)
+
+
 def _lagging_rounds(ctl: DraftController, phases, seconds, catch_up, burst: int, seed: int) -> list[int]:
     """Drive ``ctl`` as the round loop drives it for a lagging drafter: each phase (acceptance per draft, rounds); a
     plain choice runs up to ``burst`` plain steps to a sync, and the drafting round after plain steps also pays

@@ -68,6 +68,7 @@ same (sampling).
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
 
@@ -112,19 +113,18 @@ def _expected(hits: list, trials: list, pooled: list) -> list[float]:
     return expected
 
 
-def interpolated(seconds: dict[int, float], g: int) -> float | None:
+def interpolated(seconds: dict[int, float], g: int, known: list[int] | None = None) -> float | None:
     """Seconds at width ``g`` from ``seconds`` (width -> seconds): measured, else interpolated between the nearest
     measured widths, else extrapolated from the slope between the narrowest and the widest measured width; None while
-    nothing is measured."""
+    nothing is measured. ``known``: ``sorted(seconds)``, where the caller has it."""
     if g in seconds:
         return seconds[g]
-    known = sorted(seconds)
+    known = sorted(seconds) if known is None else known
     if not known:
         return None
-    lower = [w for w in known if w < g]
-    upper = [w for w in known if w > g]
-    if lower and upper:
-        a, b = lower[-1], upper[0]
+    i = bisect.bisect_left(known, g)  # known[i - 1] < g < known[i]
+    if 0 < i < len(known):
+        a, b = known[i - 1], known[i]
         return seconds[a] + (seconds[b] - seconds[a]) * (g - a) / (b - a)
     if len(known) < 2:
         return seconds[known[0]]
@@ -155,15 +155,22 @@ class ControllerMemory:
         self.pooled = self.pooled or [1.0, PRIOR_ACCEPT]  # (trials, acceptances) over every depth
         self.calls = self.calls or [[0.0, 0.0] for _ in range(self.gamma + 1)]
 
-    def count(self, depth: int, hit: float) -> None:
-        """One trial of ``depth`` (0-based), accepted (``hit`` 1) or not, in the call's counts and the counts over
-        calls."""
-        self.trials[depth] = DECAY * self.trials[depth] + 1.0
-        self.hits[depth] = DECAY * self.hits[depth] + hit
-        self.pooled = [DECAY * self.pooled[0] + 1.0, DECAY * self.pooled[1] + hit]
-        for counts in (self.calls[depth], self.calls[-1]):
-            counts[0] = LONG_DECAY * counts[0] + 1.0
-            counts[1] = LONG_DECAY * counts[1] + hit
+    def count(self, accepted: int, drafted: int) -> None:
+        """A row's round that verified ``drafted`` drafts and accepted ``accepted``: depths 1..min(accepted + 1,
+        drafted) were tried, all but the last of them accepted unless all ``drafted`` were. Each trial, in depth order,
+        in the call's counts (its depth's and the pooled ones) and in the counts over calls."""
+        trials, hits, calls = self.trials, self.hits, self.calls
+        pooled_trials, pooled_hits = self.pooled
+        every = calls[-1]
+        for depth in range(min(accepted + 1, drafted)):
+            hit = 1.0 if depth < accepted else 0.0
+            trials[depth] = DECAY * trials[depth] + 1.0
+            hits[depth] = DECAY * hits[depth] + hit
+            pooled_trials, pooled_hits = DECAY * pooled_trials + 1.0, DECAY * pooled_hits + hit
+            for counts in (calls[depth], every):
+                counts[0] = LONG_DECAY * counts[0] + 1.0
+                counts[1] = LONG_DECAY * counts[1] + hit
+        self.pooled = [pooled_trials, pooled_hits]
 
     def start_call(self) -> None:
         """A new call: each depth's counts (and the pooled ones) become its rate over the calls so far, weighing at
@@ -203,7 +210,8 @@ class DraftController:
         # unless that time moves or a wider width is allowed
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self._expected: list[float] | None = None  # E[tokens | g] for g = 0..gamma, since the last observation
-        self._measured: tuple[dict, dict] | None = None  # the drafting widths' medians, and the trusted ones
+        self._measured: tuple | None = None  # what round_seconds interpolates from (:meth:`_basis`)
+        self._times: dict[int, float | None] = {}  # round_seconds(g) since the last observation
         self.explorations = 0
 
     # what earlier calls learnt, and this call adds to
@@ -238,23 +246,40 @@ class DraftController:
 
     def round_seconds(self, g: int) -> float | None:
         """t(g) from the round times measured so far (:func:`interpolated`): a drafting width from the drafting
-        widths once two are measured (else from every measured width), and never below a plain step."""
+        widths once two are measured (else from every measured width), and never below a plain step; kept until the
+        next observation."""
         if g == 0:
             return self.seconds.get(0)
+        times = self._times
+        if g in times:
+            return times[g]
         if self._measured is None:
-            drafting = {w: s for w, s in self.seconds.items() if w > 0}
-            self._measured = drafting, {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
-        drafting, trusted = self._measured
-        if len(trusted) >= 2:
-            t = interpolated(trusted, g)
-        else:
-            t = interpolated(drafting if len(drafting) >= 2 else self.seconds, g)
-            if len(trusted) == 1 and g not in trusted and t is not None:
-                (w, tw), = trusted.items()  # while drafting w pays, an untrusted width's few samples (a slow first
-                if 0 not in self.seconds or self.expected_tokens(w) * self.seconds[0] > tw:  # replay) cannot price
-                    t = min(t, tw)  # it above w: it is tried until trusted
+            self._measured = self._basis()
+        base, known, clamp = self._measured
+        t = interpolated(base, g, known)
+        if clamp is not None and g != clamp[0] and t is not None:
+            t = min(t, clamp[1])
         plain = self.seconds.get(0)
-        return t if t is None or plain is None else max(t, plain)
+        times[g] = t = t if t is None or plain is None else max(t, plain)
+        return t
+
+    def _basis(self) -> tuple[dict, list, tuple[int, float] | None]:
+        """What :meth:`round_seconds` interpolates from: the trusted drafting widths' medians once two are trusted,
+        else the drafting widths' once two are measured, else every measured width's; their sorted widths; and, while
+        exactly one width is trusted and drafting it beats plain steps, that width and its time, a ceiling for the
+        others (one slow first sample of another width cannot keep it from being tried until it is trusted)."""
+        drafting = {w: s for w, s in self.seconds.items() if w > 0}
+        trusted = {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
+        clamp = None
+        if len(trusted) >= 2:
+            base = trusted
+        else:
+            base = drafting if len(drafting) >= 2 else self.seconds
+            if len(trusted) == 1:
+                (w, tw), = trusted.items()
+                if 0 not in self.seconds or self.expected_tokens(w) * self.seconds[0] > tw:
+                    clamp = w, tw
+        return base, sorted(base), clamp
 
     def rate(self, g: int) -> float:
         """E[tokens | g] / t(g) (0 while nothing is measured); kept until the next observation."""
@@ -417,8 +442,7 @@ class DraftController:
         else:
             self.plain_run, self._plain_until = 0, None
             for a in accepted:
-                for i in range(min(a + 1, g)):
-                    self.memory.count(i, 1.0 if i < a else 0.0)
+                self.memory.count(a, g)
         if seconds is not None:
             self._keep(g, seconds)
 
@@ -437,4 +461,5 @@ class DraftController:
     def _forget_derived(self) -> None:
         """Drop what was derived from the samples and counts (rates, E[tokens], the measured widths)."""
         self._rates.clear()
+        self._times.clear()
         self._expected = self._measured = None
