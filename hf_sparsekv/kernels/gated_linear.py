@@ -4,8 +4,8 @@ few rows of a decode or verify step.
 At those rows the two projections are reads of their weights, and after them the activation and the product are one
 more small kernel that a decode step waits on (on the bundled 12-layer verifier at 16K, one of its ~11 kernels a
 layer, about 1 µs plus the gap before it). Here each program computes the same ``BLOCK_N`` columns of both
-projections over all of ``K`` (the grouped kernel's column scheme, :mod:`.grouped_linear`) and writes their gated
-product, so the step writes and reads no gate/up activations at all.
+projections over all of ``K`` (the grouped kernel's column scheme, :mod:`.grouped_linear`) and writes only their
+gated product: the gate and up outputs are never written to memory.
 
 * :func:`gated_linear`: the custom operator ``hf_sparsekv::gated_linear`` (what the compiled steps call, see
   :mod:`hf_sparsekv.generation.projection_groups`): the Triton kernel where :func:`.runtime.enabled`, else the
