@@ -210,7 +210,7 @@ class DraftController:
         # unless that time moves or a wider width is allowed
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self._expected: list[float] | None = None  # E[tokens | g] for g = 0..gamma, since the last observation
-        self._measured: tuple | None = None  # what round_seconds interpolates from (:meth:`_basis`)
+        self._basis_kept: tuple | None = None  # what round_seconds interpolates from (:meth:`_basis`)
         self._times: dict[int, float | None] = {}  # round_seconds(g) since the last observation
         self.explorations = 0
 
@@ -253,9 +253,9 @@ class DraftController:
         times = self._times
         if g in times:
             return times[g]
-        if self._measured is None:
-            self._measured = self._basis()
-        base, known, clamp = self._measured
+        if self._basis_kept is None:
+            self._basis_kept = self._basis()
+        base, known, clamp = self._basis_kept
         t = interpolated(base, g, known)
         if clamp is not None and g != clamp[0] and t is not None:
             t = min(t, clamp[1])
@@ -459,7 +459,8 @@ class DraftController:
             self._forget_derived()
 
     def _forget_derived(self) -> None:
-        """Drop what was derived from the samples and counts (rates, E[tokens], the measured widths)."""
+        """Drop what was derived from the samples and counts (rates, round times, E[tokens], the interpolation
+        basis)."""
         self._rates.clear()
         self._times.clear()
-        self._expected = self._measured = None
+        self._expected = self._basis_kept = None

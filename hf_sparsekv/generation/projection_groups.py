@@ -134,6 +134,14 @@ _SILU = (F.silu,)
 _MUL = (operator.mul, torch.mul)
 
 
+def _call(node, *targets) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _method(node, name: str) -> bool:
+    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
+
+
 def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
 
@@ -141,23 +149,22 @@ def _only_user(node: torch.fx.Node) -> torch.fx.Node | None:
 def _gated_parts(node: torch.fx.Node):
     """``(product, [nodes it replaces])`` where ``node`` is a grouped call of two weights without biases whose
     outputs feed only ``silu(out[0]) * out[1]`` and the gated kernel takes it; else None."""
-    if node.op != "call_function" or node.target is not torch.ops.hf_sparsekv.grouped_linear.default:
+    if not _call(node, torch.ops.hf_sparsekv.grouped_linear.default):
         return None
     x, weights, biases = node.args
     if len(weights) != 2 or biases or len(node.users) != 2:
         return None
     items = {}
     for user in node.users:
-        if user.op != "call_function" or user.target is not operator.getitem or len(user.users) != 1:
+        if not _call(user, operator.getitem) or len(user.users) != 1:
             return None
         items[user.args[1]] = user
     gate, up = items.get(0), items.get(1)
     silu = _only_user(gate) if gate is not None and up is not None else None
-    if silu is None or silu.op != "call_function" or silu.target not in _SILU or silu.kwargs.get("inplace"):
+    if not _call(silu, *_SILU) or silu.kwargs.get("inplace"):
         return None
     product = _only_user(silu)
-    if product is None or product.op != "call_function" or product.target not in _MUL or product.kwargs or \
-            set(product.args) != {silu, up} or _only_user(up) is not product:
+    if not _call(product, *_MUL) or product.kwargs or set(product.args) != {silu, up} or _only_user(up) is not product:
         return None
     if not gated_linear.kernel_takes(_value(x), _value(weights[0]), _value(weights[1])):
         return None
@@ -182,14 +189,6 @@ def gate_projections(gm: torch.fx.GraphModule) -> int:
             gm.graph.erase_node(dead)
         rewritten += 1
     return _recompiled(gm, rewritten)
-
-
-def _call(node, *targets) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_function" and node.target in targets
-
-
-def _method(node, name: str) -> bool:
-    return isinstance(node, torch.fx.Node) and node.op == "call_method" and node.target == name
 
 
 def _cast_to(node, dtype) -> bool:

@@ -105,8 +105,8 @@ def _sm_count(index: int) -> int:
 def launch(x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor],
            config: tuple[int, int, int, int] | None = None, norm: tuple | None = None) -> list[torch.Tensor]:
     """The Triton kernel on a call :func:`kernel_takes`; ``config``: ``(BLOCK_N, BLOCK_K, num_warps, num_stages)``
-    instead of :func:`launch_config`'s; ``norm``: the input rows are an RMSNorm's output (:mod:`.normed_linear`'s
-    :func:`~.normed_linear.norm_args`)."""
+    instead of :func:`launch_config`'s; ``norm``: the input rows are an RMSNorm's output (:func:`prologue_args`;
+    :mod:`.normed_linear` passes it)."""
     from ._grouped_linear_triton import grouped_linear_kernel
 
     runtime.require(x, *weights)
