@@ -34,6 +34,11 @@ def _kernels_run(on: bool):
 
 def _traced(model, ids):
     """dynamo's graph of ``model(ids).logits`` (before any pass), and the logits of the uncompiled forward."""
+    return _traced_call(lambda ids: model(input_ids=ids).logits, ids)
+
+
+def _traced_call(fn, *args):
+    """dynamo's graph of ``fn(*args)`` (before any pass) with its example inputs, and ``fn(*args)`` uncompiled."""
     graphs = []
 
     def record(gm, example_inputs):
@@ -41,11 +46,18 @@ def _traced(model, ids):
         return gm.forward
 
     with torch.no_grad(), _kernels_run(False):
-        reference = model(input_ids=ids).logits
+        reference = fn(*args)
         torch._dynamo.reset()
-        torch.compile(lambda ids: model(input_ids=ids).logits, backend=record, dynamic=False)(ids)
+        torch.compile(fn, backend=record, dynamic=False)(*args)
     assert len(graphs) == 1
     return graphs[0], reference
+
+
+def _rewritten_output(gm, inputs) -> torch.Tensor:
+    """``gm``'s output on its example inputs, each operator computing its reference (eager PyTorch)."""
+    with torch.no_grad(), _kernels_run(False):
+        out = gm(*inputs)
+    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _grouped_weights(gm) -> list[list[str]]:
@@ -86,9 +98,7 @@ def test_projections_sharing_an_input_become_one_call(arch, rows, role):
         expected += [["gate_proj", "up_proj"]] + [["down_proj"]] * (rows == 1)
     expected += [["lm_head"]] * (rows == 1 or role == "drafter")
     assert inserted == len(groups) and groups == expected
-    with torch.no_grad(), _kernels_run(False):  # the operator's reference: F.linear per weight, exactly
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)  # the operator's reference: F.linear per weight
 
 
 def test_float32_and_wide_batches_keep_cublas():
@@ -124,9 +134,7 @@ def test_a_gated_mlp_becomes_one_gated_call(arch, rows):
     assert rewritten == layers and _gated_weights(gm) == [["gate_proj", "up_proj"]] * layers
     assert ["gate_proj", "up_proj"] not in _grouped_weights(gm)
     assert not [n for n in gm.graph.nodes if n.target is torch.nn.functional.silu]
-    with torch.no_grad(), _kernels_run(False):
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)
 
 
 class _Gated(torch.nn.Module):
@@ -149,19 +157,11 @@ def test_a_gate_read_elsewhere_keeps_its_projections(leak):
     """The product written ``up * silu(gate)`` is rewritten too; where the gate's output is read again the grouped
     call stays (its outputs are needed), and the result is unchanged either way."""
     module = _Gated(leak).to(torch.bfloat16)
-    x = torch.randn(1, 2, 32, dtype=torch.bfloat16)
-    graphs = []
-    with torch.no_grad():
-        reference = module(x)
-        torch._dynamo.reset()
-        torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=False)(x)
-    (gm, inputs), = graphs
+    (gm, inputs), reference = _traced_call(module, torch.randn(1, 2, 32, dtype=torch.bfloat16))
     with _kernels_run(True):
         assert group_projections(gm) == 1
         assert gate_projections(gm) == (0 if leak else 1)
-    with torch.no_grad(), _kernels_run(False):
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
@@ -182,9 +182,7 @@ def test_norms_before_projections_become_part_of_their_calls(arch, rows):
     assert [n.args[6] for n in normed] == [False, True] * layers  # q/k/v, then gate/up
     assert [n.args[1] is not None for n in normed] == [False] + [True] * (2 * layers - 1)
     assert len([n for n in gm.graph.nodes if n.op == "call_method" and n.target == "pow"]) == 1
-    with torch.no_grad(), _kernels_run(False):
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)
 
 
 class _NormRead(torch.nn.Module):
@@ -210,18 +208,11 @@ def test_a_norm_read_elsewhere_stays(leak):
     whose sum the later reader gets. The result is unchanged either way."""
     module = _NormRead(leak).to(torch.bfloat16)
     x, residual = torch.randn(1, 2, 32, dtype=torch.bfloat16), torch.randn(1, 2, 32, dtype=torch.bfloat16)
-    graphs = []
-    with torch.no_grad():
-        reference = module(x, residual)
-        torch._dynamo.reset()
-        torch.compile(module, backend=lambda gm, ex: graphs.append((gm, ex)) or gm.forward, dynamic=False)(x, residual)
-    (gm, inputs), = graphs
+    (gm, inputs), reference = _traced_call(module, x, residual)
     with _kernels_run(True):
         assert group_projections(gm) == 1
         assert norm_projections(gm) == (0 if leak else 1)
-    with torch.no_grad(), _kernels_run(False):
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)
 
 
 def test_step_backend_runs_the_passes_unless_switched_off(monkeypatch):
@@ -335,6 +326,4 @@ def test_shards_written_as_a_function_call_are_grouped():
     groups = _grouped_weights_through(gm, lambda w: w.args[0])
     assert groups[:4] == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
     assert len(groups) == 4 * model.config.num_hidden_layers + 1  # and the lm_head
-    with torch.no_grad(), _kernels_run(False):
-        out = gm(*inputs)
-    assert torch.equal(out[0] if isinstance(out, (tuple, list)) else out, reference)
+    assert torch.equal(_rewritten_output(gm, inputs), reference)
