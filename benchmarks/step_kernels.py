@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import time
 from pathlib import Path
 
 import torch
@@ -35,14 +36,19 @@ def replay_seconds(engine, name: str, width: int | None, repeats: int) -> float:
     """Median CUDA-event seconds of one replay of the engine's step ``name``."""
     n0, seq0 = engine.n.clone(), engine.seq.clone()
     times = []
+    cuda = engine.n.device.type == "cuda"
     for i in range(repeats + 2):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        t0 = time.perf_counter()
+        if cuda:
+            start.record()
         engine.run_step(name, width)
-        end.record()
-        end.synchronize()
+        if cuda:
+            end.record()
+            end.synchronize()
         if i >= 2:  # the first replays upload the graph
-            times.append(start.elapsed_time(end) / 1e3)
+            times.append(start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t0)
         engine.n.copy_(n0)
         engine.seq.copy_(seq0)
     return statistics.median(times)
@@ -53,13 +59,16 @@ def replay_kernels(engine, name: str, width: int | None) -> list[dict]:
     from torch.profiler import ProfilerActivity, profile
 
     n0, seq0 = engine.n.clone(), engine.seq.clone()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        engine.run_step(name, width)
+    cuda = engine.n.device.type == "cuda"
+    if cuda:
         torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        engine.run_step(name, width)
+        if cuda:
+            torch.cuda.synchronize()
     engine.n.copy_(n0)
     engine.seq.copy_(seq0)
-    kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA" and e.device_time > 0),
+    kernels = sorted((e for e in prof.events() if (e.device_type.name == "CUDA" and e.device_time > 0) or not cuda),
                      key=lambda e: e.time_range.start)
     out, last_end = [], None
     for e in kernels:
@@ -89,6 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="torch._inductor.config options set before anything compiles (e.g. combo_kernels=True)")
     p.add_argument("--label", default="", help="a name for this run's settings (e.g. an Inductor option)")
+    p.add_argument("--device", default="cuda", help="cpu: a dry run of the script (eager steps)")
     p.add_argument("--out", default="runs/step-kernels")
     args = p.parse_args(argv)
     for option in args.inductor:
@@ -97,8 +107,8 @@ def main(argv=None) -> int:
                                            else json.loads(value))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    verifier, drafter, _ = load_pair(device="cuda")
-    ids = eval_documents()[0][None, : args.context].cuda()
+    verifier, drafter, _ = load_pair(device=args.device)
+    ids = eval_documents()[0][None, : args.context].to(args.device)
     engines = {}
     results = []
     with torch.no_grad():
@@ -107,12 +117,12 @@ def main(argv=None) -> int:
             width = int(width) if width else None
             chunk = width is not None
             key = ("chunk", width) if chunk else ("full", None)
-            with static_attention_for(verifier, drafter if chunk else None):
+            with static_attention_for(*([verifier, drafter] if chunk else [verifier])):
                 if key not in engines:
                     static_engine.release_engines()
                     engine = static_engine.engine_for(verifier, drafter if chunk else None, "chunk" if chunk else "full",
                                                       args.budget if chunk else None, width or 1,
-                                                      args.context + 64, 64, True)
+                                                      args.context + 64, 64, args.device == "cuda")
                     engine.prefill([ids])
                     engines = {key: engine}
                 engine = engines[key]
@@ -126,7 +136,7 @@ def main(argv=None) -> int:
             for n, count, us in s["by_name"][:25]:
                 print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {n[:110]}")
     (out / f"step_kernels{('-' + args.label) if args.label else ''}.json").write_text(json.dumps(
-        dict(gpu=torch.cuda.get_device_name(), commit=commit(), torch=torch.__version__, settings=vars(args), steps=results), indent=1))
+        dict(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", commit=commit(), torch=torch.__version__, settings=vars(args), steps=results), indent=1))
     return 0
 
 
