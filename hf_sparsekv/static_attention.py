@@ -52,6 +52,13 @@ def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 
     return seen[None, None]
 
 
+def _rows_contiguous(query: torch.Tensor) -> torch.Tensor:
+    """``query [B, Hq, L, D]`` as the kernel reads it: any head and position strides, channels contiguous. A
+    verification's queries arrive as a transposed view of ``[B, L, Hq, D]``; a copy of it to contiguous memory was
+    a kernel a layer (bundled pair, H200: 2 µs of a 0.45 ms verify step, 12 times)."""
+    return query if query.stride(-1) == 1 else query.contiguous()
+
+
 @torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
 def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                   scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
@@ -61,7 +68,7 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     seeing its ancestors."""
     from .kernels.chunk_attention import chunk_decode_attention
 
-    return chunk_decode_attention(query.contiguous(), key, value, scaling, length=length, tree=tree)
+    return chunk_decode_attention(_rows_contiguous(query), key, value, scaling, length=length, tree=tree)
 
 
 @static_decode.register_fake
@@ -80,7 +87,7 @@ def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     (a drafter's tree after the ring), seen by the ancestor bits."""
     from .kernels.window_attention import window_decode_attention
 
-    return window_decode_attention(query.contiguous(), key, value, scaling, length, slot_positions,
+    return window_decode_attention(_rows_contiguous(query), key, value, scaling, length, slot_positions,
                                    query_positions.contiguous(), sink, window, tree)
 
 

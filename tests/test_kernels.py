@@ -282,6 +282,21 @@ def test_chunk_attention_reads_strided_views_and_float32():
     assert _rel(chunk_decode_attention(q, ks, vs, 0.125), ref) < 1e-5
 
 
+@pytest.mark.parametrize("batch", [1, 3])
+def test_chunk_attention_reads_a_transposed_query(batch):
+    """Queries as the attention layer hands them over, ``[B, L, Hq, D]`` transposed to ``[B, Hq, L, D]`` (no copy):
+    the kernel reads them through their strides, bitwise as it reads a contiguous copy."""
+    rows = [_qkv(8, 2, 5, 64, 256, torch.bfloat16, seed=20 + b) for b in range(batch)]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous() and torch.equal(strided, q)
+    n = torch.tensor([256, 131, 40][:batch], dtype=torch.int32, device=k.device)
+    out = chunk_decode_attention(strided, k, v, 0.125, length=n)
+    assert torch.equal(out, chunk_decode_attention(q, k, v, 0.125, length=n))
+    ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
+    assert _rel(out, ref) < TOL
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("hq,hkv,length,stored", [(4, 2, 1, 9), (8, 2, 6, 300), (4, 4, 16, 70)])
 def test_chunk_attention_reads_its_length_from_the_device(dtype, hq, hkv, length, stored):

@@ -84,19 +84,24 @@ def _gated_weights(gm) -> list[list[str]]:
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 @pytest.mark.parametrize("rows,role", [(1, "verifier"), (4, "verifier"), (4, "drafter")])
-def test_projections_sharing_an_input_become_one_call(arch, rows, role):
-    """q/k/v and gate/up are one call each; lone layers too at one row, and at more rows only the output projection
+@pytest.mark.parametrize("small", [True, False], ids=["small-weights", "large-weights"])
+def test_projections_sharing_an_input_become_one_call(arch, rows, role, small, monkeypatch):
+    """q/k/v and gate/up are one call each; lone layers too at one row, and at more rows those whose weight is small
+    (every weight of these tiny models) or, counted as large weights (``SMALL_WEIGHT`` 0), only the output projection
     when it is wide (the drafter's: 96 outputs of 32 inputs; the verifier's 96 of 64 is not)."""
+    if not small:
+        monkeypatch.setattr(grouped_linear, "SMALL_WEIGHT", 0)
     model = _model(arch, torch.bfloat16, role)
     (gm, inputs), reference = _traced(model, prompt(rows, seed=rows))
     with _kernels_run(True):  # the pass groups only where the kernels run
         inserted = group_projections(gm)
     groups = _grouped_weights(gm)
+    lone = rows == 1 or small
     expected = []
     for _ in range(model.config.num_hidden_layers):
-        expected += [["q_proj", "k_proj", "v_proj"]] + [["o_proj"]] * (rows == 1)
-        expected += [["gate_proj", "up_proj"]] + [["down_proj"]] * (rows == 1)
-    expected += [["lm_head"]] * (rows == 1 or role == "drafter")
+        expected += [["q_proj", "k_proj", "v_proj"]] + [["o_proj"]] * lone
+        expected += [["gate_proj", "up_proj"]] + [["down_proj"]] * lone
+    expected += [["lm_head"]] * (lone or role == "drafter")
     assert inserted == len(groups) and groups == expected
     assert torch.equal(_rewritten_output(gm, inputs), reference)  # the operator's reference: F.linear per weight
 
@@ -228,6 +233,7 @@ def test_step_backend_runs_the_passes_unless_switched_off(monkeypatch):
         return run
 
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", inner)
+    monkeypatch.setattr(grouped_linear, "SMALL_WEIGHT", 0)  # lone layers at 2 rows stay cuBLAS (as at real sizes)
     ids = prompt(2, seed=3)
     for grouped, gated, normed in (("1", "1", "1"), ("1", "0", "0"), ("0", "1", "1"), ("1", "1", "0")):
         monkeypatch.setenv(graph_steps.GROUPED_LINEAR_ENV, grouped)
