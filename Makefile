@@ -184,6 +184,11 @@ bench-quant-kernels: $(STAMP)
 bench-linear: $(STAMP)
 	$(PY) benchmarks/linear_kernels.py --out runs/linear-kernels $(ARGS)
 
+# Each captured step of the bundled pair at 16K (AR, a chunk engine's verification and draft steps of γ 3), kernel by
+# kernel in launch order with the gaps between them, from one profiled replay (CUDA, ~1 minute).
+bench-step-kernels: $(STAMP)
+	$(PY) benchmarks/step_kernels.py --out runs/step-kernels $(ARGS)
+
 # What the compiler made of the quantized decode kernel for sm_90 (registers, spills, SASS mix); no GPU needed.
 kernel-asm: $(STAMP)
 	$(PY) benchmarks/kernel_asm.py $(or $(ARGS),--shape llama3-8b --view int4 --json)
