@@ -52,7 +52,7 @@ def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 
     return seen[None, None]
 
 
-def _rows_contiguous(query: torch.Tensor) -> torch.Tensor:
+def _channels_contiguous(query: torch.Tensor) -> torch.Tensor:
     """``query [B, Hq, L, D]`` as the kernel reads it: any head and position strides, channels contiguous. A
     verification's queries arrive as a transposed view of ``[B, L, Hq, D]``; a copy of it to contiguous memory was
     a kernel a layer (bundled pair, H200: 2 µs of a 0.45 ms verify step, 12 times)."""
@@ -68,7 +68,7 @@ def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, l
     seeing its ancestors."""
     from .kernels.chunk_attention import chunk_decode_attention
 
-    return chunk_decode_attention(_rows_contiguous(query), key, value, scaling, length=length, tree=tree)
+    return chunk_decode_attention(_channels_contiguous(query), key, value, scaling, length=length, tree=tree)
 
 
 @static_decode.register_fake
@@ -87,7 +87,7 @@ def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     (a drafter's tree after the ring), seen by the ancestor bits."""
     from .kernels.window_attention import window_decode_attention
 
-    return window_decode_attention(_rows_contiguous(query), key, value, scaling, length, slot_positions,
+    return window_decode_attention(_channels_contiguous(query), key, value, scaling, length, slot_positions,
                                    query_positions.contiguous(), sink, window, tree)
 
 
