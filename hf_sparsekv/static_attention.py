@@ -111,8 +111,8 @@ def static_quant_decode(
 
     quant = (QuantizedTensor(key_upper, key_lower, key_scale, key_zero),
              QuantizedTensor(value_upper, value_lower, value_scale, value_zero))
-    return launch_decode(query.contiguous(), scaling, key, value, quant=quant, group_size=group_size, int8=int8,
-                         fp_length=fp_length, quant_length=quant_length)
+    return launch_decode(_channels_contiguous(query), scaling, key, value, quant=quant, group_size=group_size,
+                         int8=int8, fp_length=fp_length, quant_length=quant_length)
 
 
 @static_quant_decode.register_fake

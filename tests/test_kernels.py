@@ -681,6 +681,28 @@ def test_quant_attention_matches_reference(case, dtype, int8, path):
 
 @pytest.mark.parametrize("int8", [False, True], ids=["int4", "int8"])
 @pytest.mark.parametrize("path", ["dot", pytest.param("gluon", marks=pytest.mark.cuda)])
+def test_quant_attention_reads_a_transposed_query(path, int8):
+    """A verification's queries as the attention layer hands them over (``[B, L, Hq, D]`` transposed, no copy): the
+    quantized segment's kernel (Triton's tensor-core path; on a GPU the Gluon kernel) and the buffer's read them
+    through their strides, bitwise as a contiguous copy."""
+    from hf_sparsekv.kernels import decode_core
+
+    if path == "gluon" and DEVICE == "cpu":
+        pytest.skip("the Gluon kernel needs a CUDA GPU")
+    q, k, v = _qkv(8, 2, 5, 64, 512 + 24, torch.bfloat16, seed=8)
+    strided = q.transpose(1, 2).contiguous().transpose(1, 2)
+    assert not strided.is_contiguous() and torch.equal(strided, q)
+    qk, qv = quantize_keys_reference(k[:, :, :512], 64), quantize_values_reference(v[:, :, :512])
+    with decode_core.quant_config(**QUANT_PATHS[path]):
+        out = quant_decode_attention(strided, qk, qv, k[:, :, 512:], v[:, :, 512:], 64, int8, 0.125)
+        assert torch.equal(out, quant_decode_attention(q, qk, qv, k[:, :, 512:], v[:, :, 512:], 64, int8, 0.125))
+    ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, 512:].float(),
+                                           v[:, :, 512:].float(), 64, int8, 0.125)
+    assert _rel(out, ref) < TOL
+
+
+@pytest.mark.parametrize("int8", [False, True], ids=["int4", "int8"])
+@pytest.mark.parametrize("path", ["dot", pytest.param("gluon", marks=pytest.mark.cuda)])
 def test_float16_values_of_a_small_range_keep_their_precision(path, int8):
     """float16 values spanning about 0.0025 per token: the value operand ``p·s·CF`` would fall among float16's
     subnormals, so the kernels scale it by 2^8 and divide that out. The output stays within 1.2e-3 of the float32
