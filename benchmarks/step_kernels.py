@@ -17,6 +17,7 @@ Prints a table per step and writes ``step_kernels.json`` (every kernel of each s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -32,43 +33,52 @@ from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
 
-def replay_seconds(engine, name: str, width: int | None, repeats: int) -> float:
-    """Median CUDA-event seconds of one replay of the engine's step ``name``."""
+@contextlib.contextmanager
+def rewound(engine):
+    """Run a step inside the block, then put the sequence back, so that every replay starts at the prompt's end."""
     n0, seq0 = engine.n.clone(), engine.seq.clone()
-    times = []
-    cuda = engine.n.device.type == "cuda"
-    for i in range(repeats + 2):
-        if cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        t0 = time.perf_counter()
-        if cuda:
-            start.record()
-        engine.run_step(name, width)
-        if cuda:
-            end.record()
-            end.synchronize()
-        if i >= 2:  # the first replays upload the graph
-            times.append(start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - t0)
+    try:
+        yield
+    finally:
         engine.n.copy_(n0)
         engine.seq.copy_(seq0)
+
+
+def replay_seconds(engine, name: str, width: int | None, repeats: int) -> float:
+    """Median seconds of one replay of the engine's step ``name`` (CUDA events; on CPU the wall clock)."""
+    cuda = engine.n.device.type == "cuda"
+    times = []
+    for i in range(repeats + 2):
+        with rewound(engine):
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                engine.run_step(name, width)
+                end.record()
+                end.synchronize()
+                seconds = start.elapsed_time(end) / 1e3
+            else:
+                t0 = time.perf_counter()
+                engine.run_step(name, width)
+                seconds = time.perf_counter() - t0
+        if i >= 2:  # the first replays upload the graph
+            times.append(seconds)
     return statistics.median(times)
 
 
 def replay_kernels(engine, name: str, width: int | None) -> list[dict]:
-    """The kernels of one replay in launch order: name, start and duration (µs), idle time before it (µs)."""
+    """The kernels of one replay in launch order (on CPU: the operators): name, start and duration (µs), idle time
+    before it (µs)."""
     from torch.profiler import ProfilerActivity, profile
 
-    n0, seq0 = engine.n.clone(), engine.seq.clone()
     cuda = engine.n.device.type == "cuda"
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    with rewound(engine), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         engine.run_step(name, width)
         if cuda:
             torch.cuda.synchronize()
-    engine.n.copy_(n0)
-    engine.seq.copy_(seq0)
-    kernels = sorted((e for e in prof.events() if (e.device_type.name == "CUDA" and e.device_time > 0) or not cuda),
+    kernels = sorted((e for e in prof.events() if not cuda or (e.device_type.name == "CUDA" and e.device_time > 0)),
                      key=lambda e: e.time_range.start)
     out, last_end = [], None
     for e in kernels:
@@ -103,29 +113,26 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     for option in args.inductor:
         key, _, value = option.partition("=")
-        torch._inductor.config.__setattr__(key, json.loads(value.lower()) if value.lower() in ("true", "false")
-                                           else json.loads(value))
+        setattr(torch._inductor.config, key, json.loads(value.lower() if value.lower() in ("true", "false") else value))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     verifier, drafter, _ = load_pair(device=args.device)
     ids = eval_documents()[0][None, : args.context].to(args.device)
-    engines = {}
+    engine, engine_key = None, None  # one engine at a time: the steps of one key share it
     results = []
     with torch.no_grad():
         for spec in args.steps:
             name, _, width = spec.partition(":")
             width = int(width) if width else None
             chunk = width is not None
-            key = ("chunk", width) if chunk else ("full", None)
             with static_attention_for(*([verifier, drafter] if chunk else [verifier])):
-                if key not in engines:
+                if engine_key != (chunk, width):
                     static_engine.release_engines()
-                    engine = static_engine.engine_for(verifier, drafter if chunk else None, "chunk" if chunk else "full",
-                                                      args.budget if chunk else None, width or 1,
-                                                      args.context + 64, 64, args.device == "cuda")
+                    engine = static_engine.engine_for(
+                        verifier, drafter if chunk else None, "chunk" if chunk else "full",
+                        args.budget if chunk else None, width or 1, args.context + 64, 64, args.device == "cuda")
                     engine.prefill([ids])
-                    engines = {key: engine}
-                engine = engines[key]
+                    engine_key = (chunk, width)
                 seconds = replay_seconds(engine, name, width, args.repeats)
                 kernels = replay_kernels(engine, name, width)
             s = summary(kernels)
@@ -135,8 +142,9 @@ def main(argv=None) -> int:
                   f"between them, span {s['span_us']:.1f} us")
             for n, count, us in s["by_name"][:25]:
                 print(f"  {count:4d} x {us / count:6.2f} us = {us:7.1f} us  {n[:110]}")
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     (out / f"step_kernels{('-' + args.label) if args.label else ''}.json").write_text(json.dumps(
-        dict(gpu=torch.cuda.get_device_name() if args.device == "cuda" else "cpu", commit=commit(), torch=torch.__version__, settings=vars(args), steps=results), indent=1))
+        dict(gpu=gpu, commit=commit(), torch=torch.__version__, settings=vars(args), steps=results), indent=1))
     return 0
 
 
