@@ -32,13 +32,19 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The CPU suites run on every core (pytest-xdist), one torch thread a process: its cases are tiny models whose time
+# is the host's Python, so two processes on 2 cores take about 0.6x one process with two threads (9 against 13-16
+# minutes on this project's 2-core machine, 2026-12-01).
+TEST_WORKERS ?= auto
+CPU_PYTEST = OMP_NUM_THREADS=1 $(1) -m pytest -n $(TEST_WORKERS)
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(call CPU_PYTEST,$(PY)) tests
 
 # The opt-in cases (marker `extended`, skipped by `make test`): the grids' further random cases, the exact sampling
 # distributions of most modes, the Triton kernels under TRITON_INTERPRET=1; about 20 more minutes on 2 idle cores.
 test-extended: $(STAMP)
-	HF_SPARSEKV_EXTENDED=1 $(PY) -m pytest tests -m extended --durations=10
+	HF_SPARSEKV_EXTENDED=1 $(call CPU_PYTEST,$(PY)) tests -m extended --durations=10
 
 # The same suite on the lowest transformers release pyproject.toml admits, in its own environment.
 LOWEST_VENV := .venv-lowest
@@ -47,7 +53,7 @@ test-lowest:
 	test -x $(LOWEST_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(LOWEST_VENV)
 	$(LOWEST_PY) $(call INSTALL_TORCH,$(LOWEST_PY))
 	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
-	$(LOWEST_PY) -m pytest -q tests
+	$(call CPU_PYTEST,$(LOWEST_PY)) -q tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py

@@ -9,7 +9,7 @@ layer's weights once: more bytes than L2 holds), replayed ``--repeats`` times in
 median per group. Bandwidth = weight bytes / time, beside the device copy rate of the same run.
 
     python benchmarks/linear_kernels.py --out runs/linear-kernels
-    python benchmarks/linear_kernels.py --sweep --models llama-3.1-8b --rows 1 6   # launch configurations
+    python benchmarks/linear_kernels.py --sweep --models llama-3.1-8b --rows 1 6   # launch configurations (both kernels)
 
 Prints a markdown table and writes JSON.
 """
@@ -101,8 +101,15 @@ def measure(shapes, rows: int, layers: int, dtype, repeats: int, configs: list |
             if cfg is None:
                 raise
             print(f"  {name}: {type(err).__name__}", flush=True)
-    if len(shapes) == 2 and shapes[0] == shapes[1] and not configs:
-        graphs["gated"] = captured(lambda: [gated_linear.launch(x, *ws) for ws in stacks])
+    if len(shapes) == 2 and shapes[0] == shapes[1]:  # gate/up: the gated kernel too, at the same configurations
+        for cfg in configs or [None]:
+            name = "gated" if cfg is None else "gated" + "-".join(map(str, cfg))
+            try:
+                graphs[name] = captured(lambda cfg=cfg: [gated_linear.launch(x, *ws, config=cfg) for ws in stacks])
+            except Exception as err:
+                if cfg is None:
+                    raise
+                print(f"  {name}: {type(err).__name__}", flush=True)
     ms = {name: t / layers for name, t in time_graphs(graphs, repeats).items()}
     nbytes = sum(n * k for n, k in shapes) * x.element_size()
     del stacks, graphs
@@ -110,8 +117,10 @@ def measure(shapes, rows: int, layers: int, dtype, repeats: int, configs: list |
     return dict(ms=ms, bytes=nbytes, max_abs_error=error)
 
 
-def _fits(config, rows: int) -> bool:
+def _fits(config, rows: int, k: int) -> bool:
     block_n, block_k, warps, _ = config
+    if block_k > max(128, 1 << (k - 1).bit_length()):  # a K tile past the inputs only masks
+        return False
     if rows > 1:
         return block_n >= 16  # tensor-core tiles
     return block_n * block_k <= 64 * 32 * warps  # the one-row accumulator: at most 64 floats per thread
@@ -144,15 +153,18 @@ def main(argv=None) -> int:
             layers = max(1, min(64, int(args.layer_bytes // nbytes)))
             for rows in args.rows:
                 r = measure(shapes, rows, layers, dtype, args.repeats,
-                            [c for c in configs if c is None or _fits(c, rows)] if configs else None)
-                best = min((v, k) for k, v in r["ms"].items() if k not in ("cublas", "gated"))
-                row = dict(model=model, group=group, rows=rows, layers=layers, **r, best=best[1])
+                            [c for c in configs if c is None or _fits(c, rows, shapes[0][1])] if configs else None)
+                best = min((v, k) for k, v in r["ms"].items() if k.startswith("grouped"))
+                gated = [(v, k) for k, v in r["ms"].items() if k.startswith("gated")]
+                row = dict(model=model, group=group, rows=rows, layers=layers, **r, best=best[1],
+                           best_gated=min(gated)[1] if gated else None)
                 rows_out.append(row)
                 gbs = {k: r["bytes"] / v / 1e6 for k, v in r["ms"].items()}
                 print(f"{model:13s} {group:8s} rows={rows:2d}  cublas {r['ms']['cublas'] * 1e3:8.1f} us "
                       f"({gbs['cublas']:5.0f} GB/s)  grouped {r['ms']['grouped'] * 1e3:8.1f} us "
                       f"({gbs['grouped']:5.0f} GB/s)  best {best[1]} {best[0] * 1e3:.1f} us  err {r['max_abs_error']:.3g}"
-                      + (f"  gated {r['ms']['gated'] * 1e3:.1f} us" if "gated" in r["ms"] else ""), flush=True)
+                      + (f"  gated {r['ms']['gated'] * 1e3:.1f} us, best {min(gated)[1]} {min(gated)[0] * 1e3:.1f} us"
+                         if gated else ""), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=torch.cuda.get_device_name(), commit=commit(), torch=torch.__version__, dtype=args.dtype,

@@ -1,8 +1,10 @@
 """The kernels of each captured step of the bundled pair, one replay at a time: what a step's time is made of.
 
 For each step of ``--steps`` (``ar_step``; ``verify:G`` / ``draft:G``: a chunk-budget engine's verification of G
-drafts and its G draft steps), on the engine ``generate()`` builds (compiled and captured unless
-``HF_SPARSEKV_COMPILE=0``), after a prefill of a held-out document cut at ``--context`` tokens:
+drafts and its G draft steps; with ``--mode int4`` every step is int4 self-speculation's, on the verifier's quantized
+store: its plain step, its INT8-view verification and its INT4-view drafts with ``--draft-weights``), on the engine
+``generate()`` builds (compiled and captured unless ``HF_SPARSEKV_COMPILE=0``), after a prefill of a held-out
+document cut at ``--context`` tokens:
 
 * the step's time: the median over ``--repeats`` replays of CUDA events around one replay (the sequence length put
   back after each, so every replay starts at the prompt's end);
@@ -12,6 +14,7 @@ drafts and its G draft steps), on the engine ``generate()`` builds (compiled and
 Prints a table per step and writes ``step_kernels.json`` (every kernel of each step's replay) under ``--out``.
 
     python benchmarks/step_kernels.py --context 16384 --steps ar_step verify:3 draft:3 --out runs/step-kernels
+    python benchmarks/step_kernels.py --mode int4 --steps ar_step verify:6 draft:6 --label int4
 """
 
 from __future__ import annotations
@@ -104,6 +107,9 @@ def main(argv=None) -> int:
     p.add_argument("--context", type=int, default=16384)
     p.add_argument("--budget", type=int, default=512, help="the chunk-budget engine's budget (verify/draft steps)")
     p.add_argument("--steps", nargs="+", default=["ar_step", "verify:3", "draft:3"])
+    p.add_argument("--mode", choices=["chunk", "int4"], default="chunk",
+                   help="int4: every step on the quantized store of int4 self-speculation (group size 128)")
+    p.add_argument("--draft-weights", choices=["int4", "full"], default="int4", help="int4 mode's draft weights")
     p.add_argument("--repeats", type=int, default=50)
     p.add_argument("--inductor", nargs="*", default=[], metavar="OPTION=VALUE",
                    help="torch._inductor.config options set before anything compiles (e.g. combo_kernels=True)")
@@ -124,13 +130,18 @@ def main(argv=None) -> int:
         for spec in args.steps:
             name, _, width = spec.partition(":")
             width = int(width) if width else None
-            chunk = width is not None
+            chunk = width is not None and args.mode == "chunk"
             with static_attention_for(*([verifier, drafter] if chunk else [verifier])):
                 if engine_key != (chunk, width):
                     static_engine.release_engines()
-                    engine = static_engine.engine_for(
-                        verifier, drafter if chunk else None, "chunk" if chunk else "full",
-                        args.budget if chunk else None, width or 1, args.context + 64, 64, args.device == "cuda")
+                    if args.mode == "int4":
+                        engine = static_engine.engine_for(
+                            verifier, verifier, "int4", 128, width or 1, args.context + 64, 64, args.device == "cuda",
+                            draft_weights=args.draft_weights)
+                    else:
+                        engine = static_engine.engine_for(
+                            verifier, drafter if chunk else None, "chunk" if chunk else "full",
+                            args.budget if chunk else None, width or 1, args.context + 64, 64, args.device == "cuda")
                     engine.prefill([ids])
                     engine_key = (chunk, width)
                 seconds = replay_seconds(engine, name, width, args.repeats)

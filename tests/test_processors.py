@@ -4,6 +4,8 @@ and speculative sampling draws from the exact distribution stock sampling define
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from transformers import (
@@ -18,6 +20,7 @@ from transformers import (
 
 from hf_sparsekv import HierarchicalQuantCache
 from hf_sparsekv.generation import engine as static_engine
+from hf_sparsekv.generation.sampling import stock_processors
 
 from .conftest import ARCHS, left_padded, prompt, tiny_model
 from .test_sampling import _consistent
@@ -273,3 +276,18 @@ def test_a_row_sequence_reads_as_its_list_and_keeps_its_prompt_on_the_device(mon
     out = model.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
     assert torch.equal(out, model.generate(ids, **kwargs))
     assert made and all(r._prompt_list is None for r in made)
+
+
+@pytest.mark.parametrize("name", list(OPTION_SETS))
+def test_a_rows_processors_leave_the_calls_config_as_it_was(name):
+    """:func:`stock_processors` works on a shallow copy of the call's config (each row of a batch builds its own from
+    the same config): the config keeps every attribute, and the list equals the one built from a deep copy."""
+    model = tiny_model("llama")
+    config = copy.deepcopy(model.generation_config)
+    config.update(**OPTION_SETS[name], min_length=4, max_length=60)
+    before = copy.deepcopy(vars(config))
+    ids = prompt(9, 2)[:1]
+    built = stock_processors(model, config, ids, None, min_length=1, max_length=50)
+    assert vars(config) == before
+    reference = stock_processors(model, copy.deepcopy(config), ids, None, min_length=1, max_length=50)
+    assert [repr(vars(p)) for p in built] == [repr(vars(p)) for p in reference] and len(built) > 0

@@ -42,7 +42,7 @@ def stock_processors(model, config, prompt: torch.Tensor, logits_processor, min_
     ``model`` under ``config``, for the (unpadded) ``prompt [1, P]`` with absolute ``min_length``/``max_length`` of
     that unpadded sequence (the same ``GenerationMixin`` helpers stock ``generate()`` calls, identical in
     transformers 5.17-5.24). Greedy: no warpers, as stock."""
-    config = copy.deepcopy(config)
+    config = copy.copy(config)  # (the helpers below only assign its attributes: the call's own config stays as it was)
     config.min_length, config.max_length = min_length, max_length  # forced EOS counts from the unpadded sequence
     model._prepare_special_tokens(config, True, device=prompt.device, batch_size=1)
     return model._get_logits_processor(
