@@ -71,7 +71,10 @@ def _grouped_linear_shape(x, weights, biases):
 def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, int, int, int]:
     """``(BLOCK_N, BLOCK_K, num_warps, num_stages)`` for ``rows`` rows over weights of ``n_total`` outputs and ``k``
     inputs: the widest column block that still gives every SM a few programs (K is not split, so the programs fill
-    the GPU by columns alone). From a sweep on the H100 (``benchmarks/linear_kernels.py --sweep``)."""
+    the GPU by columns alone). From a sweep on the H100 (``benchmarks/linear_kernels.py --sweep``); for 2-16 rows over
+    a small group (:data:`SMALL_GROUP`), 4 pipeline stages (H200, the bundled verifier at 4-6 rows: its down projection
+    2.8 against 3.3 µs with 3, the others within 0.2 µs)."""
+    stages = 4 if 1 < rows <= 16 and n_total * k <= SMALL_GROUP else 3
     if rows == 1:
         block_n, floor, wanted, block_k, warps = 32, 8, 4 * sm_count, 512, 8
     elif rows <= 16:
@@ -80,7 +83,7 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
         block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 128, 4
     while block_n > floor and n_total // block_n < wanted:
         block_n //= 2
-    return block_n, block_k, warps, 3
+    return block_n, block_k, warps, stages
 
 
 def block_rows(rows: int) -> int:
@@ -89,6 +92,7 @@ def block_rows(rows: int) -> int:
 
 
 SMALL_WEIGHT = 1 << 18  # elements of a weight whose read is latency-bound: the kernel wins at any row count
+SMALL_GROUP = 1 << 19  # elements of a group (or a gated pair's one weight) whose launch settings are the small ones
 
 
 def worth_it(rows: int, shapes: list[tuple[int, int]]) -> bool:
