@@ -569,7 +569,7 @@ def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch,
     monkeypatch.setattr(decode_core, "_kernels", lambda: (split, Recorded()))
     monkeypatch.setattr(decode_core, "_sm_count", lambda device: 4)  # the interpreter's count, on a GPU too
     lengths = lambda n: torch.tensor([n], dtype=torch.int32, device=q.device)  # noqa: E731
-    with decode_core.quant_config(kernel=kernel):
+    with decode_core.quant_config(kernel=kernel, gluon_min_work=0):
         out = decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g,
                                         q_min_split=128, fp_length=lengths(buf), quant_length=lengths(cur))
     n_qsplits = -(-cap // 128)
@@ -578,6 +578,38 @@ def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch,
                                            k[:, :, cap : cap + buf].float(), v[:, :, cap : cap + buf].float(), g,
                                            False, 0.125)
     assert _rel(out, ref) < TOL
+
+
+def test_the_gluon_kernel_takes_only_launches_of_enough_work(monkeypatch):
+    """Below ``gluon_min_work`` (KV heads x code capacity) one Triton launch reads both segments; at or above it the
+    Gluon kernel takes the quantized one (here a stand-in that records its launch)."""
+    from hf_sparsekv.kernels import decode_core, quant_gluon
+
+    g, cap, buf = 32, 256, 16
+    q, k, v = _qkv(4, 2, 1, 64, cap + buf, torch.float16, seed=4)
+    qk, qv = quantize_keys(k[:, :, :cap], g), quantize_values(v[:, :, :cap])
+    launched = []
+
+    class Launched(Exception):
+        pass
+
+    def gluon_launch(*args, **kwargs):
+        launched.append(args[5])  # t_q: the code capacity
+        raise Launched
+
+    monkeypatch.setattr(quant_gluon, "usable", lambda *args: True)
+    monkeypatch.setattr(quant_gluon, "launch_quant_splits", gluon_launch)
+    ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, cap:].float(), v[:, :, cap:].float(),
+                                           g, False, 0.125)
+    for work, gluon in ((2 * cap + 1, False), (2 * cap, True)):
+        with decode_core.quant_config(kernel="gluon", gluon_min_work=work):
+            if gluon:
+                with pytest.raises(Launched):
+                    decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g)
+            else:
+                out = decode_core.launch_decode(q, 0.125, k[:, :, cap:], v[:, :, cap:], quant=(qk, qv), group_size=g)
+                assert _rel(out, ref) < TOL
+    assert launched == [cap]
 
 
 @pytest.mark.parametrize("path,dtype,hq,hkv,length", [
@@ -651,7 +683,7 @@ QUANT_PATHS = {  # launch settings the quantized-attention tests run under (deco
     # accumulators stay one per block token; with 128 (above) they are folded onto fewer rows (decode_core._fold_rows)
     "vec-prefetch-b16": dict(kernel="triton", path="vec", qblock=16, prefetch=True, min_split=32),
     # on a GPU: the Gluon kernel, several splits (on CPU the Triton kernel's default route)
-    "gluon": dict(kernel="gluon", gluon_min_split=128),
+    "gluon": dict(kernel="gluon", gluon_min_split=128, gluon_min_work=0),
 }
 
 

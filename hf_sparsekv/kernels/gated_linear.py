@@ -25,9 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from . import runtime
-from .grouped_linear import (
-    SMALL_GROUP, _sm_count, block_rows, kernel_takes as grouped_takes, launch_config, prologue_args, rows_of,
-)
+from .grouped_linear import _sm_count, block_rows, kernel_takes as grouped_takes, launch_config, prologue_args, rows_of
 
 
 def kernel_takes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor) -> bool:
@@ -69,8 +67,6 @@ def launch(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
         block_n, block_k, warps, stages = launch_config(rows, k, n, _sm_count(x.device.index or 0))
         if rows == 1:  # two per-channel accumulators of [BLOCK_N, BLOCK_K]: half the grouped kernel's K tile
             block_k //= 2
-        elif n * k <= SMALL_GROUP:  # H200, the bundled verifier at 4-6 rows: 2.9 against 3.1 µs (16 x 256, 3 stages)
-            block_n, block_k, stages = 32, 128, 3
     else:
         block_n, block_k, warps, stages = config
     prologue, flags = prologue_args(flat, norm)
