@@ -581,8 +581,8 @@ def test_quantized_splits_share_the_current_length_not_the_capacity(monkeypatch,
 
 
 def test_the_gluon_kernel_takes_only_launches_of_enough_work(monkeypatch):
-    """Below ``gluon_min_work`` (KV heads x code capacity) one Triton launch reads both segments; at or above it the
-    Gluon kernel takes the quantized one (here a stand-in that records its launch)."""
+    """Below ``gluon_min_work`` (KV heads x code capacity x head_dim) one Triton launch reads both segments; at or
+    above it the Gluon kernel takes the quantized one (here a stand-in that records its launch)."""
     from hf_sparsekv.kernels import decode_core, quant_gluon
 
     g, cap, buf = 32, 256, 16
@@ -601,7 +601,7 @@ def test_the_gluon_kernel_takes_only_launches_of_enough_work(monkeypatch):
     monkeypatch.setattr(quant_gluon, "launch_quant_splits", gluon_launch)
     ref = quant_decode_attention_reference(q.float(), _f32(qk), _f32(qv), k[:, :, cap:].float(), v[:, :, cap:].float(),
                                            g, False, 0.125)
-    for work, gluon in ((2 * cap + 1, False), (2 * cap, True)):
+    for work, gluon in ((2 * cap * 64 + 1, False), (2 * cap * 64, True)):
         with decode_core.quant_config(kernel="gluon", gluon_min_work=work):
             if gluon:
                 with pytest.raises(Launched):

@@ -149,7 +149,7 @@ def test_cuda_gluon_kernel_matches_the_reference(hq, hkv, d, length, dtype):
         assert quant_gluon.usable(q, d, 128)
         for int8 in (False, True):
             ref = quant_decode_attention_reference(q, qk.float32(), qv.float32(), bk, bv, 128, int8, d**-0.5)
-            with decode_core.quant_config(kernel="gluon"):
+            with decode_core.quant_config(kernel="gluon", gluon_min_work=0):
                 out = quant_decode_attention(q, qk, qv, bk, bv, 128, int8, d**-0.5)
             with decode_core.quant_config(kernel="triton"):
                 triton_out = quant_decode_attention(q, qk, qv, bk, bv, 128, int8, d**-0.5)
@@ -169,7 +169,8 @@ def test_cuda_gluon_kernel_launch_settings_agree(view):
     q, qk, qv, bk, bv = _quantized(32, 8, 128, 1, 5 * 128, 9, torch.float16, seed=5)
     outs = []
     for block, stages in ((32, 2), (64, 2), (32, 3), (64, 3), (32, 4)):
-        with decode_core.quant_config(kernel="gluon", **{f"gluon_{view}": (block, stages)}, gluon_min_split=128):
+        with decode_core.quant_config(kernel="gluon", gluon_min_work=0, **{f"gluon_{view}": (block, stages)},
+                                      gluon_min_split=128):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, view == "int8", 128**-0.5))
     for out in outs[1:]:
         assert _rel(out, outs[0]) < 1e-3
@@ -187,7 +188,7 @@ def test_cuda_sixteen_rows_per_program_agree_with_eight(view):
     int8 = view == "int8"
     outs = []
     for cfg in ({f"gluon_{view}_rows16": None}, {f"gluon_{view}_rows16": (16, 3)}, {f"gluon_{view}_rows16": (32, 3)}):
-        with decode_core.quant_config(kernel="gluon", gluon_min_split=128, **cfg):
+        with decode_core.quant_config(kernel="gluon", gluon_min_work=0, gluon_min_split=128, **cfg):
             outs.append(quant_decode_attention(q, qk, qv, bk, bv, 128, int8, 128**-0.5))
     ref = quant_decode_attention_reference(q.float(), qk.float32(), qv.float32(), bk.float(), bv.float(), 128, int8,
                                            128**-0.5)
@@ -206,7 +207,7 @@ def test_cuda_int4_self_speculation_on_the_graph_path_runs_the_gluon_kernel_loss
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from hf_sparsekv import HierarchicalQuantCache
-    from hf_sparsekv.kernels import quant_gluon
+    from hf_sparsekv.kernels import decode_core, quant_gluon
 
     from .conftest import VOCAB, prompt
 
@@ -222,6 +223,7 @@ def test_cuda_int4_self_speculation_on_the_graph_path_runs_the_gluon_kernel_loss
     launches = []
     real = quant_gluon.launch_quant_splits
     monkeypatch.setattr(quant_gluon, "launch_quant_splits", lambda *a, **k: launches.append(1) or real(*a, **k))
+    monkeypatch.setitem(decode_core.QUANT_CONFIG, "gluon_min_work", 0)  # (these small launches: Triton's otherwise)
     for seed, length in enumerate((700, 1100)):
         ids = prompt(length, seed).cuda()
         kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
@@ -262,11 +264,13 @@ def test_cuda_a_gluon_compile_failure_falls_back_to_the_triton_kernel(monkeypatc
     to the reference), and later launches go straight to the Triton kernel."""
     from triton.compiler.errors import CompilationError
 
-    from hf_sparsekv.kernels import quant_gluon
+    from hf_sparsekv.kernels import decode_core, quant_gluon
     from hf_sparsekv.kernels.quant_attention import quant_decode_attention, quant_decode_attention_reference
 
     def broken(*args, **kwargs):
         raise CompilationError("", None, "a Gluon API this kernel does not know")
+
+    monkeypatch.setitem(decode_core.QUANT_CONFIG, "gluon_min_work", 0)  # (this small launch: Triton's otherwise)
 
     quant_gluon._module()  # imported (the real module), then the compile "fails"
     monkeypatch.setattr(quant_gluon, "_launch", broken)

@@ -95,12 +95,14 @@ QUANT_CONFIG = dict(
     kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
     gluon_int4_rows16=None, gluon_int8_rows16=(16, 3), path="vec", qblock=64, num_warps=2, num_stages=3,
     programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=4, trans_load=True, prefetch=False,
-    vec_max_rows=1, asm_codes=True, gluon_min_work=1 << 16,
+    vec_max_rows=1, asm_codes=True, gluon_min_work=1 << 22,
 )
-# ``gluon_min_work``: the Gluon kernel takes the quantized segment only where KV heads x code capacity reaches this;
-# below it one Triton launch reads both segments (the Gluon kernel needs a launch of its own for the buffer). H200,
-# the bundled verifier (2 KV heads, 16K; benchmarks/step_kernels.py --mode int4): its plain step 0.315 against 0.352
-# ms, 6 drafts 1.76 against 2.05 ms, verification of 6 0.42 against 0.50 ms. 0 puts every launch on the Gluon kernel.
+# ``gluon_min_work``: the Gluon kernel takes the quantized segment only where KV heads x code capacity x head_dim
+# reaches this; below it one Triton launch reads both segments (the Gluon kernel needs a launch of its own for the
+# buffer). H200: the bundled verifier (2 x 16K x 64 = 2^21; benchmarks/step_kernels.py --mode int4) runs its plain
+# step in 0.315 against 0.352 ms, 6 drafts in 1.76 against 2.05 ms, verification of 6 in 0.42 against 0.50 ms; at
+# Llama-3-8B shape from 4K (8 x 4K x 128 = 2^22) the Gluon kernel stays (benchmarks/kernels.py --quant-only at 8K:
+# 15.7 against 22.5 µs INT4, 21.4 against 29.3 µs INT8). 0 puts every launch on the Gluon kernel.
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
 # stages; ``programs_per_sm``: the split count aims at this many programs per SM, with no split shorter than
@@ -353,8 +355,8 @@ def launch_decode(
     if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
         block_n = min(block_n, 32)
     qcfg = QUANT_CONFIG
-    gluon = (quant is not None and qcfg["kernel"] == "gluon" and hkv * quant[0].upper.shape[-2] >= qcfg["gluon_min_work"]
-             and quant_gluon.usable(q, d, group_size))
+    gluon = (quant is not None and qcfg["kernel"] == "gluon"
+             and hkv * quant[0].upper.shape[-2] * d >= qcfg["gluon_min_work"] and quant_gluon.usable(q, d, group_size))
     # Beside the Gluon kernel the full-precision segment is a launch of its own over the short buffer: one block per
     # program where that reaches programs_per_sm, so its few programs each wait on memory once.
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"],
