@@ -86,6 +86,20 @@ def time_graphs(graphs: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(v) for name, v in times.items()}
 
 
+def _capture_each(graphs: dict, kernel: str, launch, configs: list | None) -> None:
+    """``graphs[name]``: ``launch(config)`` captured for each of ``configs`` (``None``: the kernel's own settings, named
+    ``kernel``; the others ``kernel`` + the config); a configuration that does not fit (shared memory, registers) is
+    reported and skipped."""
+    for cfg in configs or [None]:
+        name = kernel if cfg is None else kernel + "-".join(map(str, cfg))
+        try:
+            graphs[name] = captured(lambda cfg=cfg: launch(cfg))
+        except Exception as err:
+            if cfg is None:
+                raise
+            print(f"  {name}: {type(err).__name__}", flush=True)
+
+
 def measure(shapes, rows: int, layers: int, dtype, repeats: int, configs: list | None) -> dict:
     x = torch.randn(rows, shapes[0][1], device="cuda", dtype=dtype)
     stacks = [[torch.randn(n, k, device="cuda", dtype=dtype) / k**0.5 for n, k in shapes] for _ in range(layers)]
@@ -93,23 +107,9 @@ def measure(shapes, rows: int, layers: int, dtype, repeats: int, configs: list |
     got = torch.ops.hf_sparsekv.grouped_linear(x, stacks[0], [])
     error = max((a.float() - b.float()).abs().max().item() for a, b in zip(got, ref))
     graphs = {"cublas": captured(lambda: [F.linear(x, w) for ws in stacks for w in ws])}
-    for cfg in configs or [None]:
-        name = "grouped" if cfg is None else "grouped" + "-".join(map(str, cfg))
-        try:
-            graphs[name] = captured(lambda cfg=cfg: [gl.launch(x, ws, [], config=cfg) for ws in stacks])
-        except Exception as err:  # a configuration that does not fit (shared memory, registers)
-            if cfg is None:
-                raise
-            print(f"  {name}: {type(err).__name__}", flush=True)
+    _capture_each(graphs, "grouped", lambda cfg: [gl.launch(x, ws, [], config=cfg) for ws in stacks], configs)
     if len(shapes) == 2 and shapes[0] == shapes[1]:  # gate/up: the gated kernel too, at the same configurations
-        for cfg in configs or [None]:
-            name = "gated" if cfg is None else "gated" + "-".join(map(str, cfg))
-            try:
-                graphs[name] = captured(lambda cfg=cfg: [gated_linear.launch(x, *ws, config=cfg) for ws in stacks])
-            except Exception as err:
-                if cfg is None:
-                    raise
-                print(f"  {name}: {type(err).__name__}", flush=True)
+        _capture_each(graphs, "gated", lambda cfg: [gated_linear.launch(x, *ws, config=cfg) for ws in stacks], configs)
     ms = {name: t / layers for name, t in time_graphs(graphs, repeats).items()}
     nbytes = sum(n * k for n, k in shapes) * x.element_size()
     del stacks, graphs
