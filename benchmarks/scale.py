@@ -46,6 +46,7 @@ from tqdm import tqdm
 import hf_sparsekv  # noqa: F401  (registers the attention implementations the models are built with)
 from provenance import commit
 from real_cost import build, measured_acceptance, time_graph_step
+from step_kernels import replay_kernels
 
 PAIRS = {"llama-3.1-8b+3.2-1b": ("llama-3.1-8b", "llama-3.2-1b"), "qwen2.5-7b+0.5b": ("qwen2.5-7b", "qwen2.5-0.5b")}
 E2E = ("hf-eager-ar", "hf-static-ar", "graph-ar")
@@ -114,9 +115,11 @@ def per_token_e2e(method: str, verifier, ids: torch.Tensor, short: int, long: in
     return statistics.median(costs), torch.cuda.max_memory_allocated()
 
 
-def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[str, tuple[float, int]]]:
-    """context -> name -> (seconds per step, peak bytes) of the static engine's captured steps (draft rounds divided
-    by γ). One engine per mode, sized for the longest context and re-prefilled for each shorter one (its steps are
+def step_costs(verifier, drafter, prompts: dict, args, only,
+               partial: Path | None = None) -> dict[int, dict[str, tuple[float, int, float]]]:
+    """context -> name -> (seconds per step, peak bytes, kernels per step) of the static engine's captured steps (a
+    draft round's time and kernels divided by γ; kernels: one profiled replay's CUDA kernels). ``partial``: a JSON
+    file rewritten after each engine, so that a run cut short keeps what it measured. One engine per mode, sized for the longest context and re-prefilled for each shorter one (its steps are
     compiled and captured once; the kernels read each row's current length from the device), as a user's engine
     serving several lengths is."""
     from hf_sparsekv.generation import engine as static_engine
@@ -149,9 +152,13 @@ def step_costs(verifier, drafter, prompts: dict, args, only) -> dict[int, dict[s
                 engine.prefill([ids[b : b + 1] for b in range(ids.shape[0])])
                 for name in wanted:
                     t = time_graph_step(engine, name, torch.device("cuda"), args.step_repeats, 2)
-                    out[L][_step_name(label, name)] = (t / gamma if name == "draft" else t,
-                                                       torch.cuda.max_memory_allocated())
-                print(f"  {label} {L}: " + " ".join(f"{k}={v[0] * 1e3:.2f}ms" for k, v in out[L].items()), flush=True)
+                    per = gamma if name == "draft" else 1
+                    out[L][_step_name(label, name)] = (t / per, torch.cuda.max_memory_allocated(),
+                                                       len(replay_kernels(engine, name, None)) / per)
+                print(f"  {label} {L}: " + " ".join(f"{k}={v[0] * 1e3:.2f}ms/{v[2]:.0f}k" for k, v in out[L].items()),
+                      flush=True)
+        if partial is not None:
+            partial.write_text(json.dumps({L: {k: list(v) for k, v in s.items()} for L, s in out.items()}, indent=1))
         del engine  # else its caches stay alive while the next engine allocates its own (and count in its peak)
     _free()
     return out
@@ -282,13 +289,16 @@ def profile_step(verifier, name: str, L: int, args, path: Path) -> str:
 def markdown(rows: list[dict], args) -> str:
     keys = list(dict.fromkeys(k for r in rows for k in r["seconds"]))
     lines = ["ms per token (end to end: e2e methods; per step: the rest) / its floor:", "",
-             "| pair | context | batch | method | ms | floor ms | × floor | peak GiB |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| pair | context | batch | method | ms | floor ms | × floor | kernels a step | peak GiB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         for k in keys:
             if k in r["seconds"]:
                 t, fl, peak = r["seconds"][k], r["floors"].get(k), r["peak_bytes"].get(k)
+                n = r.get("kernels", {}).get(k)
                 lines.append(f"| {r['pair']} | {r['context']} | {r['batch']} | {k} | {t * 1e3:.2f} | "
                              + (f"{fl * 1e3:.2f} | {t / fl:.2f}" if fl else "— | —")
+                             + (f" | {n:.0f}" if n else " | —")
                              + (f" | {peak / 2**30:.1f} |" if peak else " | — |"))
     lines += ["", "Our graph AR against HF AR (same run):", "",
               "| pair | context | batch | graph-ar ms | hf-static-ar ms | hf-eager-ar ms | × HF static | × HF eager |",
@@ -346,7 +356,8 @@ def merge(paths: list[str], args) -> list[dict]:
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
             cell = cells.setdefault((r["pair"], r["context"], r["batch"]), dict(r, seconds={}, peak_bytes={}, floors={}))
-            for key in ("seconds", "peak_bytes", "floors"):
+            cell.setdefault("kernels", {})
+            for key in ("seconds", "peak_bytes", "floors", "kernels"):
                 cell[key].update(r.get(key, {}))
     measured = measured_acceptance(str(ACCEPTANCE)) if ACCEPTANCE.exists() else {}
     rows = [cells[k] for k in sorted(cells)]
@@ -420,7 +431,7 @@ def main(argv=None) -> int:
                 continue
             full = torch.randint(0, verifier.config.vocab_size, (B, max(contexts)), device="cuda")
             prompts = {L: full[:, :L] for L in contexts}
-            seconds, peaks = {L: {} for L in contexts}, {L: {} for L in contexts}
+            seconds, peaks, kernels = ({L: {} for L in contexts} for _ in range(3))
             for method in (m for m in E2E if m in only):  # longest first: graph-ar's engine then serves them all
                 for L in tqdm(sorted(contexts, reverse=True), desc=f"{pair} B={B} {method}"):
                     try:
@@ -432,12 +443,14 @@ def main(argv=None) -> int:
                         _free()
                     print(f"  {method} {L}: {seconds[L].get(method, float('nan')) * 1e3:.2f} ms/token", flush=True)
                 _free()
-            for L, steps in step_costs(verifier, drafter, prompts, args, only).items():
-                for k, (t, peak) in steps.items():
-                    seconds[L][k], peaks[L][k] = t, peak
+            partial = out / f"steps-{pair}-b{B}.partial.json"
+            for L, steps in step_costs(verifier, drafter, prompts, args, only, partial).items():
+                for k, (t, peak, n) in steps.items():
+                    seconds[L][k], peaks[L][k], kernels[L][k] = t, peak, n
             for L in contexts:
                 row = dict(pair=pair, verifier=v_name, drafter=d_name, context=L, batch=B, seconds=seconds[L],
-                           peak_bytes=peaks[L], floors=floors(verifier, drafter, L, B, args, bandwidth))
+                           peak_bytes=peaks[L], kernels=kernels[L],
+                           floors=floors(verifier, drafter, L, B, args, bandwidth))
                 row["projection"] = project(row, args, measured)
                 rows.append(row)
                 (out / "scale.json").write_text(json.dumps(dict(rows=rows), indent=1))
