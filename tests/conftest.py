@@ -146,6 +146,20 @@ def _uncompiled_unless_marked(request, monkeypatch):
         monkeypatch.setenv("HF_SPARSEKV_COMPILE", "0")
 
 
+@pytest.fixture
+def compiled_steps(monkeypatch):
+    """The engine's steps compiled (``HF_SPARSEKV_COMPILE=1``) by torch.compile's tracing (dynamo + AOT autograd)
+    without Inductor's code generation: the graphs the CUDA path compiles, run by PyTorch's own kernels; no engine
+    kept from before or after."""
+    from hf_sparsekv.generation import engine as static_engine, graph_steps
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
+    static_engine.release_engines()
+    yield
+    static_engine.release_engines()
+
+
 @pytest.fixture(params=ARCHS)
 def arch(request):
     return request.param

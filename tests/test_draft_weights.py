@@ -5,6 +5,7 @@ dequantized reference."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import zipfile
@@ -229,3 +230,73 @@ def test_an_interrupted_attach_leaves_the_model_as_it_was(where, had_copies, mon
     assert len(_converted(verifier)) == len(draft_weights._qualifying(verifier)[0]) > 0
     assert torch.equal(out, _int8_view_greedy(verifier, ids, 12))
     hf_sparsekv.release_engines()
+
+
+def _traced_in_fresh_thread(model, ids, order):
+    """``order``: ``"full"`` / ``"int4"`` compiles, each ``torch.compile``'d as the engine compiles such steps (the
+    steps' backend outside :func:`drafting`, or the 4-bit draft steps' own inside it), all in one new thread whose
+    drafting flag is set only by the ``"int4"`` ones (a thread that never drafted: its flag is the class default,
+    which dynamo's guard read in place of later values) -> each compiled forward's logits."""
+    from hf_sparsekv.generation import graph_steps
+
+    outputs, failure = [], []
+
+    def forward(x):
+        return model(x).logits
+
+    def body():
+        try:
+            for weights in order:
+                backend = graph_steps.draft_weights_backend if weights == "int4" else graph_steps.step_backend
+                with draft_weights.drafting(True) if weights == "int4" else contextlib.nullcontext():
+                    outputs.append(torch.compile(forward, backend=backend, dynamic=False)(ids))
+        except BaseException as err:  # noqa: BLE001 (re-raised in the test's thread)
+            failure.append(err)
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    if failure:
+        raise failure[0]
+    return outputs
+
+
+@pytest.mark.parametrize("order", [("full", "int4"), ("int4", "full")])
+def test_compiled_code_keeps_the_weights_it_was_traced_for(compiled_steps, order):
+    """A forward compiled outside drafting and the same forward compiled for the draft steps each compute with their
+    own weights, in either order: dynamo never replays one's trace for the other (under torch 2.11 a draft step traced
+    after a full-weight trace ran the full weights: 4-bit draft weights never reached the GPU's draft steps)."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(tiny_model("llama"))
+    assert draft_weights.attach(model)
+    ids = prompt(12, 5)
+    with torch.no_grad():
+        eager = {"full": model(ids).logits}
+        with draft_weights.drafting(True):
+            eager["int4"] = model(ids).logits
+        assert not torch.allclose(eager["full"], eager["int4"])  # the copy's logits differ from the weights'
+        outputs = _traced_in_fresh_thread(model, ids, order)
+    for weights, out in zip(order, outputs):
+        torch.testing.assert_close(out, eager[weights])
+    draft_weights.release_model(model)
+
+
+@pytest.mark.compiled
+def test_compiled_int4_drafts_read_the_copy_after_full_weight_drafts(compiled_steps, monkeypatch):
+    """The engine's compiled draft steps: a call with ``draft_weights="full"``, then one with ``"int4"`` on the same
+    model; the second traces its drafts on the 4-bit copy, and both are greedy on the INT8 view."""
+    verifier = copy.deepcopy(tiny_model("qwen2"))
+    traced = []  # the drafting flag at each trace of a 4-bit matmul (compiled: traced, not run, per call)
+    real = draft_weights.w4_linear
+    monkeypatch.setattr(draft_weights, "w4_linear", lambda *a: (traced.append(draft_weights.active()), real(*a))[1])
+    ids = prompt(70, 9)
+    reference = _int8_view_greedy(verifier, ids, 16)
+    for weights in ("full", "int4"):
+        before = len(traced)
+        out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
+                                draft_weights=weights, num_assistant_tokens=3, max_new_tokens=16, do_sample=False)
+        assert torch.equal(out, reference)
+        engine = static_engine.current_engine(verifier)
+        assert engine.compiled and engine.spec.draft_weights == weights
+        assert (len(traced) > before) == (weights == "int4") and all(traced)
+    static_engine.release_engines()

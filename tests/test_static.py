@@ -542,16 +542,6 @@ def test_graphs_off_runs_the_engine_uncaptured(monkeypatch):
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=10, do_sample=False)
 
 
-@pytest.fixture
-def compiled_steps(fresh_engines, monkeypatch):
-    # torch.compile's tracing (dynamo + AOT autograd) without Inductor's code generation: the same graphs the CUDA
-    # path compiles, run by PyTorch's own kernels.
-    from hf_sparsekv.generation import graph_steps
-
-    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
-    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
-
-
 @pytest.mark.compiled
 @pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 3), ("qwen2", "full", 1), ("mistral", "window", 5),
                                              ("qwen2", "int4", 3)])

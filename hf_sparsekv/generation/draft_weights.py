@@ -47,13 +47,24 @@ _made_from: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDicti
 _registry = threading.Lock()  # guards _made_from
 
 
+@torch._dynamo.assume_constant_result
+def active() -> bool:
+    """Whether the calling thread drafts on the 4-bit copies (:func:`drafting`). Compiled code reads it once, when
+    it is traced, as a constant: dynamo's guards do not follow a ``threading.local``'s attribute (under torch 2.11 a
+    draft step traced before any drafting, or on a thread that never drafted, kept the full-precision weights when it
+    later ran inside :func:`drafting`). The engine therefore compiles the steps that draft on the copies with a
+    backend of their own (:func:`~.graph_steps.draft_weights_backend`): dynamo keeps compiled code per backend, so code
+    traced one way is never replayed the other."""
+    return _state.active
+
+
 class W4Linear(nn.Linear):
     """An ``nn.Linear`` holding a 4-bit copy of its weight (attribute ``_hf_sparsekv_w4``), which its forward reads
     while the calling thread drafts (:func:`drafting`). Pickled and deep-copied as a plain ``nn.Linear`` (the copy
     left behind): the file references ``torch.nn.Linear`` alone."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if _state.active:
+        if active():
             return w4_linear(x, getattr(self, _ATTRIBUTE), self.bias)
         return super().forward(x)
 

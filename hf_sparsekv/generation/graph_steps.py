@@ -108,15 +108,23 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     return out.logits[0, -1]
 
 
+def draft_weights_backend(gm: torch.fx.GraphModule, example_inputs):
+    """:func:`step_backend` for the steps that draft on 4-bit weight copies (:mod:`.draft_weights`): the same
+    compilation under a backend of its own, so that dynamo never replays a step traced on the copies where the full
+    weights are meant, nor the reverse (:func:`~.draft_weights.active`)."""
+    return step_backend(gm, example_inputs)
+
+
 class CapturedStep:
-    """``fn`` (device ops on static tensors only), compiled with ``torch.compile`` when ``compiled``, replayed as a
+    """``fn`` (device ops on static tensors only), compiled with ``torch.compile`` (``backend``, default
+    :func:`step_backend`) when ``compiled``, replayed as a
     CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
     and capture may change and must be put back (the warm-up really runs ``fn``). Calling it returns whether this
     was a graph's first replay (which uploads the graph to the device: slower than every later one)."""
 
-    def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = ()):
+    def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = (), backend=None):
         self.eager_fn, self.pool = fn, pool
-        self.fn = torch.compile(fn, backend=step_backend, dynamic=False) if compiled else fn
+        self.fn = torch.compile(fn, backend=backend or step_backend, dynamic=False) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replayed = False  # whether :attr:`graph` ran once
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
