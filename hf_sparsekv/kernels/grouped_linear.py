@@ -73,14 +73,10 @@ def launch_config(rows: int, k: int, n_total: int, sm_count: int) -> tuple[int, 
     inputs: the widest column block that still gives every SM a few programs (K is not split, so the programs fill
     the GPU by columns alone). From a sweep on the H100 (``benchmarks/linear_kernels.py --sweep``); for 2-16 rows over
     a small group (:data:`SMALL_GROUP`), 4 pipeline stages (H200, the bundled verifier at 4-6 rows: its down projection
-    2.8 against 3.3 µs with 3, the others within 0.2 µs); for one row over inputs of at most :data:`SHORT_K`, K tiles
-    of 128 in 4 stages instead of one half-empty tile of 512 (H200, the bundled verifier's K = 256: lm_head 3.1 against
-    4.4 µs, o 1.6 against 1.8 µs, q/k/v and gate/up within 0.1 µs)."""
+    2.8 against 3.3 µs with 3, the others within 0.2 µs)."""
     stages = 4 if 1 < rows <= 16 and n_total * k <= SMALL_GROUP else 3
     if rows == 1:
         block_n, floor, wanted, block_k, warps = 32, 8, 4 * sm_count, 512, 8
-        if k <= SHORT_K:
-            block_k, stages = 128, 4
     elif rows <= 16:
         block_n, floor, wanted, block_k, warps = 64, 16, 2 * sm_count, 256, 4
     else:  # 32 padded rows: a shorter K tile
@@ -96,7 +92,6 @@ def block_rows(rows: int) -> int:
 
 
 SMALL_WEIGHT = 1 << 18  # elements of a weight whose read is latency-bound: the kernel wins at any row count
-SHORT_K = 256  # inputs up to which a one-row launch takes short K tiles (launch_config)
 SMALL_GROUP = 1 << 19  # elements of a group (or a gated pair's one weight) whose launch settings are the small ones
 
 
