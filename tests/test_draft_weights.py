@@ -300,3 +300,17 @@ def test_compiled_int4_drafts_read_the_copy_after_full_weight_drafts(compiled_st
         assert engine.compiled and engine.spec.draft_weights == weights
         assert (len(traced) > before) == (weights == "int4") and all(traced)
     static_engine.release_engines()
+
+
+def test_the_4bit_copy_is_the_default_only_for_layers_large_enough(monkeypatch):
+    """default_choice: the full weights where tinygemm does not run (CPU, here); where it runs, 4-bit only from
+    W4_MIN_LAYER_ELEMENTS qualifying weights per decoder layer (counted against the layers' own shapes)."""
+    model = tiny_model("qwen2")
+    layers = [m for m in model.modules() if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]
+    per_layer = sum(m.weight.numel() for m in layers) / model.config.num_hidden_layers
+    assert draft_weights.layer_elements(model) == per_layer > 0
+    assert draft_weights.default_choice(model) == "full"  # no tinygemm on CPU
+    monkeypatch.setattr(draft_weights, "_tinygemm_runs", lambda m: True)
+    for bound, choice in [(per_layer, "int4"), (per_layer + 1, "full"), (1 << 25, "full")]:
+        monkeypatch.setattr(draft_weights, "W4_MIN_LAYER_ELEMENTS", bound)
+        assert draft_weights.default_choice(model) == choice, bound

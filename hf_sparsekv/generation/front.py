@@ -220,8 +220,9 @@ def _check_models(model, drafter, tokenizer=None) -> int | None:
 
 
 def _draft_weights(choice: str | None, mode: str, drafter) -> str:
-    """The draft steps' weights: ``choice`` (checked), else 4-bit where QuantSpec drafts (``draft_cache="int4"``) and
-    tinygemm runs (logged; not for a tensor-parallel model), else the model's own."""
+    """The draft steps' weights: ``choice`` (checked), else 4-bit where QuantSpec drafts (``draft_cache="int4"``),
+    tinygemm runs and the model's layers are large enough for the copy to pay (:func:`~.draft_weights.default_choice`;
+    logged; not for a tensor-parallel model), else the model's own."""
     check_choice(choice, mode, drafter)
     if choice is not None:
         return choice
