@@ -443,7 +443,7 @@ def main(argv=None) -> int:
                         _free()
                     print(f"  {method} {L}: {seconds[L].get(method, float('nan')) * 1e3:.2f} ms/token", flush=True)
                 _free()
-            partial = out / f"steps-{pair}-b{B}.partial.json"
+            partial = out / f"steps-{pair.replace('+', '_')}-b{B}.partial.json"  # (letters, digits, ._- only)
             for L, steps in step_costs(verifier, drafter, prompts, args, only, partial).items():
                 for k, (t, peak, n) in steps.items():
                     seconds[L][k], peaks[L][k], kernels[L][k] = t, peak, n
