@@ -355,8 +355,8 @@ def merge(paths: list[str], args) -> list[dict]:
     cells: dict = {}
     for path in paths:
         for r in json.loads(Path(path).read_text())["rows"]:
-            cell = cells.setdefault((r["pair"], r["context"], r["batch"]), dict(r, seconds={}, peak_bytes={}, floors={}))
-            cell.setdefault("kernels", {})
+            cell = cells.setdefault((r["pair"], r["context"], r["batch"]),
+                                    dict(r, seconds={}, peak_bytes={}, floors={}, kernels={}))
             for key in ("seconds", "peak_bytes", "floors", "kernels"):
                 cell[key].update(r.get(key, {}))
     measured = measured_acceptance(str(ACCEPTANCE)) if ACCEPTANCE.exists() else {}
@@ -443,7 +443,8 @@ def main(argv=None) -> int:
                         _free()
                     print(f"  {method} {L}: {seconds[L].get(method, float('nan')) * 1e3:.2f} ms/token", flush=True)
                 _free()
-            partial = out / f"steps-{pair.replace('+', '_')}-b{B}.partial.json"  # (letters, digits, ._- only)
+            # (what a run cut short measured: {context: {step: [seconds, peak bytes, kernels]}}, for reading by hand)
+            partial = out / f"steps-{pair.replace('+', '_')}-b{B}.partial.json"
             for L, steps in step_costs(verifier, drafter, prompts, args, only, partial).items():
                 for k, (t, peak, n) in steps.items():
                     seconds[L][k], peaks[L][k], kernels[L][k] = t, peak, n

@@ -234,9 +234,10 @@ def test_an_interrupted_attach_leaves_the_model_as_it_was(where, had_copies, mon
 
 def _traced_in_fresh_thread(model, ids, order):
     """``order``: ``"full"`` / ``"int4"`` compiles, each ``torch.compile``'d as the engine compiles such steps (the
-    steps' backend outside :func:`drafting`, or the 4-bit draft steps' own inside it), all in one new thread whose
-    drafting flag is set only by the ``"int4"`` ones (a thread that never drafted: its flag is the class default,
-    which dynamo's guard read in place of later values) -> each compiled forward's logits."""
+    steps' backend outside :func:`drafting`; the 4-bit draft steps' own inside :func:`drafting` and
+    :func:`compiling_drafts`), all in one new thread whose flags only the ``"int4"`` ones set (a thread that never
+    drafted: its flag is the class default, which dynamo's guard read in place of later values) -> each compiled
+    forward's logits."""
     from hf_sparsekv.generation import graph_steps
 
     outputs, failure = [], []
@@ -248,7 +249,10 @@ def _traced_in_fresh_thread(model, ids, order):
         try:
             for weights in order:
                 backend = graph_steps.draft_weights_backend if weights == "int4" else graph_steps.step_backend
-                with draft_weights.drafting(True) if weights == "int4" else contextlib.nullcontext():
+                with contextlib.ExitStack() as stack:
+                    if weights == "int4":
+                        stack.enter_context(draft_weights.drafting(True))
+                        stack.enter_context(draft_weights.compiling_drafts())
                     outputs.append(torch.compile(forward, backend=backend, dynamic=False)(ids))
         except BaseException as err:  # noqa: BLE001 (re-raised in the test's thread)
             failure.append(err)
@@ -261,54 +265,87 @@ def _traced_in_fresh_thread(model, ids, order):
     return outputs
 
 
-@pytest.mark.parametrize("order", [("full", "int4"), ("int4", "full")])
-def test_compiled_code_keeps_the_weights_it_was_traced_for(compiled_steps, order):
-    """A forward compiled outside drafting and the same forward compiled for the draft steps each compute with their
-    own weights, in either order: dynamo never replays one's trace for the other (under torch 2.11 a draft step traced
-    after a full-weight trace ran the full weights: 4-bit draft weights never reached the GPU's draft steps)."""
-    torch._dynamo.reset()
-    model = copy.deepcopy(tiny_model("llama"))
+def _model_with_copies(arch: str):
+    """A copy of the tiny ``arch`` model with its 4-bit copies, and a prompt whose logits the copies change."""
+    model = copy.deepcopy(tiny_model(arch))
     assert draft_weights.attach(model)
     ids = prompt(12, 5)
     with torch.no_grad():
         eager = {"full": model(ids).logits}
         with draft_weights.drafting(True):
             eager["int4"] = model(ids).logits
-        assert not torch.allclose(eager["full"], eager["int4"])  # the copy's logits differ from the weights'
+    assert not torch.allclose(eager["full"], eager["int4"])  # the copy's logits differ from the weights'
+    return model, ids, eager
+
+
+@pytest.mark.parametrize("order", [("full", "int4"), ("int4", "full")])
+def test_compiled_code_keeps_the_weights_it_was_traced_for(compiled_steps, order):
+    """A forward compiled outside drafting and the same forward compiled for the draft steps each compute with their
+    own weights, in either order: dynamo never replays one's trace for the other (under torch 2.11 every compiled
+    draft step ran the full weights: 4-bit draft weights never reached the GPU's draft steps)."""
+    torch._dynamo.reset()
+    model, ids, eager = _model_with_copies("llama")
+    with torch.no_grad():
         outputs = _traced_in_fresh_thread(model, ids, order)
     for weights, out in zip(order, outputs):
         torch.testing.assert_close(out, eager[weights])
     draft_weights.release_model(model)
 
 
+def test_a_forward_the_user_compiled_keeps_the_full_weights(compiled_steps):
+    """The model's forward compiled by its user (``model.forward = torch.compile(model.forward)``), first traced
+    inside :func:`drafting` (as an uncompiled draft step calls it), computes with the full weights there and after:
+    only the engine's own draft-step compiles trace the copies, so no trace of them is ever replayed where the full
+    weights are meant (a verification)."""
+    torch._dynamo.reset()
+    model, ids, eager = _model_with_copies("qwen2")
+    model.forward = torch.compile(model.forward, backend="aot_eager", dynamic=False)
+    with torch.no_grad():
+        with draft_weights.drafting(True):
+            inside = model(ids).logits
+        outside = model(ids).logits
+    torch.testing.assert_close(outside, eager["full"])
+    torch.testing.assert_close(inside, eager["full"])
+    del model.forward
+    draft_weights.release_model(model)
+
+
+def _accepted(verifier, ids, weights: str) -> tuple[torch.Tensor, int]:
+    """A constant-γ int4 self-speculation call's tokens and accepted drafts (deterministic: greedy, fixed rounds)."""
+    out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
+                            draft_weights=weights, num_assistant_tokens=3, num_assistant_tokens_schedule="constant",
+                            max_new_tokens=40, do_sample=False, return_dict_in_generate=True)
+    return out.sequences, out.spec_stats.accepted
+
+
 @pytest.mark.compiled
-def test_compiled_int4_drafts_read_the_copy_after_full_weight_drafts(compiled_steps, monkeypatch):
-    """The engine's compiled draft steps: a call with ``draft_weights="full"``, then one with ``"int4"`` on the same
-    model; the second traces its drafts on the 4-bit copy, and both are greedy on the INT8 view."""
+def test_compiled_draft_steps_draft_with_the_weights_their_call_asks_for(compiled_steps, monkeypatch):
+    """Compiled int4 engines on one model, their 4-bit copies kept between the calls: ``"int4"``, ``"full"``,
+    ``"int4"`` again. Each call's drafts are those of the same call on uncompiled steps (the accepted counts of
+    fixed rounds, which the copy changes on this prompt), and every call is greedy on the INT8 view."""
     verifier = copy.deepcopy(tiny_model("qwen2"))
-    traced = []  # the drafting flag at each trace of a 4-bit matmul (compiled: traced, not run, per call)
-    real = draft_weights.w4_linear
-    monkeypatch.setattr(draft_weights, "w4_linear", lambda *a: (traced.append(draft_weights.active()), real(*a))[1])
-    ids = prompt(70, 9)
-    reference = _int8_view_greedy(verifier, ids, 16)
-    for weights in ("full", "int4"):
-        before = len(traced)
-        out = verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=32),
-                                draft_weights=weights, num_assistant_tokens=3, max_new_tokens=16, do_sample=False)
-        assert torch.equal(out, reference)
-        engine = static_engine.current_engine(verifier)
-        assert engine.compiled and engine.spec.draft_weights == weights
-        assert (len(traced) > before) == (weights == "int4") and all(traced)
+    ids = prompt(90, 4)
+    reference = _int8_view_greedy(verifier, ids, 40)
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "0")
+    eager = {w: _accepted(verifier, ids, w)[1] for w in ("int4", "full")}
+    assert eager["int4"] != eager["full"]  # (else this prompt could not tell the weights apart)
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    for weights in ("int4", "full", "int4"):
+        tokens, accepted = _accepted(verifier, ids, weights)
+        assert static_engine.current_engine(verifier).compiled
+        assert torch.equal(tokens, reference) and accepted == eager[weights], weights
     static_engine.release_engines()
 
 
 def test_the_4bit_copy_is_the_default_only_for_layers_large_enough(monkeypatch):
     """default_choice: the full weights where tinygemm does not run (CPU, here); where it runs, 4-bit only from
-    W4_MIN_LAYER_ELEMENTS qualifying weights per decoder layer (counted against the layers' own shapes)."""
+    W4_MIN_LAYER_ELEMENTS qualifying weights per decoder layer (counted against the decoder layers' own shapes; the
+    output embedding, which gets a copy too, left out of the count)."""
     model = tiny_model("qwen2")
-    layers = [m for m in model.modules() if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]
+    layers = [m for layer in model.model.layers for m in layer.modules()
+              if type(m) is nn.Linear and w4_shape_ok(*m.weight.shape)]  # the decoder layers' (not lm_head)
     per_layer = sum(m.weight.numel() for m in layers) / model.config.num_hidden_layers
-    assert draft_weights.layer_elements(model) == per_layer > 0
+    assert w4_shape_ok(*model.lm_head.weight.shape) and draft_weights.layer_elements(model) == per_layer > 0
     assert draft_weights.default_choice(model) == "full"  # no tinygemm on CPU
     monkeypatch.setattr(draft_weights, "_tinygemm_runs", lambda m: True)
     for bound, choice in [(per_layer, "int4"), (per_layer + 1, "full"), (1 << 25, "full")]:

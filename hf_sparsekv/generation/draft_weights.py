@@ -37,9 +37,12 @@ _ATTRIBUTE = "_hf_sparsekv_w4"  # on a converted layer: its 4-bit copy (a W4Weig
 
 
 class _Drafting(threading.local):
-    """``active``: whether this thread's converted layers compute with their 4-bit copies (:func:`drafting`)."""
+    """``active``: whether this thread's converted layers compute with their 4-bit copies (:func:`drafting`);
+    ``compiling``: whether a forward dynamo traces on this thread now belongs to one of the engine's own compiled
+    draft steps (:func:`compiling_drafts`)."""
 
     active = False
+    compiling = False
 
 
 _state = _Drafting()
@@ -47,15 +50,36 @@ _made_from: "weakref.WeakKeyDictionary[nn.Module, tuple]" = weakref.WeakKeyDicti
 _registry = threading.Lock()  # guards _made_from
 
 
-@torch._dynamo.assume_constant_result
 def active() -> bool:
-    """Whether the calling thread drafts on the 4-bit copies (:func:`drafting`). Compiled code reads it once, when
-    it is traced, as a constant: dynamo's guards do not follow a ``threading.local``'s attribute (under torch 2.11 a
-    draft step traced before any drafting, or on a thread that never drafted, kept the full-precision weights when it
-    later ran inside :func:`drafting`). The engine therefore compiles the steps that draft on the copies with a
-    backend of their own (:func:`~.graph_steps.draft_weights_backend`): dynamo keeps compiled code per backend, so code
-    traced one way is never replayed the other."""
+    """Whether the calling thread's converted layers compute with their 4-bit copies: eagerly, inside
+    :func:`drafting`; in code dynamo traces, only inside :func:`drafting` and :func:`compiling_drafts` both (see
+    :func:`_traced_active`)."""
+    if torch.compiler.is_compiling():
+        return _traced_active()
     return _state.active
+
+
+@torch._dynamo.assume_constant_result
+def _traced_active() -> bool:
+    """What a trace reads for :func:`active`: run as Python when dynamo traces, its result a constant of the
+    compiled code (dynamo's guards do not follow a ``threading.local``'s attribute: torch 2.11 read the class
+    default, so that every compiled draft step kept the full weights). True only for the engine's own draft steps
+    on the copies, which compile under a backend of their own (:func:`~.graph_steps.draft_weights_backend`; dynamo
+    keeps compiled code per backend, so code traced one way is never replayed the other); any other compile, a
+    user's ``torch.compile`` of the model's forward reached from an uncompiled draft step included, traces the full
+    weights."""
+    return _state.active and _state.compiling
+
+
+@contextlib.contextmanager
+def compiling_drafts(active: bool = True):
+    """Inside the block (when ``active``), code dynamo traces on this thread is one of the engine's draft steps on
+    the 4-bit copies, compiled under :func:`~.graph_steps.draft_weights_backend`."""
+    previous, _state.compiling = _state.compiling, active
+    try:
+        yield
+    finally:
+        _state.compiling = previous
 
 
 class W4Linear(nn.Linear):
@@ -91,9 +115,14 @@ W4_MIN_LAYER_ELEMENTS = 1 << 25
 
 
 def layer_elements(model) -> float:
-    """The qualifying linear layers' weight elements per decoder layer (0 without any)."""
-    layers, _ = _qualifying(model)
-    count = getattr(model.config.get_text_config(), "num_hidden_layers", None) or max(len(layers), 1)
+    """The weight elements of the qualifying linear layers of ``model``'s decoder (its language model's, for a
+    multimodal one; the output embedding left out) per decoder layer; 0 where the decoder or its layer count is not
+    known."""
+    count = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if not count or decoder is None:
+        return 0.0
+    layers = [m for m in decoder.modules() if type(m) in (nn.Linear, W4Linear) and w4_shape_ok(*m.weight.shape)]
     return sum(m.weight.numel() for m in layers) / count
 
 

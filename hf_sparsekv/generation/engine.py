@@ -90,7 +90,9 @@ from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
-from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
+from .draft_weights import (
+    attach, compiling_drafts, drafting, models as models_with_copies, release_model as release_copies,
+)
 from .drafting import (
     catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
@@ -325,7 +327,8 @@ class StaticEngine:
         if self._compiled_draft_token is None:
             self._compiled_draft_token = torch.compile(functools.partial(draft_token, self),
                                                        backend=self._backend(True), dynamic=False)
-        self._compiled_draft_token(index)
+        with compiling_drafts(self.spec.draft_weights == "int4"):
+            self._compiled_draft_token(index)
 
     def _backend(self, drafts: bool):
         """The compile backend of a step: the drafter's steps on 4-bit draft weights get their own

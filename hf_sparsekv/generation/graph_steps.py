@@ -27,6 +27,7 @@ import torch
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
+from .draft_weights import compiling_drafts
 from .outer_products import outer_products
 from .projection_groups import gate_projections, group_projections, norm_projections
 
@@ -125,13 +126,15 @@ class CapturedStep:
     def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = (), backend=None):
         self.eager_fn, self.pool = fn, pool
         self.fn = torch.compile(fn, backend=backend or step_backend, dynamic=False) if compiled else fn
+        self.drafts_on_copies = compiled and backend is draft_weights_backend  # (its traces read the 4-bit copies)
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replayed = False  # whether :attr:`graph` ran once
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
         self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph
 
     def run(self) -> None:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
+                compiling_drafts(self.drafts_on_copies and self.fn is not self.eager_fn):
             self.fn()
 
     def uncompile(self) -> None:
