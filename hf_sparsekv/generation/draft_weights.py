@@ -8,7 +8,9 @@ Each qualifying ``nn.Linear`` (tinygemm's shapes, :func:`~hf_sparsekv.kernels.w4
 :class:`W4Linear` (its class swapped, its 4-bit copy an attribute): its forward reads the 4-bit copy while the calling
 thread is inside :func:`drafting` and is ``nn.Linear``'s otherwise, so forwards on other threads never see the copy.
 The engine activates it around its draft and catch-up steps (their compilation and capture included: a captured step
-holds the kernels it was traced with).
+holds the kernels it was traced with). Code that dynamo traces reads the copy only inside the engine's own compiled
+draft steps (:func:`compiling_drafts`, under their own compile backend), so that no trace on the copies is ever
+replayed where the full weights are meant (:func:`_traced_active`).
 
 What is attached survives the model's life cycle: a :class:`W4Linear` pickles and deep-copies as the plain
 ``nn.Linear`` it was, without the copy, so ``torch.save``/``torch.load``, ``copy.deepcopy`` and ``save_pretrained``
