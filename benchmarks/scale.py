@@ -119,9 +119,9 @@ def step_costs(verifier, drafter, prompts: dict, args, only,
                partial: Path | None = None) -> dict[int, dict[str, tuple[float, int, float]]]:
     """context -> name -> (seconds per step, peak bytes, kernels per step) of the static engine's captured steps (a
     draft round's time and kernels divided by γ; kernels: one profiled replay's CUDA kernels). ``partial``: a JSON
-    file rewritten after each engine, so that a run cut short keeps what it measured. One engine per mode, sized for the longest context and re-prefilled for each shorter one (its steps are
-    compiled and captured once; the kernels read each row's current length from the device), as a user's engine
-    serving several lengths is."""
+    file rewritten after each engine, so that a run cut short keeps what it measured. One engine per mode, sized for
+    the longest context and re-prefilled for each shorter one (its steps are compiled and captured once; the kernels
+    read each row's current length from the device), as a user's engine serving several lengths is."""
     from hf_sparsekv.generation import engine as static_engine
     from hf_sparsekv.generation.graph_steps import static_attention_for
 

@@ -124,8 +124,7 @@ def layer_elements(model) -> float:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
     if not count or decoder is None:
         return 0.0
-    layers = [m for m in decoder.modules() if type(m) in (nn.Linear, W4Linear) and w4_shape_ok(*m.weight.shape)]
-    return sum(m.weight.numel() for m in layers) / count
+    return sum(m.weight.numel() for m in _qualifying(decoder)[0]) / count
 
 
 def _tinygemm_runs(model) -> bool:

@@ -90,15 +90,12 @@ from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .common import _attention_shape, layer_devices
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
-from .draft_weights import (
-    attach, compiling_drafts, drafting, models as models_with_copies, release_model as release_copies,
-)
+from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
 from .drafting import (
     catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
 from .graph_steps import (
-    DEVICE_WIDE, CapturedStep, compile_setting, draft_weights_backend, graphs_setting, static_forward, static_prefill,
-    step_backend, wait_for,
+    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
 from .retrieval import retrieve
@@ -325,15 +322,9 @@ class StaticEngine:
             draft_token(self, index)
             return
         if self._compiled_draft_token is None:
-            self._compiled_draft_token = torch.compile(functools.partial(draft_token, self),
-                                                       backend=self._backend(True), dynamic=False)
-        with compiling_drafts(self.spec.draft_weights == "int4"):
-            self._compiled_draft_token(index)
-
-    def _backend(self, drafts: bool):
-        """The compile backend of a step: the drafter's steps on 4-bit draft weights get their own
-        (:func:`~.graph_steps.draft_weights_backend`)."""
-        return draft_weights_backend if drafts and self.spec.draft_weights == "int4" else step_backend
+            self._compiled_draft_token = compiled_step(functools.partial(draft_token, self),
+                                                       self.spec.draft_weights == "int4")
+        self._compiled_draft_token(index)
 
     def _catch_up(self) -> None:
         catch_up(self)
@@ -571,16 +562,15 @@ class StaticEngine:
         the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
         this call) or replayed its graph for the first time: its time then is no sample of the step's."""
         key = name if width is None or width == self.spec.gamma else (name, width)
-        drafts = name == "draft" or name.startswith("catch_up")  # the drafter's steps
-        with drafting(self.spec.draft_weights == "int4" and drafts):
+        on_copies = self.spec.draft_weights == "int4" and (name == "draft" or name.startswith("catch_up"))
+        with drafting(on_copies):
             step = self.steps.get(key)
             new = step is None
             if new:
                 fn = getattr(self, "_" + name)
                 per_token = name == "draft" and not self.grows_tree  # its one-token steps compile on their own
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
-                                                      self.compiled and not per_token, self.devices,
-                                                      self._backend(drafts))
+                                                      self.compiled and not per_token, self.devices, on_copies)
                 if self.use_graphs:
                     self._capture(step)
             if run:

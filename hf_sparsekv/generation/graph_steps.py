@@ -116,25 +116,38 @@ def draft_weights_backend(gm: torch.fx.GraphModule, example_inputs):
     return step_backend(gm, example_inputs)
 
 
+def compiled_step(fn, on_copies: bool = False):
+    """``fn`` compiled as the engine compiles its steps (:func:`step_backend`, static shapes); ``on_copies``: a
+    drafter's step on 4-bit weight copies, compiled under :func:`draft_weights_backend` and traced inside
+    :func:`~.draft_weights.compiling_drafts` (its traces alone read the copies)."""
+    compiled = torch.compile(fn, backend=draft_weights_backend if on_copies else step_backend, dynamic=False)
+    if not on_copies:
+        return compiled
+
+    def on_the_copies(*args):
+        with compiling_drafts():
+            return compiled(*args)
+
+    return on_the_copies
+
+
 class CapturedStep:
-    """``fn`` (device ops on static tensors only), compiled with ``torch.compile`` (``backend``, default
-    :func:`step_backend`) when ``compiled``, replayed as a
+    """``fn`` (device ops on static tensors only), compiled by :func:`compiled_step` (``on_copies``: a drafter's
+    step on 4-bit weight copies) when ``compiled``, replayed as a
     CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
     and capture may change and must be put back (the warm-up really runs ``fn``). Calling it returns whether this
     was a graph's first replay (which uploads the graph to the device: slower than every later one)."""
 
-    def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = (), backend=None):
+    def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = (), on_copies: bool = False):
         self.eager_fn, self.pool = fn, pool
-        self.fn = torch.compile(fn, backend=backend or step_backend, dynamic=False) if compiled else fn
-        self.drafts_on_copies = compiled and backend is draft_weights_backend  # (its traces read the 4-bit copies)
+        self.fn = compiled_step(fn, on_copies) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replayed = False  # whether :attr:`graph` ran once
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
         self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph
 
     def run(self) -> None:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT), \
-                compiling_drafts(self.drafts_on_copies and self.fn is not self.eager_fn):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
             self.fn()
 
     def uncompile(self) -> None:
