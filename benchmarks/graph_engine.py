@@ -18,6 +18,7 @@ Methods, interleaved within each repeat (so that the noisy host affects them ali
   lookup-gG        generate(ids, prompt_lookup_num_tokens=G)                      stock's call, on our graph path (retrieval)
   hf-lookup-gG     the same call with hf_sparsekv.unregister()d                    stock's own prompt lookup (eager)
   NAME-nocompile   NAME with HF_SPARSEKV_COMPILE=0: captured steps without torch.compile (ablation)
+  NAME-eagerprefill  NAME with HF_SPARSEKV_PREFILL_COMPILE=0: compiled steps, the prefill eager (ablation)
   NAME-lookup      chunk/window NAME with prompt_lookup_num_tokens=G too: retrieval beside the drafter
   NAME-tN          chunk/window NAME (or NAME-lookup) with draft_tree_size=N: trees of N draft nodes a round
 
@@ -74,15 +75,16 @@ def methods(budgets, gammas, sampling: bool = False) -> list[str]:
 
 
 @contextlib.contextmanager
-def _compile_env(value: str | None):
-    previous = os.environ.get("HF_SPARSEKV_COMPILE")
+def _env(name: str, value: str | None):
+    """Environment variable ``name`` set to ``value`` inside the block (None: left as it is)."""
+    previous = os.environ.get(name)
     if value is not None:
-        os.environ["HF_SPARSEKV_COMPILE"] = value
+        os.environ[name] = value
     try:
         yield
     finally:
         if value is not None:
-            os.environ.pop("HF_SPARSEKV_COMPILE") if previous is None else os.environ.update(HF_SPARSEKV_COMPILE=previous)
+            os.environ.pop(name) if previous is None else os.environ.update({name: previous})
 
 
 @contextlib.contextmanager
@@ -121,9 +123,16 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
         inner = runner(name.removesuffix("-nocompile"), verifier, drafter, ids, new_tokens, temperature)
 
         def uncompiled():
-            with _compile_env("0"):
+            with _env(graph_steps.COMPILE_ENV, "0"):
                 return inner()
         return uncompiled
+    if name.endswith("-eagerprefill"):
+        inner = runner(name.removesuffix("-eagerprefill"), verifier, drafter, ids, new_tokens, temperature)
+
+        def eager_prefill():
+            with _env(graph_steps.PREFILL_COMPILE_ENV, "0"):
+                return inner()
+        return eager_prefill
     common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     if temperature is not None:
         common.update(do_sample=True, temperature=temperature)

@@ -708,6 +708,11 @@ def _written_base(node):
     return node
 
 
+def _sizes(value: torch.Tensor) -> tuple[int, ...]:
+    """``value``'s shape, a symbolic size (a compiled prefill's dynamic shapes) as the size it was traced with."""
+    return tuple(d.node.hint if isinstance(d, torch.SymInt) else d for d in value.shape)
+
+
 def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
     """Nodes of a post-grad ``graph`` that produce a new tensor shaped like one of the preallocated buffers (a copy of
     the buffer, or an out-of-place write into it), or copy such a tensor back into a graph input. A ``copy_`` of an
@@ -715,7 +720,7 @@ def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
     found = []
     for node in graph.nodes:
         value = node.meta.get("val")
-        if node.op != "call_function" or not isinstance(value, torch.Tensor) or tuple(value.shape) not in buffer_shapes:
+        if node.op != "call_function" or not isinstance(value, torch.Tensor) or _sizes(value) not in buffer_shapes:
             continue
         name = _op_name(node)
         if name == "copy_" and _written_base(node.args[1]) is node.args[0]:
@@ -742,6 +747,9 @@ def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, 
     graphs = []
     monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", _post_grad_recorder(graphs))
+    # a backend of this test's own: dynamo would replay a prefill another test compiled with the same backend
+    monkeypatch.setattr(graph_steps, "compiled_prefill",
+                        graph_steps.compile_prefill(lambda gm, inputs: graph_steps.prefill_backend(gm, inputs)))
     verifier = tiny_model("llama", layers=1)
     drafter = verifier if mode == "int4" else tiny_model("llama", role="drafter")
     sampling = [TemperatureLogitsWarper(0.7), TopKLogitsWarper(8)] if warpers else None
@@ -757,7 +765,8 @@ def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, 
     shapes |= {tuple(c.slot_positions.shape) for c in caches} | {tuple(engine.seq.shape)}
     if warpers:
         shapes.add(tuple(engine.q.shape))
-    assert len(graphs) == len(steps)
+    prefills = sum(c.compiles_prefill and c.batch == 1 for c in caches)  # a one-row full cache's prefill compiles
+    assert len(graphs) == len(steps) + prefills
     for graph in graphs:
         assert _buffer_copies(graph, shapes) == []
 
@@ -854,3 +863,60 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
     assert isinstance(engine.drafter_cache, StaticChunkWindowCache) and engine.spec.batch == 3
     for b, p in enumerate(prompts):
         assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("arch", ARCHS)
+def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_every_length(arch, monkeypatch):
+    """A one-row full cache's prefill through the compiled forward (dynamo's trace with dynamic shapes, run by
+    aot_eager: PyTorch's own kernels) returns the eager forward's logits and leaves the same keys, values, slot
+    positions and length in the cache, for prompts of every length (Mistral's 300 past its sliding window of 256)
+    and after a loaded prefix; one compilation serves every length, another the prefills after a prefix (and
+    Mistral's prompts past its window a third)."""
+    from transformers import DynamicCache
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    model = tiny_model(arch)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def prefilled(ids, compiled, prefix=0):
+        cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
+        start = 0
+        with torch.no_grad():
+            if prefix:
+                held = DynamicCache()
+                model(ids[:, :prefix], past_key_values=held, use_cache=True)
+                start = cache.load_prefix([(layer.keys, layer.values) for layer in held.layers])
+        with torch.no_grad(), graph_steps.static_attention_for(model):
+            logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled)
+        return [logits, cache.slot_positions, cache.fp_length] + [t for layer in cache.layers
+                                                                  for t in (layer.keys, layer.values)]
+
+    for length, prefix in ((37, 0), (90, 0), (300, 0), (23, 0), (120, 40), (61, 20)):
+        ids = prompt(length, seed=length)
+        eager, compiled = prefilled(ids, False, prefix), prefilled(ids, True, prefix)
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert len(graphs) == 2 + (arch == "mistral")  # (and Mistral's prompts within / past its window)
+
+
+def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(monkeypatch):
+    full = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")
+    assert graph_steps.prefill_compiles(full)
+    assert not graph_steps.prefill_compiles(StaticFullCache(1, 1, 4, 8, torch.float32, "cpu", batch=2))
+    assert not graph_steps.prefill_compiles(StaticChunkBudgetCache(8, 1, 1, 4, 16, torch.float32, "cpu"))
+    full.companion = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")  # a self-drafting prefill fills both
+    assert not graph_steps.prefill_compiles(full)
+    full.companion = None
+    monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", "0")
+    assert not graph_steps.prefill_compiles(full)
+    monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", "yes")
+    with pytest.raises(ValueError, match="HF_SPARSEKV_PREFILL_COMPILE"):
+        graph_steps.prefill_compiles(full)

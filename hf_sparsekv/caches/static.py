@@ -134,6 +134,7 @@ class PreallocatedCache(Cache):
 
     contiguous = True  # slots are in position order and the first fp_length of them are what a query sees
     takes_trees = False  # a step's tokens may be a tree block (begin_step's tree)
+    compiles_prefill = False  # its prefill may run compiled (graph_steps.prefill_compiles)
     takes_prefix = False  # prompt caching: a row may hold a prefix before its prefill (begin_prefill's start)
 
     def __init__(self, num_layers: int, kv_heads: int, head_dim: int, capacity: int, dtype, device, batch: int = 1,
@@ -380,6 +381,7 @@ class StaticFullCache(PreallocatedCache):
 
     takes_prefix = True
     takes_trees = True
+    compiles_prefill = True
 
     def keep_path(self, source: torch.Tensor, target: torch.Tensor, stale: torch.Tensor) -> None:
         """After a tree step: copy each layer's keys/values of row b from slots ``source[b]`` to ``target[b]``
@@ -414,17 +416,19 @@ class StaticFullCache(PreallocatedCache):
         layer = self.layers[layer_idx]
         return layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
 
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+        end = start + length
+        if end > self.capacity:
+            raise ValueError(f"prompt of {end} tokens exceeds the cache capacity {self.capacity}")
+        super().begin_prefill(length, row, start)
+        self.slot_positions[row].fill_(-1)  # (here, not in the prefill's forward, which only writes keys/values)
+        self.slot_positions[row, :end] = torch.arange(end, device=self.slot_positions.device)
+        self.fp_length[row] = end
+
     def _store_prefill(self, layer, key_states, value_states):
-        s, n = self.prefill_start, key_states.shape[-2]
-        if s + n > self.capacity:
-            raise ValueError(f"prompt of {s + n} tokens exceeds the cache capacity {self.capacity}")
-        r = self.prefill_row
+        s, n, r = self.prefill_start, key_states.shape[-2], self.prefill_row
         layer.keys[r, :, s : s + n].copy_(key_states[0])
         layer.values[r, :, s : s + n].copy_(value_states[0])
-        if layer.layer_idx == 0:
-            self.slot_positions[r].fill_(-1)
-            self.slot_positions[r, : s + n] = torch.arange(s + n, device=self.slot_positions.device)
-            self.fp_length[r] = s + n
 
 
 class _ChunkSelecting:

@@ -668,7 +668,7 @@ class StaticEngine:
                 if prefix is not None and prefix.get_seq_length() > 0:
                     start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
                                                             row)
-                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start))
+                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start, self.compiled))
             finally:
                 self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
             if shared_prefill and not self.drafter_deferred:
@@ -677,7 +677,8 @@ class StaticEngine:
                 timed = timer is not None and self.drafter_prefills > 0
                 if timed:
                     timer.mark("drafter_prefill", True)
-                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
+                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
+                               compiled=self.compiled)
                 if timed:
                     timer.mark("drafter_prefill", False)
             self.seq[row, :p].copy_(prompt[0])
@@ -719,7 +720,8 @@ class StaticEngine:
         self.drafter_cache.reset()
         for row, prompt in enumerate(prompts):
             if not self.self_drafting:
-                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row)
+                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
+                               compiled=self.compiled)
                 continue
             p = prompt.shape[1]
             self.drafter_cache.begin_prefill(p, row)

@@ -37,6 +37,7 @@ COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, 
 GROUPED_LINEAR_ENV = "HF_SPARSEKV_GROUPED_LINEAR"  # "0": keep each linear layer a cuBLAS call in compiled steps
 GATED_LINEAR_ENV = "HF_SPARSEKV_GATED_LINEAR"  # "0": keep gate/up a grouped call and the activation Inductor's
 NORMED_LINEAR_ENV = "HF_SPARSEKV_NORMED_LINEAR"  # "0": keep the RMSNorms (and residual adds) Inductor's
+PREFILL_COMPILE_ENV = "HF_SPARSEKV_PREFILL_COMPILE"  # "0": the prefill of a compiled engine stays eager
 COMBO_KERNELS_ENV = "HF_SPARSEKV_COMBO_KERNELS"  # "0": Inductor launches each independent kernel of a step alone
 RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
@@ -98,15 +99,61 @@ def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
     return out.logits
 
 
-def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int = 0) -> torch.Tensor:
-    """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (eager; ``start``: the row already holds
-    the first ``start`` tokens, only the rest is fed); the last position's logits ``[V]``."""
+def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int = 0,
+                   compiled: bool = False) -> torch.Tensor:
+    """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (``start``: the row already holds the first
+    ``start`` tokens, only the rest is fed); the last position's logits ``[V]``. ``compiled``: where
+    :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager."""
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
-    out = model(input_ids=prompt[:, start:], position_ids=positions, use_cache=True, logits_to_keep=1,
-                **{cache_keyword(model): cache})
+    if compiled and prefill_compiles(cache):
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            logits = compiled_prefill(model, prompt[:, start:], positions, cache, cache_keyword(model))
+    else:
+        logits = prefill_forward(model, prompt[:, start:], positions, cache, cache_keyword(model))
     cache.end_prefill()
-    return out.logits[0, -1]
+    return logits[0, -1]
+
+
+def prefill_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, keyword: str) -> torch.Tensor:
+    """``model`` on a prompt's ``tokens [1, P]`` at ``positions [1, P]`` into ``cache`` (its prefill begun); the
+    last position's logits ``[1, 1, V]``."""
+    return model(input_ids=tokens, position_ids=positions, use_cache=True, logits_to_keep=1,
+                 **{keyword: cache}).logits
+
+
+def prefill_backend(gm: torch.fx.GraphModule, example_inputs):
+    """The ``torch.compile`` backend of a prefill: :data:`COMPILE_BACKEND` as it is (a prefill's linear layers are
+    matrix products of P rows, not the one-row products :func:`step_backend` groups)."""
+    if COMPILE_BACKEND == "inductor":
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+    return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
+
+
+# One compilation per model for prompts of every length (dynamic shapes): an eager prefill of a small model is bound
+# by the host's launches of its eager ops (bundled verifier at 16K, H200: 19 ms of wall time for 8.6 ms of kernels,
+# about 800 ops); the compiled forward launches Inductor's fused kernels from generated code.
+def compile_prefill(backend=prefill_backend):
+    """:func:`prefill_forward` compiled under ``backend``, once for prompts of every length (dynamic shapes)."""
+    return torch.compile(prefill_forward, backend=backend, dynamic=True)
+
+
+compiled_prefill = compile_prefill()
+
+
+def prefill_compiles(cache) -> bool:
+    """Whether a prefill of ``cache`` (begun) runs compiled: a one-row full cache on one device that fills nothing
+    else (no companion, no kept queries; a chunk selection, a ring or a quantized store keeps its prefill eager),
+    outside tensor parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``. (A cache of several rows stays eager:
+    Inductor's in-place pass specializes the written row, a compilation per row.)"""
+    setting = os.environ.get(PREFILL_COMPILE_ENV, "1") or "1"
+    if setting not in ("0", "1"):
+        raise ValueError(f"{PREFILL_COMPILE_ENV} must be '0' or '1', got {setting!r}")
+    return (setting == "1" and cache.compiles_prefill and cache.batch == 1 and cache.companion is None
+            and cache.prompt_queries is None and len(set(cache.layer_devices)) == 1
+            and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
 def draft_weights_backend(gm: torch.fx.GraphModule, example_inputs):
