@@ -29,7 +29,7 @@ from hf_sparsekv.caches.static import (
 from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
 from hf_sparsekv.generation.acceptance import accepted_length
 
-from .conftest import ARCHS, left_padded, prompt, record_plain_reads, tiny_model
+from .conftest import ARCHS, left_padded, prompt, record_plain_reads, stock_generate, tiny_model
 
 H, D = 2, 8
 
@@ -920,3 +920,32 @@ def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(mon
     monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", "yes")
     with pytest.raises(ValueError, match="HF_SPARSEKV_PREFILL_COMPILE"):
         graph_steps.prefill_compiles(full)
+
+
+@pytest.mark.compiled
+def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_steps, monkeypatch):
+    """Under a compiled engine the verifier's and a full-cache drafter's prefills go through the compiled forward
+    while their decoder layers hold fewer than PREFILL_MAX_LAYER_ELEMENTS weights, and stay eager from there on;
+    the tokens are stock greedy's either way."""
+    from hf_sparsekv.generation import draft_weights
+
+    verifier, drafter = tiny_model("qwen2"), tiny_model("qwen2", role="drafter")
+    per_layer = draft_weights.layer_elements(verifier)
+    assert draft_weights.layer_elements(drafter) < per_layer
+    ids = prompt(40, seed=3)
+    expected = stock_generate(verifier, ids, max_new_tokens=12, do_sample=False)
+    fed = []
+
+    def counted(model, *args):
+        fed.append(model)
+        return graph_steps.prefill_forward(model, *args)
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", counted)
+    for bound, compiled in [(per_layer + 1, [verifier, drafter]), (per_layer, [drafter]), (0, [])]:
+        monkeypatch.setattr(graph_steps, "PREFILL_MAX_LAYER_ELEMENTS", bound)
+        static_engine.release_engines()
+        fed.clear()
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", num_assistant_tokens=3,
+                                num_assistant_tokens_schedule="constant", max_new_tokens=12, do_sample=False)
+        assert torch.equal(out, expected)
+        assert fed == compiled, bound

@@ -95,7 +95,8 @@ from .drafting import (
     catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
 from .graph_steps import (
-    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, static_forward, static_prefill, wait_for,
+    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, prefill_pays, static_forward,
+    static_prefill, wait_for,
 )
 from .model_locks import exclusive
 from .retrieval import retrieve
@@ -287,6 +288,8 @@ class StaticEngine:
         self.drafter_prefills = 0  # the drafter's prefills on this engine so far (the first pays one-time costs)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         self.compiled = spec.compiled
+        # whose prefill runs compiled where its cache allows (graph_steps.prefill_compiles): small models only
+        self.prefill_compiled = {id(m): spec.compiled and prefill_pays(m) for m in (verifier, drafter) if m is not None}
         self._compiled_draft_token = None
 
     @property
@@ -668,7 +671,8 @@ class StaticEngine:
                 if prefix is not None and prefix.get_seq_length() > 0:
                     start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
                                                             row)
-                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start, self.compiled))
+                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start,
+                                            self.prefill_compiled[id(self.verifier)]))
             finally:
                 self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
             if shared_prefill and not self.drafter_deferred:
@@ -678,7 +682,7 @@ class StaticEngine:
                 if timed:
                     timer.mark("drafter_prefill", True)
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.compiled)
+                               compiled=self.prefill_compiled[id(self.drafter)])
                 if timed:
                     timer.mark("drafter_prefill", False)
             self.seq[row, :p].copy_(prompt[0])
@@ -721,7 +725,7 @@ class StaticEngine:
         for row, prompt in enumerate(prompts):
             if not self.self_drafting:
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.compiled)
+                               compiled=self.prefill_compiled[id(self.drafter)])
                 continue
             p = prompt.shape[1]
             self.drafter_cache.begin_prefill(p, row)

@@ -27,7 +27,7 @@ import torch
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
-from .draft_weights import compiling_drafts
+from .draft_weights import compiling_drafts, layer_elements
 from .outer_products import outer_products
 from .projection_groups import gate_projections, group_projections, norm_projections
 
@@ -141,6 +141,17 @@ def compile_prefill(backend=prefill_backend):
 
 
 compiled_prefill = compile_prefill()
+
+
+PREFILL_MAX_LAYER_ELEMENTS = 1 << 25  # from these weights per decoder layer on, a prefill compiles no more
+
+
+def prefill_pays(model) -> bool:
+    """Whether compiling ``model``'s prefill pays: decoder layers of fewer than :data:`PREFILL_MAX_LAYER_ELEMENTS`
+    weight elements (:func:`~.draft_weights.layer_elements`; the bundled verifier holds 0.8M, Llama-3.2-1B 61M).
+    A prompt's kernels in a layer that size take longer than the host's launches of the eager ops (a 16K prompt:
+    about 2 TFLOP a layer at 1B), and the compilation of a larger model's dynamic-shape forward costs the more."""
+    return layer_elements(model) < PREFILL_MAX_LAYER_ELEMENTS
 
 
 def prefill_compiles(cache) -> bool:
