@@ -949,3 +949,34 @@ def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_st
                                 num_assistant_tokens_schedule="constant", max_new_tokens=12, do_sample=False)
         assert torch.equal(out, expected)
         assert fed == compiled, bound
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("layout", ["chunk", "window"])
+def test_a_self_drafter_is_filled_after_a_compiled_prefill_as_the_shared_prefill_fills_it(compiled_steps, monkeypatch,
+                                                                                          layout):
+    """Self-drafting on a compiled engine: the verifier's prefill compiles and the drafter's cache is then filled from
+    the verifier's keys/values and the kept prompt queries; it holds what the eager shared prefill (the companion
+    written by the same forward) puts there, slot by slot, and the call is stock greedy with the same accepted
+    drafts."""
+    verifier = tiny_model("llama")
+    ids = prompt(60, seed=9)
+    kw = dict(assistant_model=verifier, draft_cache=layout, kv_budget=24, num_assistant_tokens=3,
+              num_assistant_tokens_schedule="constant", max_new_tokens=20, do_sample=False,
+              return_dict_in_generate=True)
+    expected = stock_generate(verifier, ids, max_new_tokens=20, do_sample=False)
+    filled, accepted = [], []
+    for setting in ("1", "0"):
+        monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", setting)
+        out = verifier.generate(ids, **kw)
+        assert torch.equal(out.sequences, expected)
+        accepted.append(out.spec_stats.accepted)
+        engine = static_engine.current_engine(verifier)
+        with torch.no_grad(), graph_steps.static_attention_for(verifier):
+            engine.prefill([ids])
+        cache = engine.drafter_cache
+        filled.append([cache.slot_positions.clone(), cache.fp_length.clone(), getattr(cache, "offset", None)]
+                      + [t.clone() for layer in cache.layers for t in (layer.keys, layer.values)])
+    assert accepted[0] == accepted[1] > 0
+    for a, b in zip(*filled):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -95,8 +95,8 @@ from .drafting import (
     catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
 from .graph_steps import (
-    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, prefill_pays, static_forward,
-    static_prefill, wait_for,
+    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, prefill_compiles, prefill_pays,
+    static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
 from .retrieval import retrieve
@@ -641,7 +641,8 @@ class StaticEngine:
         ``defer_drafter`` (where :attr:`defers_drafter`): the drafter's cache is left empty, for
         :meth:`prefill_drafter` when a round first drafts (:attr:`drafter_deferred` says whether it was; a
         self-drafter keeps its prompt's voting queries for it, unless they would take more than
-        :data:`DEFERRED_QUERY_BYTES`). ``timer``: marks the phase ``"drafter_prefill"`` around a separate drafter's
+        :data:`DEFERRED_QUERY_BYTES`; one not deferred is filled the same way right after the verifier's prefill
+        where that prefill compiles, :func:`~.graph_steps.prefill_compiles`). ``timer``: marks the phase ``"drafter_prefill"`` around a separate drafter's
         prefill forwards (``mark(name, start)``), from its second prefill on this engine (the first pays one-time
         costs: lazy initialisation, kernel and plan choice; 150 ms once for a 16K prompt on an H200, 20x the next)."""
         if len(prompts) != self.spec.batch:
@@ -652,14 +653,18 @@ class StaticEngine:
         if separate:
             self.drafter_cache.reset()
         voting = [self._voting_queries(prompt.shape[1]) for prompt in prompts] if shared_prefill else []
-        self.drafter_deferred = defer_drafter and self.defers_drafter and not (shared_prefill and (
+        keeps_queries = shared_prefill and not (  # (a prefix: not the whole prompt's keys)
             (prefixes is not None and any(x is not None and x.get_seq_length() > 0 for x in prefixes))
-            or sum(voting) * self._query_bytes() > DEFERRED_QUERY_BYTES))  # (a prefix: not the whole prompt's keys)
+            or sum(voting) * self._query_bytes() > DEFERRED_QUERY_BYTES)
+        self.drafter_deferred = defer_drafter and self.defers_drafter and (keeps_queries or not shared_prefill)
+        # a self-drafter whose verifier prefill compiles is filled right after it, as a deferred one is later
+        fills_after = (keeps_queries and not self.drafter_deferred and self.prefill_compiled[id(self.verifier)]
+                       and prefill_compiles(self.verifier_cache))
         self.prompt_queries = [{} for _ in prompts]  # a deferred self-drafter's: row -> layer -> (queries, scaling)
         last = []
         for row, prompt in enumerate(prompts):
             p = prompt.shape[1]
-            if shared_prefill and not self.drafter_deferred:
+            if shared_prefill and not (self.drafter_deferred or fills_after):
                 self.drafter_cache.begin_prefill(p, row)
                 self.verifier_cache.companion = self.drafter_cache
             elif shared_prefill and voting[row]:
@@ -675,7 +680,7 @@ class StaticEngine:
                                             self.prefill_compiled[id(self.verifier)]))
             finally:
                 self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
-            if shared_prefill and not self.drafter_deferred:
+            if shared_prefill and not (self.drafter_deferred or fills_after):
                 self.drafter_cache.end_prefill()
             elif separate and not shared_prefill and not self.drafter_deferred:
                 timed = timer is not None and self.drafter_prefills > 0
@@ -690,7 +695,9 @@ class StaticEngine:
             if self.penalty is not None:
                 self.seen[row].zero_()
                 self.seen[row, prompt[0, self.penalty[1] :]] = True
-        self.drafter_prefills += separate and not self.drafter_deferred
+        self.drafter_prefills += separate and not self.drafter_deferred and not fills_after
+        if fills_after:
+            self.prefill_drafter(prompts)
         seen = None if self.penalty is None else self.seen[:, None]
         if host_first is None:
             first = self._next(torch.stack(last)[:, None], self.n, seen)[:, 0]

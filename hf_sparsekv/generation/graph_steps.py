@@ -155,15 +155,16 @@ def prefill_pays(model) -> bool:
 
 
 def prefill_compiles(cache) -> bool:
-    """Whether a prefill of ``cache`` (begun) runs compiled: a one-row full cache on one device that fills nothing
-    else (no companion, no kept queries; a chunk selection, a ring or a quantized store keeps its prefill eager),
-    outside tensor parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``. (A cache of several rows stays eager:
-    Inductor's in-place pass specializes the written row, a compilation per row.)"""
+    """Whether a prefill of ``cache`` (begun) runs compiled: a one-row full cache on one device that fills no
+    companion (its kept queries, ``prompt_queries``, trace as the forward's side effect; a chunk selection, a ring or
+    a quantized store keeps its prefill eager), outside tensor parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``.
+    (A cache of several rows stays eager: Inductor's in-place pass specializes the written row, a compilation per
+    row.)"""
     setting = os.environ.get(PREFILL_COMPILE_ENV, "1") or "1"
     if setting not in ("0", "1"):
         raise ValueError(f"{PREFILL_COMPILE_ENV} must be '0' or '1', got {setting!r}")
     return (setting == "1" and cache.compiles_prefill and cache.batch == 1 and cache.companion is None
-            and cache.prompt_queries is None and len(set(cache.layer_devices)) == 1
+            and len(set(cache.layer_devices)) == 1
             and not (torch.distributed.is_available() and torch.distributed.is_initialized()))
 
 
