@@ -980,3 +980,23 @@ def test_a_self_drafter_is_filled_after_a_compiled_prefill_as_the_shared_prefill
     assert accepted[0] == accepted[1] > 0
     for a, b in zip(*filled):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.compiled
+def test_a_compiled_prefill_that_fails_warns_and_runs_eagerly_from_then_on(compiled_steps, monkeypatch):
+    """Where the compiled prefill raises (a model the compiler does not take), the call warns once, prefills eagerly
+    and is stock greedy; later prefills of that model do not try the compiled one again."""
+    verifier = copy.deepcopy(tiny_model("llama"))
+    ids = prompt(30, seed=4)
+    tried = []
+
+    def broken(*args):
+        tried.append(1)
+        raise RuntimeError("no such lowering")
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", broken)
+    kwargs = dict(max_new_tokens=8, do_sample=False)
+    with pytest.warns(UserWarning, match="compiled prefill of LlamaForCausalLM failed .*no such lowering"):
+        out = verifier.generate(ids, static_engine=True, **kwargs)
+    assert torch.equal(out, stock_generate(verifier, ids, **kwargs)) and tried == [1]
+    assert torch.equal(verifier.generate(ids, static_engine=True, **kwargs), out) and tried == [1]

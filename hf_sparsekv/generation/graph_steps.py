@@ -22,6 +22,8 @@ import contextlib
 import gc
 import os
 import threading
+import warnings
+import weakref
 
 import torch
 
@@ -103,14 +105,22 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
                    compiled: bool = False) -> torch.Tensor:
     """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (``start``: the row already holds the first
     ``start`` tokens, only the rest is fed); the last position's logits ``[V]``. ``compiled``: where
-    :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager."""
+    :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager (and eager, with a warning, for
+    every later prefill of a model whose compiled prefill raised)."""
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
-    if compiled and prefill_compiles(cache):
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
-            logits = compiled_prefill(model, prompt[:, start:], positions, cache, cache_keyword(model))
-    else:
-        logits = prefill_forward(model, prompt[:, start:], positions, cache, cache_keyword(model))
+    args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
+    logits = None
+    if compiled and model not in _eager_prefills and prefill_compiles(cache):
+        try:
+            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+                logits = compiled_prefill(*args)
+        except Exception as error:  # (a real error of the inputs comes back from the eager forward below)
+            _eager_prefills.add(model)
+            warnings.warn(f"hf_sparsekv: the compiled prefill of {type(model).__name__} failed ({type(error).__name__}:"
+                          f" {error}); its prefills run eagerly from now on", stacklevel=2)
+    if logits is None:  # (the eager forward rewrites every layer's keys/values and kept queries)
+        logits = prefill_forward(*args)
     cache.end_prefill()
     return logits[0, -1]
 
@@ -144,6 +154,9 @@ compiled_prefill = compile_prefill()
 
 
 PREFILL_MAX_LAYER_ELEMENTS = 1 << 25  # from these weights per decoder layer on, a prefill compiles no more
+
+
+_eager_prefills: "weakref.WeakSet" = weakref.WeakSet()  # models whose compiled prefill failed to compile or run
 
 
 def prefill_pays(model) -> bool:
