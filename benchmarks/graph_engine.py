@@ -63,6 +63,7 @@ from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, median
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
+ABLATIONS = {"-nocompile": graph_steps.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV}  # set to "0"
 SLOW = ("hf-eager-ar", "hf-assisted") + tuple(f"hf-lookup-g{g}" for g in range(1, 33))
 
 
@@ -119,20 +120,14 @@ def _recorded_stats():
 def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, temperature: float | None = None):
     """A function running method ``name`` once -> (sequences, spec_stats or None); greedy, or sampled at
     ``temperature``."""
-    if name.endswith("-nocompile"):
-        inner = runner(name.removesuffix("-nocompile"), verifier, drafter, ids, new_tokens, temperature)
+    for suffix, variable in ABLATIONS.items():
+        if name.endswith(suffix):
+            inner = runner(name.removesuffix(suffix), verifier, drafter, ids, new_tokens, temperature)
 
-        def uncompiled():
-            with _env(graph_steps.COMPILE_ENV, "0"):
-                return inner()
-        return uncompiled
-    if name.endswith("-eagerprefill"):
-        inner = runner(name.removesuffix("-eagerprefill"), verifier, drafter, ids, new_tokens, temperature)
-
-        def eager_prefill():
-            with _env(graph_steps.PREFILL_COMPILE_ENV, "0"):
-                return inner()
-        return eager_prefill
+            def ablated(inner=inner, variable=variable):
+                with _env(variable, "0"):
+                    return inner()
+            return ablated
     common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     if temperature is not None:
         common.update(do_sample=True, temperature=temperature)
