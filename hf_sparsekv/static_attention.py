@@ -7,8 +7,8 @@ None); what a query sees comes from the cache (``slot_positions``, ``fp_length``
 in :data:`hf_sparsekv.caches.static.LAST_WRITTEN` (per thread). Routing (``query [B, Hq, L, D]``, B rows of
 independent sequences):
 
-* **prefill** (eager, the cache is empty): causal attention over the prompt's own keys (PyTorch SDPA; with a
-  sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
+* **prefill** (never captured, eager or compiled; the cache is empty): causal attention over the prompt's own keys
+  (PyTorch SDPA; with a sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
   chunks from the prompt's queries here), and so does its ``companion`` if it has one (self-drafting: the model's
   own compressed cache, built from the same prefill);
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding

@@ -50,8 +50,9 @@ other layouts use real positions.
 Driving a step (what :mod:`hf_sparsekv.generation.graph_steps` does): ``begin_step(positions)`` with the step's
 positions ``[B, L]`` (a device tensor), then the model forward (its attention must be the ``"sparsekv_static"``
 implementation, :mod:`hf_sparsekv.static_attention`). A prompt is fed to one row with ``begin_prefill(length,
-row)`` instead (eager, never captured, a batch-1 forward): it attends to the prompt itself and then stores what the
-layout keeps in that row.
+row)`` instead (a batch-1 forward, never captured, eager or compiled:
+:func:`~hf_sparsekv.generation.graph_steps.static_prefill`): it attends to the prompt itself and then stores what
+the layout keeps in that row.
 """
 
 from __future__ import annotations
@@ -235,8 +236,8 @@ class PreallocatedCache(Cache):
         return copy
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
-        """The next forward (batch 1) feeds a prompt of ``length`` tokens to the empty row ``row`` (eager); ``start``:
-        the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's tokens
+        """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
+        ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's tokens
         are at ``start..start+length-1``."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
