@@ -8,9 +8,9 @@ in :data:`hf_sparsekv.caches.static.LAST_WRITTEN` (per thread). Routing (``query
 independent sequences):
 
 * **prefill** (never captured, eager or compiled; the cache is empty): causal attention over the prompt's own keys
-  (PyTorch SDPA; with a sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget cache selects its
-  chunks from the prompt's queries here), and so does its ``companion`` if it has one (self-drafting: the model's
-  own compressed cache, built from the same prefill);
+  (PyTorch SDPA; with a sliding window, an explicit mask), then the cache stores what its layout keeps (a chunk-budget
+  cache selects its chunks from the prompt's queries here), and so does its ``companion`` if it has one (self-drafting:
+  the model's own compressed cache, built from the same prefill);
 * **decode / verify step** on a cache whose slots are in position order (full, chunk budget), CUDA, no sliding
   window, a shape the kernel takes: the Triton split-KV kernel reading each row's length from ``fp_length`` on the device,
   called as the custom operator ``hf_sparsekv::static_decode`` so that ``torch.compile`` keeps the whole step in

@@ -237,8 +237,8 @@ class PreallocatedCache(Cache):
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
-        ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's tokens
-        are at ``start..start+length-1``."""
+        ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's
+        tokens are at ``start..start+length-1``."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
