@@ -642,9 +642,10 @@ class StaticEngine:
         :meth:`prefill_drafter` when a round first drafts (:attr:`drafter_deferred` says whether it was; a
         self-drafter keeps its prompt's voting queries for it, unless they would take more than
         :data:`DEFERRED_QUERY_BYTES`; one not deferred is filled the same way right after the verifier's prefill
-        where that prefill compiles, :func:`~.graph_steps.prefill_compiles`). ``timer``: marks the phase ``"drafter_prefill"`` around a separate drafter's
-        prefill forwards (``mark(name, start)``), from its second prefill on this engine (the first pays one-time
-        costs: lazy initialisation, kernel and plan choice; 150 ms once for a 16K prompt on an H200, 20x the next)."""
+        where that prefill compiles, :func:`~.graph_steps.prefill_compiles`). ``timer``: marks the phase
+        ``"drafter_prefill"`` around a separate drafter's prefill forwards (``mark(name, start)``), from its second
+        prefill on this engine (the first pays one-time costs: lazy initialisation, kernel and plan choice; 150 ms
+        once for a 16K prompt on an H200, 20x the next)."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         self.verifier_cache.reset()
