@@ -1000,3 +1000,36 @@ def test_a_compiled_prefill_that_fails_warns_and_runs_eagerly_from_then_on(compi
         out = verifier.generate(ids, static_engine=True, **kwargs)
     assert torch.equal(out, stock_generate(verifier, ids, **kwargs)) and tried == [1]
     assert torch.equal(verifier.generate(ids, static_engine=True, **kwargs), out) and tried == [1]
+
+
+@pytest.mark.compiled
+def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs(monkeypatch):
+    """A model whose compiled prefill compiles anew for each prompt length (here: compiled without dynamic shapes)
+    warns once it has taken more than PREFILL_MAX_GRAPHS graphs and prefills eagerly from then on, each prefill
+    filling the cache as the eager forward does."""
+    monkeypatch.setattr(graph_steps, "compiled_prefill", torch.compile(
+        graph_steps.prefill_forward, backend=lambda gm, inputs: graph_steps.prefill_backend(gm, inputs), dynamic=False))
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
+    model = tiny_model("qwen2")
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+
+    def prefilled(ids, compiled):
+        cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 64, model.dtype, "cpu")
+        with torch.no_grad(), graph_steps.static_attention_for(model):
+            logits = graph_steps.static_prefill(model, ids, cache, compiled=compiled)
+        return logits, cache.layers[-1].keys
+
+    counts = []
+    with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
+        for length in range(20, 27):
+            ids = prompt(length, seed=length)
+            if length == 20 + graph_steps.PREFILL_MAX_GRAPHS:
+                with pytest.warns(UserWarning, match="compiled 5 graphs"):
+                    compiled = prefilled(ids, True)
+            else:
+                compiled = prefilled(ids, True)
+            counts.append(graph_steps._prefill_graphs[model])
+            for a, b in zip(prefilled(ids, False), compiled):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert counts == [1, 2, 3, 4, 5, 5, 5] and model in graph_steps._eager_prefills

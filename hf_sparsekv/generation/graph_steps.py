@@ -106,19 +106,24 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (``start``: the row already holds the first
     ``start`` tokens, only the rest is fed); the last position's logits ``[V]``. ``compiled``: where
     :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager (and eager, with a warning, for
-    every later prefill of a model whose compiled prefill raised)."""
+    every later prefill of a model whose compiled prefill raised or took more than :data:`PREFILL_MAX_GRAPHS`
+    graphs)."""
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
     args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
     logits = None
     if compiled and model not in _eager_prefills and prefill_compiles(cache):
+        _prefilling.model = model
         try:
             with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
                 logits = compiled_prefill(*args)
         except Exception as error:  # (a real error of the inputs comes back from the eager forward below)
-            _eager_prefills.add(model)
-            warnings.warn(f"hf_sparsekv: the compiled prefill of {type(model).__name__} failed ({type(error).__name__}:"
-                          f" {error}); its prefills run eagerly from now on", stacklevel=2)
+            _eager_prefill(model, f"failed ({type(error).__name__}: {error})")
+        finally:
+            _prefilling.model = None
+        if _prefill_graphs.get(model, 0) > PREFILL_MAX_GRAPHS:
+            _eager_prefill(model, f"compiled {_prefill_graphs[model]} graphs (graph breaks, or recompilations for "
+                                  "new prompt lengths)")
     if logits is None:  # (the eager forward rewrites every layer's keys/values and kept queries)
         logits = prefill_forward(*args)
     cache.end_prefill()
@@ -132,9 +137,19 @@ def prefill_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache,
                  **{keyword: cache}).logits
 
 
+def _eager_prefill(model, why: str) -> None:
+    _eager_prefills.add(model)
+    warnings.warn(f"hf_sparsekv: the compiled prefill of {type(model).__name__} {why}; its prefills run eagerly from "
+                  "now on", stacklevel=3)
+
+
 def prefill_backend(gm: torch.fx.GraphModule, example_inputs):
     """The ``torch.compile`` backend of a prefill: :data:`COMPILE_BACKEND` as it is (a prefill's linear layers are
-    matrix products of P rows, not the one-row products :func:`step_backend` groups)."""
+    matrix products of P rows, not the one-row products :func:`step_backend` groups); counts the graphs of the
+    model whose prefill this thread compiles."""
+    model = getattr(_prefilling, "model", None)
+    if model is not None:
+        _prefill_graphs[model] = _prefill_graphs.get(model, 0) + 1
     if COMPILE_BACKEND == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
@@ -156,7 +171,10 @@ compiled_prefill = compile_prefill()
 PREFILL_MAX_LAYER_ELEMENTS = 1 << 25  # from these weights per decoder layer on, a prefill compiles no more
 
 
-_eager_prefills: "weakref.WeakSet" = weakref.WeakSet()  # models whose compiled prefill failed to compile or run
+_eager_prefills: "weakref.WeakSet" = weakref.WeakSet()  # models whose compiled prefill failed or recompiled too often
+_prefill_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> graphs its prefill compiled
+_prefilling = threading.local()  # .model: the model whose compiled prefill this thread runs (None: none)
+PREFILL_MAX_GRAPHS = 4  # a model's prefill compiles 1-3 (a prefix, a sliding window); beyond, it goes eager
 
 
 def prefill_pays(model) -> bool:
