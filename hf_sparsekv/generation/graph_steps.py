@@ -79,11 +79,15 @@ def step_backend(gm: torch.fx.GraphModule, example_inputs):
             gate_projections(gm)
         if os.environ.get(NORMED_LINEAR_ENV, "1") != "0":
             norm_projections(gm)
+    return _compile(gm, example_inputs, combo_kernels=os.environ.get(COMBO_KERNELS_ENV, "1") != "0")
+
+
+def _compile(gm: torch.fx.GraphModule, example_inputs, **inductor_config):
+    """``gm`` compiled by :data:`COMPILE_BACKEND` (Inductor with ``inductor_config`` patched in)."""
     if COMPILE_BACKEND == "inductor":
         from torch._inductor.compile_fx import compile_fx
 
-        return compile_fx(gm, example_inputs,
-                          config_patches={"combo_kernels": os.environ.get(COMBO_KERNELS_ENV, "1") != "0"})
+        return compile_fx(gm, example_inputs, config_patches=inductor_config)
     return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
 
 
@@ -148,13 +152,9 @@ def prefill_backend(gm: torch.fx.GraphModule, example_inputs):
     matrix products of P rows, not the one-row products :func:`step_backend` groups); counts the graphs of the
     model whose prefill this thread compiles."""
     model = getattr(_prefilling, "model", None)
-    if model is not None:
+    if model is not None:  # (dynamo calls a backend under its compile lock: one thread at a time)
         _prefill_graphs[model] = _prefill_graphs.get(model, 0) + 1
-    if COMPILE_BACKEND == "inductor":
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
-    return torch._dynamo.lookup_backend(COMPILE_BACKEND)(gm, example_inputs)
+    return _compile(gm, example_inputs)
 
 
 # One compilation per model for prompts of every length (dynamic shapes): an eager prefill of a small model is bound
