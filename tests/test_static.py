@@ -865,6 +865,25 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
         assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b
 
 
+def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0) -> list[torch.Tensor]:
+    """``ids [1, P]`` prefilled into a fresh one-row full cache of ``model`` (``prefix``: its first tokens loaded
+    from a ``DynamicCache`` first) through :func:`~hf_sparsekv.generation.graph_steps.static_prefill`: the logits,
+    slot positions, length and every layer's keys and values."""
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
+    start = 0
+    with torch.no_grad():
+        if prefix:
+            held = DynamicCache()
+            model(ids[:, :prefix], past_key_values=held, use_cache=True)
+            start = cache.load_prefix([(layer.keys, layer.values) for layer in held.layers])
+    with torch.no_grad(), graph_steps.static_attention_for(model):
+        logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled)
+    return [logits, cache.slot_positions, cache.fp_length] + [t for layer in cache.layers
+                                                              for t in (layer.keys, layer.values)]
+
+
 @pytest.mark.compiled
 @pytest.mark.parametrize("arch", ARCHS)
 def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_every_length(arch, monkeypatch):
@@ -873,8 +892,6 @@ def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_eve
     positions and length in the cache, for prompts of every length (Mistral's 300 past its sliding window of 256)
     and after a loaded prefix; one compilation serves every length, another the prefills after a prefix (and
     Mistral's prompts past its window a third)."""
-    from transformers import DynamicCache
-
     graphs = []
 
     def backend(gm, inputs):
@@ -883,25 +900,10 @@ def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_eve
 
     monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
     model = tiny_model(arch)
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-
-    def prefilled(ids, compiled, prefix=0):
-        cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
-        start = 0
-        with torch.no_grad():
-            if prefix:
-                held = DynamicCache()
-                model(ids[:, :prefix], past_key_values=held, use_cache=True)
-                start = cache.load_prefix([(layer.keys, layer.values) for layer in held.layers])
-        with torch.no_grad(), graph_steps.static_attention_for(model):
-            logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled)
-        return [logits, cache.slot_positions, cache.fp_length] + [t for layer in cache.layers
-                                                                  for t in (layer.keys, layer.values)]
 
     for length, prefix in ((37, 0), (90, 0), (300, 0), (23, 0), (120, 40), (61, 20)):
         ids = prompt(length, seed=length)
-        eager, compiled = prefilled(ids, False, prefix), prefilled(ids, True, prefix)
+        eager, compiled = _prefilled(model, ids, False, prefix), _prefilled(model, ids, True, prefix)
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert len(graphs) == 2 + (arch == "mistral")  # (and Mistral's prompts within / past its window)
@@ -1011,14 +1013,6 @@ def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs
         graph_steps.prefill_forward, backend=lambda gm, inputs: graph_steps.prefill_backend(gm, inputs), dynamic=False))
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model("qwen2")
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-
-    def prefilled(ids, compiled):
-        cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 64, model.dtype, "cpu")
-        with torch.no_grad(), graph_steps.static_attention_for(model):
-            logits = graph_steps.static_prefill(model, ids, cache, compiled=compiled)
-        return logits, cache.layers[-1].keys
 
     counts = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
@@ -1026,10 +1020,10 @@ def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs
             ids = prompt(length, seed=length)
             if length == 20 + graph_steps.PREFILL_MAX_GRAPHS:
                 with pytest.warns(UserWarning, match="compiled 5 graphs"):
-                    compiled = prefilled(ids, True)
+                    compiled = _prefilled(model, ids, True)
             else:
-                compiled = prefilled(ids, True)
+                compiled = _prefilled(model, ids, True)
             counts.append(graph_steps._prefill_graphs[model])
-            for a, b in zip(prefilled(ids, False), compiled):
+            for a, b in zip(_prefilled(model, ids, False), compiled):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert counts == [1, 2, 3, 4, 5, 5, 5] and model in graph_steps._eager_prefills
