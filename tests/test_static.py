@@ -23,6 +23,7 @@ from transformers import (
 
 import hf_sparsekv
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache
+from hf_sparsekv.caches.chunk_selection import ChunkSelection
 from hf_sparsekv.caches.static import (
     StaticChunkBudgetCache, StaticChunkWindowCache, StaticFullCache, StaticQuantCache, StaticSinkWindowCache,
 )
@@ -768,7 +769,7 @@ def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, 
     prefills = sum(c.compiles_prefill and c.batch == 1 for c in caches)  # a one-row full cache's prefill compiles
     assert len(graphs) == len(steps) + prefills
     for graph in graphs:
-        assert _buffer_copies(graph, shapes) == []
+        assert _buffer_copies(graph, shapes) == [], "\n".join(_buffer_copies(graph, shapes))
 
 
 @pytest.mark.parametrize("self_drafting", [False, True], ids=["drafter", "self"])
@@ -865,13 +866,18 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
         assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b
 
 
-def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0) -> list[torch.Tensor]:
-    """``ids [1, P]`` prefilled into a fresh one-row full cache of ``model`` (``prefix``: its first tokens loaded
-    from a ``DynamicCache`` first) through :func:`~hf_sparsekv.generation.graph_steps.static_prefill`: the logits,
-    slot positions, length and every layer's keys and values."""
+def _full_cache(model) -> StaticFullCache:
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
-    cache = StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
+    return StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
+
+
+def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0, cache=None) -> list[torch.Tensor]:
+    """``ids [1, P]`` prefilled into ``cache`` (default: a fresh one-row full cache of ``model``; ``prefix``: its
+    first tokens loaded from a ``DynamicCache`` first) through
+    :func:`~hf_sparsekv.generation.graph_steps.static_prefill`: the logits, slot positions, length, a chunk layout's
+    offset and kept count, and every layer's keys and values."""
+    cache = _full_cache(model) if cache is None else cache
     start = 0
     with torch.no_grad():
         if prefix:
@@ -880,8 +886,9 @@ def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0) -> lis
             start = cache.load_prefix([(layer.keys, layer.values) for layer in held.layers])
     with torch.no_grad(), graph_steps.static_attention_for(model):
         logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled)
-    return [logits, cache.slot_positions, cache.fp_length] + [t for layer in cache.layers
-                                                              for t in (layer.keys, layer.values)]
+    chunks = [cache.offset, torch.tensor(cache.kept)] if hasattr(cache, "kept") else []
+    return [logits, cache.slot_positions, cache.fp_length] + chunks + [t for layer in cache.layers
+                                                                       for t in (layer.keys, layer.values)]
 
 
 @pytest.mark.compiled
@@ -909,11 +916,56 @@ def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_eve
     assert len(graphs) == 2 + (arch == "mistral")  # (and Mistral's prompts within / past its window)
 
 
+@pytest.mark.compiled
+@pytest.mark.parametrize("arch,layout,selection", [
+    ("llama", "chunk", ChunkSelection()), ("qwen2", "chunk", ChunkSelection(method="cumulative")),
+    ("mistral", "chunk", ChunkSelection(per_kv_head=True, observe=24, pool=3)),
+    ("llama", "chunk-window", ChunkSelection(recent=12, sink=5)), ("qwen2", "window", None),
+])
+def test_a_drafter_cache_prefill_compiles_once_for_every_length_and_keeps_what_the_eager_one_keeps(
+        arch, layout, selection, monkeypatch):
+    """A chunk layout's or a sink+window ring's prefill through the compiled forward (dynamic shapes, aot_eager)
+    keeps the same prompt tokens as the eager one: the same logits, keys, values, slot positions, length (and a chunk
+    layout's offset and kept count), for prompts within the budget (the ring: within its sinks) and past it (with and
+    without a partial trailing chunk; Mistral's past its sliding window). The chunk selection runs behind one opaque
+    op, so one graph serves the short prompts and one the long ones (a third Mistral's past its window), whatever
+    their lengths."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    model = tiny_model(arch)
+    config = model.config
+    head_dim = config.hidden_size // config.num_attention_heads
+    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+
+    def cache():
+        if layout == "chunk":
+            return StaticChunkBudgetCache(48, *shape, 80, model.dtype, "cpu", chunk_size=8, selection=selection)
+        if layout == "chunk-window":
+            return StaticChunkWindowCache(48, 16, 4, *shape, model.dtype, "cpu", chunk_size=8, selection=selection)
+        return StaticSinkWindowCache(4, 24, 4, *shape, model.dtype, "cpu")
+
+    for length in (30, 44, 97, 160, 203, 300, 121) if selection else (3, 30, 44, 97, 300, 121):
+        ids = prompt(length, seed=length)
+        eager, compiled = _prefilled(model, ids, False, cache=cache()), _prefilled(model, ids, True, cache=cache())
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        if selection:  # past the budget, chunks were dropped
+            assert (int(eager[4]) < length) == (length > 48)
+    assert len(graphs) == 2 + (arch == "mistral")
+
+
 def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(monkeypatch):
     full = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")
     assert graph_steps.prefill_compiles(full)
     assert not graph_steps.prefill_compiles(StaticFullCache(1, 1, 4, 8, torch.float32, "cpu", batch=2))
-    assert not graph_steps.prefill_compiles(StaticChunkBudgetCache(8, 1, 1, 4, 16, torch.float32, "cpu"))
+    assert graph_steps.prefill_compiles(StaticChunkBudgetCache(8, 1, 1, 4, 16, torch.float32, "cpu"))
+    assert graph_steps.prefill_compiles(StaticSinkWindowCache(2, 8, 3, 1, 1, 4, torch.float32, "cpu"))
+    assert not graph_steps.prefill_compiles(StaticQuantCache(8, 16, 4, 1, 1, 8, torch.float32, "cpu"))
     full.companion = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")  # a self-drafting prefill fills both
     assert not graph_steps.prefill_compiles(full)
     full.companion = None

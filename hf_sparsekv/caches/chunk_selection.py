@@ -184,9 +184,13 @@ def voting_queries(selection: ChunkSelection, p: int) -> int:
     return min(selection.observe, p)
 
 
-def kept_chunk_count(p: int, budget: int, chunk_size: int) -> int:
-    """Chunks kept of a prompt of ``p`` tokens: min(⌈p/s⌉, ⌊budget/s⌋)."""
-    return min(-(-p // chunk_size), budget // chunk_size)
+def kept_token_count(p: int, budget: int, chunk_size: int) -> int:
+    """Prompt tokens a chunk-budget cache keeps of a ``p``-token prompt: all of them within the budget, else the
+    trailing partial chunk and as many full chunks as the budget holds beside it (N of :func:`top_chunk_indices`)."""
+    if p <= budget:
+        return p
+    n_full, tail = divmod(p, chunk_size)
+    return tail + min(n_full, budget // chunk_size - (1 if tail else 0)) * chunk_size
 
 
 def top_chunk_indices(scores: torch.Tensor, budget: int, chunk_size: int, recent: int = 0,

@@ -63,7 +63,8 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..kernels import runtime
-from .chunk_selection import ChunkSelection, as_selection, select_chunks, select_tokens
+from .chunk_selection import ChunkSelection, as_selection, kept_token_count
+from .prefill_selection import keep_selected
 
 
 class _HandOff(threading.local):
@@ -435,7 +436,11 @@ class StaticFullCache(PreallocatedCache):
 class _ChunkSelecting:
     """What the chunk layouts share: the prefill selection of :class:`~hf_sparsekv.caches.ChunkBudgetCache` (same
     scores, same chunks), the kept prompt tokens stored in slots ``0..K-1`` of the row being prefilled, and their
-    positions set by :meth:`_place_kept`."""
+    positions set by :meth:`_place_kept` when the prefill begins (K known from the prompt's length,
+    :func:`~.chunk_selection.kept_token_count`), so that the prefill's forward writes only keys and values (the
+    selection itself one opaque op, :mod:`.prefill_selection`) and may run compiled."""
+
+    compiles_prefill = True
 
     def _init_selection(self, budget: int, chunk_size: int, selection, per_kv_head: bool, score_window):
         if budget < chunk_size:
@@ -454,29 +459,28 @@ class _ChunkSelecting:
         self.offset.zero_()
         self.kept = [0] * self.batch
 
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+        k = kept_token_count(length, self.budget, self.chunk_size)
+        if k + 1 > self.capacity:
+            raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
+        super().begin_prefill(length, row, start)
+        self.kept[row] = k
+        self.slot_positions[row].fill_(-1)
+        self._place_kept(row, k)
+
     def _store_prefill(self, layer, key_states, value_states):
         p = key_states.shape[-2]
         if p <= self.budget:  # nothing to drop: keep the prompt as it is
-            self._keep(layer, key_states, value_states)
+            r = self.prefill_row
+            layer.keys[r, :, :p].copy_(key_states[0])
+            layer.values[r, :, :p].copy_(value_states[0])
 
     def select(self, layer: StaticLayer, query: torch.Tensor, key_states: torch.Tensor, value_states: torch.Tensor,
                scaling: float) -> None:
         """Keep the top chunks of the prompt given its queries ``[1, Hq, P, D]`` in the row being prefilled (called by
         the attention during a prefill longer than the budget)."""
-        kept = select_chunks(query, key_states, scaling, self.budget, self.chunk_size, self.selection)
-        self._keep(layer, select_tokens(key_states, kept), select_tokens(value_states, kept))
-
-    def _keep(self, layer, keys, values) -> None:
-        k = keys.shape[-2]
-        if k + 1 > self.capacity:
-            raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
-        r = self.prefill_row
-        layer.keys[r, :, :k].copy_(keys[0])
-        layer.values[r, :, :k].copy_(values[0])
-        if layer.layer_idx == 0:
-            self.kept[r] = k
-            self.slot_positions[r].fill_(-1)
-            self._place_kept(r, k)
+        keep_selected(self.selection, query, key_states, value_states, layer.keys, layer.values, self.prefill_row,
+                      scaling, self.budget, self.chunk_size)
 
     def needs_selection(self) -> bool:
         return self.prefilling and self.prefill_length > self.budget
@@ -514,6 +518,7 @@ class StaticSinkWindowCache(PreallocatedCache):
     empty, slot position -1, outside a tree step)."""
 
     contiguous = False
+    compiles_prefill = True
 
     def __init__(self, sink: int, window: int, max_rollback: int, num_layers, kv_heads, head_dim, dtype, device,
                  batch: int = 1, layer_devices=None, scratch: int = 0):
@@ -536,21 +541,26 @@ class StaticSinkWindowCache(PreallocatedCache):
     def _rule(self, slot_pos, query_pos):
         return (slot_pos < self.sink) | (slot_pos >= query_pos - self.window)
 
-    def _store_prefill(self, layer, key_states, value_states):
-        p = key_states.shape[-2]
-        device = key_states.device
+    def _kept_positions(self, p: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The positions a ``p``-token prompt leaves in the ring (its sinks and last ``ring`` tokens) and their
+        slots, int64 ``[K]`` each on ``device``."""
         positions = torch.cat([
             torch.arange(min(self.sink, p), device=device),
             torch.arange(min(p, max(self.sink, p - self.ring)), p, device=device),
         ])
-        slots = self.slots_of(positions[None])[0]
+        return positions, self.slots_of(positions)  # (elementwise: any shape)
+
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+        super().begin_prefill(length, row, start)
+        positions, slots = self._kept_positions(length, self.slot_positions.device)
+        self.slot_positions[row].fill_(-1)  # (here, not in the prefill's forward, which only writes keys/values)
+        self.slot_positions[row].index_copy_(0, slots, positions)
+
+    def _store_prefill(self, layer, key_states, value_states):
+        positions, slots = self._kept_positions(key_states.shape[-2], key_states.device)
         r = self.prefill_row
         layer.keys[r].index_copy_(1, slots, key_states[0, :, positions])
         layer.values[r].index_copy_(1, slots, value_states[0, :, positions])
-        if layer.layer_idx == 0:
-            home = self.slot_positions.device
-            self.slot_positions[r].fill_(-1)
-            self.slot_positions[r].index_copy_(0, slots.to(home), positions.to(home))
 
 
 class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):

@@ -186,11 +186,11 @@ def prefill_pays(model) -> bool:
 
 
 def prefill_compiles(cache) -> bool:
-    """Whether a prefill of ``cache`` (begun) runs compiled: a one-row full cache on one device that fills no
-    companion (its kept queries, ``prompt_queries``, trace as the forward's side effect; a chunk selection, a ring or
-    a quantized store keeps its prefill eager), outside tensor parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``.
-    (A cache of several rows stays eager: Inductor's in-place pass specializes the written row, a compilation per
-    row.)"""
+    """Whether a prefill of ``cache`` (begun) runs compiled: a one-row cache whose layout ``compiles_prefill`` (the
+    full cache, the chunk layouts, the sink+window ring; not the quantized store) on one device that fills no
+    companion (a full cache's kept queries, ``prompt_queries``, trace as the forward's side effect), outside tensor
+    parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``. (A cache of several rows stays eager: Inductor's in-place
+    pass specializes the written row, a compilation per row.)"""
     setting = os.environ.get(PREFILL_COMPILE_ENV, "1") or "1"
     if setting not in ("0", "1"):
         raise ValueError(f"{PREFILL_COMPILE_ENV} must be '0' or '1', got {setting!r}")
