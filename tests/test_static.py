@@ -977,8 +977,10 @@ def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(mon
 
 
 @pytest.mark.compiled
-def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_steps, monkeypatch):
-    """Under a compiled engine the verifier's and a full-cache drafter's prefills go through the compiled forward
+@pytest.mark.parametrize("draft_cache", ["full", "chunk", "window"])
+def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_steps, monkeypatch, draft_cache):
+    """Under a compiled engine the verifier's and a drafter's prefills (its full, chunk or ring cache) go through the
+    compiled forward
     while their decoder layers hold fewer than PREFILL_MAX_LAYER_ELEMENTS weights, and stay eager from there on;
     the tokens are stock greedy's either way."""
     from hf_sparsekv.generation import draft_weights
@@ -999,8 +1001,9 @@ def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_st
         monkeypatch.setattr(graph_steps, "PREFILL_MAX_LAYER_ELEMENTS", bound)
         static_engine.release_engines()
         fed.clear()
-        out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", num_assistant_tokens=3,
-                                num_assistant_tokens_schedule="constant", max_new_tokens=12, do_sample=False)
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache=draft_cache, num_assistant_tokens=3,
+                                num_assistant_tokens_schedule="constant", max_new_tokens=12, do_sample=False,
+                                **({} if draft_cache == "full" else {"kv_budget": 16}))
         assert torch.equal(out, expected)
         assert fed == compiled, bound
 
