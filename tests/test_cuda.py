@@ -429,3 +429,45 @@ def test_routed_assisted_generation_and_static_engine_on_the_captured_engine_flo
         for b, p in enumerate(prompts):
             reference = verifier.generate(p, max_new_tokens=40, do_sample=False)[0, p.shape[1] :]
             assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
+
+
+@pytest.mark.parametrize("layout", ["full", "chunk", "window"])
+def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one(layout, monkeypatch):
+    """The prefill compiled by Inductor on the GPU (dynamic shapes; a chunk cache's selection behind its opaque op)
+    leaves what the eager forward leaves in a full, chunk or sink+window cache: the same slot positions and kept
+    tokens, keys/values and logits within float32 rounding, for prompts within and past the budget (the ring: its
+    window); the prompts past the budget after the first compile nothing new, whatever their lengths."""
+    from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+    from hf_sparsekv.generation import graph_steps
+
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return graph_steps.prefill_backend(gm, inputs)
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    model = _on_cuda("llama", "drafter")
+    config = model.config
+    shape = (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
+    make = {"full": lambda: StaticFullCache(*shape, 400, torch.float32, "cuda"),
+            "chunk": lambda: StaticChunkBudgetCache(64, *shape, 100, torch.float32, "cuda", chunk_size=8),
+            "window": lambda: StaticSinkWindowCache(4, 48, 4, *shape, torch.float32, "cuda")}[layout]
+    counts = []
+    for length in (40, 150, 333, 97):
+        ids = prompt(length, seed=length).cuda()
+        filled = []
+        for compiled in (False, True):
+            cache = make()
+            with torch.no_grad(), graph_steps.static_attention_for(model):
+                logits = graph_steps.static_prefill(model, ids, cache, compiled=compiled)
+            filled.append((logits, cache))
+        (eager_logits, eager), (compiled_logits, compiled) = filled
+        assert torch.equal(eager.slot_positions, compiled.slot_positions), length
+        assert torch.equal(eager.fp_length, compiled.fp_length) and getattr(eager, "kept", 0) == getattr(compiled, "kept", 0)
+        torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-4, atol=1e-4)
+        for a, b in zip(eager.layers, compiled.layers):
+            torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+        counts.append(len(graphs))
+    assert counts[1] == counts[2] == counts[3] <= graph_steps.PREFILL_MAX_GRAPHS, counts
