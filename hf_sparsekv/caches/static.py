@@ -250,6 +250,11 @@ class PreallocatedCache(Cache):
         self.prefill_length, self.prefill_row, self.prefill_start = length, row, start
         self._mask = None
         self._local = {}
+        self._place_prompt(row)
+
+    def _place_prompt(self, row: int) -> None:
+        """At :meth:`begin_prefill`: set what row ``row`` shows of the prompt announced (slot positions, length) on
+        the host's knowledge of its length, so that the prefill's forward writes only keys and values."""
 
     def end_prefill(self) -> None:
         self.prefilling = False
@@ -423,7 +428,10 @@ class StaticFullCache(PreallocatedCache):
         if end > self.capacity:
             raise ValueError(f"prompt of {end} tokens exceeds the cache capacity {self.capacity}")
         super().begin_prefill(length, row, start)
-        self.slot_positions[row].fill_(-1)  # (here, not in the prefill's forward, which only writes keys/values)
+
+    def _place_prompt(self, row):
+        end = self.prefill_start + self.prefill_length
+        self.slot_positions[row].fill_(-1)
         self.slot_positions[row, :end] = torch.arange(end, device=self.slot_positions.device)
         self.fp_length[row] = end
 
@@ -464,7 +472,9 @@ class _ChunkSelecting:
         if k + 1 > self.capacity:
             raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
         super().begin_prefill(length, row, start)
-        self.kept[row] = k
+
+    def _place_prompt(self, row):
+        k = self.kept[row] = kept_token_count(self.prefill_length, self.budget, self.chunk_size)
         self.slot_positions[row].fill_(-1)
         self._place_kept(row, k)
 
@@ -550,10 +560,9 @@ class StaticSinkWindowCache(PreallocatedCache):
         ])
         return positions, self.slots_of(positions)  # (elementwise: any shape)
 
-    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
-        super().begin_prefill(length, row, start)
-        positions, slots = self._kept_positions(length, self.slot_positions.device)
-        self.slot_positions[row].fill_(-1)  # (here, not in the prefill's forward, which only writes keys/values)
+    def _place_prompt(self, row):
+        positions, slots = self._kept_positions(self.prefill_length, self.slot_positions.device)
+        self.slot_positions[row].fill_(-1)
         self.slot_positions[row].index_copy_(0, slots, positions)
 
     def _store_prefill(self, layer, key_states, value_states):
