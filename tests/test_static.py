@@ -866,10 +866,27 @@ def test_bounded_chunk_cache_batch_rows_equal_each_prompt_alone(fresh_engines):
         assert torch.equal(out[b, width:], verifier.generate(p, **kwargs)[0, p.shape[1]:]), b
 
 
-def _full_cache(model) -> StaticFullCache:
+def _attention_shape(model) -> tuple[int, int, int]:
+    """``(layers, kv_heads, head_dim)`` of a tiny model, as the static caches take them."""
     config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    return StaticFullCache(config.num_hidden_layers, config.num_key_value_heads, head_dim, 320, model.dtype, "cpu")
+    return config.num_hidden_layers, config.num_key_value_heads, config.hidden_size // config.num_attention_heads
+
+
+def _full_cache(model) -> StaticFullCache:
+    return StaticFullCache(*_attention_shape(model), 320, model.dtype, "cpu")
+
+
+def _recorded_prefill(monkeypatch) -> list:
+    """The compiled prefill traced by dynamo and run as traced (no compiler), under a backend of the test's own;
+    returns the list its graphs are appended to."""
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    return graphs
 
 
 def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0, cache=None) -> list[torch.Tensor]:
@@ -899,13 +916,7 @@ def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_eve
     positions and length in the cache, for prompts of every length (Mistral's 300 past its sliding window of 256)
     and after a loaded prefix; one compilation serves every length, another the prefills after a prefix (and
     Mistral's prompts past its window a third)."""
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    graphs = _recorded_prefill(monkeypatch)
     model = tiny_model(arch)
 
     for length, prefix in ((37, 0), (90, 0), (300, 0), (23, 0), (120, 40), (61, 20)):
@@ -930,17 +941,9 @@ def test_a_drafter_cache_prefill_compiles_once_for_every_length_and_keeps_what_t
     without a partial trailing chunk; Mistral's past its sliding window). The chunk selection runs behind one opaque
     op, so one graph serves the short prompts and one the long ones (a third Mistral's past its window), whatever
     their lengths."""
-    graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        return gm.forward
-
-    monkeypatch.setattr(graph_steps, "compiled_prefill", graph_steps.compile_prefill(backend))
+    graphs = _recorded_prefill(monkeypatch)
     model = tiny_model(arch)
-    config = model.config
-    head_dim = config.hidden_size // config.num_attention_heads
-    shape = (config.num_hidden_layers, config.num_key_value_heads, head_dim)
+    shape = _attention_shape(model)
 
     def cache():
         if layout == "chunk":
