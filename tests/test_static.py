@@ -583,7 +583,7 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
 
 _TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the later ones are extended
     ("chunk", False, 1, {}), ("window", False, 1, {}), ("chunk", True, 1, {}), ("chunk", False, 3, {}),
-    ("full", False, 2, {}),
+    pytest.param("full", False, 2, {}, marks=pytest.mark.extended, id="full-batch"),
     pytest.param("chunk", True, 2, dict(penalty=(1.3, 0)), marks=pytest.mark.extended, id="penalty"),
     pytest.param("chunk", False, 2, dict(host=True), marks=pytest.mark.extended, id="host"),
     pytest.param("chunk", True, 1, dict(host=True, layout="bounded"), marks=pytest.mark.extended, id="bounded-host"),
@@ -734,8 +734,9 @@ def _buffer_copies(graph, buffer_shapes: set) -> list[str]:
 @pytest.mark.compiled
 @pytest.mark.parametrize("mode,batch,warpers,steps,tree", [
     ("full", 1, False, ("ar_step", "verify"), None), ("chunk", 2, False, ("draft", "catch_up"), None),
-    ("window", 1, True, ("draft", "verify"), None), ("int4", 1, False, ("draft", "verify"), None),
-    ("chunk", 2, False, ("draft", "verify_tree"), 8), ("window", 1, True, ("draft", "verify_tree"), 8),
+    ("int4", 1, False, ("draft", "verify"), None), ("window", 1, True, ("draft", "verify_tree"), 8),
+    pytest.param("window", 1, True, ("draft", "verify"), None, marks=pytest.mark.extended, id="window-chain"),
+    pytest.param("chunk", 2, False, ("draft", "verify_tree"), 8, marks=pytest.mark.extended, id="chunk-tree-batch"),
 ])
 def test_compiled_steps_write_caches_in_place(fresh_engines, monkeypatch, mode, batch, warpers, steps, tree):
     """No compiled step copies a preallocated buffer: a step's write of its tokens into the key/value buffers, the
@@ -929,7 +930,8 @@ def test_compiled_prefill_fills_the_cache_as_the_eager_one_compiled_once_for_eve
 
 @pytest.mark.compiled
 @pytest.mark.parametrize("arch,layout,selection", [
-    ("llama", "chunk", ChunkSelection()), ("qwen2", "chunk", ChunkSelection(method="cumulative")),
+    ("llama", "chunk", ChunkSelection()),
+    pytest.param("qwen2", "chunk", ChunkSelection(method="cumulative"), marks=pytest.mark.extended, id="cumulative"),
     ("mistral", "chunk", ChunkSelection(per_kv_head=True, observe=24, pool=3)),
     ("llama", "chunk-window", ChunkSelection(recent=12, sink=5)), ("qwen2", "window", None),
 ])
@@ -980,7 +982,7 @@ def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(mon
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("draft_cache", ["full", "chunk", "window"])
+@pytest.mark.parametrize("draft_cache", [pytest.param("full", marks=pytest.mark.extended), "chunk", "window"])
 def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_steps, monkeypatch, draft_cache):
     """Under a compiled engine the verifier's and a drafter's prefills (its full, chunk or ring cache) go through the
     compiled forward
@@ -1012,7 +1014,7 @@ def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_st
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("layout", ["chunk", "window"])
+@pytest.mark.parametrize("layout", ["chunk", pytest.param("window", marks=pytest.mark.extended)])
 def test_a_self_drafter_is_filled_after_a_compiled_prefill_as_the_shared_prefill_fills_it(compiled_steps, monkeypatch,
                                                                                           layout):
     """Self-drafting on a compiled engine: the verifier's prefill compiles and the drafter's cache is then filled from
