@@ -1087,3 +1087,51 @@ def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs
             for a, b in zip(_prefilled(model, ids, False), compiled):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert counts == [1, 2, 3, 4, 5, 5, 5] and model in graph_steps._eager_prefills
+
+
+@pytest.mark.parametrize("layout,selection", [
+    ("chunk", ChunkSelection()), ("chunk", ChunkSelection(method="cumulative")),
+    ("chunk", ChunkSelection(per_kv_head=True, observe=24, pool=3)), ("chunk-window", ChunkSelection(recent=12, sink=5)),
+])
+def test_the_layers_of_a_filled_prompt_selected_as_one_batch_keep_what_each_keeps_alone(monkeypatch, layout, selection):
+    """``store_prompt_layers`` (a self-drafter's cache filled from the verifier's) selects consecutive layers together
+    (here three a batch, and a layer of another scaling on its own): every layer's keys, values, slot positions and
+    kept count equal those of :meth:`store_prompt` one layer at a time, with fewer selections; within the budget
+    nothing is selected and the prompt is stored as it is."""
+    from hf_sparsekv.caches import chunk_selection, static as static_caches
+
+    layers, kv_heads, heads, head_dim = 7, 2, 4, 8
+    monkeypatch.setattr(static_caches, "layers_a_batch", lambda device, logits: 3)
+    calls = []
+    real = static_caches.select_chunks
+    monkeypatch.setattr(static_caches, "select_chunks", lambda *a, **k: (calls.append(a[0].shape[0]), real(*a, **k))[1])
+
+    def cache():
+        if layout == "chunk":
+            return StaticChunkBudgetCache(48, layers, kv_heads, head_dim, 80, torch.float32, "cpu", chunk_size=8,
+                                          selection=selection, batch=2)
+        return StaticChunkWindowCache(48, 16, 4, layers, kv_heads, head_dim, torch.float32, "cpu", chunk_size=8,
+                                      selection=selection, batch=2)
+
+    for length in (30, 97, 160, 203):
+        g = torch.Generator().manual_seed(length)
+        states = [(torch.randn(1, kv_heads, length, head_dim, generator=g),
+                   torch.randn(1, kv_heads, length, head_dim, generator=g)) for _ in range(layers)]
+        voting = chunk_selection.voting_queries(selection, length)
+        queries = {i: (torch.randn(1, heads, voting, head_dim, generator=g), 0.3 if i != 4 else 0.2)
+                   for i in range(layers)}
+        alone, together = cache(), cache()
+        for target in (alone, together):
+            target.begin_prefill(length, row=1)
+        for i, (keys, values) in enumerate(states):
+            alone.store_prompt(i, keys, values, *queries[i])
+        calls.clear()
+        together.store_prompt_layers(states, queries)
+        for target in (alone, together):
+            target.end_prefill()
+        assert calls == ([3, 1, 1, 2] if length > 48 else [])  # layers 0-2, 3, 4 (its own scaling), 5-6
+        assert alone.kept == together.kept and (alone.kept[1] < length) == (length > 48)
+        assert torch.equal(alone.slot_positions, together.slot_positions)
+        assert torch.equal(alone.offset, together.offset)
+        for a, b in zip(alone.layers, together.layers):
+            assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)

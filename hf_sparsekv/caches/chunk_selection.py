@@ -49,6 +49,14 @@ SCORE_BLOCK = 64  # the fewest queries scored at a time: float32 logits and prob
 # (0.5 GiB at 64K and 32 heads); the 512 observed queries take 8 blocks
 SCORE_ELEMENTS = 2**25  # more queries to a block while a block's logits (queries·Hq·P) stay within this (128 MiB):
 # a short prompt's 512 observed queries in one block (each block is about ten eager kernels a layer at the prefill)
+FILL_ELEMENTS = 4 * SCORE_ELEMENTS  # the most logits of several layers scored as one batch (a self-drafter's cache
+# filled from the verifier's: 512 MiB and the softmax's as much again; at 8B shape a layer alone reaches it)
+
+
+def score_block(batch_heads: int, p: int) -> int:
+    """The queries :func:`cumulative_attention` scores at a time by default for ``batch_heads`` = B·Hq query heads
+    over ``p`` keys: as many as keep a block's logits within :data:`SCORE_ELEMENTS`, at least :data:`SCORE_BLOCK`."""
+    return max(SCORE_BLOCK, SCORE_ELEMENTS // (batch_heads * p))
 
 
 @dataclass(frozen=True)
@@ -127,14 +135,15 @@ def cumulative_attention(query: torch.Tensor, key: torch.Tensor, scaling: float,
     most P' of them: the queries given must cover the window). Computed ``block_size`` queries at a time, so
     memory is O(block_size·P), never P×P: each KV head's keys are read once by its group of query heads (no copy
     repeated per query head), the causal mask touches only the keys a block's queries can hide (from the block's
-    first position on), and one fused softmax normalises each row. ``block_size`` (default: as many queries as keep
-    a block's logits within :data:`SCORE_ELEMENTS`, at least :data:`SCORE_BLOCK`). Returns ``[B, Hq, P]``.
+    first position on), and one fused softmax normalises each row. ``block_size`` (default:
+    :func:`score_block` of B·Hq). Each batch row's scores depend on the blocks, not on the other rows: rows scored
+    together in blocks of one row's default size get what each gets alone. Returns ``[B, Hq, P]``.
     """
     b, hq, given, d = query.shape
     p = key.shape[-2]
     offset = p - given  # the position of query row 0
     if block_size is None:
-        block_size = max(SCORE_BLOCK, SCORE_ELEMENTS // (b * hq * p))
+        block_size = score_block(b * hq, p)
     kv_heads = key.shape[1]
     group = hq // kv_heads
     k = key.float().transpose(-1, -2)  # [B, Hkv, D, P]
@@ -160,16 +169,17 @@ def _grouped(scores: torch.Tensor, kv_heads: int, per_kv_head: bool) -> torch.Te
     return scores.view(b, kv_heads, hq // kv_heads, p).sum(2) if per_kv_head else scores.sum(1, keepdim=True)
 
 
-def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selection: ChunkSelection) -> torch.Tensor:
+def token_scores(query: torch.Tensor, key: torch.Tensor, scaling: float, selection: ChunkSelection,
+                 block_size: int | None = None) -> torch.Tensor:
     """Per-token scores ``[B, G, P]`` float32 (G = Hkv with ``per_kv_head``, else 1) under ``selection``;
     query ``[B, Hq, P', D]`` (the last P' positions' queries, at least those that vote: :func:`voting_queries`),
-    key ``[B, Hkv, P, D]`` (post-RoPE, positions 0..P-1)."""
+    key ``[B, Hkv, P, D]`` (post-RoPE, positions 0..P-1); ``block_size`` as :func:`cumulative_attention`'s."""
     p = key.shape[-2]
     if selection.method == "cumulative":
-        raw = cumulative_attention(query, key, scaling, selection.score_window)
+        raw = cumulative_attention(query, key, scaling, selection.score_window, block_size)
         return _grouped(raw, key.shape[1], selection.per_kv_head)
     w = min(selection.observe, p)
-    raw = cumulative_attention(query, key, scaling, w)
+    raw = cumulative_attention(query, key, scaling, w, block_size)
     seen_by = torch.clamp(p - torch.arange(p, device=query.device), max=w).float()  # voting queries that see key j
     scores = _grouped(raw / seen_by, key.shape[1], selection.per_kv_head)
     if selection.pool > 1:
@@ -220,10 +230,11 @@ def top_chunk_indices(scores: torch.Tensor, budget: int, chunk_size: int, recent
 
 
 def select_chunks(query: torch.Tensor, key: torch.Tensor, scaling: float, budget: int, chunk_size: int,
-                  selection: ChunkSelection) -> torch.Tensor:
+                  selection: ChunkSelection, block_size: int | None = None) -> torch.Tensor:
     """The kept token indices ``[B, G, N]`` (ascending, N <= budget) of a prompt whose queries are
-    ``[B, Hq, P, D]`` (or only its last :func:`voting_queries`) and keys ``[B, Hkv, P, D]``."""
-    scores = token_scores(query, key, scaling, selection)
+    ``[B, Hq, P, D]`` (or only its last :func:`voting_queries`) and keys ``[B, Hkv, P, D]``; ``block_size`` as
+    :func:`cumulative_attention`'s."""
+    scores = token_scores(query, key, scaling, selection, block_size)
     if selection.method == "cumulative":
         return top_chunk_indices(scores, budget, chunk_size)
     return top_chunk_indices(scores, budget, chunk_size, selection.recent_tokens(budget), selection.sink)
