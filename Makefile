@@ -128,6 +128,11 @@ bench-adaptive-compiled: $(STAMP)
 bench-front-end: $(STAMP)
 	HF_SPARSEKV_COMPILE=0 $(PY) benchmarks/front_end.py --out runs/front-end $(ARGS)
 
+# A self-drafter's chunk cache filled from the verifier's, layers selected as one batch against one at a time
+# (issue 52); CUDA (on a CPU both are one layer at a time), half a minute.
+bench-self-drafter-fill: $(STAMP)
+	HF_SPARSEKV_COMPILE=0 $(PY) benchmarks/self_drafter_fill.py --out runs/self-drafter-fill $(ARGS)
+
 # The controller's choice at Llama-3.1-8B shape per context and mode, against the best constant γ: a projection from
 # stored step costs (benchmarks/results/) and the real pair's τ; CPU, seconds (issue 52).
 bench-controller-projection: $(STAMP)
