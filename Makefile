@@ -53,7 +53,7 @@ test-lowest:
 	test -x $(LOWEST_PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(LOWEST_VENV)
 	$(LOWEST_PY) $(call INSTALL_TORCH,$(LOWEST_PY))
 	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
-	$(call CPU_PYTEST,$(LOWEST_PY)) -q tests
+	$(call CPU_PYTEST,$(LOWEST_PY)) tests
 
 demo: $(STAMP)
 	$(PY) examples/demo.py
