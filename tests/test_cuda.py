@@ -464,7 +464,8 @@ def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one
             filled.append((logits, cache))
         (eager_logits, eager), (compiled_logits, compiled) = filled
         assert torch.equal(eager.slot_positions, compiled.slot_positions), length
-        assert torch.equal(eager.fp_length, compiled.fp_length) and getattr(eager, "kept", 0) == getattr(compiled, "kept", 0)
+        assert torch.equal(eager.fp_length, compiled.fp_length)
+        assert getattr(eager, "kept", 0) == getattr(compiled, "kept", 0)
         torch.testing.assert_close(compiled_logits, eager_logits, rtol=1e-4, atol=1e-4)
         for a, b in zip(eager.layers, compiled.layers):
             torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)

@@ -1091,7 +1091,8 @@ def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs
 
 @pytest.mark.parametrize("layout,selection", [
     ("chunk", ChunkSelection()), ("chunk", ChunkSelection(method="cumulative")),
-    ("chunk", ChunkSelection(per_kv_head=True, observe=24, pool=3)), ("chunk-window", ChunkSelection(recent=12, sink=5)),
+    ("chunk", ChunkSelection(per_kv_head=True, observe=24, pool=3)),
+    ("chunk-window", ChunkSelection(recent=12, sink=5)),
 ])
 def test_the_layers_of_a_filled_prompt_selected_as_one_batch_keep_what_each_keeps_alone(monkeypatch, layout, selection):
     """``store_prompt_layers`` (a self-drafter's cache filled from the verifier's) selects consecutive layers together

@@ -57,6 +57,7 @@ the layout keeps in that row.
 
 from __future__ import annotations
 
+import itertools
 import threading
 
 import torch
@@ -520,27 +521,25 @@ class _ChunkSelecting:
             super().store_prompt_layers(states, queries)
             return
         r, p = self.prefill_row, states[0][0].shape[-2]
-        i = 0
-        while i < len(states):
+
+        def agreeing(i):  # what the layers of one batch share
             query, scaling = queries[i]
-            heads, voting = query.shape[1], query.shape[2]
-            block = score_block(heads, p)
-            group = layers_a_batch(query.device, heads * min(block, voting) * p)
-            j = i + 1
-            while (j < len(states) and j - i < group and queries[j][1] == scaling
-                   and queries[j][0].shape == query.shape and queries[j][0].device == query.device
-                   and states[j][0].shape == states[i][0].shape and states[j][0].device == states[i][0].device):
-                j += 1
-            keys = torch.cat([k for k, _ in states[i:j]])
-            values = torch.cat([v for _, v in states[i:j]])
-            kept = select_chunks(torch.cat([q for q, _ in (queries[x] for x in range(i, j))]), keys, scaling,
-                                 self.budget, self.chunk_size, self.selection, block)
-            n = kept.shape[-1]
-            kept_keys, kept_values = select_tokens(keys, kept), select_tokens(values, kept)
-            for x in range(i, j):
-                self.layers[x].keys[r, :, :n].copy_(kept_keys[x - i])
-                self.layers[x].values[r, :, :n].copy_(kept_values[x - i])
-            i = j
+            return scaling, query.shape, query.device, states[i][0].shape, states[i][0].device
+
+        for (scaling, shape, device, _, _), run in itertools.groupby(range(len(states)), key=agreeing):
+            run = list(run)
+            block = score_block(shape[1], p)
+            size = layers_a_batch(device, shape[1] * min(block, shape[2]) * p)
+            for batch in (run[at : at + size] for at in range(0, len(run), size)):
+                keys = torch.cat([states[i][0] for i in batch])
+                values = torch.cat([states[i][1] for i in batch])
+                kept = select_chunks(torch.cat([queries[i][0] for i in batch]), keys, scaling, self.budget,
+                                     self.chunk_size, self.selection, block)
+                n = kept.shape[-1]
+                kept_keys, kept_values = select_tokens(keys, kept), select_tokens(values, kept)
+                for at, i in enumerate(batch):
+                    self.layers[i].keys[r, :, :n].copy_(kept_keys[at])
+                    self.layers[i].values[r, :, :n].copy_(kept_values[at])
 
 
 class StaticChunkBudgetCache(_ChunkSelecting, PreallocatedCache):

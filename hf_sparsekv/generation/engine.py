@@ -153,9 +153,10 @@ def warpers_key(warpers) -> tuple | None:
 def _weights(*models) -> tuple:
     """(data_ptr, dtype) of every parameter, module by module (a tensor-parallel shard: of its local tensor; a
     parameter two modules hold, such as tied embeddings, once for each; the order is fixed by the modules; a
-    self-drafting call passes its one model once). It runs at every call: a walk of the modules' own dicts, without ``Module.parameters()``'s names and de-duplication, and
-    asking a parameter for ``to_local`` only where it is not a plain ``Parameter`` (a failed ``hasattr`` raises
-    inside), costs 0.16 ms for the bundled pair on one CPU core (0.31 ms asking every parameter)."""
+    self-drafting call passes its one model once). It runs at every call: a walk of the modules' own dicts, without
+    ``Module.parameters()``'s names and de-duplication, and asking a parameter for ``to_local`` only where it is not
+    a plain ``Parameter`` (a failed ``hasattr`` raises inside), costs 0.16 ms for the bundled pair on one CPU core
+    (0.31 ms asking every parameter)."""
     found, stack = [], list(models)
     while stack:
         module = stack.pop()
@@ -792,9 +793,10 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     ``torch.distributed.destroy_process_group()``."""
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
+    weights = _weights(verifier, None if drafter is verifier else drafter)
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
-                      _weights(verifier, None if drafter is verifier else drafter), warpers_key(warpers), penalty, tuple(layout), host, draft_weights,
-                      retrieval, tree_size, adaptive)
+                      weights, warpers_key(warpers), penalty, tuple(layout), host, draft_weights, retrieval, tree_size,
+                      adaptive)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones (an engine
         with _registry:  # drafting with ``drafter`` is in use only by a call that holds its lock: this one)
             stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]
