@@ -431,13 +431,16 @@ def test_routed_assisted_generation_and_static_engine_on_the_captured_engine_flo
             assert torch.equal(out[b, ids.shape[1] : ids.shape[1] + reference.shape[0]], reference), b
 
 
-@pytest.mark.parametrize("layout", ["full", "chunk", "window"])
+@pytest.mark.parametrize("layout", ["full", "chunk", "window", "quant"])
 def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one(layout, monkeypatch):
-    """The prefill compiled by Inductor on the GPU (dynamic shapes; a chunk cache's selection behind its opaque op)
-    leaves what the eager forward leaves in a full, chunk or sink+window cache: the same slot positions and kept
-    tokens, keys/values and logits within float32 rounding, for prompts within and past the budget (the ring: its
-    window); the prompts past the budget after the first compile nothing new, whatever their lengths."""
-    from hf_sparsekv.caches.static import StaticChunkBudgetCache, StaticFullCache, StaticSinkWindowCache
+    """The prefill compiled by Inductor on the GPU (dynamic shapes; a chunk cache's selection and a quantized
+    store's writes behind their opaque ops) leaves what the eager forward leaves in a full, chunk, sink+window or
+    quantized cache: the same slot positions and kept tokens, keys/values and logits within float32 rounding (the
+    quantized store: the same T_q, its INT8 view within a code step, at most 1 % of its codes one step off), for
+    prompts within and past the budget (the ring: its window); the prompts past the budget after the first compile
+    nothing new, whatever their lengths."""
+    from hf_sparsekv.caches.static import (StaticChunkBudgetCache, StaticFullCache, StaticQuantCache,
+                                           StaticSinkWindowCache)
     from hf_sparsekv.generation import graph_steps
 
     graphs = []
@@ -452,7 +455,8 @@ def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one
     shape = (config.num_hidden_layers, config.num_key_value_heads, config.hidden_size // config.num_attention_heads)
     make = {"full": lambda: StaticFullCache(*shape, 400, torch.float32, "cuda"),
             "chunk": lambda: StaticChunkBudgetCache(64, *shape, 100, torch.float32, "cuda", chunk_size=8),
-            "window": lambda: StaticSinkWindowCache(4, 48, 4, *shape, torch.float32, "cuda")}[layout]
+            "window": lambda: StaticSinkWindowCache(4, 48, 4, *shape, torch.float32, "cuda"),
+            "quant": lambda: StaticQuantCache(32, 400, 4, *shape, torch.float32, "cuda")}[layout]
     counts = []
     for length in (40, 150, 333, 97):
         ids = prompt(length, seed=length).cuda()
@@ -470,5 +474,13 @@ def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one
         for a, b in zip(eager.layers, compiled.layers):
             torch.testing.assert_close(b.keys, a.keys, rtol=1e-4, atol=1e-4)
             torch.testing.assert_close(b.values, a.values, rtol=1e-4, atol=1e-4)
+        if layout == "quant":
+            assert eager.quantized == compiled.quantized == [32 * max(0, length // 32 - 1)], length
+            for i, (a, b) in enumerate(zip(eager.layers, compiled.layers)):
+                codes = [(getattr(x, part), getattr(y, part)) for x, y in ((a.qkeys, b.qkeys), (a.qvalues, b.qvalues))
+                         for part in ("upper", "lower")]
+                assert sum(int((x != y).sum()) for x, y in codes) <= 0.01 * sum(x.numel() for x, _ in codes)
+                for x, y in zip(eager.sequence(i, 0, 0, length), compiled.sequence(i, 0, 0, length)):
+                    torch.testing.assert_close(y, x, rtol=0, atol=0.05 * float(x.abs().max()))
         counts.append(len(graphs))
     assert counts[1] == counts[2] == counts[3] <= graph_steps.PREFILL_MAX_GRAPHS, counts

@@ -964,13 +964,69 @@ def test_a_drafter_cache_prefill_compiles_once_for_every_length_and_keeps_what_t
     assert len(graphs) == 2 + (arch == "mistral")
 
 
-def test_only_a_one_row_full_cache_filling_nothing_else_compiles_its_prefill(monkeypatch):
+def _quant_state(cache: StaticQuantCache) -> list[torch.Tensor]:
+    """What a quantized store holds: T_q (host and device), slot positions, buffer length, and every layer's codes,
+    scales, zero points and full-precision buffer."""
+    held = [torch.tensor(cache.quantized), cache.offset, cache.quant_length, cache.slot_positions, cache.fp_length]
+    for layer in cache.layers:
+        held += [layer.keys, layer.values] + [getattr(q, part) for q in (layer.qkeys, layer.qvalues)
+                                              for part in ("upper", "lower", "scale", "zero")]
+    return held
+
+
+@pytest.mark.compiled
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_quantized_store_prefill_compiles_once_for_every_length_and_stores_what_the_eager_one_stores(
+        arch, monkeypatch):
+    """The quantized store's prefill through the compiled forward (dynamic shapes, aot_eager): the quantization
+    and buffer writes run behind one opaque op a layer, T_q set on the host, so one graph serves prompts of every
+    length (within the first 2G, which quantize nothing, and past it, at and between group boundaries; Mistral's
+    past its sliding window a second); the logits, codes, scales, zero points, buffer, slot positions and T_q are the
+    eager prefill's."""
+    graphs = _recorded_prefill(monkeypatch)
+    model = tiny_model(arch)
+    shape = _attention_shape(model)
+    for length in (23, 31, 32, 48, 97, 300, 121):
+        ids = prompt(length, seed=length)
+        filled = []
+        for compiled in (False, True):
+            cache = StaticQuantCache(16, 320, 4, *shape, model.dtype, "cpu")
+            with torch.no_grad(), graph_steps.static_attention_for(model):
+                logits = graph_steps.static_prefill(model, ids, cache, compiled=compiled)
+            filled.append([logits] + _quant_state(cache))
+        for a, b in zip(*filled):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+        assert int(filled[0][1]) == 16 * max(0, length // 16 - 1)  # (T_q as the store defines it)
+    assert len(graphs) == 1 + (arch == "mistral")
+
+
+@pytest.mark.compiled
+def test_int4_self_speculation_compiles_its_prefill_and_decodes_as_after_the_eager_one(compiled_steps, monkeypatch):
+    """int4 self-speculation under a compiled engine: its quantized store's prefill runs through the compiled forward
+    (one graph for two prompt lengths) and the call returns the tokens it returns after an eager prefill
+    (``HF_SPARSEKV_PREFILL_COMPILE=0``); part of each prompt is quantized (T_q > 0)."""
+    verifier = tiny_model("llama")
+    kwargs = dict(assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=16), num_assistant_tokens=3,
+                  num_assistant_tokens_schedule="constant", max_new_tokens=20, do_sample=False)
+    prompts = [prompt(70, seed=5), prompt(93, seed=6)]
+    monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", "0")
+    eager = [verifier.generate(ids, **kwargs) for ids in prompts]
+    monkeypatch.setenv("HF_SPARSEKV_PREFILL_COMPILE", "1")
+    graphs = _recorded_prefill(monkeypatch)
+    static_engine.release_engines()
+    for ids, expected in zip(prompts, eager):
+        assert torch.equal(verifier.generate(ids, **kwargs), expected)
+        assert static_engine.current_engine(verifier).verifier_cache.quantized[0] > 0
+    assert len(graphs) == 1
+
+
+def test_only_a_one_row_cache_filling_nothing_else_compiles_its_prefill(monkeypatch):
     full = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")
     assert graph_steps.prefill_compiles(full)
     assert not graph_steps.prefill_compiles(StaticFullCache(1, 1, 4, 8, torch.float32, "cpu", batch=2))
     assert graph_steps.prefill_compiles(StaticChunkBudgetCache(8, 1, 1, 4, 16, torch.float32, "cpu"))
     assert graph_steps.prefill_compiles(StaticSinkWindowCache(2, 8, 3, 1, 1, 4, torch.float32, "cpu"))
-    assert not graph_steps.prefill_compiles(StaticQuantCache(8, 16, 4, 1, 1, 8, torch.float32, "cpu"))
+    assert graph_steps.prefill_compiles(StaticQuantCache(8, 16, 4, 1, 1, 8, torch.float32, "cpu"))
     full.companion = StaticFullCache(1, 1, 4, 8, torch.float32, "cpu")  # a self-drafting prefill fills both
     assert not graph_steps.prefill_compiles(full)
     full.companion = None
@@ -1074,19 +1130,19 @@ def test_a_prefill_that_recompiles_for_new_lengths_goes_eager_after_a_few_graphs
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
     model = tiny_model("qwen2")
 
-    counts = []
+    counts, most = [], graph_steps.PREFILL_MAX_GRAPHS
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False):
-        for length in range(20, 27):
+        for length in range(20, 23 + most):
             ids = prompt(length, seed=length)
-            if length == 20 + graph_steps.PREFILL_MAX_GRAPHS:
-                with pytest.warns(UserWarning, match="compiled 5 graphs"):
+            if length == 20 + most:
+                with pytest.warns(UserWarning, match=f"compiled {most + 1} graphs"):
                     compiled = _prefilled(model, ids, True)
             else:
                 compiled = _prefilled(model, ids, True)
             counts.append(graph_steps._prefill_graphs[model])
             for a, b in zip(_prefilled(model, ids, False), compiled):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert counts == [1, 2, 3, 4, 5, 5, 5] and model in graph_steps._eager_prefills
+    assert counts == list(range(1, most + 2)) + [most + 1] * 2 and model in graph_steps._eager_prefills
 
 
 @pytest.mark.parametrize("layout,selection", [

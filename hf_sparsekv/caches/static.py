@@ -66,6 +66,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from ..kernels import runtime
 from .chunk_selection import (FILL_ELEMENTS, ChunkSelection, as_selection, kept_token_count, score_block,
                               select_chunks, select_tokens)
+from .prefill_quantize import quantize_into, quantized_length, store_quantized_prompt
 from .prefill_selection import keep_selected
 
 
@@ -666,6 +667,8 @@ class StaticQuantCache(PreallocatedCache):
         batch: rows.
     """
 
+    compiles_prefill = True  # the host sets T_q at begin_prefill; the forward's writes are one opaque op a layer
+
     def __init__(self, group_size: int, max_tokens: int, max_block: int, num_layers, kv_heads, head_dim, dtype,
                  device, batch: int = 1, layer_devices=None):
         if group_size < 8 or group_size % 8:
@@ -699,7 +702,7 @@ class StaticQuantCache(PreallocatedCache):
 
     def quantized_length(self, position: int) -> int:
         """T_q seen by a step starting at ``position``."""
-        return self.group_size * max(0, position // self.group_size - 1)
+        return quantized_length(position, self.group_size)
 
     def room(self, position: int) -> int:
         """Tokens a step starting at ``position`` may carry with one quantization state (T_q first moves at 2G, then
@@ -715,35 +718,25 @@ class StaticQuantCache(PreallocatedCache):
         quant = self.offset if self.live is None else self.offset * (self.live > 0)  # a finished row reads no codes
         self.quant_length.copy_(quant)
 
-    def _store_prefill(self, layer, key_states, value_states):
-        p, r = key_states.shape[-2], self.prefill_row
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+        t = self.quantized_length(length)
+        if t > self.layers[0].qkeys.upper.shape[-2]:
+            raise ValueError(f"prompt of {length} tokens exceeds the store's capacity "
+                             f"{self.layers[0].qkeys.upper.shape[-2]}")
+        super().begin_prefill(length, row, start)
+
+    def _place_prompt(self, row):
+        p = self.prefill_length
         t = self.quantized_length(p)
-        if t > layer.qkeys.upper.shape[-2]:
-            raise ValueError(f"prompt of {p} tokens exceeds the store's capacity {layer.qkeys.upper.shape[-2]}")
-        self._quantize_into(layer, r, key_states[:, :, :t], value_states[:, :, :t], 0)
-        layer.keys[r, :, : p - t].copy_(key_states[0, :, t:])
-        layer.values[r, :, : p - t].copy_(value_states[0, :, t:])
-        if layer.layer_idx == 0:
-            self._set_quantized(r, t)
-            self.slot_positions[r].fill_(-1)
-            self.slot_positions[r, : p - t] = torch.arange(t, p, device=self.offset.device)
-            self.fp_length[r] = p - t
+        self._set_quantized(row, t)
+        self.slot_positions[row].fill_(-1)
+        self.slot_positions[row, : p - t] = torch.arange(t, p, device=self.offset.device)
+        self.fp_length[row] = p - t
 
-    def _quantize_into(self, layer, row: int, keys, values, start: int) -> None:
-        """Quantize ``keys/values [1, H, n, D]`` into row ``row``'s codes at positions ``start..start+n-1``."""
-        from ..kernels.quantize import quantize_keys_auto, quantize_values_auto
-
-        n, g = keys.shape[-2], self.group_size
-        if n == 0:
-            return
-        for store, fresh, first, last in (
-            (layer.qkeys, quantize_keys_auto(keys, g), start // g, (start + n) // g),
-            (layer.qvalues, quantize_values_auto(values), start, start + n),
-        ):
-            store.upper[row, :, start : start + n].copy_(fresh.upper[0])
-            store.lower[row, :, start : start + n].copy_(fresh.lower[0])
-            store.scale[row, :, first:last].copy_(fresh.scale[0])
-            store.zero[row, :, first:last].copy_(fresh.zero[0])
+    def _store_prefill(self, layer, key_states, value_states):
+        k, v = layer.qkeys, layer.qvalues
+        store_quantized_prompt(key_states, value_states, layer.keys, layer.values, k.upper, k.lower, k.scale, k.zero,
+                               v.upper, v.lower, v.scale, v.zero, self.prefill_row, self.group_size)
 
     def _set_quantized(self, row: int, t: int) -> None:
         self.quantized[row] = t
@@ -760,8 +753,8 @@ class StaticQuantCache(PreallocatedCache):
             return
         keep = position - target
         for layer in self.layers:
-            self._quantize_into(layer, row, layer.keys[row : row + 1, :, :moved], layer.values[row : row + 1, :, :moved],
-                                self.quantized[row])
+            quantize_into(layer.qkeys, layer.qvalues, row, layer.keys[row : row + 1, :, :moved],
+                          layer.values[row : row + 1, :, :moved], self.quantized[row], self.group_size)
             layer.keys[row, :, :keep] = layer.keys[row, :, moved : moved + keep].clone()
             layer.values[row, :, :keep] = layer.values[row, :, moved : moved + keep].clone()
         shifted = self.slot_positions[row, moved : moved + keep].clone()

@@ -174,7 +174,8 @@ PREFILL_MAX_LAYER_ELEMENTS = 1 << 25  # from these weights per decoder layer on,
 _eager_prefills: "weakref.WeakSet" = weakref.WeakSet()  # models whose compiled prefill failed or recompiled too often
 _prefill_graphs: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> graphs its prefill compiled
 _prefilling = threading.local()  # .model: the model whose compiled prefill this thread runs (None: none)
-PREFILL_MAX_GRAPHS = 4  # a model's prefill compiles 1-3 (a prefix, a sliding window); beyond, it goes eager
+PREFILL_MAX_GRAPHS = 6  # a model's prefill compiles 1-5 (a cache kind each: full, kept queries, quantized store;
+# a prefix; a sliding window); beyond, it goes eager
 
 
 def prefill_pays(model) -> bool:
@@ -187,7 +188,7 @@ def prefill_pays(model) -> bool:
 
 def prefill_compiles(cache) -> bool:
     """Whether a prefill of ``cache`` (begun) runs compiled: a one-row cache whose layout ``compiles_prefill`` (the
-    full cache, the chunk layouts, the sink+window ring; not the quantized store) on one device that fills no
+    full cache, the chunk layouts, the sink+window ring, the quantized store) on one device that fills no
     companion (a full cache's kept queries, ``prompt_queries``, trace as the forward's side effect), outside tensor
     parallelism, unless ``HF_SPARSEKV_PREFILL_COMPILE=0``. (A cache of several rows stays eager: Inductor's in-place
     pass specializes the written row, a compilation per row.)"""
