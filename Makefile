@@ -67,11 +67,12 @@ zoo: $(STAMP)
 	$(PY) -m hf_sparsekv.zoo.build quality --out $(ZOO_WORK)/quality.json
 
 # On a CUDA machine: the GPU tests (graph path, kernels at real sizes); the slow cases separately.
-# Spread over CUDA_WORKERS processes on the one GPU (pytest-xdist, a file to a process): most of its time is compiling
-# kernels and steps on the host's cores.
-CUDA_WORKERS ?= 4
+# Spread over CUDA_WORKERS processes on the one GPU (pytest-xdist, test by test): most of its time is compiling
+# kernels and steps on the host's cores (H200, 2026-12-03: 66 s on 8 workers test by test; 248 s a file to a worker,
+# where test_cuda.py's cases all ran in one process).
+CUDA_WORKERS ?= 8
 test-cuda: $(STAMP)
-	$(PY) -m pytest tests -m "cuda and not slow" -n $(CUDA_WORKERS) --dist loadfile --durations=10
+	$(PY) -m pytest tests -m "cuda and not slow" -n $(CUDA_WORKERS) --dist load --durations=10
 
 # A model dispatched over two GPUs (device_map) on the static engine; needs a machine with two CUDA GPUs.
 test-multi-gpu: $(STAMP)

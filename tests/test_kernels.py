@@ -26,6 +26,7 @@ triton = pytest.importorskip("triton")
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
+from hf_sparsekv.caches.prefill_quantize import quantize_into  # noqa: E402
 from hf_sparsekv.kernels import runtime  # noqa: E402
 from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.gated_linear import gated_linear, gated_linear_reference  # noqa: E402
@@ -522,7 +523,7 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
     q, k, v = _qkv(8, 2, length, 64, 128 + 96, dtype, seed=quantized + buffered)
     store = StaticQuantCache(g, 128, 32, 1, 2, 64, dtype, k.device)
     layer = store.layers[0]
-    store._quantize_into(layer, 0, k[:, :, :128], v[:, :, :128], 0)
+    quantize_into(layer.qkeys, layer.qvalues, 0, k[:, :, :128], v[:, :, :128], 0, store.group_size)
     layer.keys.copy_(k[:, :, 128:])
     layer.values.copy_(v[:, :, 128:])
     tq = torch.tensor([quantized], dtype=torch.int32, device=k.device)
@@ -631,7 +632,7 @@ def test_static_quant_decode_batched_rows(path, dtype, hq, hkv, length):
     qs = []
     for b in range(4):
         q, k, v = _qkv(hq, hkv, length, 64, cap + 96, dtype, seed=40 + b)
-        store._quantize_into(layer, b, k[:, :, :cap], v[:, :, :cap], 0)
+        quantize_into(layer.qkeys, layer.qvalues, b, k[:, :, :cap], v[:, :, :cap], 0, store.group_size)
         layer.keys[b].copy_(k[0, :, cap:])
         layer.values[b].copy_(v[0, :, cap:])
         qs.append(q)
@@ -1246,7 +1247,7 @@ def test_cuda_quant_rows_at_real_size(length):
     keys = (torch.randn(batch, 8, cap, 128, generator=gen) * 1.5 + 0.3).to("cuda", torch.bfloat16)
     values = torch.randn(batch, 8, cap, 128, generator=gen).to("cuda", torch.bfloat16)
     for b in range(batch):
-        store._quantize_into(layer, b, keys[b : b + 1], values[b : b + 1], 0)
+        quantize_into(layer.qkeys, layer.qvalues, b, keys[b : b + 1], values[b : b + 1], 0, store.group_size)
     layer.keys.copy_(torch.randn(layer.keys.shape, generator=gen).to("cuda", torch.bfloat16))
     layer.values.copy_(torch.randn(layer.values.shape, generator=gen).to("cuda", torch.bfloat16))
     q = torch.randn(batch, length, 32, 128, generator=gen).transpose(1, 2).to("cuda", torch.bfloat16)
