@@ -1000,6 +1000,32 @@ def test_a_quantized_store_prefill_compiles_once_for_every_length_and_stores_wha
     assert len(graphs) == 1 + (arch == "mistral")
 
 
+def test_the_quantized_prompt_op_declares_what_it_writes():
+    """``hf_sparsekv::store_quantized_prompt`` writes only the buffers it declares (``torch.library.opcheck``: schema
+    and fake-tensor registration), and fills one layer of a store as the reference quantizer does: T_q codes, the rest
+    in the buffer from slot 0."""
+    from hf_sparsekv.caches.prefill_quantize import store_quantized_prompt
+    from hf_sparsekv.kernels.quant_reference import quantize_keys, quantize_values
+
+    gen = torch.Generator().manual_seed(0)
+    keys, values = (torch.randn(1, 2, 53, 8, generator=gen) for _ in range(2))
+    store = StaticQuantCache(16, 64, 4, 1, 2, 8, torch.float32, "cpu", batch=2)
+    layer = store.layers[0]
+    args = (keys, values, layer.keys, layer.values, *(getattr(q, part) for q in (layer.qkeys, layer.qvalues)
+                                                      for part in ("upper", "lower", "scale", "zero")), 1, 16)
+    torch.library.opcheck(store_quantized_prompt, args, test_utils=("test_schema", "test_faketensor"))
+    store_quantized_prompt(*args)
+    t = 32  # 16 * (53 // 16 - 1)
+    k, v = quantize_keys(keys[:, :, :t], 16), quantize_values(values[:, :, :t])
+    for ours, theirs in ((layer.qkeys, k), (layer.qvalues, v)):
+        for part in ("upper", "lower", "scale", "zero"):
+            held = getattr(ours, part)[1, :, : getattr(theirs, part).shape[2]]
+            assert torch.equal(held, getattr(theirs, part)[0]), part
+    assert torch.equal(layer.keys[1, :, : 53 - t], keys[0, :, t:])
+    assert torch.equal(layer.values[1, :, : 53 - t], values[0, :, t:])
+    assert not layer.keys[0].any()  # (the other row untouched)
+
+
 @pytest.mark.compiled
 def test_int4_self_speculation_compiles_its_prefill_and_decodes_as_after_the_eager_one(compiled_steps, monkeypatch):
     """int4 self-speculation under a compiled engine: its quantized store's prefill runs through the compiled forward
