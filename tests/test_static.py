@@ -1064,10 +1064,10 @@ def test_only_a_one_row_cache_filling_nothing_else_compiles_its_prefill(monkeypa
 
 
 @pytest.mark.compiled
-@pytest.mark.parametrize("draft_cache", [pytest.param("full", marks=pytest.mark.extended), "chunk", "window"])
+@pytest.mark.parametrize("draft_cache", [pytest.param("full", marks=pytest.mark.extended), "chunk", "window", "int4"])
 def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_steps, monkeypatch, draft_cache):
-    """Under a compiled engine the verifier's and a drafter's prefills (its full, chunk or ring cache) go through the
-    compiled forward
+    """Under a compiled engine the verifier's and a drafter's prefills (its full, chunk, ring or quantized cache) go
+    through the compiled forward
     while their decoder layers hold fewer than PREFILL_MAX_LAYER_ELEMENTS weights, and stay eager from there on;
     the tokens are stock greedy's either way."""
     from hf_sparsekv.generation import draft_weights
@@ -1090,7 +1090,7 @@ def test_a_compiled_engine_compiles_the_prefill_of_small_models_only(compiled_st
         fed.clear()
         out = verifier.generate(ids, assistant_model=drafter, draft_cache=draft_cache, num_assistant_tokens=3,
                                 num_assistant_tokens_schedule="constant", max_new_tokens=12, do_sample=False,
-                                **({} if draft_cache == "full" else {"kv_budget": 16}))
+                                **({} if draft_cache in ("full", "int4") else {"kv_budget": 16}))
         assert torch.equal(out, expected)
         assert fed == compiled, bound
 
