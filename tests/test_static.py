@@ -365,6 +365,29 @@ def test_engine_is_reused_and_rebuilt_when_needed(fresh_engines):
     assert static_engine.current_engine(verifier) is not first  # another budget: a new engine
 
 
+def test_calls_alternating_between_more_configurations_than_a_model_keeps_warn_once(fresh_engines, monkeypatch):
+    """With MAX_ENGINES_PER_MODEL = 1, one change of configuration replaces the kept engine silently; a call that
+    replaces one again (an alternation) warns, once, naming the setting; each call's tokens are stock greedy's."""
+    warned = []  # (warning_once: a message of an earlier test would not show again)
+    monkeypatch.setattr(static_engine.logger, "warning_once", warned.append)
+    verifier, drafter = copy.deepcopy(tiny_model("llama")), tiny_model("llama", role="drafter")
+    ids = prompt(40, seed=2)
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = verifier.generate(ids, **kwargs)
+    calls = [dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16), dict(static_engine=True),
+             dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16)]
+    counts = []
+    for extra in calls:
+        assert torch.equal(verifier.generate(ids, **extra, **kwargs), expected)
+        counts.append(len([m for m in warned if "MAX_ENGINES_PER_MODEL" in m]))
+    assert counts == [0, 0, 1, 1, 2]  # (the logger's warning_once shows the message once per process)
+    static_engine.release_engines(verifier)  # a deliberate release starts the count again
+    warned.clear()
+    verifier.generate(ids, static_engine=True, **kwargs)
+    verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
+    assert not [m for m in warned if "MAX_ENGINES_PER_MODEL" in m]
+
+
 def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):
     """The engine's key holds every parameter's storage: a parameter replaced by a new one or a module swapped for a
     new one gives a new engine, whose output follows the new

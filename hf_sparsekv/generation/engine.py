@@ -771,6 +771,7 @@ DEFERRED_QUERY_BYTES = 256 * 2**20  # the most a deferred self-drafter's kept pr
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last
 _registry = threading.Lock()  # guards _engines (each list, too)
 MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: raise it to keep several configurations
+_replacements: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> engines replaced (_registry)
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
@@ -812,6 +813,14 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
                 return engine
         evicted = kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
         del kept[: len(evicted)]
+        replaced = _replacements[verifier] = _replacements.get(verifier, 0) + len(evicted)
+    if evicted and replaced >= 2:  # (one change of configuration is no alternation)
+        logger.warning_once(
+            f"hf_sparsekv: {type(verifier).__name__} keeps {MAX_ENGINES_PER_MODEL} engine configuration(s) and its "
+            "calls alternate between more, so each switch builds an engine again: new caches, its steps traced and "
+            "captured again (at 16K on an H200: 0.8 s for plain decoding, 12 s for a self-drafter's widths). Raise "
+            "hf_sparsekv.generation.engine.MAX_ENGINES_PER_MODEL to keep more (each holds caches of the full length), "
+            "or keep one configuration per model")
     _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
     with _registry:
@@ -849,6 +858,7 @@ def release_engines(model=None) -> None:
         with exclusive(model):
             with _registry:
                 kept = _engines.pop(model, [])
+                _replacements.pop(model, None)
             _release_graphs(kept)
             release_copies(model)
 
