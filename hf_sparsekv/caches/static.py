@@ -719,10 +719,9 @@ class StaticQuantCache(PreallocatedCache):
         self.quant_length.copy_(quant)
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
-        t = self.quantized_length(length)
-        if t > self.layers[0].qkeys.upper.shape[-2]:
-            raise ValueError(f"prompt of {length} tokens exceeds the store's capacity "
-                             f"{self.layers[0].qkeys.upper.shape[-2]}")
+        capacity = self.layers[0].qkeys.upper.shape[-2]
+        if self.quantized_length(length) > capacity:
+            raise ValueError(f"prompt of {length} tokens exceeds the store's capacity {capacity}")
         super().begin_prefill(length, row, start)
 
     def _place_prompt(self, row):

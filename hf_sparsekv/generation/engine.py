@@ -819,9 +819,8 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             f"hf_sparsekv: {type(verifier).__name__} keeps {MAX_ENGINES_PER_MODEL} engine configuration(s) and its "
             "calls alternate between more, so each switch builds an engine again: new caches, its steps traced and "
             "captured again (16K, H200, calls alternating plain decoding, self-drafting and int4: 0.8 to 12 s a "
-            "call). Raise "
-            "hf_sparsekv.generation.engine.MAX_ENGINES_PER_MODEL to keep more (each holds caches of the full length), "
-            "or keep one configuration per model")
+            "call). Raise hf_sparsekv.generation.engine.MAX_ENGINES_PER_MODEL to keep more (each holds caches of the "
+            "full length), or keep one configuration per model")
     _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
     with _registry:
