@@ -61,18 +61,21 @@ def _channels_contiguous(query: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("hf_sparsekv::static_decode", mutates_args=())
 def static_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
-                  scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+                  scaling: float, tree: torch.Tensor | None = None,
+                  tickets: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton decode kernel over preallocated buffers: ``query [B, Hq, L, D]``, ``key/value [B, Hkv, S, D]`` of
     which the first ``length[b]`` (int32 ``[B]``, on the device) slots of row b are read -> ``[B, L, Hq, D]``
     contiguous. ``tree`` (int64 ``[L]``, or ``[B, L]`` one per row): the last L slots read are a tree block, each query
-    seeing its ancestors."""
+    seeing its ancestors. ``tickets``: the cache's merge counters (zero before and after;
+    :func:`~hf_sparsekv.kernels.decode_core.launch_decode`)."""
     from .kernels.chunk_attention import chunk_decode_attention
 
-    return chunk_decode_attention(_channels_contiguous(query), key, value, scaling, length=length, tree=tree)
+    return chunk_decode_attention(_channels_contiguous(query), key, value, scaling, length=length, tree=tree,
+                                  tickets=tickets)
 
 
 @static_decode.register_fake
-def _static_decode_shape(query, key, value, length, scaling, tree=None):
+def _static_decode_shape(query, key, value, length, scaling, tree=None, tickets=None):
     batch, heads, n, dim = query.shape
     return query.new_empty(batch, n, heads, dim)
 
@@ -80,15 +83,16 @@ def _static_decode_shape(query, key, value, length, scaling, tree=None):
 @torch.library.custom_op("hf_sparsekv::static_window_decode", mutates_args=())
 def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                          slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,
-                         scaling: float, tree: torch.Tensor | None = None) -> torch.Tensor:
+                         scaling: float, tree: torch.Tensor | None = None,
+                         tickets: torch.Tensor | None = None) -> torch.Tensor:
     """The Triton decode kernel over a sink+window ring: ``query [B, Hq, L, D]`` at ``query_positions [B, L]``,
     ``key/value [B, Hkv, S, D]`` holding ``slot_positions [B, S]`` (see :mod:`hf_sparsekv.kernels.window_attention`)
     -> ``[B, L, Hq, D]`` contiguous. ``tree`` (int64 ``[B, L]``): the last L slots read are the queries' tree block
-    (a drafter's tree after the ring), seen by the ancestor bits."""
+    (a drafter's tree after the ring), seen by the ancestor bits. ``tickets``: as :func:`static_decode`'s."""
     from .kernels.window_attention import window_decode_attention
 
     return window_decode_attention(_channels_contiguous(query), key, value, scaling, length, slot_positions,
-                                   query_positions.contiguous(), sink, window, tree)
+                                   query_positions.contiguous(), sink, window, tree, tickets)
 
 
 @static_window_decode.register_fake
@@ -102,17 +106,18 @@ def static_quant_decode(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, key_upper: torch.Tensor, key_lower: torch.Tensor,
     key_scale: torch.Tensor, key_zero: torch.Tensor, value_upper: torch.Tensor, value_lower: torch.Tensor,
     value_scale: torch.Tensor, value_zero: torch.Tensor, fp_length: torch.Tensor, quant_length: torch.Tensor,
-    group_size: int, int8: bool, scaling: float,
+    group_size: int, int8: bool, scaling: float, tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The Triton decode kernel over a :class:`StaticQuantCache` layer: per row b, the first ``quant_length[b]`` code
-    slots (in the INT8 or INT4 view) then the first ``fp_length[b]`` buffer slots -> ``[B, L, Hq, D]`` contiguous."""
+    slots (in the INT8 or INT4 view) then the first ``fp_length[b]`` buffer slots -> ``[B, L, Hq, D]`` contiguous.
+    ``tickets``: as :func:`static_decode`'s."""
     from .kernels.decode_core import launch_decode
     from .kernels.quant_reference import QuantizedTensor
 
     quant = (QuantizedTensor(key_upper, key_lower, key_scale, key_zero),
              QuantizedTensor(value_upper, value_lower, value_scale, value_zero))
     return launch_decode(_channels_contiguous(query), scaling, key, value, quant=quant, group_size=group_size,
-                         int8=int8, fp_length=fp_length, quant_length=quant_length)
+                         int8=int8, fp_length=fp_length, quant_length=quant_length, tickets=tickets)
 
 
 @static_quant_decode.register_fake
@@ -127,7 +132,8 @@ def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float
         qk, qv, device = layer.qkeys, layer.qvalues, query.device
         out = static_quant_decode(query, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
                                   qv.lower, qv.scale, qv.zero, cache.local("fp_length", device),
-                                  cache.local("quant_length", device), cache.group_size, cache.view == "int8", scale)
+                                  cache.local("quant_length", device), cache.group_size, cache.view == "int8", scale,
+                                  cache.tickets(device))
         return out, None
     keys, values, mask = cache.reference_attention_inputs(layer, sliding)
     return sdpa_attention_forward(module, query, keys, values, mask, scaling=scale, is_causal=False)
@@ -175,12 +181,13 @@ def static_attention(
     if cache.kernels and sliding is None:
         tree = None if cache.tree is None else cache.local("tree", device)
         if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
-            return static_decode(query, key, value, cache.local("fp_length", device), scale, tree), None
+            return static_decode(query, key, value, cache.local("fp_length", device), scale, tree,
+                                 cache.tickets(device)), None
         if isinstance(cache, StaticSinkWindowCache) and _kernel_shape_ok(
                 query, key.shape[1], *(() if tree is None else (MAX_QUERIES, None))):
             return static_window_decode(query, key, value, cache.local("fp_length", device),
                                         cache.local("slot_positions", device), cache.local("positions", device),
-                                        cache.sink, cache.window, scale, tree), None
+                                        cache.sink, cache.window, scale, tree, cache.tickets(device)), None
     return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding, device), scaling=scale,
                                   is_causal=False)
 

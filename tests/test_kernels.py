@@ -875,6 +875,108 @@ def test_combine_merges_split_results_by_their_log_sum_exp(splits):
     assert torch.allclose(out_d.cpu().double(), ref, atol=1e-5, rtol=1e-5)
 
 
+def _launched(monkeypatch) -> list[str]:
+    """The names of the Triton kernels launched through :func:`runtime.launch` from here on."""
+    names = []
+    launch = runtime.launch
+
+    def recording(kernel, grid, *args, **kwargs):
+        names.append(kernel.fn.__name__)
+        return launch(kernel, grid, *args, **kwargs)
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    return names
+
+
+def _merge_case(case: str, dtype):
+    """``(run, reference)``: ``run(tickets)`` launches the kernel on one of the shapes the merge in the split kernel
+    covers, with ``tickets`` (None: the merge kernel's launch); ``reference`` is the float32 result."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    if case == "batch":  # three rows folded into KV heads, each its own length
+        rows = [_qkv(4, 2, 1, 64, 512, dtype, seed=30 + b) for b in range(3)]
+        q, k, v = (torch.cat(parts) for parts in zip(*rows))
+        n = torch.tensor([300, 77, 512], dtype=torch.int32, device=k.device)
+        return (lambda t: chunk_decode_attention(q, k, v, 0.125, length=n, tickets=t),
+                chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n))
+    if case == "window":  # a ring read by the positions its slots hold
+        q, k, v = _qkv(8, 2, 3, 64, 512, dtype, seed=41)
+        slots = torch.randperm(512, generator=torch.Generator().manual_seed(4))[None].to(k.device)
+        qpos = torch.tensor([[509, 510, 511]], device=k.device)
+        n = torch.tensor([512], dtype=torch.int32, device=k.device)
+        args = (0.125, n, slots, qpos, 4, 300)
+        return (lambda t: window_decode_attention(q, k, v, *args, tickets=t),
+                window_decode_attention_reference(q.float(), k.float(), v.float(), *args))
+    if case == "quant":  # codes and buffer splits of one launch (the Triton kernel's quantized paths)
+        from hf_sparsekv.caches.static import StaticQuantCache
+        from hf_sparsekv.kernels.quant_reference import QuantizedTensor
+        from hf_sparsekv.static_attention import static_quant_decode
+
+        q, k, v = _qkv(8, 2, 3, 64, 512 + 96, dtype, seed=43)
+        store = StaticQuantCache(32, 512, 32, 1, 2, 64, dtype, k.device)
+        layer = store.layers[0]
+        quantize_into(layer.qkeys, layer.qvalues, 0, k[:, :, :512], v[:, :, :512], 0, store.group_size)
+        layer.keys.copy_(k[:, :, 512:])
+        layer.values.copy_(v[:, :, 512:])
+        qk, qv = layer.qkeys, layer.qvalues
+        tq = torch.tensor([448], dtype=torch.int32, device=k.device)
+        tf = torch.tensor([40], dtype=torch.int32, device=k.device)
+        part = lambda x, rows: QuantizedTensor(x.upper[:, :, :448], x.lower[:, :, :448], x.scale[:, :, :rows],  # noqa: E731
+                                               x.zero[:, :, :rows])
+        ref = quant_decode_attention_reference(q.float(), part(qk, 448 // 32), part(qv, 448),
+                                               layer.keys[:, :, :40].float(), layer.values[:, :, :40].float(), 32,
+                                               True, 0.125)
+        return (lambda t: static_quant_decode(q, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero,
+                                              qv.upper, qv.lower, qv.scale, qv.zero, tf, tq, 32, True, 0.125, t),
+                ref)
+    hq, hkv, length = {"chain": (8, 2, 4), "tree": (8, 2, 5), "row-blocks": (16, 1, 9)}[case]
+    q, k, v = _qkv(hq, hkv, length, 64, 512, dtype, seed=len(case))
+    n = torch.tensor([400], dtype=torch.int32, device=k.device)
+    bits = ancestor_bits(_two_chains(2)).to(k.device) if case == "tree" else None
+    return (lambda t: chunk_decode_attention(q, k, v, 0.125, length=n, tree=bits, tickets=t),
+            chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n, tree=bits))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", ["chain", "batch", "tree", "row-blocks", "window", "quant"])
+def test_the_last_split_merges_the_splits_with_tickets(monkeypatch, case, dtype):
+    """With the merge's counters given, one launch: the split kernel's last program of each row block merges every
+    split (no ``combine_kernel``), with the reference's result and the two-launch result, the counters back at zero
+    for the next launch (a captured step's replay), which gives the same output."""
+    from hf_sparsekv.kernels import decode_core
+
+    run, ref = _merge_case(case, dtype)
+    with decode_core.fp_config(min_split=64, merge_per_warp=1 << 14):  # several splits; 144 rows in three blocks
+        plain = run(None)
+        kernels = _launched(monkeypatch)
+        tickets = torch.zeros(64, dtype=torch.int32, device=DEVICE)
+        merged = run(tickets)
+        assert "combine_kernel" not in kernels and "decode_split_kernel" in kernels
+        assert int(tickets.count_nonzero()) == 0
+        assert torch.equal(run(tickets), merged)
+    tol = 1e-4 if case == "quant" and dtype == torch.float32 else (1e-5 if dtype == torch.float32 else TOL)
+    assert _rel(merged, ref) < tol
+    assert _rel(merged, plain) < 1e-6
+
+
+def test_a_merge_larger_than_a_tile_or_without_tickets_takes_its_own_launch(monkeypatch):
+    """The merge stays a launch of its own where the partial outputs exceed one tile (``merge_per_warp``), where the
+    counters are too few for the launch's row blocks, and without counters."""
+    from hf_sparsekv.kernels import decode_core
+
+    q, k, v = _qkv(8, 2, 4, 64, 512, torch.float32, seed=5)
+    n = torch.tensor([400], dtype=torch.int32, device=k.device)
+    kernels = _launched(monkeypatch)
+    with decode_core.fp_config(min_split=64):
+        for tickets, per_warp in ((torch.zeros(64, dtype=torch.int32, device=DEVICE), 64),
+                                  (torch.zeros(1, dtype=torch.int32, device=DEVICE), 2048), (None, 2048)):
+            with decode_core.fp_config(merge_per_warp=per_warp):
+                kernels.clear()
+                chunk_decode_attention(q, k, v, 0.125, length=n, tickets=tickets)
+            assert kernels == ["decode_split_kernel", "combine_kernel"]
+            assert tickets is None or int(tickets.count_nonzero()) == 0
+
+
 def _first(qt, tokens: int, scale_rows: int):
     """The first ``tokens`` codes of a quantized tensor and its first ``scale_rows`` scales and zeros."""
     return type(qt)(qt.upper[:, :, :tokens], qt.lower[:, :, :tokens], qt.scale[:, :, :scale_rows],
@@ -1185,6 +1287,42 @@ def test_cuda_real_sizes(dtype, hq, hkv, d, length):
     if length >= 2:
         q, k, v = _qkv(hq, hkv, length, d, 32768 + 13, dtype, seed=length + 2)
         assert _rel(verify_attention(q, k, v, scaling), verify_attention_reference(q, k, v, scaling)) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("shape", ["bundled", "llama-3.1-8b", "llama-3.2-1b-batch-4"])
+def test_cuda_the_last_split_merges_at_real_size(monkeypatch, shape):
+    """At real shapes and lengths on the GPU (tens of splits finishing in any order), the merge in the split kernel
+    (merging tiles up to 16K values) gives the two-launch result, launch after launch with the same counters, for a
+    decode step and a verification of one draft; a graph of 12 such launches replays to the eager result."""
+    from hf_sparsekv.kernels import decode_core
+
+    hq, hkv, d, batch, capacity = {"bundled": (4, 2, 64, 1, 16448), "llama-3.1-8b": (32, 8, 128, 1, 4160),
+                                   "llama-3.2-1b-batch-4": (32, 8, 64, 4, 4160)}[shape]
+    tickets = torch.zeros(batch * hkv * 16, dtype=torch.int32, device=DEVICE)
+    kernels = _launched(monkeypatch)
+    with decode_core.fp_config(merge_per_warp=1 << 12):
+        for length in (1, 2):
+            rows = [_qkv(hq, hkv, length, d, capacity, torch.bfloat16, seed=b + length) for b in range(batch)]
+            q, k, v = (torch.cat(parts) for parts in zip(*rows))
+            n = torch.randint(capacity // 2, capacity + 1, (batch,), generator=torch.Generator().manual_seed(length))
+            n = n.to(torch.int32).to(DEVICE)
+            plain = chunk_decode_attention(q, k, v, d**-0.5, length=n)
+            kernels.clear()
+            merged = [chunk_decode_attention(q, k, v, d**-0.5, length=n, tickets=tickets) for _ in range(20)]
+            assert kernels == ["decode_split_kernel"] * 20, (length, sorted(set(kernels)))
+            for out in merged:
+                assert _rel(out, plain) < 1e-6
+            assert int(tickets.count_nonzero()) == 0
+        graph, outs = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph):
+            for _ in range(12):
+                outs.append(chunk_decode_attention(q, k, v, d**-0.5, length=n, tickets=tickets))
+        for _ in range(5):
+            graph.replay()
+            torch.cuda.synchronize()
+            assert all(_rel(out, plain) < 1e-6 for out in outs)
+        assert int(tickets.count_nonzero()) == 0
 
 
 @pytest.mark.cuda

@@ -121,6 +121,11 @@ class StaticLayer(CacheLayerMixin):
         raise NotImplementedError("static caches do not support beam search")
 
 
+# Merge counters a KV head of a row: one a block of query rows of a launch (up to 16 blocks: a tree block of 63
+# queries at a GQA group of 16 in blocks of 64 rows); a launch with more blocks merges in a kernel of its own.
+TICKETS_PER_KV_HEAD = 16
+
+
 class PreallocatedCache(Cache):
     """Base of the static caches: buffers, per-step slots and mask, prefill. Subclasses define :meth:`slots_of` and
     what a prefill keeps (:meth:`_store_prefill`).
@@ -178,6 +183,12 @@ class PreallocatedCache(Cache):
         self.prompt_queries = None
         self.live: torch.Tensor | None = None  # [B] int64 on the device, 0 for a finished row (None: every row runs)
         self.kernels = runtime.enabled(device)  # decode steps run the Triton kernel (fixed for the cache's life)
+        # the decode kernel's merge counters, zero between launches (decode_core.launch_decode's tickets): one set a
+        # device, used by this cache's launches alone, which run one at a time
+        self._tickets = {}
+        for d in layer_devices:
+            t = torch.zeros(batch * kv_heads * TICKETS_PER_KV_HEAD, dtype=torch.int32, device=d)
+            self._tickets.setdefault(t.device, t)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
         self._mask: torch.Tensor | None = None
 
@@ -238,6 +249,10 @@ class PreallocatedCache(Cache):
         if copy is None:
             copy = self._local[key] = tensor.to(device)
         return copy
+
+    def tickets(self, device: torch.device) -> torch.Tensor:
+        """The merge counters of the decode kernel's launches on ``device`` (int32, zero between launches)."""
+        return self._tickets[device]
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;

@@ -579,6 +579,39 @@ def _quant_part_vec(
                 FINAL, False)
 
 @triton.jit
+def _merge_when_last(
+    TICKETS, row_block, kvh, ARRIVALS, NS, OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
+    O, stride_ol, stride_oh, L,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, MERGE_S: tl.constexpr,
+    MERGE_R: tl.constexpr,
+):
+    """The merge of :func:`combine_kernel` for one row block of one KV head, run by the last of its ``ARRIVALS``
+    programs to finish (the others return): each program counts itself in on ``TICKETS[kvh, row_block]`` (int32,
+    zero before the launch) after its partial output is stored, and the one that draws the last ticket sets it back
+    to zero and merges the ``NS`` splits' partial outputs (``NS <= MERGE_S``, the block's rows ``<= MERGE_R``: one
+    tile). Partials are read from L2 (``.cg``): another program wrote them during this launch."""
+    ticket = TICKETS + kvh * tl.num_programs(0) + row_block
+    tl.debug_barrier()  # every thread's partial-output stores come before the ticket (release)
+    if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1:
+        tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
+        s = tl.arange(0, MERGE_S)[:, None, None]
+        r = row_block * BLOCK_M + tl.arange(0, MERGE_R)[:, None]  # [R, 1]
+        d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]
+        row_ok = r < tl.minimum(row_block * BLOCK_M + BLOCK_M, GROUP * L)
+        ok = (s < NS) & row_ok[None]
+        lse = tl.load(LP + kvh * stride_lph + s * stride_lps + r[None], mask=ok, other=float("-inf"),
+                      cache_modifier=".cg")  # [S, R, 1]
+        o = tl.load(OP + kvh * stride_oph + s * stride_ops + r[None] * stride_opm + d[None], mask=ok, other=0.0,
+                    cache_modifier=".cg")  # [S, R, D]
+        m = tl.max(lse, 0)
+        m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
+        w = tl.exp2(lse - m[None])
+        denom = tl.sum(w, 0)
+        out = tl.sum(o * w, 0) / tl.where(denom > 0, denom, 1.0)  # [R, D]
+        tl.store(O + (r % L) * stride_ol + (kvh * GROUP + r // L) * stride_oh + d, out.to(O.dtype.element_ty),
+                 mask=row_ok)
+
+@triton.jit
 def decode_split_kernel(
     Q, stride_qh, stride_ql,
     K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP,
@@ -587,12 +620,13 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb, SPLIT_BASE,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb, SPLIT_BASE, TICKETS, N_MERGE,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
     ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_R: tl.constexpr,
 ):
     pid_s = tl.program_id(1)  # axis 0: the row blocks of one split and KV head run side by side (they read the same
     kvh = tl.program_id(2)  # keys, which they can then share through L2)
@@ -645,7 +679,11 @@ def decode_split_kernel(
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s + SPLIT_BASE, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                  SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
-                     TREE)
+                 TREE)
+    if MERGE:  # the last program of this row block and KV head merges every split (no second launch)
+        _merge_when_last(TICKETS, tl.program_id(0), kvh, tl.num_programs(1), N_MERGE, OP, LP, stride_oph, stride_ops,
+                         stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh, L, GROUP, HEAD_DIM, BLOCK_M,
+                         MERGE_S, MERGE_R)
 
 @triton.jit
 def combine_kernel(

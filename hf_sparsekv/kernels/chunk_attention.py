@@ -21,21 +21,21 @@ MAX_QUERIES = 63  # a tree block's ancestor bits are one int64 per query
 
 def chunk_decode_attention(
     query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float, length: torch.Tensor | None = None,
-    tree: torch.Tensor | None = None,
+    tree: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Triton split-KV kernel; see the module docstring. With ``length`` (int32 ``[B]`` on the device), ``key/value``
     are preallocated buffers ``[B, Hkv, S, D]`` and only the first ``length[b]`` tokens of row b are stored ones
     (CUDA-graph capture: nothing is read on the host). Without it, batch 1. ``tree`` (int64 ``[L]``, or ``[B, L]``: one
     tree per row): the queries are a tree block, query i of row b seeing its own block key j iff bit j of
     ``tree[b, i]`` is set
-    (:func:`~.reference.ancestor_bits`)."""
+    (:func:`~.reference.ancestor_bits`). ``tickets``: the merge's counters (:func:`~.decode_core.launch_decode`)."""
     runtime.check_attention_inputs(query, key, value, max_q=MAX_QUERIES, max_rows=None)
     if key.shape[-2] < query.shape[-2] or value.shape[-2] != key.shape[-2]:
         raise ValueError(
             f"key/value must hold the same number of tokens, at least the {query.shape[-2]} queries; got "
             f"{key.shape[-2]} and {value.shape[-2]}"
         )
-    return launch_decode(query, scaling, key, value, fp_length=length, tree=tree)
+    return launch_decode(query, scaling, key, value, fp_length=length, tree=tree, tickets=tickets)
 
 
 def chunk_decode_attention_reference(

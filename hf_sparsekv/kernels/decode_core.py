@@ -111,7 +111,8 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # stays busy when a captured launch reads a length far below the capacity it was sized for.
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
-FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, block_m=64)
+FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, block_m=64,
+                 merge_per_warp=2048)
 # ``block_m``: query rows per program. More rows (tree verification: group x (N + 1) rows) run as further programs of
 # the same split, side by side in the grid so that they can share the keys through L2. Swept for trees of 17 and 33
 # queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27): 64 rows with these
@@ -209,6 +210,9 @@ def quant_config(**settings):
 
 if os.environ.get(QUANT_CONFIG_ENV):
     QUANT_CONFIG.update(load_quant_config(os.environ[QUANT_CONFIG_ENV]))
+SPLIT_MERGE_ENV = "HF_SPARSEKV_SPLIT_MERGE"  # "0": the merge of split results is always a launch of its own
+if os.environ.get(SPLIT_MERGE_ENV) == "0":
+    FP_CONFIG["merge_per_warp"] = 0
 
 
 def gluon_settings(rows: int, int8: bool) -> tuple[int, int, int]:
@@ -274,6 +278,19 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
 COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
 
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
+# ``merge_per_warp`` (FP_CONFIG): with ``tickets`` given, the split kernel's last program of each row block merges
+# the splits itself (:func:`~._decode_triton._merge_when_last`) where the partial outputs it reads, splits x rows x
+# head_dim (each rounded up to a power of two), are at most this many float32 values per warp of the launch (one
+# tile); larger merges, or none given, run the merge kernel as a launch of its own. 0: always that launch.
+
+
+def _merges_in_kernel(tickets, n_splits: int, row_blocks: int, kv_heads: int, rows: int, head_dim: int,
+                      num_warps: int) -> bool:
+    """Whether the split kernel merges its splits itself (see ``merge_per_warp``): a ticket per row block and KV
+    head, and the partials of one row block in one tile."""
+    tile = triton_next_pow2(n_splits) * triton_next_pow2(rows) * head_dim
+    return (tickets is not None and tickets.numel() >= row_blocks * kv_heads
+            and tile <= FP_CONFIG["merge_per_warp"] * num_warps)
 
 
 def _block_m(rows: int) -> int:
@@ -299,6 +316,7 @@ def launch_decode(
     quant_length: torch.Tensor | None = None,
     positions: tuple | None = None,
     tree: torch.Tensor | None = None,
+    tickets: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [B, Hq, L, D]``; ``k/v [B, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
@@ -319,7 +337,12 @@ def launch_decode(
     ``tree`` (int64 ``[L]``, or ``[B, L]`` for one tree per row, on the device): the last L keys read (the queries'
     own) form a tree block, and query i of row b sees block key j iff bit j of ``tree[b, i]`` is set (its ancestors
     and itself: the ``spec_mask`` of :func:`~hf_sparsekv.kernels.reference.masked_attention_reference`); every key
-    before the block is seen by every query (with ``positions``: by the positions rule above)."""
+    before the block is seen by every query (with ``positions``: by the positions rule above).
+
+    ``tickets`` (int32, on the device, all zero, at least row blocks x KV heads: the caller's, e.g. a static cache's
+    :attr:`~hf_sparsekv.caches.static.PreallocatedCache.tickets`, used by one launch at a time): the split kernel's
+    last program of each row block merges the splits (one launch, not two) where they fit one tile; the kernel leaves
+    them zero."""
     if tree is not None:
         if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
                 tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
@@ -334,7 +357,7 @@ def launch_decode(
     batch = q.shape[0]
     if batch > 1:
         return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8,
-                            q_min_split, quant_length, tree)
+                            q_min_split, quant_length, tree, tickets)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -414,12 +437,15 @@ def launch_decode(
             except quant_gluon.CompileFailed:  # this Triton's Gluon: the Triton kernel from now on
                 return launch_decode(q, scaling, k, v, quant=quant, group_size=group_size, int8=int8,
                                      fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length,
-                                     quant_length=quant_length, positions=positions, tree=tree)
+                                     quant_length=quant_length, positions=positions, tree=tree, tickets=tickets)
         split_base, n_splits_here, quant = n_qsplits, n_fsplits, None
     else:
         n_splits_here = n_splits
+    row_blocks = math.ceil(rows / block_m)
+    num_warps = qcfg["num_warps"] if quant is not None else fcfg["num_warps"]
+    merge = not final and _merges_in_kernel(tickets, n_splits, row_blocks, hkv, min(rows, block_m), d, num_warps)
     runtime.launch(
-        decode_split_kernel, (math.ceil(rows / block_m), n_splits_here, hkv),
+        decode_split_kernel, (row_blocks, n_splits_here, hkv),
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
         ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
@@ -428,16 +454,19 @@ def launch_decode(
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
         s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
+        tickets if merge else s_ptr, n_splits,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-        num_warps=qcfg["num_warps"] if quant is not None else fcfg["num_warps"],
+        MERGE=merge,
+        MERGE_S=triton_next_pow2(n_splits) if merge else 1, MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
+        num_warps=num_warps,
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
-    if not final:
+    if not final and not merge:
         block_s, block_d = triton_next_pow2(n_splits), min(d, COMBINE_BLOCK_D)
         runtime.launch(
             combine_kernel, (hkv, rows, d // block_d),
@@ -449,7 +478,7 @@ def launch_decode(
 
 
 def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8, q_min_split,
-                 quant_length, tree) -> torch.Tensor:
+                 quant_length, tree, tickets) -> torch.Tensor:
     """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` (and code buffers ``[B, Hkv, ...]``) with
     ``fp_length [B]`` (and ``quant_length [B]``): the rows become B·Hkv KV heads of one launch (each reads its row's
     lengths, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
@@ -472,6 +501,6 @@ def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, gr
     out = launch_decode(
         q.reshape(1, batch * hq, length, d), scaling, folded(k), folded(v), quant=quant, group_size=group_size,
         int8=int8, fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length, quant_length=quant_length,
-        positions=positions, tree=tree,
+        positions=positions, tree=tree, tickets=tickets,
     )
     return out.view(length, batch, hq, d).transpose(0, 1).contiguous()

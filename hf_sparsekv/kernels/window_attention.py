@@ -33,8 +33,10 @@ def _check_positions(query, key, length, slot_positions, query_positions) -> Non
 
 
 def window_decode_attention(query, key, value, scaling: float, length, slot_positions, query_positions,
-                            sink: int, window: int, tree: torch.Tensor | None = None) -> torch.Tensor:
-    """Triton split-KV kernel; see the module docstring."""
+                            sink: int, window: int, tree: torch.Tensor | None = None,
+                            tickets: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton split-KV kernel; see the module docstring. ``tickets``: the merge's counters
+    (:func:`~.decode_core.launch_decode`)."""
     if tree is None:
         runtime.check_attention_inputs(query, key, value)
     else:  # a tree block: up to one int64 of ancestor bits per query, any number of query rows
@@ -45,7 +47,7 @@ def window_decode_attention(query, key, value, scaling: float, length, slot_posi
     if slot_positions.stride(-1) != 1 or query_positions.stride(-1) != 1:
         raise ValueError("slot_positions and query_positions must be contiguous in their last dimension")
     return launch_decode(query, scaling, key, value, fp_length=length,
-                         positions=(slot_positions, query_positions, sink, window), tree=tree)
+                         positions=(slot_positions, query_positions, sink, window), tree=tree, tickets=tickets)
 
 
 def window_decode_attention_reference(query, key, value, scaling: float, length, slot_positions, query_positions,
