@@ -1222,6 +1222,34 @@ def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
     assert (ring_kernel.calls > 0) == (draft_cache == "window")
 
 
+@torch.no_grad()
+@pytest.mark.parametrize("draft_cache", ["chunk", "window"])
+def test_static_steps_merge_their_splits_in_the_kernel(monkeypatch, draft_cache):
+    """On the static path with several splits a launch, every step (draft, verification, catch-up: small tiles on this
+    model) merges in the split kernel on its cache's counters, which stay zero between launches, and the output is
+    greedy generate()'s."""
+    from hf_sparsekv.generation import engine as static_engine
+    from hf_sparsekv.kernels import decode_core
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    model = _tiny_llama()
+    prompt = torch.randint(3, 96, (1, 150), generator=torch.Generator().manual_seed(9)).to(DEVICE)
+    with runtime.use_kernels(False):
+        want = model.generate(prompt, max_new_tokens=9, do_sample=False)
+    kernels, merged = _launched(monkeypatch), []
+    decide = decode_core._merges_in_kernel
+    monkeypatch.setattr(decode_core, "_merges_in_kernel", lambda *a: merged.append(decide(*a)) or merged[-1])
+    with decode_core.fp_config(min_split=16):
+        out = model.generate(prompt, max_new_tokens=9, do_sample=False, assistant_model=model, kv_budget=64,
+                             num_assistant_tokens=3, draft_cache=draft_cache)
+    assert torch.equal(out, want)
+    assert len(merged) > 10 and all(merged)  # launches of several splits, each merged in the kernel
+    assert "combine_kernel" not in kernels
+    engine = static_engine.current_engine(model)
+    caches = [c for c in vars(engine).values() if hasattr(c, "tickets")]
+    assert caches and all(int(c.tickets(prompt.device).count_nonzero()) == 0 for c in caches)
+
+
 @pytest.mark.parametrize("draft_cache", ["chunk", "window"])
 def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     """Row 0 stops at an EOS while row 1 goes on: after that, the kernel reads only the step's own slots of row 0

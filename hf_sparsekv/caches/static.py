@@ -250,9 +250,10 @@ class PreallocatedCache(Cache):
             copy = self._local[key] = tensor.to(device)
         return copy
 
-    def tickets(self, device: torch.device) -> torch.Tensor:
-        """The merge counters of the decode kernel's launches on ``device`` (int32, zero between launches)."""
-        return self._tickets[device]
+    def tickets(self, device: torch.device) -> torch.Tensor | None:
+        """The merge counters of the decode kernel's launches on ``device`` (int32, zero between launches); None on a
+        device that holds none of the cache's layers (the launch then merges in a kernel of its own)."""
+        return self._tickets.get(device)
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
