@@ -26,11 +26,11 @@ partial outputs; the kernel of this module then runs the full-precision splits a
 
 The token ranges are cut into splits (one program per split and KV head, and per block of ``block_m`` query rows
 where a KV head has more rows); each writes a partial output and its base-2 log-sum-exp, and a second small kernel
-merges the splits, or, given the caller's ``tickets`` and where the partials fit one tile, the last program of each
-row block to finish merges them in the same launch. Keys before the queries' own ``L`` are seen by every query, so whole blocks of them run unmasked;
-only the blocks that reach the queries' own apply the causal or tree mask (LongSpec's prefix and tree parts, in one
-pass). With a single split the first kernel writes the final output directly. Softmax runs in float32 (base 2), dots
-accumulate in float32.
+merges the splits (or, given the caller's ``tickets`` and where the partials fit one tile, the last program of each
+row block to finish merges them in the same launch). Keys before the queries' own ``L`` are seen by every query, so
+whole blocks of them run unmasked; only the blocks that reach the queries' own apply the causal or tree mask
+(LongSpec's prefix and tree parts, in one pass). With a single split the first kernel writes the final output
+directly. Softmax runs in float32 (base 2), dots accumulate in float32.
 
 Invariants the launcher guarantees: every quantized block of ``qblock`` tokens lies in one key group
 (``group_size % qblock == 0``, blocks start at multiples of ``qblock``); ``S >= L``.
@@ -341,7 +341,7 @@ def launch_decode(
     before the block is seen by every query (with ``positions``: by the positions rule above).
 
     ``tickets`` (int32, on the device, all zero, at least row blocks x KV heads: the caller's, e.g. a static cache's
-    :attr:`~hf_sparsekv.caches.static.PreallocatedCache.tickets`, used by one launch at a time): the split kernel's
+    :meth:`~hf_sparsekv.caches.static.PreallocatedCache.tickets`, used by one launch at a time): the split kernel's
     last program of each row block merges the splits (one launch, not two) where they fit one tile; the kernel leaves
     them zero."""
     if tree is not None:
@@ -462,8 +462,8 @@ def launch_decode(
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-        MERGE=merge,
-        MERGE_S=triton_next_pow2(n_splits) if merge else 1, MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
+        MERGE=merge, MERGE_S=triton_next_pow2(n_splits) if merge else 1,
+        MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
         num_warps=num_warps,
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
