@@ -80,6 +80,27 @@ def _static_decode_shape(query, key, value, length, scaling, tree=None, tickets=
     return query.new_empty(batch, n, heads, dim)
 
 
+@torch.library.custom_op("hf_sparsekv::static_rope_decode", mutates_args=("key", "value"))
+def static_rope_decode(query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor, cos: torch.Tensor,
+                       sin: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                       slots: torch.Tensor, length: torch.Tensor, scaling: float, tree: torch.Tensor | None = None,
+                       tickets: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`static_decode` with the step's rotary embedding and cache write in the same launch (what a compiled
+    step calls in their place, :mod:`hf_sparsekv.generation.fused_rotary`): ``query`` and ``key_new`` before the
+    rotary embedding, ``value_new``, ``cos/sin`` the position embeddings; ``key/value[rows, :, slots]`` are written
+    (:mod:`hf_sparsekv.kernels.rope_attention`). Returns ``[B, L, Hq, D]`` contiguous."""
+    from .kernels.rope_attention import rope_decode_attention
+
+    return rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling, length,
+                                 tree, tickets)
+
+
+@static_rope_decode.register_fake
+def _static_rope_decode_shape(query, *args, **kwargs):
+    batch, heads, n, dim = query.shape
+    return query.new_empty(batch, n, heads, dim)
+
+
 @torch.library.custom_op("hf_sparsekv::static_window_decode", mutates_args=())
 def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                          slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,

@@ -1250,6 +1250,132 @@ def test_static_steps_merge_their_splits_in_the_kernel(monkeypatch, draft_cache)
     assert caches and all(int(c.tickets(prompt.device).count_nonzero()) == 0 for c in caches)
 
 
+def _rope_case(batch: int, length: int, lengths: list[int], dtype, tree: bool = False, seed: int = 0):
+    """Inputs of :func:`rope_decode_attention` as a static cache's step gives them: queries/keys/values ``[B, *, L,
+    D]`` as transposed views of the projections' outputs, cos/sin of positions whose slots are each row's last
+    ``length`` of ``lengths[b]`` (a full cache), buffers of 200 slots holding earlier keys."""
+    gen = torch.Generator().manual_seed(seed)
+    hq, hkv, dim, capacity = 4, 2, 32, 200
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
+
+    query = rand(batch, length, hq, dim).transpose(1, 2)
+    key_new, value_new = (rand(batch, length, hkv, dim).transpose(1, 2) for _ in range(2))
+    slots = (torch.tensor(lengths)[:, None] - length + torch.arange(length)[None]).to(DEVICE)
+    angles = slots[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE) / dim))
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, L, D] as the model passes them
+    key, value = rand(batch, hkv, capacity, dim), rand(batch, hkv, capacity, dim)
+    rows = torch.arange(batch, device=DEVICE)[:, None]
+    bits = None
+    if tree:  # a tree block: each node sees the root, itself and (odd nodes) the node before
+        mask = torch.eye(length, dtype=torch.bool)
+        mask[:, 0] = True
+        mask[1::2, :-1] |= torch.eye(length, dtype=torch.bool)[1::2, 1:]
+        bits = ancestor_bits(mask).to(DEVICE)
+    return (query, key_new, value_new, cos, sin, key, value, rows, slots, dim ** -0.5,
+            torch.tensor(lengths, dtype=torch.int32, device=DEVICE), bits)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", ["one-query", "chain", "batch", "tree", "batch-finished-row"])
+def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
+    """One launch that rotates the queries, writes the step's keys (rotated) and values and attends equals the unfused
+    step (the rotary embedding in float32, the indexed write, the float32 reference attention): the buffers as the
+    write leaves them and the outputs, with one split or several (merged in the kernel on tickets, which end zero)."""
+    from hf_sparsekv.kernels import decode_core
+    from hf_sparsekv.kernels.rope_attention import rope_decode_attention, rope_decode_attention_reference
+
+    batch, length, lengths, tree = {
+        "one-query": (1, 1, [120], False), "chain": (1, 4, [150], False), "batch": (3, 3, [150, 40, 199], False),
+        "tree": (2, 5, [90, 160], True), "batch-finished-row": (2, 3, [150, 100], False)}[case]
+    tol = 1e-5 if dtype == torch.float32 else TOL
+    for min_split in (None, 16):
+        *args, bits = _rope_case(batch, length, lengths, dtype, tree)
+        ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+        live = list(range(batch))
+        if case == "batch-finished-row":  # row 1 has finished: it reads only as many slots as it has queries
+            args[-1][1] = ref_args[-1][1] = length
+            live = [0]
+        tickets = torch.zeros(batch * 2 * 16, dtype=torch.int32, device=DEVICE)
+        with decode_core.fp_config(**({} if min_split is None else {"min_split": min_split})):
+            out = rope_decode_attention(*args, bits, tickets)
+        want = rope_decode_attention_reference(*ref_args, bits)
+        assert out.shape == want.shape == (batch, length, 4, 32)
+        for got, expect in ((args[5], ref_args[5]), (args[6], ref_args[6])):  # the buffers: as the write leaves them
+            torch.testing.assert_close(got.float(), expect.float(), rtol=tol, atol=tol)
+            written = torch.zeros_like(got, dtype=torch.bool)
+            written[args[7], :, args[8]] = True
+            assert torch.equal(got[~written], expect[~written])  # nothing else moved
+        err = (out[live].float() - want[live].float()).norm() / want[live].float().norm()
+        assert err < tol, (case, min_split, float(err))
+        assert int(tickets.count_nonzero()) == 0
+
+
+def _tiny_arch(arch: str):
+    """A tiny float32 model of ``arch`` with heads the kernel takes (head_dim 32, GQA 2; Mistral without its sliding
+    window, which the kernel path leaves to SDPA)."""
+    from .conftest import _CLASSES
+
+    config_cls, model_cls = _CLASSES[arch]
+    config = config_cls(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
+                        eos_token_id=2, pad_token_id=0, **({"sliding_window": None} if arch == "mistral" else {}))
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(8.0)
+    model = model.to(DEVICE, torch.float32)
+    model.set_attn_implementation("sparsekv")
+    return model
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch, compiled_steps, arch):
+    """Compiled steps call ``static_rope_decode`` for each layer of the AR step and of a drafter's step on a chunk
+    cache (the rotary embedding, the cache write and the attention in one launch), and generate() still gives plain
+    greedy's tokens: our AR, a separate drafter, a batch of two prompts; with ``HF_SPARSEKV_FUSED_ROTARY=0`` the
+    graphs keep ``static_decode`` alone."""
+    from hf_sparsekv.generation import fused_rotary, graph_steps
+
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    model = _tiny_arch(arch)
+    drafter = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (150, 120)]
+    with runtime.use_kernels(False):
+        want = [model.generate(p, max_new_tokens=8, do_sample=False) for p in prompts]
+    counts = []
+    rewrite = fused_rotary.fuse_rotary_writes
+    monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True)
+    assert torch.equal(out, want[0]) and counts == [2]  # the AR step: both layers
+    out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, assistant_model=drafter, kv_budget=64,
+                         num_assistant_tokens=3, draft_cache="chunk")
+    assert torch.equal(out, want[0]) and max(counts[1:]) == 2
+    ids = torch.zeros(2, 150, dtype=torch.long, device=DEVICE)
+    mask = torch.zeros_like(ids)
+    for row, p in enumerate(prompts):
+        ids[row, 150 - p.shape[1]:], mask[row, 150 - p.shape[1]:] = p[0], 1
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, static_engine=True,
+                         pad_token_id=0)
+    for row, p in enumerate(prompts):
+        assert torch.equal(out[row, 150 - p.shape[1]:], want[row][0])
+    monkeypatch.setenv("HF_SPARSEKV_FUSED_ROTARY", "0")
+    from hf_sparsekv.generation import engine as static_engine
+
+    static_engine.release_engines()
+    before = len(counts)
+    assert torch.equal(model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True), want[0])
+    assert len(counts) == before
+
+
 @pytest.mark.parametrize("draft_cache", ["chunk", "window"])
 def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     """Row 0 stops at an EOS while row 1 goes on: after that, the kernel reads only the step's own slots of row 0

@@ -31,6 +31,7 @@ from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
 from .draft_weights import compiling_drafts, layer_elements
 from .outer_products import outer_products
+from .fused_rotary import fuse_rotary_writes
 from .projection_groups import gate_projections, group_projections, norm_projections
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
@@ -41,6 +42,7 @@ GATED_LINEAR_ENV = "HF_SPARSEKV_GATED_LINEAR"  # "0": keep gate/up a grouped cal
 NORMED_LINEAR_ENV = "HF_SPARSEKV_NORMED_LINEAR"  # "0": keep the RMSNorms (and residual adds) Inductor's
 PREFILL_COMPILE_ENV = "HF_SPARSEKV_PREFILL_COMPILE"  # "0": the prefill of a compiled engine stays eager
 COMBO_KERNELS_ENV = "HF_SPARSEKV_COMBO_KERNELS"  # "0": Inductor launches each independent kernel of a step alone
+FUSED_ROTARY_ENV = "HF_SPARSEKV_FUSED_ROTARY"  # "0": keep the rotary embedding and the cache write Inductor's
 RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
 
@@ -67,8 +69,9 @@ def step_backend(gm: torch.fx.GraphModule, example_inputs):
     (:mod:`.outer_products`); the linear layers that share an input become one grouped kernel, then a gated MLP's
     gate/up and its ``silu(gate) * up`` one gated kernel, then the RMSNorm (and residual add) before a grouped or
     gated call part of that call (:mod:`.projection_groups`; all off with ``HF_SPARSEKV_GROUPED_LINEAR=0``, the
-    second with ``HF_SPARSEKV_GATED_LINEAR=0``, the third with ``HF_SPARSEKV_NORMED_LINEAR=0``), then
-    :data:`COMPILE_BACKEND` compiles. Inductor compiles with ``combo_kernels``: the independent small kernels of a
+    second with ``HF_SPARSEKV_GATED_LINEAR=0``, the third with ``HF_SPARSEKV_NORMED_LINEAR=0``); a layer's rotary
+    embedding and cache write become part of its decode attention call (:mod:`.fused_rotary`; off with
+    ``HF_SPARSEKV_FUSED_ROTARY=0``); then :data:`COMPILE_BACKEND` compiles. Inductor compiles with ``combo_kernels``: the independent small kernels of a
     layer (the query's and the key's rotary embedding, the cache writes) run as one launch, a step being a chain of
     launch-bound kernels (bundled pair, H200: an AR step 103 -> 90 kernels, 0.298 -> 0.282 ms);
     ``HF_SPARSEKV_COMBO_KERNELS=0`` compiles without."""
@@ -79,6 +82,8 @@ def step_backend(gm: torch.fx.GraphModule, example_inputs):
             gate_projections(gm)
         if os.environ.get(NORMED_LINEAR_ENV, "1") != "0":
             norm_projections(gm)
+    if os.environ.get(FUSED_ROTARY_ENV, "1") != "0":
+        fuse_rotary_writes(gm)
     return _compile(gm, example_inputs, combo_kernels=os.environ.get(COMBO_KERNELS_ENV, "1") != "0")
 
 

@@ -52,24 +52,90 @@ def _fp_block(
     return acc, m_new, l_i
 
 @triton.jit
+def _fold_tile(q, acc, m_i, l_i, k, v, scale_log2, visible, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Keys/values ``k, v [N, D]`` held in registers folded into the running softmax, only ``visible [M, N]``
+    counting (the step's own new keys, see :func:`_new_keys`)."""
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * scale_log2
+    s = tl.where(visible, s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
+    return acc, m_new, l_i
+
+@triton.jit
+def _rotated(base, offs, mask, d, cos, sin, HEAD_DIM: tl.constexpr):
+    """Rows ``base + offs[r] + d`` (``[R, HEAD_DIM]``, ``mask [R]``) after the rotary embedding, in float32:
+    transformers' ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x[D/2:], x[:D/2])``; ``cos, sin
+    [R, HEAD_DIM]`` float32."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    x = tl.load(base + offs[:, None] + d[None, :], mask=mask[:, None], other=0.0).to(tl.float32)
+    pair = tl.load(base + offs[:, None] + ((d + HALF) % HEAD_DIM)[None, :], mask=mask[:, None],
+                   other=0.0).to(tl.float32)
+    return x * cos + tl.where((d < HALF)[None, :], -pair, pair) * sin
+
+@triton.jit
+def _angles(CS, SN, row, pos, stride_cb, stride_cl, mask, d):
+    """The rotary embedding's ``cos, sin`` of rows ``pos [R]`` of batch row ``row``: ``[R, D]`` float32."""
+    offs = row * stride_cb + pos[:, None] * stride_cl + d[None, :]
+    cos = tl.load(CS + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+    sin = tl.load(SN + offs, mask=mask[:, None], other=0.0).to(tl.float32)
+    return cos, sin
+
+@triton.jit
+def _new_keys(KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl,
+              CS, SN, stride_cb, stride_cl, row, head, j, j_ok, d, dtype, HEAD_DIM: tl.constexpr):
+    """The step's own keys (rotated) and values of one KV head of batch row ``row``, ``[BLOCK_L, D]`` in the cache's
+    ``dtype``: from the projections' outputs ``KN/VN [B, Hkv, L, D]`` (pre-rotary keys), rows ``j`` (``j_ok``)."""
+    cos, sin = _angles(CS, SN, row, j, stride_cb, stride_cl, j_ok, d)
+    k = _rotated(KN + row * stride_knb + head * stride_knh, j * stride_knl, j_ok, d, cos, sin, HEAD_DIM)
+    v = tl.load(VN + row * stride_vnb + head * stride_vnh + j[:, None] * stride_vnl + d[None, :],
+                mask=j_ok[:, None], other=0.0)
+    return k.to(dtype), v.to(dtype)
+
+@triton.jit
 def _fp_part(
     Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
     scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
     SP, QP, SINK, WINDOW, TB,
+    KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN, stride_cb, stride_cl,
+    SL, stride_slb, RW, row, ROW_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
     DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, BY_POSITION: tl.constexpr, TREE: tl.constexpr,
+    ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     """The split ``fsplit`` of the full-precision segment. Keys before the queries' own block (``S_FP - L``) are
     seen by every query: whole blocks of them run unmasked (LongSpec's prefix part), the rest with the causal or
     tree mask (the tree part). A ring (BY_POSITION) runs masked throughout: a slot is seen by the positions it
-    holds, and with TREE the last L slots are the queries' tree block (seen by the ancestor bits alone)."""
+    holds, and with TREE the last L slots are the queries' tree block (seen by the ancestor bits alone).
+
+    ROPE (not with BY_POSITION): ``Q`` holds the queries before the rotary embedding, applied here (``CS/SN [B, L, D]``
+    cos/sin), and the step's keys/values are the projections' ``KN/VN [B, Hkv, L, D]``: the programs of split 0 and
+    row block 0 write them (keys rotated) to slots ``SL[b, :L]`` of row ``RW[b]``; where those slots are the queries'
+    own block of this row (``S_FP - L ..``, a live row of a cache in position order), every program folds them in
+    from registers and reads the buffer only before the block, else (a finished row) it reads the buffer as it is."""
     d = tl.arange(0, HEAD_DIM)
-    q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None],
-                other=0.0).to(DOT_DTYPE)
+    if ROPE:
+        cos, sin = _angles(CS, SN, row, qi, stride_cb, stride_cl, row_ok, d)
+        q = _rotated(Q, q_head * stride_qh + qi * stride_ql, row_ok, d, cos, sin, HEAD_DIM)
+        q = q.to(Q.dtype.element_ty).to(DOT_DTYPE)
+    else:
+        q = tl.load(Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql + d[None, :], mask=row_ok[:, None],
+                    other=0.0).to(DOT_DTYPE)
     start = fsplit * FSPLIT_TOKENS
     end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
     block_start = S_FP - L  # keys before it: every query's; from it: the queries' own (causal, or the tree)
+    read_end = end  # what is read from the buffer
+    if ROPE:
+        j = tl.arange(0, BLOCK_L)
+        j_ok = j < L
+        slots = tl.load(SL + row * stride_slb + j, mask=j_ok, other=0)
+        target = tl.load(RW + row)
+        fresh = (tl.sum(tl.where(j_ok & (slots != block_start + j), 1, 0), 0) == 0) & (target == row)
+        read_end = tl.where(fresh, tl.minimum(end, block_start), end)
+        writes = (fsplit == 0) & (tl.program_id(0) == 0)
     limit = block_start + qi  # key n is visible to row r iff n <= limit[r]
     if TREE:  # query row r sees block slot j iff bit j of TB[r] is set
         tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
@@ -88,9 +154,9 @@ def _fp_part(
         offs_n = n0 + tl.arange(0, BLOCK_N)
         acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2,
                                   None, None, False, DOT_PREC, DOT_DTYPE)
-    for n0 in range(masked_from, end, BLOCK_N):
+    for n0 in range(masked_from, read_end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < end
+        n_ok = offs_n < read_end
         if BY_POSITION:
             sp = tl.load(SP + offs_n, mask=n_ok, other=-1)[None, :]
             visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
@@ -108,6 +174,24 @@ def _fp_part(
                 visible = visible & ((offs_n < block_start)[None, :] | ancestor)
         acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2,
                                   visible, n_ok, True, DOT_PREC, DOT_DTYPE)
+    if ROPE:
+        folds = fresh & (end > block_start)
+        if writes | folds:
+            head = kvh % ROW_HEADS
+            k_new, v_new = _new_keys(KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl,
+                                     CS, SN, stride_cb, stride_cl, row, head, j, j_ok, d, K.dtype.element_ty,
+                                     HEAD_DIM)
+            if writes:
+                dst = (target * ROW_HEADS + head) * stride_kh + slots[:, None] * stride_kn + d[None, :]
+                tl.store(K + dst, k_new, mask=j_ok[:, None])
+                tl.store(V + (target * ROW_HEADS + head) * stride_vh + slots[:, None] * stride_vn + d[None, :], v_new,
+                         mask=j_ok[:, None])
+            if folds:
+                n = block_start + j
+                seen = (j_ok & (n >= start) & (n < end))[None, :] & (n[None, :] <= limit[:, None])
+                if TREE:
+                    seen = seen & (((tree_bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0)
+                acc, m_i, l_i = _fold_tile(q, acc, m_i, l_i, k_new, v_new, scale_log2, seen, DOT_PREC, DOT_DTYPE)
     _write_rows(acc, m_i, l_i, d, rows, row_ok, q_head, qi, pid_s, kvh,
                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
                 FINAL, True)
@@ -621,17 +705,19 @@ def decode_split_kernel(
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
     SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb, SPLIT_BASE, TICKETS, N_MERGE,
+    KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN, stride_cb, stride_cl,
+    SL, stride_slb, RW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, HAS_QUANT: tl.constexpr, INT8: tl.constexpr,
     FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr, TRANS_LOAD: tl.constexpr,
     VEC_M: tl.constexpr, PREFETCH: tl.constexpr, LENGTHS_ON_DEVICE: tl.constexpr, BY_POSITION: tl.constexpr,
     ACC_ROWS: tl.constexpr, ASM_CODES: tl.constexpr, TREE: tl.constexpr,
-    MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_R: tl.constexpr,
+    MERGE: tl.constexpr, MERGE_S: tl.constexpr, MERGE_R: tl.constexpr, ROPE: tl.constexpr, BLOCK_L: tl.constexpr,
 ):
     pid_s = tl.program_id(1)  # axis 0: the row blocks of one split and KV head run side by side (they read the same
     kvh = tl.program_id(2)  # keys, which they can then share through L2)
-    if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per
-        row = kvh // ROW_HEADS  # batch row (a batch is laid out as ROW_HEADS KV heads per row)
+    row = kvh // ROW_HEADS  # the batch row (a batch is laid out as ROW_HEADS KV heads per row)
+    if LENGTHS_ON_DEVICE:  # S_FP / T_Q are capacities (they sized the grid); the lengths are read here, one per row
         S_FP = tl.load(S_PTR + row)
         # the N_FSPLITS programs of the segment share the row's current length (not the capacity) equally
         FSPLIT_TOKENS = tl.cdiv(tl.cdiv(S_FP, N_FSPLITS), BLOCK_N) * BLOCK_N
@@ -672,14 +758,18 @@ def decode_split_kernel(
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                      OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                     SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
-                     TREE)
+                     SP, QP, SINK, WINDOW, TB,
+                     KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN,
+                     stride_cb, stride_cl, SL, stride_slb, RW, row, ROW_HEADS,
+                     HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, False, BLOCK_L)
     else:
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s + SPLIT_BASE, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                 SP, QP, SINK, WINDOW, TB, HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION,
-                 TREE)
+                 SP, QP, SINK, WINDOW, TB,
+                 KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN,
+                 stride_cb, stride_cl, SL, stride_slb, RW, row, ROW_HEADS,
+                 HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, ROPE, BLOCK_L)
     if MERGE:  # the last program of this row block and KV head merges every split (no second launch)
         _merge_when_last(TICKETS, tl.program_id(0), kvh, tl.num_programs(1), N_MERGE, OP, LP, stride_oph, stride_ops,
                          stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh, L, GROUP, HEAD_DIM, BLOCK_M,

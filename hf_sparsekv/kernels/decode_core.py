@@ -318,6 +318,7 @@ def launch_decode(
     positions: tuple | None = None,
     tree: torch.Tensor | None = None,
     tickets: torch.Tensor | None = None,
+    rope: tuple | None = None,
 ) -> torch.Tensor:
     """Launch the split-KV kernel(s). ``q [B, Hq, L, D]``; ``k/v [B, Hkv, S, D]`` (last dim contiguous), the
     full-precision segment; ``quant`` = (key QuantizedTensor, value QuantizedTensor) of the quantized segment or
@@ -343,7 +344,18 @@ def launch_decode(
     ``tickets`` (int32, on the device, all zero, at least row blocks x KV heads: the caller's, e.g. a static cache's
     :meth:`~hf_sparsekv.caches.static.PreallocatedCache.tickets`, used by one launch at a time): the split kernel's
     last program of each row block merges the splits (one launch, not two) where they fit one tile; the kernel leaves
-    them zero."""
+    them zero.
+
+    ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant`` or ``positions``):
+    the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before the rotary
+    embedding, ``key_new/value_new [B, Hkv, L, D]`` the projections' keys (before it) and values, ``cos/sin [B, L, D]``
+    transformers' position embeddings (any strides, channels contiguous), ``slots [B, L]`` and ``rows [B]`` (int64) where
+    the keys (rotated) and values go in ``k/v``: row ``rows[b]``, slots ``slots[b]`` (what
+    ``k[rows[:, None], :, slots] = rotated keys`` writes; the rows distinct). Where the slots are a live row's last L
+    slots read (a cache in position order), the kernel folds the new keys in from registers; the output is the
+    kernel's over the written buffers (:func:`~.rope_attention.rope_decode_attention_reference`)."""
+    if rope is not None and (fp_length is None or quant is not None or positions is not None):
+        raise ValueError("rope needs fp_length (lengths on the device) and neither a quantized segment nor positions")
     if tree is not None:
         if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
                 tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
@@ -358,7 +370,7 @@ def launch_decode(
     batch = q.shape[0]
     if batch > 1:
         return _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8,
-                            q_min_split, quant_length, tree, tickets)
+                            q_min_split, quant_length, tree, tickets, rope)
     decode_split_kernel, combine_kernel = _kernels()
     _, hq, length, d = q.shape
     hkv, s_fp = k.shape[1], k.shape[2]
@@ -445,6 +457,8 @@ def launch_decode(
     row_blocks = math.ceil(rows / block_m)
     num_warps = qcfg["num_warps"] if quant is not None else fcfg["num_warps"]
     merge = not final and _merges_in_kernel(tickets, n_splits, row_blocks, hkv, min(rows, block_m), d, num_warps)
+    rope_args = _rope_args(rope, k, length) if rope is not None else (s_ptr,) * 2 + (0,) * 6 + (s_ptr,) * 2 + (
+        0, 0, s_ptr, 0, s_ptr)
     runtime.launch(
         decode_split_kernel, (row_blocks, n_splits_here, hkv),
         q, q.stride(1), q.stride(2),
@@ -455,7 +469,7 @@ def launch_decode(
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
         s_ptr if tree is None else tree, 0 if tree is None or tree.shape[0] == 1 else tree.stride(0), split_base,
-        tickets if merge else s_ptr, n_splits,
+        tickets if merge else s_ptr, n_splits, *rope_args,
         GROUP=group, HEAD_DIM=d, BLOCK_M=block_m, BLOCK_N=block_n, QBLOCK_N=qblock,
         KEY_GROUP=max(group_size, 1), HAS_QUANT=quant is not None, INT8=int8, FINAL=final, DOT_PREC=dot_prec,
         DOT_DTYPE=dot_dtype, TRANS_LOAD=bool(qcfg["trans_load"]), VEC_M=vec_m, PREFETCH=bool(qcfg["prefetch"]),
@@ -464,6 +478,7 @@ def launch_decode(
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
         MERGE=merge, MERGE_S=triton_next_pow2(n_splits) if merge else 1,
         MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
+        ROPE=rope is not None, BLOCK_L=max(16, triton_next_pow2(length)) if rope is not None else 16,
         num_warps=num_warps,
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
@@ -478,8 +493,30 @@ def launch_decode(
     return out.unsqueeze(0)
 
 
+def _rope_args(rope: tuple, k: torch.Tensor, length: int) -> tuple:
+    """The split kernel's arguments for ``rope`` (see :func:`launch_decode`), checked against ``k [1, B·Hkv, S, D]``
+    and the ``length`` queries."""
+    key_new, value_new, cos, sin, slots, rows = rope
+    batch, hkv, n, d = key_new.shape
+    if value_new.shape != key_new.shape or n != length or batch * hkv != k.shape[1] or d != k.shape[-1]:
+        raise ValueError(f"rope's keys/values must be [B, Hkv, {length}, {k.shape[-1]}] with B·Hkv = {k.shape[1]}, "
+                         f"got {tuple(key_new.shape)} and {tuple(value_new.shape)}")
+    if cos.shape != (batch, length, d) or sin.shape != cos.shape or slots.shape != (batch, length) or \
+            rows.shape != (batch,):
+        raise ValueError(f"rope's cos/sin must be [{batch}, {length}, {d}], slots [{batch}, {length}], rows [{batch}]")
+    for t in (key_new, value_new, cos, sin, slots, rows):
+        if t.stride(-1) != 1 or t.device != k.device:
+            raise ValueError(f"rope's tensors must be on {k.device} with the last dimension contiguous")
+    if slots.dtype != torch.int64 or rows.dtype != torch.int64:
+        raise ValueError("rope's slots and rows must be int64")
+    if sin.stride() != cos.stride():  # the kernel reads both with cos's strides
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return (key_new, value_new, *key_new.stride()[:3], *value_new.stride()[:3], cos, sin, cos.stride(0), cos.stride(1),
+            slots, slots.stride(0), rows)
+
+
 def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, group_size, int8, q_min_split,
-                 quant_length, tree, tickets) -> torch.Tensor:
+                 quant_length, tree, tickets, rope=None) -> torch.Tensor:
     """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` (and code buffers ``[B, Hkv, ...]``) with
     ``fp_length [B]`` (and ``quant_length [B]``): the rows become B·Hkv KV heads of one launch (each reads its row's
     lengths, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
@@ -502,6 +539,6 @@ def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, gr
     out = launch_decode(
         q.reshape(1, batch * hq, length, d), scaling, folded(k), folded(v), quant=quant, group_size=group_size,
         int8=int8, fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length, quant_length=quant_length,
-        positions=positions, tree=tree, tickets=tickets,
+        positions=positions, tree=tree, tickets=tickets, rope=rope,
     )
     return out.view(length, batch, hq, d).transpose(0, 1).contiguous()
