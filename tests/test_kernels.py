@@ -1314,6 +1314,33 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
         assert int(tickets.count_nonzero()) == 0
 
 
+@torch.no_grad()
+@pytest.mark.cuda
+@pytest.mark.compiled
+def test_cuda_inductor_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch, exact_cuda_float32):
+    """On the GPU, steps compiled by Inductor and captured call ``static_rope_decode`` in every layer of the AR step
+    and of a drafter's chunk-cache step (the mutated cache buffers written in place: a second call gives the same
+    tokens), and generate() gives plain greedy's tokens (float32)."""
+    from hf_sparsekv.generation import fused_rotary, graph_steps
+
+    model = _tiny_arch("llama")
+    drafter = copy.deepcopy(model)
+    for p in drafter.parameters():
+        p.add_(0.01 * torch.randn_like(p))
+    prompt = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(3)).cuda()
+    with runtime.use_kernels(False):
+        want = model.generate(prompt, max_new_tokens=16, do_sample=False)
+    counts = []
+    rewrite = fused_rotary.fuse_rotary_writes
+    monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    for _ in range(2):
+        assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False, static_engine=True), want)
+        out = model.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, kv_budget=64,
+                             num_assistant_tokens=3, draft_cache="chunk")
+        assert torch.equal(out, want)
+    assert counts and counts[0] == 2 and max(counts) == 2
+
+
 def _tiny_arch(arch: str):
     """A tiny float32 model of ``arch`` with heads the kernel takes (head_dim 32, GQA 2; Mistral without its sliding
     window, which the kernel path leaves to SDPA)."""
