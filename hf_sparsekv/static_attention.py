@@ -101,6 +101,26 @@ def _static_rope_decode_shape(query, *args, **kwargs):
     return query.new_empty(batch, n, heads, dim)
 
 
+@torch.library.custom_op("hf_sparsekv::static_rope_window_decode", mutates_args=("key", "value"))
+def static_rope_window_decode(query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor, cos: torch.Tensor,
+                              sin: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
+                              slots: torch.Tensor, length: torch.Tensor, slot_positions: torch.Tensor,
+                              query_positions: torch.Tensor, sink: int, window: int, scaling: float,
+                              tickets: torch.Tensor | None = None) -> torch.Tensor:
+    """:func:`static_window_decode` (no tree) with the step's rotary embedding and ring write in the same launch, as
+    :func:`static_rope_decode` is :func:`static_decode`'s."""
+    from .kernels.rope_attention import rope_decode_attention
+
+    return rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling, length,
+                                 tickets=tickets, ring=(slot_positions, query_positions.contiguous(), sink, window))
+
+
+@static_rope_window_decode.register_fake
+def _static_rope_window_decode_shape(query, *args, **kwargs):
+    batch, heads, n, dim = query.shape
+    return query.new_empty(batch, n, heads, dim)
+
+
 @torch.library.custom_op("hf_sparsekv::static_window_decode", mutates_args=())
 def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                          slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,

@@ -1250,20 +1250,24 @@ def test_static_steps_merge_their_splits_in_the_kernel(monkeypatch, draft_cache)
     assert caches and all(int(c.tickets(prompt.device).count_nonzero()) == 0 for c in caches)
 
 
-def _rope_case(batch: int, length: int, lengths: list[int], dtype, tree: bool = False, seed: int = 0):
+def _rope_case(batch: int, length: int, lengths: list[int], dtype, tree: bool = False, seed: int = 0,
+               ring: bool = False):
     """Inputs of :func:`rope_decode_attention` as a static cache's step gives them: queries/keys/values ``[B, *, L,
-    D]`` as transposed views of the projections' outputs, cos/sin of positions whose slots are each row's last
-    ``length`` of ``lengths[b]`` (a full cache), buffers of 200 slots holding earlier keys."""
+    D]`` as transposed views of the projections' outputs, cos/sin of the positions ``lengths[b] - length ..``, buffers
+    of 200 slots holding earlier keys, the positions' slots each row's last ``length`` (a full cache); with ``ring``
+    a sink+window ring of 4 + 40 slots (window 32), its slot positions as the cache's step sets them, and the
+    ``ring`` argument last."""
     gen = torch.Generator().manual_seed(seed)
-    hq, hkv, dim, capacity = 4, 2, 32, 200
+    hq, hkv, dim, capacity = 4, 2, 32, 44 if ring else 200
 
     def rand(*shape):
         return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
 
     query = rand(batch, length, hq, dim).transpose(1, 2)
     key_new, value_new = (rand(batch, length, hkv, dim).transpose(1, 2) for _ in range(2))
-    slots = (torch.tensor(lengths)[:, None] - length + torch.arange(length)[None]).to(DEVICE)
-    angles = slots[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE) / dim))
+    positions = (torch.tensor(lengths)[:, None] - length + torch.arange(length)[None]).to(DEVICE)
+    slots = torch.where(positions < 4, positions, 4 + (positions - 4) % 40) if ring else positions
+    angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE) / dim))
     emb = torch.cat((angles, angles), -1)
     cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]  # [B, 1, L, D] as the model passes them
     key, value = rand(batch, hkv, capacity, dim), rand(batch, hkv, capacity, dim)
@@ -1274,35 +1278,48 @@ def _rope_case(batch: int, length: int, lengths: list[int], dtype, tree: bool = 
         mask[:, 0] = True
         mask[1::2, :-1] |= torch.eye(length, dtype=torch.bool)[1::2, 1:]
         bits = ancestor_bits(mask).to(DEVICE)
-    return (query, key_new, value_new, cos, sin, key, value, rows, slots, dim ** -0.5,
+    case = (query, key_new, value_new, cos, sin, key, value, rows, slots, dim ** -0.5,
             torch.tensor(lengths, dtype=torch.int32, device=DEVICE), bits)
+    if not ring:
+        return case
+    slot_positions = torch.full((batch, capacity), -1, dtype=torch.long)
+    for b, n in enumerate(lengths):  # every position up to the step's last, each at its slot (the latest wins)
+        for p in range(n):
+            slot_positions[b, p if p < 4 else 4 + (p - 4) % 40] = p
+    case[-2].fill_(capacity)  # a ring reads every slot
+    return case + ((slot_positions.to(DEVICE), positions, 4, 32),)
 
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["one-query", "chain", "batch", "tree", "batch-finished-row"])
+@pytest.mark.parametrize("case", ["one-query", "chain", "batch", "tree", "batch-finished-row", "ring", "ring-batch"])
 def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
     """One launch that rotates the queries, writes the step's keys (rotated) and values and attends equals the unfused
     step (the rotary embedding in float32, the indexed write, the float32 reference attention): the buffers as the
-    write leaves them and the outputs, with one split or several (merged in the kernel on tickets, which end zero)."""
+    write leaves them and the outputs, with one split or several (merged in the kernel on tickets, which end zero);
+    on a cache in position order and on a sink+window ring (whose step positions wrap around it)."""
     from hf_sparsekv.kernels import decode_core
     from hf_sparsekv.kernels.rope_attention import rope_decode_attention, rope_decode_attention_reference
 
     batch, length, lengths, tree = {
         "one-query": (1, 1, [120], False), "chain": (1, 4, [150], False), "batch": (3, 3, [150, 40, 199], False),
-        "tree": (2, 5, [90, 160], True), "batch-finished-row": (2, 3, [150, 100], False)}[case]
+        "tree": (2, 5, [90, 160], True), "batch-finished-row": (2, 3, [150, 100], False),
+        "ring": (1, 4, [150], False), "ring-batch": (3, 3, [150, 20, 99], False)}[case]
     tol = 1e-5 if dtype == torch.float32 else TOL
-    for min_split in (None, 16):
+    for settings in ({}, {"min_split": 16, "block_n": 16}):
         *args, bits = _rope_case(batch, length, lengths, dtype, tree)
+        ring = {}
+        if case.startswith("ring"):
+            *args, bits, ring["ring"] = _rope_case(batch, length, lengths, dtype, ring=True)
         ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         live = list(range(batch))
         if case == "batch-finished-row":  # row 1 has finished: it reads only as many slots as it has queries
             args[-1][1] = ref_args[-1][1] = length
             live = [0]
         tickets = torch.zeros(batch * 2 * 16, dtype=torch.int32, device=DEVICE)
-        with decode_core.fp_config(**({} if min_split is None else {"min_split": min_split})):
-            out = rope_decode_attention(*args, bits, tickets)
-        want = rope_decode_attention_reference(*ref_args, bits)
+        with decode_core.fp_config(**settings):
+            out = rope_decode_attention(*args, bits, tickets, **ring)
+        want = rope_decode_attention_reference(*ref_args, bits, **ring)
         assert out.shape == want.shape == (batch, length, 4, 32)
         for got, expect in ((args[5], ref_args[5]), (args[6], ref_args[6])):  # the buffers: as the write leaves them
             torch.testing.assert_close(got.float(), expect.float(), rtol=tol, atol=tol)
@@ -1310,7 +1327,7 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
             written[args[7], :, args[8]] = True
             assert torch.equal(got[~written], expect[~written])  # nothing else moved
         err = (out[live].float() - want[live].float()).norm() / want[live].float().norm()
-        assert err < tol, (case, min_split, float(err))
+        assert err < tol, (case, settings, float(err))
         assert int(tickets.count_nonzero()) == 0
 
 
@@ -1363,9 +1380,9 @@ def _tiny_arch(arch: str):
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
 def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch, compiled_steps, arch):
     """Compiled steps call ``static_rope_decode`` for each layer of the AR step and of a drafter's step on a chunk
-    cache (the rotary embedding, the cache write and the attention in one launch), and generate() still gives plain
-    greedy's tokens: our AR, a separate drafter, a batch of two prompts; with ``HF_SPARSEKV_FUSED_ROTARY=0`` the
-    graphs keep ``static_decode`` alone."""
+    cache, ``static_rope_window_decode`` on a sink+window ring (the rotary embedding, the cache write and the attention
+    in one launch), and generate() still gives plain greedy's tokens: our AR, a separate drafter on either cache, a
+    batch of two prompts; with ``HF_SPARSEKV_FUSED_ROTARY=0`` the graphs keep the attention call alone."""
     from hf_sparsekv.generation import fused_rotary, graph_steps
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
@@ -1383,9 +1400,11 @@ def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch
     monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
     out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True)
     assert torch.equal(out, want[0]) and counts == [2]  # the AR step: both layers
-    out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, assistant_model=drafter, kv_budget=64,
-                         num_assistant_tokens=3, draft_cache="chunk")
-    assert torch.equal(out, want[0]) and max(counts[1:]) == 2
+    for draft_cache in ("chunk", "window"):
+        before = len(counts)
+        out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, assistant_model=drafter, kv_budget=64,
+                             num_assistant_tokens=3, draft_cache=draft_cache)
+        assert torch.equal(out, want[0]) and max(counts[before:]) == 2, draft_cache
     ids = torch.zeros(2, 150, dtype=torch.long, device=DEVICE)
     mask = torch.zeros_like(ids)
     for row, p in enumerate(prompts):

@@ -10,7 +10,8 @@ and every model whose attention calls transformers' ``apply_rotary_pos_emb``)::
     out = hf_sparsekv.static_decode(q_embed, keys, values, length, scaling, tree, tickets)
 
 into ``out = hf_sparsekv.static_rope_decode(q, k, v, cos, sin, keys, values, rows, slots, length, scaling, tree,
-tickets)``, which writes the buffers itself. It applies only where each of these values is read by the next alone
+tickets)``, which writes the buffers itself; a sink+window ring's ``static_window_decode`` (no tree) likewise into
+``static_rope_window_decode``. It applies only where each of these values is read by the next alone
 and the buffers by the write and the attention alone (a self-drafting step, which also writes its companion cache,
 stays as it is), with the rotary embedding over the whole head (no partial rotary, no interleaved pairs).
 """
@@ -24,7 +25,7 @@ import torch
 from .projection_groups import _call, _method, _recompiled, _value
 
 _DECODE = torch.ops.hf_sparsekv.static_decode.default
-_FUSED = torch.ops.hf_sparsekv.static_rope_decode.default
+_WINDOW_DECODE = torch.ops.hf_sparsekv.static_window_decode.default
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -100,7 +101,8 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
     """Rewrite ``gm`` in place (see the module docstring); the number of attention calls rewritten."""
     rewritten = 0
     for decode in list(gm.graph.nodes):
-        if not _call(decode, _DECODE) or decode.kwargs:
+        ring = _call(decode, _WINDOW_DECODE)
+        if not (ring or _call(decode, _DECODE)) or decode.kwargs or (ring and _arg(decode, 9, "tree") is not None):
             continue
         query, keys, values = decode.args[:3]
         rotated_query = _rotary(query)
@@ -116,11 +118,15 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
             continue
         rows, slots = key_write[1:3]
         value_source = value_write[3].args[0]
-        length, scaling = decode.args[3:5]
-        tree, tickets = _arg(decode, 5, "tree"), _arg(decode, 6, "tickets")
+        inputs = (q, k, value_source, cos, sin, keys, values, rows, slots)
+        if ring:  # (length, slot_positions, query_positions, sink, window, scaling), tickets
+            call = (torch.ops.hf_sparsekv.static_rope_window_decode.default,
+                    inputs + tuple(decode.args[3:9]) + (_arg(decode, 10, "tickets"),))
+        else:  # (length, scaling), tree, tickets
+            call = (torch.ops.hf_sparsekv.static_rope_decode.default,
+                    inputs + tuple(decode.args[3:5]) + (_arg(decode, 5, "tree"), _arg(decode, 6, "tickets")))
         with gm.graph.inserting_before(decode):
-            fused = gm.graph.call_function(_FUSED, (q, k, value_source, cos, sin, keys, values, rows, slots, length,
-                                                    scaling, tree, tickets))
+            fused = gm.graph.call_function(*call)
         fused.meta.update(decode.meta)
         decode.replace_all_uses_with(fused)
         for dead in [decode, key_write[0], value_write[0], key_write[3], value_write[3], *query_nodes, *key_nodes]:

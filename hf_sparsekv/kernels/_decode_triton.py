@@ -111,11 +111,14 @@ def _fp_part(
     tree mask (the tree part). A ring (BY_POSITION) runs masked throughout: a slot is seen by the positions it
     holds, and with TREE the last L slots are the queries' tree block (seen by the ancestor bits alone).
 
-    ROPE (not with BY_POSITION): ``Q`` holds the queries before the rotary embedding, applied here (``CS/SN [B, L, D]``
-    cos/sin), and the step's keys/values are the projections' ``KN/VN [B, Hkv, L, D]``: the programs of split 0 and
-    row block 0 write them (keys rotated) to slots ``SL[b, :L]`` of row ``RW[b]``; where those slots are the queries'
-    own block of this row (``S_FP - L ..``, a live row of a cache in position order), every program folds them in
-    from registers and reads the buffer only before the block, else (a finished row) it reads the buffer as it is."""
+    ROPE: ``Q`` holds the queries before the rotary embedding, applied here (``CS/SN [B, L, D]`` cos/sin), and the
+    step's keys/values are the projections' ``KN/VN [B, Hkv, L, D]``: the programs of split 0 and row block 0 write
+    them (keys rotated) to slots ``SL[b, :L]`` of row ``RW[b]``, and no program reads those slots from the buffer.
+    In position order, where they are the queries' own block of this row (``S_FP - L ..``, a live row), every program
+    folds them in from registers and reads the buffer only before the block, else (a finished row) it reads the
+    buffer as it is. On a ring (BY_POSITION, no TREE) the slots holding positions from the step's first on are the
+    ones written: the buffer's are skipped, and the program whose split holds slot ``SL[b, j]`` folds key j in from
+    registers at position ``QP[j]``."""
     d = tl.arange(0, HEAD_DIM)
     if ROPE:
         cos, sin = _angles(CS, SN, row, qi, stride_cb, stride_cl, row_ok, d)
@@ -127,15 +130,17 @@ def _fp_part(
     start = fsplit * FSPLIT_TOKENS
     end = tl.minimum(start + FSPLIT_TOKENS, S_FP)
     block_start = S_FP - L  # keys before it: every query's; from it: the queries' own (causal, or the tree)
-    read_end = end  # what is read from the buffer
+    # what is read from the buffer first; with ROPE the block comes after, from registers or (a finished row) the
+    # buffer, as the slots decide: the loops' bounds do not wait on their loads
+    read_end = tl.minimum(end, block_start) if ROPE and not BY_POSITION else end
     if ROPE:
         j = tl.arange(0, BLOCK_L)
         j_ok = j < L
         slots = tl.load(SL + row * stride_slb + j, mask=j_ok, other=0)
         target = tl.load(RW + row)
-        fresh = (tl.sum(tl.where(j_ok & (slots != block_start + j), 1, 0), 0) == 0) & (target == row)
-        read_end = tl.where(fresh, tl.minimum(end, block_start), end)
         writes = (fsplit == 0) & (tl.program_id(0) == 0)
+        if BY_POSITION:  # on a ring the slots of the step's positions, from the first on, are the ones being written
+            first = tl.load(QP)
     limit = block_start + qi  # key n is visible to row r iff n <= limit[r]
     if TREE:  # query row r sees block slot j iff bit j of TB[r] is set
         tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
@@ -160,6 +165,8 @@ def _fp_part(
         if BY_POSITION:
             sp = tl.load(SP + offs_n, mask=n_ok, other=-1)[None, :]
             visible = (sp >= 0) & (sp <= q_pos[:, None]) & ((sp < SINK) | (sp >= low[:, None]))
+            if ROPE:
+                visible = visible & (sp < first)
             if TREE:
                 rel = tl.maximum(offs_n - block_start, 0).to(tl.int64)
                 ancestor = ((tree_bits[:, None] >> rel[None, :]) & 1) != 0
@@ -175,20 +182,35 @@ def _fp_part(
         acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2,
                                   visible, n_ok, True, DOT_PREC, DOT_DTYPE)
     if ROPE:
-        folds = fresh & (end > block_start)
+        if BY_POSITION:  # the new keys whose slots lie in this split
+            folds = tl.sum(tl.where(j_ok & (slots >= start) & (slots < end), 1, 0), 0) > 0
+        else:
+            fresh = (tl.sum(tl.where(j_ok & (slots != block_start + j), 1, 0), 0) == 0) & (target == row)
+            # a finished row (its output discarded): its block's slots read from the buffer, causal
+            for n0 in range(tl.where(fresh, end, tl.maximum(read_end, start)), end, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < end
+                visible = (offs_n[None, :] <= limit[:, None]) & n_ok[None, :]
+                acc, m_i, l_i = _fp_block(q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn,
+                                          scale_log2, visible, n_ok, True, DOT_PREC, DOT_DTYPE)
+            folds = fresh & (end > block_start)
         if writes | folds:
             head = kvh % ROW_HEADS
             k_new, v_new = _new_keys(KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl,
                                      CS, SN, stride_cb, stride_cl, row, head, j, j_ok, d, K.dtype.element_ty,
                                      HEAD_DIM)
             if writes:
-                dst = (target * ROW_HEADS + head) * stride_kh + slots[:, None] * stride_kn + d[None, :]
-                tl.store(K + dst, k_new, mask=j_ok[:, None])
-                tl.store(V + (target * ROW_HEADS + head) * stride_vh + slots[:, None] * stride_vn + d[None, :], v_new,
-                         mask=j_ok[:, None])
+                to = target * ROW_HEADS + head
+                tl.store(K + to * stride_kh + slots[:, None] * stride_kn + d[None, :], k_new, mask=j_ok[:, None])
+                tl.store(V + to * stride_vh + slots[:, None] * stride_vn + d[None, :], v_new, mask=j_ok[:, None])
             if folds:
-                n = block_start + j
-                seen = (j_ok & (n >= start) & (n < end))[None, :] & (n[None, :] <= limit[:, None])
+                if BY_POSITION:  # new key j holds position QP[j]: the ring's rule
+                    kp = tl.load(QP + j, mask=j_ok, other=-1)[None, :]
+                    seen = (j_ok & (slots >= start) & (slots < end))[None, :] & (kp >= 0) & (kp <= q_pos[:, None]) & (
+                        (kp < SINK) | (kp >= low[:, None]))
+                else:
+                    n = block_start + j
+                    seen = (j_ok & (n >= start) & (n < end))[None, :] & (n[None, :] <= limit[:, None])
                 if TREE:
                     seen = seen & (((tree_bits[:, None] >> j[None, :].to(tl.int64)) & 1) != 0)
                 acc, m_i, l_i = _fold_tile(q, acc, m_i, l_i, k_new, v_new, scale_log2, seen, DOT_PREC, DOT_DTYPE)

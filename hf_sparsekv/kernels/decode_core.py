@@ -346,16 +346,18 @@ def launch_decode(
     last program of each row block merges the splits (one launch, not two) where they fit one tile; the kernel leaves
     them zero.
 
-    ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant`` or ``positions``):
+    ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant``, nor ``tree`` with
+    ``positions``):
     the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before the rotary
     embedding, ``key_new/value_new [B, Hkv, L, D]`` the projections' keys (before it) and values, ``cos/sin [B, L, D]``
     transformers' position embeddings (any strides, channels contiguous), ``slots [B, L]`` and ``rows [B]`` (int64) where
     the keys (rotated) and values go in ``k/v``: row ``rows[b]``, slots ``slots[b]`` (what
-    ``k[rows[:, None], :, slots] = rotated keys`` writes; the rows distinct). Where the slots are a live row's last L
-    slots read (a cache in position order), the kernel folds the new keys in from registers; the output is the
-    kernel's over the written buffers (:func:`~.rope_attention.rope_decode_attention_reference`)."""
-    if rope is not None and (fp_length is None or quant is not None or positions is not None):
-        raise ValueError("rope needs fp_length (lengths on the device) and neither a quantized segment nor positions")
+    ``k[rows[:, None], :, slots] = rotated keys`` writes; the rows distinct; with ``positions``, slots whose
+    ``slot_positions`` are the step's ``query_positions``). The kernel folds the new keys in from registers (where
+    the slots are a live row's last L slots read, in position order; always on a ring); the output is the kernel's
+    over the written buffers (:func:`~.rope_attention.rope_decode_attention_reference`)."""
+    if rope is not None and (fp_length is None or quant is not None or (positions is not None and tree is not None)):
+        raise ValueError("rope needs fp_length (lengths on the device), no quantized segment, and no tree on a ring")
     if tree is not None:
         if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
                 tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):

@@ -12,16 +12,19 @@ Shapes: ``query [B, Hq, L, D]`` before the rotary embedding; ``key_new/value_new
 keys (before it) and values; ``cos/sin`` transformers' position embeddings, ``[B, L, D]`` or ``[B, 1, L, D]``;
 ``key/value [B, Hkv, S, D]`` the cache's buffers, written in place at row ``rows[b]`` (int64 ``[B, 1]``, distinct),
 slots ``slots[b]`` (int64 ``[B, L]``); ``length [B]`` int32 the slots each row's attention reads (the last L of them
-the queries' own). Returns ``[B, L, Hq, D]``.
+the queries' own). ``ring = (slot_positions, query_positions, sink, window)``: the buffers are a sink+window ring
+(:mod:`.window_attention`), ``slot_positions`` already holding the step's positions at its slots. Returns
+``[B, L, Hq, D]``.
 """
 
 from __future__ import annotations
 
 import torch
 
+from . import runtime
 from .chunk_attention import MAX_QUERIES, chunk_decode_attention, chunk_decode_attention_reference
 from .decode_core import launch_decode
-from . import runtime
+from .window_attention import _check_positions, window_decode_attention, window_decode_attention_reference
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -38,20 +41,23 @@ def _angles(t: torch.Tensor) -> torch.Tensor:
 
 
 def rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling: float,
-                          length: torch.Tensor, tree: torch.Tensor | None = None,
-                          tickets: torch.Tensor | None = None) -> torch.Tensor:
+                          length: torch.Tensor, tree: torch.Tensor | None = None, tickets: torch.Tensor | None = None,
+                          ring: tuple | None = None) -> torch.Tensor:
     """The Triton kernel; see the module docstring (``tree``, ``tickets``: as
-    :func:`~.chunk_attention.chunk_decode_attention`'s)."""
+    :func:`~.chunk_attention.chunk_decode_attention`'s; no ``tree`` with ``ring``)."""
     runtime.check_attention_inputs(query, key, value, key_new, value_new, max_q=MAX_QUERIES, max_rows=None)
+    if ring is not None:
+        _check_positions(query, key, length, *ring[:2])
     cos, sin = _angles(cos), _angles(sin)
     rope = (key_new, value_new, cos.expand(query.shape[0], -1, -1), sin.expand(query.shape[0], -1, -1),
             slots.expand(query.shape[0], -1), rows.reshape(-1))
-    return launch_decode(query, scaling, key, value, fp_length=length, tree=tree, tickets=tickets, rope=rope)
+    return launch_decode(query, scaling, key, value, fp_length=length, tree=tree, tickets=tickets, rope=rope,
+                         positions=ring)
 
 
 def rope_decode_attention_reference(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling: float,
-                                    length: torch.Tensor, tree: torch.Tensor | None = None,
-                                    kernel: bool = False) -> torch.Tensor:
+                                    length: torch.Tensor, tree: torch.Tensor | None = None, kernel: bool = False,
+                                    ring: tuple | None = None) -> torch.Tensor:
     """The unfused step: the rotary embedding (:func:`rotary`), ``key/value[rows, :, slots] = ...`` in place, then
     attention over the first ``length[b]`` slots of each row (the float32 reference, or with ``kernel`` the Triton
     kernel alone)."""
@@ -60,6 +66,9 @@ def rope_decode_attention_reference(query, key_new, value_new, cos, sin, key, va
     key[rows, :, slots] = keys.transpose(1, 2).to(key.dtype)
     value[rows, :, slots] = value_new.transpose(1, 2).to(value.dtype)
     queries = rotary(query, cos, sin)
+    if ring is not None:
+        attend = window_decode_attention if kernel else window_decode_attention_reference
+        return attend(queries, key, value, scaling, length, *ring)
     if kernel:
         return chunk_decode_attention(queries, key, value, scaling, length=length, tree=tree)
     return chunk_decode_attention_reference(queries, key, value, scaling, length=length, tree=tree)
