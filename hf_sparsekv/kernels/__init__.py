@@ -7,6 +7,8 @@ kernel with the same signature:
   positions they hold; the static path's window drafter);
 * :mod:`.quant_attention`: decode attention reading the packed INT4 (draft) or INT4+INT4 (INT8 verify) codes;
 * :mod:`.verify_attention`: LongSpec's hybrid verification attention (dense prefix + masked block, LSE merge);
+* :mod:`.rope_attention`: a step's rotary embedding, cache write and decode attention in one launch (the compiled
+  steps' ``static_rope_decode``);
 * :mod:`.decode_core`: the split-KV kernel the two decode attentions share; :mod:`.reference`: float32 attention;
 * :mod:`.runtime`: when kernels run (CUDA + Triton, or forced under ``TRITON_INTERPRET=1``).
 
