@@ -4,10 +4,10 @@ A step is a Python function that reads and writes only preallocated device tenso
 static caches of :mod:`hf_sparsekv.caches.static`) and never syncs with the host, so a CUDA graph recorded from
 one call replays it exactly with whatever those tensors hold at replay time.
 
-Before capture a step may be compiled with ``torch.compile`` (Inductor fuses each layer's norms, rotary embedding,
-activation and residual adds, so the captured graph holds several times fewer kernels; the decode attention stays
-our Triton kernel, as a custom operator, and the linear layers that share an input become one grouped GEMV kernel:
-:mod:`.projection_groups`). The compiled code runs only during the warm-up and the capture; a replay
+Before capture a step may be compiled with ``torch.compile`` (Inductor fuses the pointwise work left between our
+kernels, so the captured graph holds several times fewer kernels; the decode attention stays our Triton kernel, as a
+custom operator, which also computes the rotary embedding and the cache write (:mod:`.fused_rotary`), and the linear
+layers that share an input become one grouped GEMV kernel with the norm before it: :mod:`.projection_groups`). The compiled code runs only during the warm-up and the capture; a replay
 is the recorded kernels alone, so dynamo's guards are never consulted again.
 
 A step of a model dispatched over several devices (``device_map``) is captured as one graph spanning them: during
