@@ -1332,6 +1332,37 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("draft_cache", ["chunk", "window"])
+def test_the_fused_rotary_ops_write_the_caches_in_place(monkeypatch, draft_cache):
+    """After Inductor's post-grad passes (reinplacing included) the steps that call ``static_rope_decode`` /
+    ``static_rope_window_decode`` hold no tensor shaped like a key/value buffer: the op's declared writes of the
+    buffers run in place, not on a copy (a copy would be a buffer-sized kernel a layer on the GPU)."""
+    from hf_sparsekv.generation import engine as static_engine
+    from hf_sparsekv.generation import graph_steps
+
+    from .test_static import _buffer_copies, _post_grad_recorder
+
+    graphs = []
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "1")
+    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", _post_grad_recorder(graphs))
+    static_engine.release_engines()
+    model = _tiny_arch("llama")
+    drafter = _tiny_arch("llama")
+    prompt = torch.randint(3, 96, (1, 120), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    model.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=drafter, kv_budget=64,
+                   num_assistant_tokens=3, draft_cache=draft_cache)
+    engine = static_engine.current_engine(model)
+    shapes = {tuple(t.shape) for c in (engine.verifier_cache, engine.drafter_cache) for layer in c.layers
+              for t in (layer.keys, layer.values)}
+    fused = [n for g in graphs for n in g.nodes if "static_rope" in str(n.target)]
+    assert fused, "no step called the fused op"
+    for graph in graphs:
+        assert _buffer_copies(graph, shapes) == [], "\n".join(_buffer_copies(graph, shapes))
+    static_engine.release_engines()
+
+
+@torch.no_grad()
 @pytest.mark.cuda
 @pytest.mark.compiled
 def test_cuda_inductor_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch, exact_cuda_float32):
