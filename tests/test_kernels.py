@@ -1360,6 +1360,7 @@ def test_the_fused_rotary_ops_write_the_caches_in_place(monkeypatch, draft_cache
     for graph in graphs:
         assert _buffer_copies(graph, shapes) == [], "\n".join(_buffer_copies(graph, shapes))
     static_engine.release_engines()
+    torch._dynamo.reset()  # later tests compile the steps anew, not replay this backend's graphs
 
 
 @torch.no_grad()
@@ -1381,6 +1382,7 @@ def test_cuda_inductor_steps_fold_the_rotary_embedding_into_the_attention(monkey
     counts = []
     rewrite = fused_rotary.fuse_rotary_writes
     monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    torch._dynamo.reset()  # the steps compiled here, not another test's compiled code replayed
     for _ in range(2):
         assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False, static_engine=True), want)
         out = model.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, kv_budget=64,
@@ -1429,6 +1431,7 @@ def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch
     counts = []
     rewrite = fused_rotary.fuse_rotary_writes
     monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    torch._dynamo.reset()  # the steps compiled here, not another test's compiled code replayed
     out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True)
     assert torch.equal(out, want[0]) and counts == [2]  # the AR step: both layers
     for draft_cache in ("chunk", "window"):
