@@ -23,7 +23,7 @@ import torch
 
 triton = pytest.importorskip("triton")
 
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import DynamicCache  # noqa: E402
 
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
 from hf_sparsekv.caches.prefill_quantize import quantize_into  # noqa: E402
@@ -1080,13 +1080,19 @@ def test_kernels_off_on_cpu_unless_forced():
 
 # ---------------------------------------------------------------- wiring into a model
 
-def _tiny_llama(dtype=torch.float32, device=DEVICE, head_dim=32):
-    config = LlamaConfig(
+def _tiny_arch(arch: str, dtype=torch.float32, device=DEVICE, head_dim=32):
+    """A tiny model of ``arch`` (llama, qwen2, mistral) with heads the kernel takes (4 query heads, 2 KV heads of
+    ``head_dim``; Mistral without its sliding window, which the kernel path leaves to SDPA)."""
+    from .conftest import _CLASSES
+
+    config_cls, model_cls = _CLASSES[arch]
+    config = config_cls(
         vocab_size=96, hidden_size=4 * head_dim, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        **({"sliding_window": None} if arch == "mistral" else {}),
     )
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).eval()
+    model = model_cls(config).eval()
     with torch.no_grad():
         model.lm_head.weight.mul_(8.0)
     model = model.to(device, dtype)
@@ -1122,7 +1128,7 @@ class _Counter:
 def test_model_generates_the_same_with_kernels(monkeypatch, make_cache, kernel):
     import hf_sparsekv.kernels as kernels_pkg
 
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(1)).to(DEVICE)
     with runtime.use_kernels(False):
         reference = model.generate(ids, max_new_tokens=8, do_sample=False, past_key_values=make_cache())
@@ -1140,7 +1146,7 @@ def test_model_generates_the_same_with_kernels(monkeypatch, make_cache, kernel):
 def test_quantized_store_is_never_dequantized_with_kernels(monkeypatch):
     from hf_sparsekv.caches import quantized
 
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     ids = torch.randint(3, 96, (1, 100), generator=torch.Generator().manual_seed(2)).to(DEVICE)
 
     def forbidden(*args, **kwargs):
@@ -1156,7 +1162,7 @@ def test_quantized_store_is_never_dequantized_with_kernels(monkeypatch):
 
 
 def test_self_speculative_with_kernels_is_lossless():
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     ids = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(4)).to(DEVICE)
     reference = model.generate(ids, max_new_tokens=10, do_sample=False, past_key_values=HierarchicalQuantCache(32))
     out = model.generate(
@@ -1170,7 +1176,7 @@ def test_self_speculative_with_kernels_is_lossless():
 def test_dense_cache_verify_step_uses_hybrid_attention(monkeypatch):
     import hf_sparsekv.kernels.verify_attention as va
 
-    model = _tiny_llama(dtype=torch.float16)
+    model = _tiny_arch("llama", dtype=torch.float16)
     ids = torch.randint(3, 96, (1, 80), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     cache = DynamicCache()
     model(ids[:, :74], past_key_values=cache)
@@ -1193,7 +1199,7 @@ def test_batched_static_steps_use_the_kernel(monkeypatch, draft_cache):
     from hf_sparsekv.generation import engine as static_engine
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     gen = torch.Generator().manual_seed(6)
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (90, 71)]
     with runtime.use_kernels(False):
@@ -1232,7 +1238,7 @@ def test_static_steps_merge_their_splits_in_the_kernel(monkeypatch, draft_cache)
     from hf_sparsekv.kernels import decode_core
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     prompt = torch.randint(3, 96, (1, 150), generator=torch.Generator().manual_seed(9)).to(DEVICE)
     with runtime.use_kernels(False):
         want = model.generate(prompt, max_new_tokens=9, do_sample=False)
@@ -1331,6 +1337,18 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
         assert int(tickets.count_nonzero()) == 0
 
 
+def _counted_rotary_rewrites(monkeypatch) -> list[int]:
+    """The number of attention calls :func:`fuse_rotary_writes` rewrites in each step compiled from here on (dynamo
+    reset first: the steps are compiled here, not another test's compiled code replayed)."""
+    from hf_sparsekv.generation import fused_rotary, graph_steps
+
+    counts = []
+    rewrite = fused_rotary.fuse_rotary_writes
+    monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    torch._dynamo.reset()
+    return counts
+
+
 @torch.no_grad()
 @pytest.mark.parametrize("draft_cache", ["chunk", "window"])
 def test_the_fused_rotary_ops_write_the_caches_in_place(monkeypatch, draft_cache):
@@ -1370,8 +1388,6 @@ def test_cuda_inductor_steps_fold_the_rotary_embedding_into_the_attention(monkey
     """On the GPU, steps compiled by Inductor and captured call ``static_rope_decode`` in every layer of the AR step
     and of a drafter's chunk-cache step (the mutated cache buffers written in place: a second call gives the same
     tokens), and generate() gives plain greedy's tokens (float32)."""
-    from hf_sparsekv.generation import fused_rotary, graph_steps
-
     model = _tiny_arch("llama")
     drafter = copy.deepcopy(model)
     for p in drafter.parameters():
@@ -1379,34 +1395,13 @@ def test_cuda_inductor_steps_fold_the_rotary_embedding_into_the_attention(monkey
     prompt = torch.randint(3, 96, (1, 300), generator=torch.Generator().manual_seed(3)).cuda()
     with runtime.use_kernels(False):
         want = model.generate(prompt, max_new_tokens=16, do_sample=False)
-    counts = []
-    rewrite = fused_rotary.fuse_rotary_writes
-    monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
-    torch._dynamo.reset()  # the steps compiled here, not another test's compiled code replayed
+    counts = _counted_rotary_rewrites(monkeypatch)
     for _ in range(2):
         assert torch.equal(model.generate(prompt, max_new_tokens=16, do_sample=False, static_engine=True), want)
         out = model.generate(prompt, max_new_tokens=16, do_sample=False, assistant_model=drafter, kv_budget=64,
                              num_assistant_tokens=3, draft_cache="chunk")
         assert torch.equal(out, want)
     assert counts and counts[0] == 2 and max(counts) == 2
-
-
-def _tiny_arch(arch: str):
-    """A tiny float32 model of ``arch`` with heads the kernel takes (head_dim 32, GQA 2; Mistral without its sliding
-    window, which the kernel path leaves to SDPA)."""
-    from .conftest import _CLASSES
-
-    config_cls, model_cls = _CLASSES[arch]
-    config = config_cls(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048, bos_token_id=1,
-                        eos_token_id=2, pad_token_id=0, **({"sliding_window": None} if arch == "mistral" else {}))
-    torch.manual_seed(0)
-    model = model_cls(config).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(8.0)
-    model = model.to(DEVICE, torch.float32)
-    model.set_attn_implementation("sparsekv")
-    return model
 
 
 @torch.no_grad()
@@ -1416,8 +1411,6 @@ def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch
     cache, ``static_rope_window_decode`` on a sink+window ring (the rotary embedding, the cache write and the attention
     in one launch), and generate() still gives plain greedy's tokens: our AR, a separate drafter on either cache, a
     batch of two prompts; with ``HF_SPARSEKV_FUSED_ROTARY=0`` the graphs keep the attention call alone."""
-    from hf_sparsekv.generation import fused_rotary, graph_steps
-
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
     model = _tiny_arch(arch)
     drafter = copy.deepcopy(model)
@@ -1428,10 +1421,7 @@ def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (150, 120)]
     with runtime.use_kernels(False):
         want = [model.generate(p, max_new_tokens=8, do_sample=False) for p in prompts]
-    counts = []
-    rewrite = fused_rotary.fuse_rotary_writes
-    monkeypatch.setattr(graph_steps, "fuse_rotary_writes", lambda gm: counts.append(rewrite(gm)) or counts[-1])
-    torch._dynamo.reset()  # the steps compiled here, not another test's compiled code replayed
+    counts = _counted_rotary_rewrites(monkeypatch)
     out = model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True)
     assert torch.equal(out, want[0]) and counts == [2]  # the AR step: both layers
     for draft_cache in ("chunk", "window"):
@@ -1463,7 +1453,7 @@ def test_a_finished_row_stops_reading_its_cache(monkeypatch, draft_cache):
     from hf_sparsekv.generation import engine as static_engine
 
     monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
-    model = _tiny_llama()
+    model = _tiny_arch("llama")
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(3, 96, (1, n), generator=gen).to(DEVICE) for n in (80, 64)]
     with runtime.use_kernels(False):
@@ -1703,8 +1693,8 @@ def test_cuda_quantize_bit_identical_real_size(dtype):
 def test_cuda_lossless_with_kernels(mode):
     """The losslessness of tests/test_cuda.py with both models on the "sparsekv" attention (kernels on)."""
     torch.backends.cuda.matmul.allow_tf32 = False
-    verifier = _tiny_llama(head_dim=64)
-    drafter = _tiny_llama(head_dim=32)
+    verifier = _tiny_arch("llama", head_dim=64)
+    drafter = _tiny_arch("llama", head_dim=32)
     for seed, length in enumerate((5, 140, 400)):
         ids = torch.randint(3, 96, (1, length), generator=torch.Generator().manual_seed(seed)).cuda()
         kwargs = dict(max_new_tokens=32, do_sample=False)

@@ -114,7 +114,7 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
             continue
         q, cos, sin, query_nodes = rotated_query
         k, key_cos, key_sin, key_nodes = rotated_key
-        if (key_cos, key_sin) != (cos, sin) or key_write[3].args[0] is not key_nodes[0]:
+        if (key_cos, key_sin) != (cos, sin):
             continue
         rows, slots = key_write[1:3]
         value_source = value_write[3].args[0]

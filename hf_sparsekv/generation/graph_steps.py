@@ -7,8 +7,9 @@ one call replays it exactly with whatever those tensors hold at replay time.
 Before capture a step may be compiled with ``torch.compile`` (Inductor fuses the pointwise work left between our
 kernels, so the captured graph holds several times fewer kernels; the decode attention stays our Triton kernel, as a
 custom operator, which also computes the rotary embedding and the cache write (:mod:`.fused_rotary`), and the linear
-layers that share an input become one grouped GEMV kernel with the norm before it: :mod:`.projection_groups`). The compiled code runs only during the warm-up and the capture; a replay
-is the recorded kernels alone, so dynamo's guards are never consulted again.
+layers that share an input become one grouped GEMV kernel with the norm before it: :mod:`.projection_groups`). The
+compiled code runs only during the warm-up and the capture; a replay is the recorded kernels alone, so dynamo's
+guards are never consulted again.
 
 A step of a model dispatched over several devices (``device_map``) is captured as one graph spanning them: during
 the capture each other device's current stream is a side stream joined to the capturing one (an event fork, and a
@@ -71,8 +72,8 @@ def step_backend(gm: torch.fx.GraphModule, example_inputs):
     gated call part of that call (:mod:`.projection_groups`; all off with ``HF_SPARSEKV_GROUPED_LINEAR=0``, the
     second with ``HF_SPARSEKV_GATED_LINEAR=0``, the third with ``HF_SPARSEKV_NORMED_LINEAR=0``); a layer's rotary
     embedding and cache write become part of its decode attention call (:mod:`.fused_rotary`; off with
-    ``HF_SPARSEKV_FUSED_ROTARY=0``); then :data:`COMPILE_BACKEND` compiles. Inductor compiles with ``combo_kernels``: the independent small kernels of a
-    layer (the query's and the key's rotary embedding, the cache writes) run as one launch, a step being a chain of
+    ``HF_SPARSEKV_FUSED_ROTARY=0``); then :data:`COMPILE_BACKEND` compiles. Inductor compiles with
+    ``combo_kernels``: the independent small kernels of a layer run as one launch, a step being a chain of
     launch-bound kernels (bundled pair, H200: an AR step 103 -> 90 kernels, 0.298 -> 0.282 ms);
     ``HF_SPARSEKV_COMBO_KERNELS=0`` compiles without."""
     outer_products(gm)

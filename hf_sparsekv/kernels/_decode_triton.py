@@ -26,6 +26,15 @@ def _write_rows(
             tl.store(LP + kvh * stride_lph + pid_s * stride_lps + rows, lse, mask=row_ok)
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """One block's base-2 scores ``s [M, N]`` in the running softmax: ``(p, alpha, m_new, l_new)``, the block's
+    weights and the factor the accumulated output is rescaled by."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+@triton.jit
 def _fp_block(
     q, acc, m_i, l_i, k_base, v_base, offs_n, d, stride_kn, stride_vn, scale_log2, visible, n_ok,
     MASKED: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
@@ -40,10 +49,7 @@ def _fp_block(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * scale_log2
     if MASKED:
         s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(s, m_i, l_i)
     if MASKED:
         v = tl.load(v_base + offs_n[:, None] * stride_vn + d[None, :], mask=n_ok[:, None], other=0.0).to(dt)
     else:
@@ -56,11 +62,7 @@ def _fold_tile(q, acc, m_i, l_i, k, v, scale_log2, visible, DOT_PREC: tl.constex
     """Keys/values ``k, v [N, D]`` held in registers folded into the running softmax, only ``visible [M, N]``
     counting (the step's own new keys, see :func:`_new_keys`)."""
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PREC) * scale_log2
-    s = tl.where(visible, s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_step(tl.where(visible, s, float("-inf")), m_i, l_i)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PREC)
     return acc, m_new, l_i
 

@@ -347,11 +347,10 @@ def launch_decode(
     them zero.
 
     ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant``, nor ``tree`` with
-    ``positions``):
-    the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before the rotary
-    embedding, ``key_new/value_new [B, Hkv, L, D]`` the projections' keys (before it) and values, ``cos/sin [B, L, D]``
-    transformers' position embeddings (any strides, channels contiguous), ``slots [B, L]`` and ``rows [B]`` (int64) where
-    the keys (rotated) and values go in ``k/v``: row ``rows[b]``, slots ``slots[b]`` (what
+    ``positions``): the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before
+    the rotary embedding, ``key_new/value_new [B, Hkv, L, D]`` the projections' keys (before it) and values,
+    ``cos/sin [B, L, D]`` transformers' position embeddings (any strides, channels contiguous), ``slots [B, L]`` and
+    ``rows [B]`` (int64) where the keys (rotated) and values go in ``k/v``: row ``rows[b]``, slots ``slots[b]`` (what
     ``k[rows[:, None], :, slots] = rotated keys`` writes; the rows distinct; with ``positions``, slots whose
     ``slot_positions`` are the step's ``query_positions``). The kernel folds the new keys in from registers (where
     the slots are a live row's last L slots read, in position order; always on a ring); the output is the kernel's
@@ -459,6 +458,7 @@ def launch_decode(
     row_blocks = math.ceil(rows / block_m)
     num_warps = qcfg["num_warps"] if quant is not None else fcfg["num_warps"]
     merge = not final and _merges_in_kernel(tickets, n_splits, row_blocks, hkv, min(rows, block_m), d, num_warps)
+    # without rope its 15 arguments are placeholders (pointers KN, VN, CS, SN, SL, RW and strides), never read
     rope_args = _rope_args(rope, k, length) if rope is not None else (s_ptr,) * 2 + (0,) * 6 + (s_ptr,) * 2 + (
         0, 0, s_ptr, 0, s_ptr)
     runtime.launch(

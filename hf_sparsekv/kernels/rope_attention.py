@@ -22,9 +22,9 @@ from __future__ import annotations
 import torch
 
 from . import runtime
-from .chunk_attention import MAX_QUERIES, chunk_decode_attention, chunk_decode_attention_reference
+from .chunk_attention import MAX_QUERIES, chunk_decode_attention_reference
 from .decode_core import launch_decode
-from .window_attention import _check_positions, window_decode_attention, window_decode_attention_reference
+from .window_attention import check_ring, window_decode_attention_reference
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -47,7 +47,7 @@ def rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows,
     :func:`~.chunk_attention.chunk_decode_attention`'s; no ``tree`` with ``ring``)."""
     runtime.check_attention_inputs(query, key, value, key_new, value_new, max_q=MAX_QUERIES, max_rows=None)
     if ring is not None:
-        _check_positions(query, key, length, *ring[:2])
+        check_ring(query, key, length, *ring[:2])
     cos, sin = _angles(cos), _angles(sin)
     rope = (key_new, value_new, cos.expand(query.shape[0], -1, -1), sin.expand(query.shape[0], -1, -1),
             slots.expand(query.shape[0], -1), rows.reshape(-1))
@@ -56,19 +56,15 @@ def rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows,
 
 
 def rope_decode_attention_reference(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling: float,
-                                    length: torch.Tensor, tree: torch.Tensor | None = None, kernel: bool = False,
+                                    length: torch.Tensor, tree: torch.Tensor | None = None,
                                     ring: tuple | None = None) -> torch.Tensor:
     """The unfused step: the rotary embedding (:func:`rotary`), ``key/value[rows, :, slots] = ...`` in place, then
-    attention over the first ``length[b]`` slots of each row (the float32 reference, or with ``kernel`` the Triton
-    kernel alone)."""
+    the float32 reference attention over the first ``length[b]`` slots of each row (on a ring, by its positions)."""
     cos, sin = _angles(cos)[:, None], _angles(sin)[:, None]
     keys = rotary(key_new, cos, sin)
     key[rows, :, slots] = keys.transpose(1, 2).to(key.dtype)
     value[rows, :, slots] = value_new.transpose(1, 2).to(value.dtype)
     queries = rotary(query, cos, sin)
     if ring is not None:
-        attend = window_decode_attention if kernel else window_decode_attention_reference
-        return attend(queries, key, value, scaling, length, *ring)
-    if kernel:
-        return chunk_decode_attention(queries, key, value, scaling, length=length, tree=tree)
+        return window_decode_attention_reference(queries, key, value, scaling, length, *ring)
     return chunk_decode_attention_reference(queries, key, value, scaling, length=length, tree=tree)

@@ -32,6 +32,15 @@ def _check_positions(query, key, length, slot_positions, query_positions) -> Non
         raise ValueError(f"length must hold one length per row ([{batch}]), got shape {tuple(length.shape)}")
 
 
+def check_ring(query, key, length, slot_positions, query_positions) -> None:
+    """What the kernel needs of a ring's positions: :func:`_check_positions`' shapes, int64, contiguous rows."""
+    _check_positions(query, key, length, slot_positions, query_positions)
+    if slot_positions.dtype != torch.long or query_positions.dtype != torch.long:
+        raise ValueError("slot_positions and query_positions must be int64")
+    if slot_positions.stride(-1) != 1 or query_positions.stride(-1) != 1:
+        raise ValueError("slot_positions and query_positions must be contiguous in their last dimension")
+
+
 def window_decode_attention(query, key, value, scaling: float, length, slot_positions, query_positions,
                             sink: int, window: int, tree: torch.Tensor | None = None,
                             tickets: torch.Tensor | None = None) -> torch.Tensor:
@@ -41,11 +50,7 @@ def window_decode_attention(query, key, value, scaling: float, length, slot_posi
         runtime.check_attention_inputs(query, key, value)
     else:  # a tree block: up to one int64 of ancestor bits per query, any number of query rows
         runtime.check_attention_inputs(query, key, value, max_q=MAX_QUERIES, max_rows=None)
-    _check_positions(query, key, length, slot_positions, query_positions)
-    if slot_positions.dtype != torch.long or query_positions.dtype != torch.long:
-        raise ValueError("slot_positions and query_positions must be int64")
-    if slot_positions.stride(-1) != 1 or query_positions.stride(-1) != 1:
-        raise ValueError("slot_positions and query_positions must be contiguous in their last dimension")
+    check_ring(query, key, length, slot_positions, query_positions)
     return launch_decode(query, scaling, key, value, fp_length=length,
                          positions=(slot_positions, query_positions, sink, window), tree=tree, tickets=tickets)
 
