@@ -55,6 +55,11 @@ test-lowest:
 	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
 	$(call CPU_PYTEST,$(LOWEST_PY)) tests
 
+# docs/architectures.md: every causal-LM architecture of the installed transformers through the engine's six ways in
+# against stock greedy (tests/arch_grid.py; make test-extended checks each row against the page).
+architectures: $(STAMP)
+	OMP_NUM_THREADS=1 $(PY) -m tests.arch_grid --write docs/architectures.md
+
 demo: $(STAMP)
 	$(PY) examples/demo.py
 

@@ -4,7 +4,7 @@ Importing the package registers the ``"sparsekv"`` attention implementation and 
 arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
 """
 
-from . import attention, static_attention
+from . import attention, attention_semantics, static_attention
 from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
 from .generation import (
@@ -15,6 +15,7 @@ __version__ = "0.1.0"
 
 attention.register()
 static_attention.register()
+attention_semantics.register()
 register()
 
 __all__ = [

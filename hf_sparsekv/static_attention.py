@@ -36,20 +36,50 @@ from .caches.static import LAST_WRITTEN, StaticLayer, StaticQuantCache, StaticSi
 from .kernels.chunk_attention import MAX_QUERIES
 
 NAME = "sparsekv_static"
-_UNSUPPORTED_KWARGS = ("softcap", "s_aux", "sinks")
+_NO_WINDOW = 1 << 40  # the kernel's window where a layer has chunks but no sliding window
 
 
-def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 0) -> torch.Tensor | None:
+def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 0,
+                  chunk: int | None = None) -> torch.Tensor | None:
     """The mask ``[1, 1, length, start + length]`` of a prefill whose queries are at ``start..start+length-1`` over
-    the keys of positions ``0..start+length-1``; None for plain causal attention over the prompt alone."""
-    if start == 0 and (sliding_window is None or sliding_window >= length):
+    the keys of positions ``0..start+length-1``; None for plain causal attention over the prompt alone. ``chunk``:
+    a query sees only keys of its own chunk of ``chunk`` positions (chunked attention)."""
+    if start == 0 and (sliding_window is None or sliding_window >= length) and (chunk is None or chunk >= length):
         return None  # plain causal: SDPA's is_causal
     q = torch.arange(start, start + length, device=device)[:, None]
     k = torch.arange(start + length, device=device)[None, :]
     seen = k <= q
     if sliding_window is not None:
         seen &= k > q - sliding_window
+    if chunk is not None:
+        seen &= k // chunk == q // chunk
     return seen[None, None]
+
+
+def _reference_attention(module, query, key, value, mask, scale: float, softcap: float | None = None,
+                         sinks: torch.Tensor | None = None):
+    """Attention over ``key/value [B, Hkv, S, D]`` where ``mask [B or 1, 1, L, S]`` (bool; None: causal, the queries
+    being the last L positions) -> ``([B, L, Hq, D], None)``: PyTorch SDPA, or with ``softcap`` (logits become
+    ``softcap * tanh(logits / softcap)``, Gemma 2) or ``sinks [Hq]`` (one more logit per head in the softmax's
+    denominator, attending to nothing: GPT-OSS) the same in plain operations, the softmax in float32."""
+    if softcap is None and sinks is None:
+        return sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
+    n, s = query.shape[-2], key.shape[-2]
+    if mask is None:
+        mask = torch.ones(n, s, dtype=torch.bool, device=query.device).tril(s - n)[None, None]
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    logits = torch.matmul(query, key.transpose(-1, -2)) * scale
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits.float().masked_fill(~mask, float("-inf"))
+    if sinks is not None:
+        sink = sinks.to(logits.device, torch.float32).reshape(1, -1, 1, 1).expand(*logits.shape[:-1], 1)
+        weights = torch.softmax(torch.cat([logits, sink], -1), -1)[..., :-1]
+    else:
+        weights = torch.softmax(logits, -1)
+    out = torch.matmul(weights.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous(), None
 
 
 def _channels_contiguous(query: torch.Tensor) -> torch.Tensor:
@@ -106,13 +136,14 @@ def static_rope_window_decode(query: torch.Tensor, key_new: torch.Tensor, value_
                               sin: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor,
                               slots: torch.Tensor, length: torch.Tensor, slot_positions: torch.Tensor,
                               query_positions: torch.Tensor, sink: int, window: int, scaling: float,
-                              tickets: torch.Tensor | None = None) -> torch.Tensor:
+                              tickets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """:func:`static_window_decode` (no tree) with the step's rotary embedding and ring write in the same launch, as
     :func:`static_rope_decode` is :func:`static_decode`'s."""
     from .kernels.rope_attention import rope_decode_attention
 
     return rope_decode_attention(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling, length,
-                                 tickets=tickets, ring=(slot_positions, query_positions.contiguous(), sink, window))
+                                 tickets=tickets, ring=(slot_positions, query_positions.contiguous(), sink, window,
+                                                        chunk))
 
 
 @static_rope_window_decode.register_fake
@@ -125,15 +156,16 @@ def _static_rope_window_decode_shape(query, *args, **kwargs):
 def static_window_decode(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, length: torch.Tensor,
                          slot_positions: torch.Tensor, query_positions: torch.Tensor, sink: int, window: int,
                          scaling: float, tree: torch.Tensor | None = None,
-                         tickets: torch.Tensor | None = None) -> torch.Tensor:
+                         tickets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """The Triton decode kernel over a sink+window ring: ``query [B, Hq, L, D]`` at ``query_positions [B, L]``,
     ``key/value [B, Hkv, S, D]`` holding ``slot_positions [B, S]`` (see :mod:`hf_sparsekv.kernels.window_attention`)
     -> ``[B, L, Hq, D]`` contiguous. ``tree`` (int64 ``[B, L]``): the last L slots read are the queries' tree block
-    (a drafter's tree after the ring), seen by the ancestor bits. ``tickets``: as :func:`static_decode`'s."""
+    (a drafter's tree after the ring), seen by the ancestor bits. ``tickets``: as :func:`static_decode`'s. Also a
+    cache in position order whose layer has a sliding window or chunks (``sink`` 0, ``chunk``: chunked attention)."""
     from .kernels.window_attention import window_decode_attention
 
     return window_decode_attention(_channels_contiguous(query), key, value, scaling, length, slot_positions,
-                                   query_positions.contiguous(), sink, window, tree, tickets)
+                                   query_positions.contiguous(), sink, window, tree, tickets, chunk)
 
 
 @static_window_decode.register_fake
@@ -167,8 +199,9 @@ def _static_quant_decode_shape(query, *args):
     return query.new_empty(batch, n, heads, dim)
 
 
-def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, sliding):
-    if (cache.kernels and sliding is None and _kernel_shape_ok(query, layer.keys.shape[1])
+def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, rules: tuple):
+    sliding, chunk, softcap, sinks = rules
+    if (cache.kernels and all(r is None for r in rules) and _kernel_shape_ok(query, layer.keys.shape[1])
             and quant_kernel_ok(cache.group_size, layer.keys.dtype)):
         qk, qv, device = layer.qkeys, layer.qvalues, query.device
         out = static_quant_decode(query, layer.keys, layer.values, qk.upper, qk.lower, qk.scale, qk.zero, qv.upper,
@@ -176,8 +209,8 @@ def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float
                                   cache.local("quant_length", device), cache.group_size, cache.view == "int8", scale,
                                   cache.tickets(device))
         return out, None
-    keys, values, mask = cache.reference_attention_inputs(layer, sliding)
-    return sdpa_attention_forward(module, query, keys, values, mask, scaling=scale, is_causal=False)
+    keys, values, mask = cache.reference_attention_inputs(layer, sliding, chunk)
+    return _reference_attention(module, query, keys, values, mask, scale, softcap, sinks)
 
 
 def static_attention(
@@ -199,17 +232,16 @@ def static_attention(
             f"attn_implementation '{NAME}' runs on the static caches of hf_sparsekv.caches.static only (it is set by "
             "the CUDA-graph path of generate() for the duration of a call)"
         )
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(f"attention option {name!r} is not supported on the static cache path")
     if dropout:
         raise NotImplementedError("attention dropout is not supported on the static cache path")
     cache = layer.owner
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    sliding = kwargs.get("sliding_window")
+    sliding = layer.attention_window if layer.attention_window is not None else kwargs.get("sliding_window")
+    chunk, softcap = layer.attention_chunk, kwargs.get("softcap")
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if cache.prefilling:
-        mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start)
-        out = sdpa_attention_forward(module, query, key, value, mask, scaling=scale, is_causal=mask is None)
+        mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start, chunk)
+        out = _reference_attention(module, query, key, value, mask, scale, softcap, sinks)
         if cache.prompt_queries is not None:
             cache.prompt_queries(layer.layer_idx, query, scale)
         for target in (cache, cache.companion):  # the companion: a self-drafting cache built from this prefill
@@ -217,9 +249,15 @@ def static_attention(
                 target.select(target.layers[layer.layer_idx], query, key, value, scale)
         return out
     if isinstance(cache, StaticQuantCache):
-        return _quant_attention(module, query, layer, cache, scale, sliding)
+        return _quant_attention(module, query, layer, cache, scale, (sliding, chunk, softcap, sinks))
     device = query.device  # a layer of a model dispatched over several devices reads the cache's tensors there
-    if cache.kernels and sliding is None:
+    if cache.kernels and softcap is None and sinks is None and (sliding is not None or chunk is not None):
+        if cache.contiguous and cache.tree is None and _kernel_shape_ok(query, key.shape[1]):  # (by positions)
+            window = _NO_WINDOW if sliding is None else sliding - 1  # (s > q - sliding: s >= q - window)
+            return static_window_decode(query, key, value, cache.local("fp_length", device),
+                                        cache.local("slot_positions", device), cache.local("positions", device), 0,
+                                        window, scale, None, cache.tickets(device), chunk or 0), None
+    elif cache.kernels and softcap is None and sinks is None:
         tree = None if cache.tree is None else cache.local("tree", device)
         if cache.contiguous and _kernel_shape_ok(query, key.shape[1], MAX_QUERIES, None):  # up to a tree block
             return static_decode(query, key, value, cache.local("fp_length", device), scale, tree,
@@ -229,8 +267,8 @@ def static_attention(
             return static_window_decode(query, key, value, cache.local("fp_length", device),
                                         cache.local("slot_positions", device), cache.local("positions", device),
                                         cache.sink, cache.window, scale, tree, cache.tickets(device)), None
-    return sdpa_attention_forward(module, query, key, value, cache.step_mask(sliding, device), scaling=scale,
-                                  is_causal=False)
+    return _reference_attention(module, query, key, value, cache.step_mask(sliding, device, chunk), scale, softcap,
+                                sinks)
 
 
 def register() -> None:

@@ -451,6 +451,41 @@ def test_window_attention_reads_slots_by_position(dtype, hq, hkv, length, sink, 
 
 
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
+@pytest.mark.parametrize("hq,hkv,length,window,chunk", [(4, 2, 1, None, 16), (8, 2, 5, None, 24), (4, 4, 3, 20, 32)])
+def test_chunked_attention_on_a_cache_in_position_order(dtype, hq, hkv, length, window, chunk):
+    """Chunked attention (Llama 4), with or without a sliding window, on a cache whose slots are its positions (the
+    full cache read by its slots' positions, sink 0), a batch of 4 whose queries straddle chunk boundaries, one row
+    finished: equal to the reference, and the reference to attention over the visible slots gathered by hand
+    (keys of the query's own chunk, within the window)."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    capacity = 96
+    ends = [chunk + 1, 2 * chunk, 70, length - 1]  # queries at ends[b] - length + 1 .. ends[b]
+    slots = torch.arange(capacity).repeat(4, 1)
+    for b, end in enumerate(ends):
+        slots[b, end + 1 + 2 :] = -1  # two stale slots past the sequence, then empty ones
+    queries = torch.stack([torch.arange(end - length + 1, end + 1) for end in ends])
+    slots, queries = slots.to(DEVICE), queries.to(DEVICE)
+    rows = [_qkv(hq, hkv, length, 64, capacity, dtype, seed=50 + b) for b in range(4)]
+    q, k, v = (torch.cat(parts) for parts in zip(*rows))
+    n = torch.tensor([e + 1 for e in ends[:3]] + [length], dtype=torch.int32, device=DEVICE)
+    kernel_window = (1 << 40) if window is None else window - 1
+    out = window_decode_attention(q, k, v, 0.125, n, slots, queries, 0, kernel_window, chunk=chunk)
+    ref = window_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, n, slots, queries, 0,
+                                            kernel_window, chunk=chunk)
+    assert _rel(out[:3], ref[:3]) < (1e-5 if dtype == torch.float32 else TOL)
+    assert torch.isfinite(out[3]).all()
+    for b in range(3):
+        for i in range(length):
+            p = int(queries[b, i])
+            seen = [j for j in range(p + 1) if j // chunk == p // chunk and (window is None or j > p - window)]
+            idx = torch.tensor(seen, device=DEVICE)
+            want = masked_attention_reference(q[b : b + 1, :, i : i + 1].float(), k[b : b + 1, :, idx].float(),
+                                              v[b : b + 1, :, idx].float(), 0.125, spec_mask=torch.ones(1, 1))
+            assert _rel(ref[b, i], want[0, 0]) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("hq,hkv,length", [(4, 2, 6), (8, 2, 28)])
 def test_window_attention_with_a_tree_block_after_the_ring(dtype, hq, hkv, length):
     """A drafter's tree on a sink+window ring: the L queries' own keys in L slots after the ring (a forest whose
@@ -1298,7 +1333,8 @@ def _rope_case(batch: int, length: int, lengths: list[int], dtype, tree: bool = 
 
 @torch.no_grad()
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", ["one-query", "chain", "batch", "tree", "batch-finished-row", "ring", "ring-batch"])
+@pytest.mark.parametrize("case", ["one-query", "chain", "batch", "tree", "batch-finished-row", "ring", "ring-batch",
+                                  "chunked"])
 def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
     """One launch that rotates the queries, writes the step's keys (rotated) and values and attends equals the unfused
     step (the rotary embedding in float32, the indexed write, the float32 reference attention): the buffers as the
@@ -1310,13 +1346,18 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
     batch, length, lengths, tree = {
         "one-query": (1, 1, [120], False), "chain": (1, 4, [150], False), "batch": (3, 3, [150, 40, 199], False),
         "tree": (2, 5, [90, 160], True), "batch-finished-row": (2, 3, [150, 100], False),
-        "ring": (1, 4, [150], False), "ring-batch": (3, 3, [150, 20, 99], False)}[case]
+        "ring": (1, 4, [150], False), "ring-batch": (3, 3, [150, 20, 99], False),
+        "chunked": (2, 4, [130, 67], False)}[case]
     tol = 1e-5 if dtype == torch.float32 else TOL
     for settings in ({}, {"min_split": 16, "block_n": 16}):
         *args, bits = _rope_case(batch, length, lengths, dtype, tree)
         ring = {}
         if case.startswith("ring"):
             *args, bits, ring["ring"] = _rope_case(batch, length, lengths, dtype, ring=True)
+        if case == "chunked":  # a cache in position order read by its slots' positions, chunks of 64 (queries across)
+            positions = torch.arange(200, device=DEVICE).repeat(batch, 1)
+            positions[positions >= torch.tensor(lengths, device=DEVICE)[:, None]] = -1
+            ring["ring"] = (positions, args[8], 0, 1 << 40, 64)
         ref_args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
         live = list(range(batch))
         if case == "batch-finished-row":  # row 1 has finished: it reads only as many slots as it has queries
@@ -1649,6 +1690,28 @@ def test_cuda_window_rows_at_real_size():
     out = window_decode_attention(q, k, v, 128**-0.5, n, slots, queries, sink, window)
     ref = window_decode_attention_reference(q.float(), k.float(), v.float(), 128**-0.5, n, slots, queries, sink, window)
     assert max(_rel(out[b], ref[b]) for b in range(batch) if b != 5) < TOL and torch.isfinite(out).all()
+
+
+@pytest.mark.cuda
+def test_cuda_chunked_rows_at_real_size():
+    """Chunked attention at Llama 4's shape (chunks of 8192, 40 query heads over 8 KV heads of 128, bf16, 4 queries)
+    on caches in position order of 5K-20K tokens, queries across a chunk boundary in one row, against the
+    reference."""
+    from hf_sparsekv.kernels.window_attention import window_decode_attention, window_decode_attention_reference
+
+    batch, capacity, chunk = 4, 20480, 8192
+    g = torch.Generator().manual_seed(8)
+    ends = [8193, 16000, 20000, 5000]
+    slots = torch.arange(capacity).repeat(batch, 1).to("cuda")
+    queries = torch.stack([torch.arange(end - 3, end + 1) for end in ends]).to("cuda")
+    q = torch.randn(batch, 4, 40, 128, generator=g).transpose(1, 2).to("cuda", torch.bfloat16)
+    k = (torch.randn(batch, 8, capacity, 128, generator=g) * 1.5 + 0.3).to("cuda", torch.bfloat16)
+    v = torch.randn(batch, 8, capacity, 128, generator=g).to("cuda", torch.bfloat16)
+    n = torch.tensor([e + 1 for e in ends], dtype=torch.int32, device="cuda")
+    args = (128**-0.5, n, slots, queries, 0, 1 << 40)
+    out = window_decode_attention(q, k, v, *args, chunk=chunk)
+    ref = window_decode_attention_reference(q.float(), k.float(), v.float(), *args, chunk=chunk)
+    assert max(_rel(out[b], ref[b]) for b in range(batch)) < TOL and torch.isfinite(out).all()
 
 
 @pytest.mark.cuda

@@ -88,6 +88,9 @@ class StaticLayer(CacheLayerMixin):
 
     is_compileable = True
     is_sliding = False
+    # set by the engine from what the model's mask asks (hf_sparsekv.attention_semantics): a query sees only keys
+    attention_window: int | None = None  # within this many positions (else the attention's sliding_window option)
+    attention_chunk: int | None = None  # of its own chunk of this many positions
 
     def __init__(self, owner: "PreallocatedCache", layer_idx: int, keys: torch.Tensor, values: torch.Tensor):
         super().__init__()
@@ -190,7 +193,7 @@ class PreallocatedCache(Cache):
             t = torch.zeros(batch * kv_heads * TICKETS_PER_KV_HEAD, dtype=torch.int32, device=d)
             self._tickets.setdefault(t.device, t)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
-        self._mask: torch.Tensor | None = None
+        self._mask: dict | None = None  # (sliding window, chunk, device) -> this step's mask
 
     # ---- driving a step
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
@@ -315,10 +318,11 @@ class PreallocatedCache(Cache):
         return keys, values
 
     # ---- what a query sees
-    def visible(self, query_positions: torch.Tensor, sliding_window: int | None = None) -> torch.Tensor:
+    def visible(self, query_positions: torch.Tensor, sliding_window: int | None = None,
+                chunk: int | None = None) -> torch.Tensor:
         """Boolean ``[B, L, capacity]`` on ``query_positions``' device: query i of row b (at ``query_positions[b, i]``)
         sees slot j of that row. ``sliding_window`` as in transformers' sliding masks (key position > query position -
-        sliding_window)."""
+        sliding_window); ``chunk`` as its chunked masks (key position // chunk == query position // chunk)."""
         sp = self.local("slot_positions", query_positions.device)[:, None, :]
         qp = query_positions[:, :, None]
         seen = (sp >= 0) & (sp <= qp) & self._rule(sp, qp)
@@ -331,18 +335,22 @@ class PreallocatedCache(Cache):
             seen = torch.where(in_block, ancestor, seen & (rel < 0))
         if sliding_window is not None:
             seen &= sp > qp - sliding_window
+        if chunk is not None:
+            seen &= sp // chunk == qp // chunk
         return seen
 
     def _rule(self, slot_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(slot_pos, dtype=torch.bool)
 
-    def step_mask(self, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-        """The current step's mask ``[B, 1, L, capacity]`` on ``device``, computed once per step and device and shared
-        by the layers there."""
-        if self._mask is None or self._mask[:2] != (sliding_window, device):
+    def step_mask(self, sliding_window: int | None, device: torch.device, chunk: int | None = None) -> torch.Tensor:
+        """The current step's mask ``[B, 1, L, capacity]`` on ``device``, computed once per step, rule and device and
+        shared by the layers with that rule there (:meth:`visible`)."""
+        key = (sliding_window, chunk, device)
+        if self._mask is None or key not in self._mask:
             positions = self.local("positions", device)
-            self._mask = (sliding_window, device, self.visible(positions, sliding_window)[:, None])
-        return self._mask[2]
+            self._mask = {} if self._mask is None else self._mask
+            self._mask[key] = self.visible(positions, sliding_window, chunk)[:, None]
+        return self._mask[key]
 
     # ---- host-side bookkeeping
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -777,7 +785,7 @@ class StaticQuantCache(PreallocatedCache):
         self.slot_positions[row, :keep] = shifted
         self._set_quantized(row, target)
 
-    def reference_attention_inputs(self, layer, sliding_window: int | None):
+    def reference_attention_inputs(self, layer, sliding_window: int | None, chunk: int | None = None):
         """Keys/values ``[B, Hkv, T + capacity, D]`` (the whole code store dequantized in the current view, then the
         buffer) and the step's mask ``[B, 1, L, T + capacity]``: the PyTorch path (CPU, shapes the kernel does not
         take), from device tensors only."""
@@ -792,7 +800,10 @@ class StaticQuantCache(PreallocatedCache):
         quant_seen = code_positions < self.local("offset", keys.device)[:, None, None]
         if sliding_window is not None:
             quant_seen = quant_seen & (code_positions > qp - sliding_window)
-        mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(positions, sliding_window)], -1)
+        if chunk is not None:
+            quant_seen = quant_seen & (code_positions // chunk == qp // chunk)
+        mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(positions, sliding_window, chunk)],
+                         -1)
         return keys, values, mask[:, None]
 
     def sequence(self, layer_idx: int, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:

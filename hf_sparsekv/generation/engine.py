@@ -82,6 +82,7 @@ import torch
 from torch.nn import Parameter
 from transformers.utils import logging
 
+from ..attention_semantics import served_layers
 from ..cache_keyword import cache_keyword
 from ..caches.chunk_selection import voting_queries
 from ..caches.static import StaticFullCache, StaticQuantCache
@@ -792,6 +793,8 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     (:mod:`.model_locks`) until it is done with the engine: no other call uses or replaces it meanwhile. Under
     tensor parallelism the captured steps hold NCCL all-reduces: :func:`release_engines` must run before
     ``torch.distributed.destroy_process_group()``."""
+    # what each model's layers ask of attention: refused here (AttentionNotServed) unless computed exactly
+    served = {id(m): served_layers(m) for m in (verifier, drafter) if m is not None}
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     weights = _weights(verifier, None if drafter is verifier else drafter)
@@ -823,6 +826,10 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             "full length), or keep one configuration per model")
     _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
+    for model, cache in ((verifier, engine.verifier_cache), (drafter, engine.drafter_cache)):
+        if cache is not None:
+            for layer, rules in zip(cache.layers, served[id(model)], strict=True):
+                layer.attention_window, layer.attention_chunk = rules.window, rules.chunk
     with _registry:
         _engines.setdefault(verifier, []).append(engine)
     return engine

@@ -119,9 +119,9 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
         rows, slots = key_write[1:3]
         value_source = value_write[3].args[0]
         inputs = (q, k, value_source, cos, sin, keys, values, rows, slots)
-        if ring:  # (length, slot_positions, query_positions, sink, window, scaling), tickets
+        if ring:  # (length, slot_positions, query_positions, sink, window, scaling), tickets, chunk
             call = (torch.ops.hf_sparsekv.static_rope_window_decode.default,
-                    inputs + tuple(decode.args[3:9]) + (_arg(decode, 10, "tickets"),))
+                    inputs + tuple(decode.args[3:9]) + (_arg(decode, 10, "tickets"), _arg(decode, 11, "chunk", 0)))
         else:  # (length, scaling), tree, tickets
             call = (torch.ops.hf_sparsekv.static_rope_decode.default,
                     inputs + tuple(decode.args[3:5]) + (_arg(decode, 5, "tree"), _arg(decode, 6, "tickets")))

@@ -101,7 +101,7 @@ def _fp_part(
     Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L, fsplit, FSPLIT_TOKENS,
     scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-    SP, QP, SINK, WINDOW, TB,
+    SP, QP, SINK, WINDOW, CHUNK, TB,
     KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN, stride_cb, stride_cl,
     SL, stride_slb, RW, row, ROW_HEADS,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FINAL: tl.constexpr,
@@ -148,7 +148,9 @@ def _fp_part(
         tree_bits = tl.load(TB + qi, mask=row_ok, other=0)
     if BY_POSITION:  # slots in any order: visibility from the positions they hold (SP) and the queries' (QP)
         q_pos = tl.load(QP + qi, mask=row_ok, other=-1)
-        low = q_pos - WINDOW  # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low)
+        # a slot holding s is visible iff 0 <= s <= q_pos and (s < SINK or s >= low): within WINDOW positions and
+        # in the query's chunk of CHUNK positions (chunked attention; a CHUNK beyond every position: no chunks)
+        low = tl.maximum(q_pos - WINDOW, q_pos - q_pos % CHUNK)
         masked_from = start
     else:
         masked_from = start + tl.maximum(tl.minimum(end, block_start) - start, 0) // BLOCK_N * BLOCK_N
@@ -728,7 +730,7 @@ def decode_split_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh,
     scale_log2, L, N_QSPLITS, QSPLIT_TOKENS, N_FSPLITS, FSPLIT_TOKENS, MAGIC, S_PTR, T_PTR, ROW_HEADS,
-    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, TB, stride_tbb, SPLIT_BASE, TICKETS, N_MERGE,
+    SP, stride_spb, QP, stride_qpb, SINK, WINDOW, CHUNK, TB, stride_tbb, SPLIT_BASE, TICKETS, N_MERGE,
     KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN, stride_cb, stride_cl,
     SL, stride_slb, RW,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -782,7 +784,7 @@ def decode_split_kernel(
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
                      OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                     SP, QP, SINK, WINDOW, TB,
+                     SP, QP, SINK, WINDOW, CHUNK, TB,
                      KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN,
                      stride_cb, stride_cl, SL, stride_slb, RW, row, ROW_HEADS,
                      HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, False, BLOCK_L)
@@ -790,7 +792,7 @@ def decode_split_kernel(
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s + SPLIT_BASE, kvh, rows, row_ok, q_head, qi,
                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-                 SP, QP, SINK, WINDOW, TB,
+                 SP, QP, SINK, WINDOW, CHUNK, TB,
                  KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN,
                  stride_cb, stride_cl, SL, stride_slb, RW, row, ROW_HEADS,
                  HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, ROPE, BLOCK_L)

@@ -278,6 +278,7 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
 # chunk is COMBINE_TILE / COMBINE_BLOCK_D splits: 256 splits of 16 channels, 32 registers per thread at 4 warps).
 COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
 
+NO_CHUNK = 1 << 62  # the kernel's chunk size where there are no chunks (every position in chunk 0)
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
 # ``merge_per_warp`` (FP_CONFIG): with ``tickets`` given, the split kernel's last program of each row block merges
 # the splits itself (:func:`~._decode_triton._merge_when_last`) where the partial outputs it reads, splits x rows x
@@ -331,10 +332,11 @@ def launch_decode(
     B > 1 needs lengths on the device and ``k/v`` (and the code buffers of ``quant``) whose rows are laid out one
     after another (the preallocated buffers): rows are run as extra KV heads.
 
-    ``positions = (slot_positions [B, S], query_positions [B, L], sink, window)`` (int64 on the device; needs
+    ``positions = (slot_positions [B, S], query_positions [B, L], sink, window[, chunk])`` (int64 on the device; needs
     ``fp_length``, no ``quant``): of the first ``fp_length[b]`` slots of row b, query i sees the slots whose
-    position s has ``0 <= s <= query_positions[b, i]`` and ``s < sink or s >= query_positions[b, i] - window``
-    (a sink+window ring buffer; a slot holding -1 is empty).
+    position s has ``0 <= s <= q`` and ``s < sink or s >= max(q - window, q - q % chunk)`` (q: the query's
+    position ``query_positions[b, i]``; ``chunk``: chunked attention, 0 for none) (a sink+window ring buffer, or a
+    cache in position order read by the positions its slots hold; a slot holding -1 is empty).
 
     ``tree`` (int64 ``[L]``, or ``[B, L]`` for one tree per row, on the device): the last L keys read (the queries'
     own) form a tree block, and query i of row b sees block key j iff bit j of ``tree[b, i]`` is set (its ancestors
@@ -437,10 +439,11 @@ def launch_decode(
     row_heads = hkv // batch_rows
     t_ptr = quant_length if quant_length is not None else s_ptr
     if positions is not None:
-        slot_pos, query_pos, sink, window = positions
-        pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window))
+        slot_pos, query_pos, sink, window, *chunk = positions
+        pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window),
+                    int(chunk[0]) if chunk and chunk[0] else NO_CHUNK)
     else:
-        pos_args = (s_ptr, 0, s_ptr, 0, 0, 0)
+        pos_args = (s_ptr, 0, s_ptr, 0, 0, 0, NO_CHUNK)
     split_base = 0
     if gluon:  # the quantized splits by the Gluon kernel, then the full-precision ones below
         if n_qsplits:

@@ -12,7 +12,7 @@ Shapes: ``query [B, Hq, L, D]`` before the rotary embedding; ``key_new/value_new
 keys (before it) and values; ``cos/sin`` transformers' position embeddings, ``[B, L, D]`` or ``[B, 1, L, D]``;
 ``key/value [B, Hkv, S, D]`` the cache's buffers, written in place at row ``rows[b]`` (int64 ``[B, 1]``, distinct),
 slots ``slots[b]`` (int64 ``[B, L]``); ``length [B]`` int32 the slots each row's attention reads (the last L of them
-the queries' own). ``ring = (slot_positions, query_positions, sink, window)``: the buffers are a sink+window ring
+the queries' own). ``ring = (slot_positions, query_positions, sink, window[, chunk])``: the buffers are a sink+window ring
 (:mod:`.window_attention`), ``slot_positions`` already holding the step's positions at its slots. Returns
 ``[B, L, Hq, D]``.
 """
@@ -66,5 +66,6 @@ def rope_decode_attention_reference(query, key_new, value_new, cos, sin, key, va
     value[rows, :, slots] = value_new.transpose(1, 2).to(value.dtype)
     queries = rotary(query, cos, sin)
     if ring is not None:
-        return window_decode_attention_reference(queries, key, value, scaling, length, *ring)
+        return window_decode_attention_reference(queries, key, value, scaling, length, *ring[:4],
+                                                 chunk=ring[4] if len(ring) > 4 else 0)
     return chunk_decode_attention_reference(queries, key, value, scaling, length=length, tree=tree)

@@ -5,7 +5,9 @@ reference, same signature.
 ``key/value [B, Hkv, S, D]`` whose slots are in no particular order: ``slot_positions [B, S]`` (int64) holds the
 logical position stored in each slot, -1 where nothing was written, and ``query_positions [B, L]`` (int64) the
 queries' positions. Query i of row b sees the slots among the first ``length[b]`` (int32 ``[B]``) whose position s
-has ``0 <= s <= query_positions[b, i]`` and ``s < sink`` or ``s >= query_positions[b, i] - window``. A query that
+has ``0 <= s <= query_positions[b, i]`` and ``s < sink`` or ``s >= query_positions[b, i] - window``; with ``chunk``
+(chunked attention, a cache in position order read by its slots' positions: ``sink`` 0), also ``s`` in the query's
+chunk (``s // chunk == query_positions[b, i] // chunk``). A query that
 sees no slot returns zeros (a finished row of a batch, whose length is cut short). ``tree`` (int64 ``[B, L]``,
 optional): the last L of the ``length[b]`` slots are the queries' tree block (a drafter's tree, written after the
 ring), which query i sees by the ancestor bits ``tree[b, i]`` alone (bit j: block slot j). Every tensor is read on
@@ -43,7 +45,7 @@ def check_ring(query, key, length, slot_positions, query_positions) -> None:
 
 def window_decode_attention(query, key, value, scaling: float, length, slot_positions, query_positions,
                             sink: int, window: int, tree: torch.Tensor | None = None,
-                            tickets: torch.Tensor | None = None) -> torch.Tensor:
+                            tickets: torch.Tensor | None = None, chunk: int = 0) -> torch.Tensor:
     """Triton split-KV kernel; see the module docstring. ``tickets``: the merge's counters
     (:func:`~.decode_core.launch_decode`)."""
     if tree is None:
@@ -52,11 +54,12 @@ def window_decode_attention(query, key, value, scaling: float, length, slot_posi
         runtime.check_attention_inputs(query, key, value, max_q=MAX_QUERIES, max_rows=None)
     check_ring(query, key, length, slot_positions, query_positions)
     return launch_decode(query, scaling, key, value, fp_length=length,
-                         positions=(slot_positions, query_positions, sink, window), tree=tree, tickets=tickets)
+                         positions=(slot_positions, query_positions, sink, window, chunk), tree=tree, tickets=tickets)
 
 
 def window_decode_attention_reference(query, key, value, scaling: float, length, slot_positions, query_positions,
-                                      sink: int, window: int, tree: torch.Tensor | None = None) -> torch.Tensor:
+                                      sink: int, window: int, tree: torch.Tensor | None = None,
+                                      chunk: int = 0) -> torch.Tensor:
     """PyTorch reference (float32 math)."""
     _check_positions(query, key, length, slot_positions, query_positions)
     batch, hq, n, _ = query.shape
@@ -66,7 +69,8 @@ def window_decode_attention_reference(query, key, value, scaling: float, length,
     s = slot_positions[:, None, None, :]
     q = query_positions[:, None, :, None]
     read = torch.arange(key.shape[-2], device=key.device) < length.to(key.device)[:, None]
-    visible = (s >= 0) & (s <= q) & ((s < sink) | (s >= q - window))
+    low = q - window if not chunk else torch.maximum(q - window, q - q % chunk)
+    visible = (s >= 0) & (s <= q) & ((s < sink) | (s >= low))
     if tree is not None:  # block slot j = length - L + j, seen by bit j
         rel = torch.arange(key.shape[-2], device=key.device)[None, :] - (length.to(key.device).long()[:, None] - n)
         ancestor = (tree[:, :, None] >> rel.clamp(0, 62)[:, None, :]) & 1 == 1  # [B, L, S]
