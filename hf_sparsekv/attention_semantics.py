@@ -64,6 +64,7 @@ class _Probe(threading.local):
     layers: dict | None = None  # layer_idx -> LayerAttention, or a reason string
     config = None  # the text config
     shape = (None, None)  # (key/value heads, head_dim) the engine's caches will have
+    device = None  # the model's (its inputs' and masks' device)
 
 
 _probe = _Probe()
@@ -89,13 +90,15 @@ def _grid(config) -> tuple[torch.Tensor, torch.Tensor]:
     return queries, torch.arange(n)[None, :]
 
 
-def classify_mask(mask_function, config) -> tuple:
+def classify_mask(mask_function, config, device="cpu") -> tuple:
     """``("causal", None)``, ``("window", W)``, ``("chunk", C)`` for the pattern ``mask_function(b, h, q, kv)`` gives
-    at absolute positions (row 0, head 0), or ``("unknown", reason)``."""
-    queries, keys = _grid(config)
-    zero = torch.zeros((), dtype=torch.long)
+    at absolute positions (row 0, head 0; evaluated on ``device``, where its tensors are), or ``("unknown",
+    reason)``."""
+    queries, keys = (t.to(device) for t in _grid(config))
+    zero = torch.zeros((), dtype=torch.long, device=device)
     try:
-        seen = torch.as_tensor(mask_function(zero, zero, queries, keys)).expand(queries.shape[0], keys.shape[1])
+        seen = torch.as_tensor(mask_function(zero, zero, queries, keys), device=device)
+        seen = seen.expand(queries.shape[0], keys.shape[1])
     except Exception as error:  # a mask function that is not index-based: not one we know
         return "unknown", f"a mask function that could not be evaluated ({type(error).__name__}: {error})"
     seen = seen.bool()
@@ -122,7 +125,7 @@ def _probe_mask(*args, **kwargs):
     if args or "mask_function" not in kwargs:
         kind = ("unknown", "a mask built without a mask_function")
     else:
-        kind = classify_mask(kwargs["mask_function"], _probe.config)
+        kind = classify_mask(kwargs["mask_function"], _probe.config, _probe.device)
     shape = [kwargs.get(k) for k in ("batch_size", "q_length", "kv_length")]
     # a mask of the shape the model expects (some check it), all True
     marker = torch.ones(*((shape[0], 1, shape[1], shape[2]) if all(isinstance(n, int) for n in shape) else (1,)),
@@ -203,6 +206,7 @@ def probe(model) -> dict | str:
     except (AttributeError, TypeError) as error:
         return f"no attention shape in its config ({error})"
     _probe.masks, _probe.layers, _probe.config, _probe.shape = {}, {}, _text_config(model), shape
+    _probe.device = device
     try:
         for c in configs:
             c._attn_implementation_internal = PROBE
