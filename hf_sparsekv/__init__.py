@@ -4,9 +4,10 @@ Importing the package registers the ``"sparsekv"`` attention implementation and 
 arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
 """
 
-from . import attention, attention_semantics, static_attention
+from . import attention, static_attention
 from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
+from .generation import attention_semantics
 from .generation import (
     SpecStats, graph_greedy_generate, register, release_engines, set_routing, speculative_generate, unregister,
 )

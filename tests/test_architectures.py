@@ -16,8 +16,8 @@ import torch
 import transformers
 
 import hf_sparsekv
-from hf_sparsekv import attention_semantics
-from hf_sparsekv.attention_semantics import AttentionNotServed, LayerAttention, classify_mask, served_layers
+from hf_sparsekv.generation import attention_semantics
+from hf_sparsekv.generation.attention_semantics import AttentionNotServed, LayerAttention, classify_mask, served_layers
 from transformers.masking_utils import (
     bidirectional_mask_function, causal_mask_function, chunked_causal_mask_function,
     sliding_window_causal_mask_function,

@@ -365,27 +365,31 @@ def test_engine_is_reused_and_rebuilt_when_needed(fresh_engines):
     assert static_engine.current_engine(verifier) is not first  # another budget: a new engine
 
 
-def test_calls_alternating_between_more_configurations_than_a_model_keeps_warn_once(fresh_engines, monkeypatch):
-    """With MAX_ENGINES_PER_MODEL = 1, one change of configuration replaces the kept engine silently; a call that
-    replaces one again (an alternation) warns, once, naming the setting; each call's tokens are stock greedy's."""
+def test_alternating_configurations_keep_their_engines_within_the_memory_budget(fresh_engines, monkeypatch):
+    """Calls alternating between configurations find their engines again (nothing rebuilt); under a memory budget
+    that holds one engine, each switch frees the least recently used one, with one warning naming the setting; each
+    call's tokens are stock greedy's."""
     warned = []  # (warning_once: a message of an earlier test would not show again)
     monkeypatch.setattr(static_engine.logger, "warning_once", warned.append)
     verifier, drafter = copy.deepcopy(tiny_model("llama")), tiny_model("llama", role="drafter")
     ids = prompt(40, seed=2)
     kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
     expected = verifier.generate(ids, **kwargs)
-    calls = [dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16), dict(static_engine=True),
-             dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16)]
-    counts = []
+    calls = [dict(static_engine=True), dict(assistant_model=drafter, kv_budget=16)] * 2
+    engines = []
     for extra in calls:
         assert torch.equal(verifier.generate(ids, **extra, **kwargs), expected)
-        counts.append(len([m for m in warned if "MAX_ENGINES_PER_MODEL" in m]))
-    assert counts == [0, 0, 1, 1, 2]  # (the logger's warning_once shows the message once per process)
-    static_engine.release_engines(verifier)  # a deliberate release starts the count again
-    warned.clear()
-    verifier.generate(ids, static_engine=True, **kwargs)
-    verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
-    assert not [m for m in warned if "MAX_ENGINES_PER_MODEL" in m]
+        engines.append(static_engine.current_engine(verifier))
+    assert engines[2] is engines[0] and engines[3] is engines[1] and engines[0] is not engines[1]
+    assert not warned
+    monkeypatch.setenv(static_engine.ENGINE_MEMORY_ENV, "0")
+    for extra in calls:
+        assert torch.equal(verifier.generate(ids, **extra, **kwargs), expected)
+        assert len(static_engine._engines[verifier]) == 1
+    assert len(warned) == 3 and static_engine.ENGINE_MEMORY_ENV in warned[0]
+    monkeypatch.setenv(static_engine.ENGINE_MEMORY_ENV, "lots")
+    with pytest.raises(ValueError, match="GiB"):
+        verifier.generate(ids, static_engine=True, **kwargs)
 
 
 def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):

@@ -83,12 +83,21 @@ class _HandOff(threading.local):
 LAST_WRITTEN = _HandOff()
 
 
+def mark_length_dynamic(*tensors: torch.Tensor, dim: int) -> None:
+    """Let ``torch.compile`` treat dimension ``dim`` of ``tensors`` (a length: a cache's capacity, a sequence buffer's)
+    as dynamic: a step compiled for one capacity serves every other (a cache grown for a longer prompt, another
+    budget) without recompiling. A hint (``maybe_mark_dynamic``): dynamo still specializes a dimension the code
+    needs as a constant."""
+    for tensor in tensors:
+        torch._dynamo.maybe_mark_dynamic(tensor, dim)
+
+
 class StaticLayer(CacheLayerMixin):
     """Key/value buffers ``[B, Hkv, capacity, D]`` of one layer; the slot arithmetic lives in the owning cache."""
 
     is_compileable = True
     is_sliding = False
-    # set by the engine from what the model's mask asks (hf_sparsekv.attention_semantics): a query sees only keys
+    # set by the engine from what the model's mask asks (generation.attention_semantics): a query sees only keys
     attention_window: int | None = None  # within this many positions (else the attention's sliding_window option)
     attention_chunk: int | None = None  # of its own chunk of this many positions
 
@@ -194,6 +203,18 @@ class PreallocatedCache(Cache):
             self._tickets.setdefault(t.device, t)
         self.seen = 0  # host-side logical length, kept by whoever drives the cache (prefill, crop, set_seen)
         self._mask: dict | None = None  # (sliding window, chunk, device) -> this step's mask
+        mark_length_dynamic(*(t for layer in layers for t in (layer.keys, layer.values)), dim=2)
+        mark_length_dynamic(self.slot_positions, dim=1)
+
+    def nbytes(self) -> int:
+        """Bytes of the cache's per-layer storage (buffers, and a quantized store's codes)."""
+        total = self.slot_positions.nbytes
+        for layer in self.layers:
+            total += layer.keys.nbytes + layer.values.nbytes
+            for codes in (getattr(layer, "qkeys", None), getattr(layer, "qvalues", None)):
+                if codes is not None:
+                    total += sum(t.nbytes for t in (codes.upper, codes.lower, codes.scale, codes.zero))
+        return total
 
     # ---- driving a step
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
@@ -214,7 +235,7 @@ class PreallocatedCache(Cache):
         self.slots = self.slots_of(positions) if tree is None else self.tree_slots(positions)
         self.slot_positions[self.rows, self.slots] = positions
         # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
-        ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.capacity)
+        ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.slot_positions.shape[1])
         if self.live is not None:  # a finished row reads only as many slots as it has queries
             ends = torch.where(self.live > 0, ends, positions.shape[1])
         self.fp_length.copy_(ends)
@@ -707,6 +728,8 @@ class StaticQuantCache(PreallocatedCache):
             # keys: scale/zero per channel per group of G tokens; values: per token
             layer.qkeys = self._codes(kv_heads, t, head_dim, dtype, (t // group_size, head_dim), layer.keys.device)
             layer.qvalues = self._codes(kv_heads, t, head_dim, dtype, (t, 1), layer.keys.device)
+            for codes in (layer.qkeys, layer.qvalues):  # (tokens, or key groups of G tokens, in dimension 2)
+                mark_length_dynamic(codes.upper, codes.lower, codes.scale, codes.zero, dim=2)
         device = self.slot_positions.device
         self.offset = torch.zeros(batch, dtype=torch.long, device=device)  # T_q of each row
         self.quant_length = torch.zeros(batch, dtype=torch.int32, device=device)

@@ -74,6 +74,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -82,13 +83,13 @@ import torch
 from torch.nn import Parameter
 from transformers.utils import logging
 
-from ..attention_semantics import served_layers
+from .attention_semantics import served_layers
 from ..cache_keyword import cache_keyword
 from ..caches.chunk_selection import voting_queries
-from ..caches.static import StaticFullCache, StaticQuantCache
+from ..caches.static import StaticFullCache, StaticQuantCache, mark_length_dynamic
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
-from .common import _attention_shape, layer_devices
+from .common import _attention_shape, _text_config, layer_devices
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
 from .draft_weights import attach, drafting, models as models_with_copies, release_model as release_copies
@@ -223,6 +224,7 @@ class StaticEngine:
                                                                               ahead)
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
+        mark_length_dynamic(self.seq, dim=1)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
         self.live = torch.ones(rows, dtype=torch.long, device=device)  # 0: the row has finished, its n stays
         for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
@@ -293,6 +295,8 @@ class StaticEngine:
         # whose prefill runs compiled where its cache allows (graph_steps.prefill_compiles): small models only
         self.prefill_compiled = {id(m): spec.compiled and prefill_pays(m) for m in (verifier, drafter) if m is not None}
         self._compiled_draft_token = None
+        caches = {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values()
+        self.nbytes = sum(c.nbytes() for c in caches) + self.seq.nbytes  # what keeping it holds, about
 
     @property
     def verifier(self):
@@ -771,8 +775,37 @@ DEFERRED_QUERY_BYTES = 256 * 2**20  # the most a deferred self-drafter's kept pr
 
 _engines: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> [engines], most recent last
 _registry = threading.Lock()  # guards _engines (each list, too)
-MAX_ENGINES_PER_MODEL = 1  # each holds a verifier cache of the full length: raise it to keep several configurations
-_replacements: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # verifier -> engines replaced (_registry)
+MAX_ENGINES_PER_MODEL = 16  # configurations a model keeps at most; below that, ENGINE_MEMORY_ENV bounds them
+ENGINE_MEMORY_ENV = "HF_SPARSEKV_ENGINE_MEMORY"  # GiB the kept engines' caches of one model may take
+ENGINE_MEMORY_SHARE = 0.25  # its default on CUDA: this share of the device's memory (on CPU: 2 GiB)
+
+
+def engine_memory_budget(device: torch.device) -> int:
+    """Bytes the kept engines' caches of one model may take (``HF_SPARSEKV_ENGINE_MEMORY``, in GiB; default: a
+    quarter of the CUDA device's memory, 2 GiB on CPU); past it the least recently used engines are freed."""
+    value = os.environ.get(ENGINE_MEMORY_ENV, "")
+    if value:
+        try:
+            gib = float(value)
+        except ValueError:
+            raise ValueError(f"{ENGINE_MEMORY_ENV} must be a number of GiB, got {value!r}") from None
+        if gib < 0:
+            raise ValueError(f"{ENGINE_MEMORY_ENV} must not be negative, got {value!r}")
+        return int(gib * 2**30)
+    if device.type == "cuda":
+        return int(ENGINE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory)
+    return 2 * 2**30
+
+
+def _grown(kept: list, drafter, spec: EngineSpec, max_tokens: int, use_graphs: bool, longest: int | None) -> int:
+    """Positions to allocate for a call of ``max_tokens``: where an engine of the same configuration is too short,
+    twice its length (a growing sequence of prompts builds O(log n) engines; bounded by ``longest``, the model's
+    ``max_position_embeddings``), else ``max_tokens``."""
+    shorter = [e.max_tokens for e in kept if e.drafter is drafter and e.spec == spec and e.use_graphs == use_graphs]
+    if not shorter:
+        return max_tokens
+    doubled = 2 * max(shorter)
+    return max(max_tokens, doubled if longest is None else min(doubled, longest))
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
@@ -814,16 +847,13 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
                 kept.remove(engine)
                 kept.append(engine)
                 return engine
-        evicted = kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
-        del kept[: len(evicted)]
-        replaced = _replacements[verifier] = _replacements.get(verifier, 0) + len(evicted)
-    if evicted and replaced >= 2:  # (one change of configuration is no alternation)
-        logger.warning_once(
-            f"hf_sparsekv: {type(verifier).__name__} keeps {MAX_ENGINES_PER_MODEL} engine configuration(s) and its "
-            "calls alternate between more, so each switch builds an engine again: new caches, its steps traced and "
-            "captured again (16K, H200, calls alternating plain decoding, self-drafting and int4: 0.8 to 12 s a "
-            "call). Raise hf_sparsekv.generation.engine.MAX_ENGINES_PER_MODEL to keep more (each holds caches of the "
-            "full length), or keep one configuration per model")
+        longest = getattr(_text_config(verifier), "max_position_embeddings", None)
+        max_tokens = _grown(kept, drafter, spec, max_tokens, use_graphs, longest)
+        # superseded: the same configuration, too short; then the least recently used past the count
+        evicted = [e for e in kept if e.drafter is drafter and e.spec == spec and e.use_graphs == use_graphs]
+        kept[:] = [e for e in kept if e not in evicted]
+        evicted += kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
+        kept[:] = [e for e in kept if e not in evicted]
     _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
     for model, cache in ((verifier, engine.verifier_cache), (drafter, engine.drafter_cache)):
@@ -831,7 +861,18 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             for layer, rules in zip(cache.layers, served[id(model)], strict=True):
                 layer.attention_window, layer.attention_chunk = rules.window, rules.chunk
     with _registry:
-        _engines.setdefault(verifier, []).append(engine)
+        kept = _engines.setdefault(verifier, [])
+        kept.append(engine)
+        budget = engine_memory_budget(device)
+        evicted = []
+        while len(kept) > 1 and sum(e.nbytes for e in kept) > budget:  # the least recently used first
+            evicted.append(kept.pop(0))
+    if evicted:
+        logger.warning_once(
+            f"hf_sparsekv: the engines kept for {type(verifier).__name__} take more than {budget / 2**30:.1f} GiB "
+            f"({ENGINE_MEMORY_ENV}), so the least recently used configurations are freed and rebuilt (their graphs "
+            "captured again, nothing recompiled) when a call needs them again")
+        _release_graphs(evicted)
     return engine
 
 
@@ -865,7 +906,6 @@ def release_engines(model=None) -> None:
         with exclusive(model):
             with _registry:
                 kept = _engines.pop(model, [])
-                _replacements.pop(model, None)
             _release_graphs(kept)
             release_copies(model)
 

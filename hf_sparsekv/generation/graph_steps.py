@@ -217,7 +217,7 @@ def compiled_step(fn, on_copies: bool = False):
     """``fn`` compiled as the engine compiles its steps (:func:`step_backend`, static shapes); ``on_copies``: a
     drafter's step on 4-bit weight copies, compiled under :func:`draft_weights_backend` and traced inside
     :func:`~.draft_weights.compiling_drafts` (its traces alone read the copies)."""
-    compiled = torch.compile(fn, backend=draft_weights_backend if on_copies else step_backend, dynamic=False)
+    compiled = torch.compile(fn, backend=draft_weights_backend if on_copies else step_backend, dynamic=None)
     if not on_copies:
         return compiled
 

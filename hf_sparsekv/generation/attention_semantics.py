@@ -196,7 +196,7 @@ def _text_config(model):
 def probe(model) -> dict | str:
     """Run ``model`` once on two tokens with the probe as its attention and mask function -> ``{layer_idx:
     LayerAttention or the reason it is not served}``, or the reason no layer is."""
-    from .generation.common import _attention_shape
+    from .common import _attention_shape
 
     configs = _configs(model)
     before = [c._attn_implementation for c in configs]

@@ -1,0 +1,67 @@
+"""What a user pays between warm calls: a longer prompt than any before grows the engine's caches (geometrically)
+and captures its steps again without compiling them again; the steps are compiled with the caches' lengths as
+dynamic dimensions. Counted with dynamo's counters, the steps compiled by torch.compile's tracing (aot_eager)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from hf_sparsekv.generation import engine as static_engine
+
+from .conftest import prompt, tiny_model
+
+LENGTHS = (60, 300, 700, 120, 900)  # each of the first three outgrows the engine before it
+
+
+def _graphs() -> int:
+    return counters["stats"]["unique_graphs"]
+
+
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16), dict(draft_cache="int4")],
+                         ids=["ar", "chunk", "int4"])
+def test_longer_prompts_compile_nothing_again(compiled_steps, call):
+    """After a configuration's first call, prompts of other lengths (longer than any before included) compile no
+    graph: no step, no prefill; every call's tokens are stock greedy's (int4: greedy on the same quantized cache is
+    the engine's own AR, checked elsewhere; here the first call's tokens against stock greedy where they agree)."""
+    model = copy.deepcopy(tiny_model("llama"))
+    spec = dict(call)
+    if "static_engine" not in spec:
+        spec["assistant_model"] = model
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0, num_assistant_tokens=3)
+    if "static_engine" in spec:
+        del kwargs["num_assistant_tokens"]
+    before, capacities = None, []
+    for n in LENGTHS:
+        ids = prompt(n, seed=n)
+        out = model.generate(ids, **spec, **kwargs)
+        if call.get("draft_cache") != "int4":
+            assert torch.equal(out, model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None,
+                                                   pad_token_id=0))
+        if before is None:
+            before = _graphs()
+        capacities.append(static_engine.current_engine(model).max_tokens)
+    assert _graphs() == before
+    assert capacities[1] >= 2 * capacities[0] and capacities[2] >= 2 * capacities[1]  # grown geometrically
+    assert len(static_engine._engines[model]) == 1  # a grown engine supersedes the shorter one
+
+
+def test_an_engine_grows_geometrically_within_the_models_positions(fresh_engines):
+    model = copy.deepcopy(tiny_model("llama"))  # max_position_embeddings 1024
+    kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, static_engine=True)
+    model.generate(prompt(300, 0), **kwargs)
+    first = static_engine.current_engine(model).max_tokens
+    model.generate(prompt(first, 1), **kwargs)  # just past it
+    assert static_engine.current_engine(model).max_tokens == 1024  # doubled, capped by max_position_embeddings
+    model.generate(prompt(1100, 2), **kwargs)  # past the model's positions: what the call needs
+    assert static_engine.current_engine(model).max_tokens >= 1104
+
+
+@pytest.fixture
+def fresh_engines():
+    static_engine.release_engines()
+    yield
+    static_engine.release_engines()
