@@ -55,6 +55,10 @@ test-lowest:
 	$(LOWEST_PY) -m pip install -q -e ".[dev]" "transformers==5.17.0"
 	$(call CPU_PYTEST,$(LOWEST_PY)) tests
 
+# What a user pays over a loop of generate() calls of varying prompt lengths, compilations included (CUDA).
+bench-lifecycle: $(STAMP)
+	$(PY) benchmarks/lifecycle.py --out runs/lifecycle $(ARGS)
+
 # docs/architectures.md: every causal-LM architecture of the installed transformers through the engine's six ways in
 # against stock greedy (tests/arch_grid.py; make test-extended checks each row against the page).
 architectures: $(STAMP)
