@@ -4,12 +4,17 @@ Importing the package registers the ``"sparsekv"`` attention implementation and 
 arguments ``kv_budget`` and ``draft_cache`` (see :mod:`hf_sparsekv.generation.registration`).
 """
 
-from . import attention, static_attention
+from . import compile_cache
+
+compile_cache.configure()  # before anything compiles (hf_sparsekv.compile_cache)
+
+from . import attention, static_attention  # noqa: E402
 from .caches import ChunkBudgetCache, ChunkSelection, HierarchicalQuantCache, SinkWindowCache
 from .caches.query_hooks import prompt_queries
 from .generation import attention_semantics
 from .generation import (
     SpecStats, graph_greedy_generate, register, release_engines, set_routing, speculative_generate, unregister,
+    warmup,
 )
 
 __version__ = "0.1.0"
@@ -32,5 +37,6 @@ __all__ = [
     "set_routing",
     "speculative_generate",
     "unregister",
+    "warmup",
     "__version__",
 ]

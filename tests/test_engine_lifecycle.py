@@ -65,3 +65,44 @@ def fresh_engines():
     static_engine.release_engines()
     yield
     static_engine.release_engines()
+
+
+def test_warmup_pays_the_first_call_ahead(compiled_steps):
+    """After ``hf_sparsekv.warmup`` for a configuration and a length, calls with prompts up to it compile nothing and
+    build no engine; their tokens are stock greedy's."""
+    import hf_sparsekv
+
+    model = copy.deepcopy(tiny_model("llama"))
+    drafter = tiny_model("llama", role="drafter")
+    # (a fixed γ: on CPU the controller's other widths compile when first chosen; on CUDA the first call captures all)
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, num_assistant_tokens=3,
+                  num_assistant_tokens_schedule="constant")
+    seconds = hf_sparsekv.warmup(model, max_length=600, max_new_tokens=16, assistant_model=drafter, kv_budget=16,
+                                 **kwargs)
+    assert seconds > 0
+    engine, graphs = static_engine.current_engine(model), _graphs()
+    for n in (100, 580):
+        ids = prompt(n, seed=n)
+        out = model.generate(ids, assistant_model=drafter, kv_budget=16, max_new_tokens=16, **kwargs)
+        assert torch.equal(out, model.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=None,
+                                               pad_token_id=0))
+    assert static_engine.current_engine(model) is engine and _graphs() == graphs
+    with pytest.raises(ValueError, match="max_length"):
+        hf_sparsekv.warmup(model, max_length=16, max_new_tokens=16)
+
+
+def test_the_compile_cache_follows_hf_home_unless_set_or_off(monkeypatch, tmp_path):
+    from hf_sparsekv import compile_cache
+
+    monkeypatch.delenv(compile_cache.INDUCTOR_ENV, raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    assert compile_cache.configure() == str(tmp_path / "hf_sparsekv" / "torchinductor")
+    monkeypatch.setenv(compile_cache.INDUCTOR_ENV, "/somewhere/else")
+    assert compile_cache.configure() is None
+    assert compile_cache.default_dir() == tmp_path / "hf_sparsekv" / "torchinductor"
+    monkeypatch.delenv(compile_cache.INDUCTOR_ENV)
+    monkeypatch.setenv(compile_cache.CACHE_ENV, "0")
+    assert compile_cache.configure() is None and compile_cache.INDUCTOR_ENV not in __import__("os").environ
+    monkeypatch.setenv(compile_cache.CACHE_ENV, "yes")
+    with pytest.raises(ValueError, match=compile_cache.CACHE_ENV):
+        compile_cache.configure()

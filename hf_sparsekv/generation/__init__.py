@@ -5,6 +5,7 @@ from .engine import release_engines
 from .rounds import graph_greedy_generate
 from .registration import register, set_routing, unregister
 from .stats import SpecStats
+from .warmup import warmup
 
 __all__ = [
     "SpecStats",
@@ -15,4 +16,5 @@ __all__ = [
     "set_routing",
     "speculative_generate",
     "unregister",
+    "warmup",
 ]

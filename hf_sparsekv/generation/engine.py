@@ -81,6 +81,7 @@ from dataclasses import dataclass
 
 import torch
 from torch.nn import Parameter
+from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .attention_semantics import served_layers
@@ -570,7 +571,7 @@ class StaticEngine:
         ``width`` drafts, default γ; ``run=False``: only capture it); the drafter's steps with its 4-bit weights where
         the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
         this call) or replayed its graph for the first time: its time then is no sample of the step's."""
-        key = name if width is None or width == self.spec.gamma else (name, width)
+        key = self._key(name, width)
         on_copies = self.spec.draft_weights == "int4" and (name == "draft" or name.startswith("catch_up"))
         with drafting(on_copies):
             step = self.steps.get(key)
@@ -586,6 +587,9 @@ class StaticEngine:
                 new |= step()
         return new
 
+    def _key(self, name: str, width: int | None) -> str | tuple:
+        return name if width is None or width == self.spec.gamma else (name, width)
+
     def capture_widths(self, widths: tuple[int, ...]) -> None:
         """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the
         catch-ups) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
@@ -600,14 +604,16 @@ class StaticEngine:
         else:
             verify = "verify_logits" if self.spec.host else "verify"
         names = [verify] + ([] if self.spec.mode == "lookup" else ["draft"])
-        for width in widths:
-            for name in names:
-                self.run_step(name, width, run=False)
+        steps = [(name, width) for width in widths for name in names]
         if self.lagging:  # what the drafter missed in plain rounds: one token, or blocks of LAG_BLOCK (their warm-ups
             if not (self.grows_tree or self.self_drafting):  # write from the slot of n - 1 on, as every draft
-                self.run_step("catch_up", run=False)  # step's does; a tree's draft step reads up to γ + 1 missed
+                steps.append(("catch_up", None))  # step's does; a tree's draft step reads up to γ + 1 missed
                 # tokens itself; self-drafting copies every missed token)
-            self.run_step("catch_up_lag", run=False)
+            steps.append(("catch_up_lag", None))
+        new = [(name, width) for name, width in steps if self._key(name, width) not in self.steps]
+        for name, width in tqdm(new, desc="hf_sparsekv: compiling and capturing steps", unit="step", leave=False,
+                                disable=not self.compiled or len(new) < 2):
+            self.run_step(name, width, run=False)
 
     def _capture(self, step: CapturedStep) -> None:
         # what a step's warm-up changes and a later round reads before writing it again
