@@ -852,7 +852,13 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             if engine.fits(drafter, spec, max_tokens, max_new, use_graphs):
                 kept.remove(engine)
                 kept.append(engine)
-                return engine
+                break
+        else:
+            engine = None
+    if engine is not None:
+        _keep_within_budget(verifier, device)
+        return engine
+    with _registry:
         longest = getattr(_text_config(verifier), "max_position_embeddings", None)
         max_tokens = _grown(kept, drafter, spec, max_tokens, use_graphs, longest)
         # superseded: the same configuration, too short; then the least recently used past the count
@@ -867,11 +873,19 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             for layer, rules in zip(cache.layers, served[id(model)], strict=True):
                 layer.attention_window, layer.attention_chunk = rules.window, rules.chunk
     with _registry:
-        kept = _engines.setdefault(verifier, [])
-        kept.append(engine)
-        budget = engine_memory_budget(device)
+        _engines.setdefault(verifier, []).append(engine)
+    _keep_within_budget(verifier, device)
+    return engine
+
+
+def _keep_within_budget(verifier, device: torch.device) -> None:
+    """Free the least recently used engines of ``verifier`` while the kept ones take more than the budget
+    (:func:`engine_memory_budget`); the most recent one stays."""
+    budget = engine_memory_budget(device)
+    with _registry:
+        kept = _engines.get(verifier, [])
         evicted = []
-        while len(kept) > 1 and sum(e.nbytes for e in kept) > budget:  # the least recently used first
+        while len(kept) > 1 and sum(e.nbytes for e in kept) > budget:
             evicted.append(kept.pop(0))
     if evicted:
         logger.warning_once(
@@ -879,7 +893,6 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             f"({ENGINE_MEMORY_ENV}), so the least recently used configurations are freed and rebuilt (their graphs "
             "captured again, nothing recompiled) when a call needs them again")
         _release_graphs(evicted)
-    return engine
 
 
 def current_engine(verifier) -> StaticEngine | None:
