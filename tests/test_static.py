@@ -388,8 +388,8 @@ def test_alternating_configurations_keep_their_engines_within_the_memory_budget(
         assert len(static_engine._engines[verifier]) == 1
     assert len(warned) == len(calls) and all(static_engine.ENGINE_MEMORY_ENV in w for w in warned)
     monkeypatch.setenv(static_engine.ENGINE_MEMORY_ENV, "lots")
-    with pytest.raises(ValueError, match="GiB"):
-        verifier.generate(ids, static_engine=True, **kwargs)
+    with pytest.raises(ValueError, match="GiB"):  # (a call with the engine's options: no hand-back to stock)
+        verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)
 
 
 def test_an_engine_is_rebuilt_when_a_weight_is_replaced(fresh_engines):
