@@ -156,78 +156,139 @@ def _plain(original, model, config, args: tuple, kwargs: dict):
         return original(model, *args, **kwargs)
 
 
+PATCH_ENV = "HF_SPARSEKV_PATCH"  # "0": the import installs no patch (models opt in: enable(), the mixin)
+_STOCK = GenerationMixin.generate  # stock's method, as transformers defines it (before any patch)
+_PARAMS = inspect.signature(_STOCK).parameters
+_POSITIONAL = [name for name in _PARAMS if name != "self"]
+_RENAMES = _keyword_renames(_STOCK)
+
+
+def _usable() -> bool:
+    """Whether stock ``generate`` takes the arguments the front door forwards (a warning where it does not)."""
+    if all(name in _PARAMS for name in _EXPECTED):
+        return True
+    warnings.warn(
+        "hf_sparsekv: GenerationMixin.generate has an unexpected signature; kv_budget/draft_cache are not "
+        "available in generate() (use hf_sparsekv.generation.speculative_generate directly)",
+        stacklevel=3,
+    )
+    return False
+
+
+def front_door(self, *args, **kwargs):
+    """``generate()`` with the engine's arguments and routing (see the module docstring); every other call is stock's
+    ``GenerationMixin.generate``. The one implementation behind the patch, :class:`SpeculativeGenerationMixin` and
+    :func:`enable`."""
+    original = _STOCK
+    named = dict(zip(_POSITIONAL, args))
+    ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
+    config = named.get("generation_config", kwargs.get("generation_config"))
+    assistant = named.get("assistant_model", kwargs.get("assistant_model"))
+    drafting = assistant is not None
+    nested = getattr(_in_stock, "depth", 0) > 0  # stock assisted generation's inner drafter call
+    # Keyword (None: off) over the passed generation_config over the model's; configs count only in a call
+    # with assistant_model, not in stock assisted generation's inner drafter call, which gets a config copy.
+    for name in OUR_ARGUMENTS if drafting else ():
+        if name not in ours:
+            ours[name] = _configured(self, config, name)
+    engine = kwargs.pop("static_engine", None)
+    engine = bool(_configured(self, config, "static_engine") if engine is None else engine) and not nested
+    if any(value is not None for value in ours.values()):
+        overlap = set(named) & set(kwargs)
+        if overlap:
+            raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
+        return speculative_generate(self, **named, **kwargs, **ours)
+    kwargs = _renamed(self, kwargs, _RENAMES)
+    if not nested:
+        lookup = _prompt_lookup(self, config, kwargs) is not None
+        route = _routing["assisted"] if drafting else _routing["prompt_lookup"] if lookup else False
+        reason = _stock_reason(self, assistant, kwargs) if drafting or lookup or engine else None
+        if (route or engine) and reason is None:
+            try:  # stock's own speculative calls (or plain decoding asked for) on our engine
+                return speculative_generate(self, **named, **kwargs, draft_cache="full" if drafting else None,
+                                            static_engine=engine, stock_fallback=True)
+            except EngineFailure as err:  # the engine failed where stock's path may not: a bug to report
+                release_engines(self)  # (its memory, before stock's path allocates)
+                logger.warning_once(f"hf_sparsekv: the engine failed on this call ({err}); stock generate() "
+                                    "serves it. Please report this with the model's name.")
+                reason = None
+            except NotImplementedError as err:  # an option the engine does not serve: stock's own path
+                reason = str(err)
+        if reason is not None and engine:  # asked for by name: say so where a user looks
+            logger.warning_once(f"hf_sparsekv: static_engine=True: this call runs on stock generate(): {reason}")
+        elif reason is not None:
+            what = "assisted generation" if drafting else "prompt lookup"
+            logger.info("hf_sparsekv: %s runs on stock generate(): %s", what, reason)
+    with shared(self, assistant), _stock_scope(drafting):
+        return _plain(original, self, config, args, kwargs)
+
+
+functools.update_wrapper(front_door, _STOCK)  # stock's docstring and signature (inspect follows __wrapped__)
+front_door.__module__, front_door.__qualname__ = __name__, "front_door"  # (pickle finds it here: enable's partial)
+
+
+class SpeculativeGenerationMixin:
+    """A mixin whose ``generate()`` is the engine's front door (:func:`front_door`: ``kv_budget=``, ``draft_cache=``,
+    ``static_engine=True``, stock's assisted and prompt-lookup calls routed onto the engine, everything else stock's),
+    whether or not the import-time patch is installed. Put it first among the bases::
+
+        class MyLlama(SpeculativeGenerationMixin, LlamaForCausalLM): ...
+
+    or attach it to one loaded model with :func:`enable`."""
+
+    generate = front_door
+
+
 def register() -> bool:
-    """Install the patch (idempotent). Returns False (with a warning) if ``generate`` has an unexpected shape."""
+    """Install the patch (idempotent): :class:`SpeculativeGenerationMixin`'s ``generate`` on ``GenerationMixin``
+    itself, so every model's ``generate()`` is the front door. Returns False (with a warning) if ``generate`` has an
+    unexpected shape."""
     global _original
     if _original is not None:
         return True
-    original = GenerationMixin.generate
-    params = inspect.signature(original).parameters
-    if not all(name in params for name in _EXPECTED):
-        warnings.warn(
-            "hf_sparsekv: GenerationMixin.generate has an unexpected signature; kv_budget/draft_cache are not "
-            "available in generate() (use hf_sparsekv.generation.speculative_generate directly)",
-            stacklevel=2,
-        )
+    if not _usable():
         return False
-    positional = [name for name in params if name != "self"]
-    renames = _keyword_renames(original)
-
-    @functools.wraps(original)
-    def generate(self, *args, **kwargs):
-        named = dict(zip(positional, args))
-        ours = {name: kwargs.pop(name) for name in OUR_ARGUMENTS if name in kwargs}
-        config = named.get("generation_config", kwargs.get("generation_config"))
-        assistant = named.get("assistant_model", kwargs.get("assistant_model"))
-        drafting = assistant is not None
-        nested = getattr(_in_stock, "depth", 0) > 0  # stock assisted generation's inner drafter call
-        # Keyword (None: off) over the passed generation_config over the model's; configs count only in a call
-        # with assistant_model, not in stock assisted generation's inner drafter call, which gets a config copy.
-        for name in OUR_ARGUMENTS if drafting else ():
-            if name not in ours:
-                ours[name] = _configured(self, config, name)
-        engine = kwargs.pop("static_engine", None)
-        engine = bool(_configured(self, config, "static_engine") if engine is None else engine) and not nested
-        if any(value is not None for value in ours.values()):
-            overlap = set(named) & set(kwargs)
-            if overlap:
-                raise TypeError(f"generate() got multiple values for {sorted(overlap)}")
-            return speculative_generate(self, **named, **kwargs, **ours)
-        kwargs = _renamed(self, kwargs, renames)
-        if not nested:
-            lookup = _prompt_lookup(self, config, kwargs) is not None
-            route = _routing["assisted"] if drafting else _routing["prompt_lookup"] if lookup else False
-            reason = _stock_reason(self, assistant, kwargs) if drafting or lookup or engine else None
-            if (route or engine) and reason is None:
-                try:  # stock's own speculative calls (or plain decoding asked for) on our engine
-                    return speculative_generate(self, **named, **kwargs, draft_cache="full" if drafting else None,
-                                                static_engine=engine, stock_fallback=True)
-                except EngineFailure as err:  # the engine failed where stock's path may not: a bug to report
-                    release_engines(self)  # (its memory, before stock's path allocates)
-                    logger.warning_once(f"hf_sparsekv: the engine failed on this call ({err}); stock generate() "
-                                        "serves it. Please report this with the model's name.")
-                    reason = None
-                except NotImplementedError as err:  # an option the engine does not serve: stock's own path
-                    reason = str(err)
-            if reason is not None and engine:  # asked for by name: say so where a user looks
-                logger.warning_once(f"hf_sparsekv: static_engine=True: this call runs on stock generate(): {reason}")
-            elif reason is not None:
-                what = "assisted generation" if drafting else "prompt lookup"
-                logger.info("hf_sparsekv: %s runs on stock generate(): %s", what, reason)
-        with shared(self, assistant), _stock_scope(drafting):
-            return _plain(original, self, config, args, kwargs)
-
-    _original = original
-    GenerationMixin.generate = generate
+    _original = GenerationMixin.generate
+    GenerationMixin.generate = front_door
     return True
 
 
 def unregister() -> None:
-    """Restore the stock ``GenerationMixin.generate``."""
+    """Restore the stock ``GenerationMixin.generate`` (models given the front door by :func:`enable`, and classes
+    built on :class:`SpeculativeGenerationMixin`, keep it)."""
     global _original
     if _original is not None:
         GenerationMixin.generate = _original
         _original = None
+
+
+def enable(model):
+    """Give ``model`` (this instance only: not its class, not other instances) the front door as its ``generate``;
+    returns ``model``. ``save_pretrained`` writes what it writes of a stock model (a ``from_pretrained`` gives a stock
+    model), ``copy.deepcopy`` and ``torch.save``/``torch.load`` keep it on the copy, :func:`disable` takes it off."""
+    if not isinstance(model, GenerationMixin):
+        raise TypeError(f"enable() takes a transformers model with generate(), got {type(model).__name__}")
+    if not _usable():
+        raise RuntimeError("hf_sparsekv: this transformers' generate() cannot be wrapped (see the warning)")
+    model.__dict__["generate"] = functools.partial(front_door, model)  # (picklable: a module-level function)
+    return model
+
+
+def disable(model):
+    """Undo :func:`enable` on ``model`` (its ``generate`` is its class's again); returns ``model``."""
+    attached = model.__dict__.get("generate")
+    if isinstance(attached, functools.partial) and attached.func is front_door:
+        del model.__dict__["generate"]
+    return model
+
+
+def is_enabled(model) -> bool:
+    """Whether ``model.generate`` is the front door (the patch, :func:`enable` or the mixin)."""
+    method = getattr(type(model), "generate", None)
+    attached = model.__dict__.get("generate")
+    if attached is not None:
+        return isinstance(attached, functools.partial) and attached.func is front_door
+    return method is front_door
 
 
 def is_registered() -> bool:
