@@ -206,16 +206,6 @@ class PreallocatedCache(Cache):
         mark_length_dynamic(*(t for layer in layers for t in (layer.keys, layer.values)), dim=2)
         mark_length_dynamic(self.slot_positions, dim=1)
 
-    def nbytes(self) -> int:
-        """Bytes of the cache's per-layer storage (buffers, and a quantized store's codes)."""
-        total = self.slot_positions.nbytes
-        for layer in self.layers:
-            total += layer.keys.nbytes + layer.values.nbytes
-            for codes in (getattr(layer, "qkeys", None), getattr(layer, "qvalues", None)):
-                if codes is not None:
-                    total += sum(t.nbytes for t in (codes.upper, codes.lower, codes.scale, codes.zero))
-        return total
-
     # ---- driving a step
     def slots_of(self, positions: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -400,7 +390,14 @@ class PreallocatedCache(Cache):
         self._local = {}
 
     def nbytes(self) -> int:
-        return sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers)
+        """Bytes of the cache's per-layer storage (buffers, and a quantized store's codes)."""
+        total = self.slot_positions.nbytes
+        for layer in self.layers:
+            total += layer.keys.nbytes + layer.values.nbytes
+            for codes in (getattr(layer, "qkeys", None), getattr(layer, "qvalues", None)):
+                if codes is not None:
+                    total += sum(t.nbytes for t in (codes.upper, codes.lower, codes.scale, codes.zero))
+        return total
 
     def store_prompt(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor,
                      query: torch.Tensor | None = None, scaling: float | None = None) -> None:
