@@ -106,3 +106,71 @@ def test_the_compile_cache_follows_hf_home_unless_set_or_off(monkeypatch, tmp_pa
     monkeypatch.setenv(compile_cache.CACHE_ENV, "yes")
     with pytest.raises(ValueError, match=compile_cache.CACHE_ENV):
         compile_cache.configure()
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral"])
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16), dict(prompt_lookup_num_tokens=3),
+                                  dict(assistant_model="self", kv_budget=16)], ids=["ar", "chunk", "lookup", "self"])
+def test_a_chat_prefills_only_its_new_tokens(fresh_engines, arch, call):
+    """Turns that append to the previous output (the multi-turn idiom): each turn's tokens are a fresh call's (stock
+    greedy's), and the verifier's prefill reads only what the engine's cache does not hold (a self-drafter's shared
+    prefill reads all); a turn that edits the history reuses the part before the edit; the returned cache passed back
+    is not copied in again."""
+    model = copy.deepcopy(tiny_model(arch))
+    spec = dict(call)
+    if "kv_budget" in spec:
+        spec["assistant_model"] = model if spec.get("assistant_model") == "self" else tiny_model(arch, role="drafter")
+    kwargs = dict(max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    history = prompt(80, seed=1)
+    prefilled = []
+    for turn in range(3):
+        out = model.generate(history, return_dict_in_generate=True, **spec, **kwargs)
+        assert torch.equal(out.sequences, model.generate(history, **kwargs)), turn
+        prefilled.append(out.spec_stats.prefill_tokens)
+        history = torch.cat([out.sequences, prompt(30, seed=10 + turn)], 1)
+    if call.get("assistant_model") == "self":
+        assert prefilled == [80, 80 + 42, 80 + 84]
+    else:
+        assert prefilled == [80, 31, 31]  # the new tokens and the last output token (never fed to the verifier)
+    edited = history.clone()
+    edited[0, 50] = (edited[0, 50] + 1) % 96
+    out = model.generate(edited, return_dict_in_generate=True, **spec, **kwargs)
+    assert torch.equal(out.sequences, model.generate(edited, **kwargs))
+    if call.get("assistant_model") != "self":
+        assert out.spec_stats.prefill_tokens == edited.shape[1] - 50
+
+
+def test_a_chat_passing_back_the_returned_cache_copies_nothing_in(fresh_engines, monkeypatch):
+    from hf_sparsekv.caches.static import StaticFullCache
+
+    model = copy.deepcopy(tiny_model("llama"))
+    kwargs = dict(max_new_tokens=10, do_sample=False, eos_token_id=None, pad_token_id=0, static_engine=True,
+                  return_dict_in_generate=True)
+    loads = []
+    load = StaticFullCache.load_prefix
+    monkeypatch.setattr(StaticFullCache, "load_prefix", lambda self, *a, **k: loads.append(1) or load(self, *a, **k))
+    history = prompt(60, seed=3)
+    out = model.generate(history, **kwargs)
+    for turn in range(2):
+        history = torch.cat([out.sequences, prompt(20, seed=turn)], 1)
+        out = model.generate(history, past_key_values=out.past_key_values, **kwargs)
+        assert torch.equal(out.sequences, model.generate(history, max_new_tokens=10, do_sample=False,
+                                                         eos_token_id=None, pad_token_id=0))
+        assert out.spec_stats.prefill_tokens == 21 and out.past_key_values.get_seq_length() == history.shape[1] + 9
+    assert not loads
+
+
+def test_a_sampled_chat_turn_draws_as_a_fresh_call_does(fresh_engines):
+    """Reusing the held prefix changes no draw: with one seed, a sampled turn after the previous one gives the tokens
+    the same turn gives on a fresh engine (the same distribution, the same random numbers)."""
+    model = copy.deepcopy(tiny_model("llama"))
+    kwargs = dict(max_new_tokens=12, do_sample=True, temperature=1.3, pad_token_id=0, eos_token_id=None,
+                  static_engine=True)
+    first = model.generate(prompt(70, seed=2), **kwargs)
+    history = torch.cat([first, prompt(25, seed=5)], 1)
+    torch.manual_seed(11)
+    reused = model.generate(history, return_dict_in_generate=True, **kwargs)
+    assert reused.spec_stats.prefill_tokens == 26
+    static_engine.release_engines(model)
+    torch.manual_seed(11)
+    assert torch.equal(reused.sequences, model.generate(history, **kwargs))

@@ -291,6 +291,8 @@ class StaticEngine:
         self.attention_switches = {}  # id(model) -> graph_steps.AttentionSwitch of its calls' attention switch
         self.drafter_deferred = False  # the drafter's prefill waits for a round that drafts (:meth:`prefill`)
         self.drafter_prefills = 0  # the drafter's prefills on this engine so far (the first pays one-time costs)
+        self.holds_sequence = False  # the verifier's cache holds row 0's sequence up to n - 2 (a call ended)
+        self.reused = 0  # positions the last prefill found in the verifier's cache (a chat's earlier turns)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         self.compiled = spec.compiled
         # whose prefill runs compiled where its cache allows (graph_steps.prefill_compiles): small models only
@@ -660,9 +662,11 @@ class StaticEngine:
         once for a 16K prompt on an H200, 20x the next)."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
-        self.verifier_cache.reset()
         separate = self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache
         shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
+        self.reused = 0 if shared_prefill else self._held_prefix(prompts)
+        self.holds_sequence = False
+        self.verifier_cache.reset()  # (slot positions only: the buffers keep what a reused prefix needs)
         if separate:
             self.drafter_cache.reset()
         voting = [self._voting_queries(prompt.shape[1]) for prompt in prompts] if shared_prefill else []
@@ -685,8 +689,9 @@ class StaticEngine:
                                                                        voting[row])
             try:
                 prefix = None if prefixes is None else prefixes[row]
-                start = 0
-                if prefix is not None and prefix.get_seq_length() > 0:
+                start = self.reused if row == 0 else 0
+                held = 0 if prefix is None else prefix.get_seq_length()
+                if held > start:  # (a prefix the cache does not hold already: copied in)
                     start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
                                                             row)
                 last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start,
@@ -727,7 +732,22 @@ class StaticEngine:
             self.fed_valid.zero_()
         if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
+        self.holds_sequence = self.spec.batch == 1 and isinstance(self.verifier_cache, StaticFullCache)
         return first.tolist()
+
+    def _held_prefix(self, prompts: list[torch.Tensor]) -> int:
+        """A chat's next turn: how many leading positions of the one-row ``prompts[0]`` the verifier's full cache
+        still holds from the engine's last call (its sequence up to ``n - 2``, all but the last token; the tokens
+        compared on the device), at most the prompt's length - 1 (the prefill's last position gives the first
+        token); 0 where nothing is held."""
+        if not self.holds_sequence:
+            return 0
+        prompt = prompts[0][0].to(self.seq.device)
+        m = min(int(self.n[0]) - 1, prompt.shape[0] - 1)
+        if m <= 0:
+            return 0
+        differs = (self.seq[0, :m] != prompt[:m]).nonzero()
+        return int(differs[0, 0]) if len(differs) else m
 
     @property
     def defers_drafter(self) -> bool:

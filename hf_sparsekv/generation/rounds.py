@@ -263,6 +263,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         wait_for(engine.devices)
         rounds_from = time.perf_counter()
         stats[0].prefill_seconds = rounds_from - t0
+        stats[0].prefill_tokens = prompt_tokens - engine.reused
         if "drafter_prefill" in timer.host:  # its cost, for the next calls' choice to defer it (no extra sync)
             controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
                                     prompt_tokens)

@@ -46,6 +46,8 @@ class SpecStats:
       rounds without drafts (one plain verifier step: the draft-length controller's choice, :mod:`.controller`, or no
       retrieval match, or no room in a quantized store). ``ar_rounds`` (derived) is that count.
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
+    - ``prefill_tokens``: prompt tokens the verifier's prefill read: the prompt's, less the leading ones its cache
+      still held from the engine's last call (a chat's next turn, :meth:`~.engine.StaticEngine.prefill`).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt (a drafter
       prefill deferred to the first drafting round: its device seconds there, or host seconds on CPU).
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
@@ -71,6 +73,7 @@ class SpecStats:
     sibling_rounds: int = 0
     width_rounds: dict = field(default_factory=dict)
     new_tokens: int = 0
+    prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
