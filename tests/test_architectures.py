@@ -146,3 +146,27 @@ def test_an_unknown_mask_function_hands_routed_calls_to_stock_and_refuses_explic
 @pytest.mark.parametrize("arch", ATTENTION_CASES)
 def test_attention_unlike_llamas_on_the_graph_path(arch, exact_cuda_float32):
     _assert_row(arch_grid.run_arch(arch, device="cuda"), every_call_on_engine=True)
+
+
+def test_token_type_ids_of_a_gpt2_reach_the_engine():
+    """GPT-2 adds token types to its input embeddings: the engine feeds the prompt's, then the last one to every new
+    token, as stock does; plain decoding, prompt lookup and a separate drafter run on the engine with stock's tokens,
+    and what it does not serve with them (self-drafting, a batch) is refused naming them (routed: stock's path)."""
+    model, drafter = arch_grid.build("gpt2"), arch_grid.build("gpt2", seed=1)
+    ids = torch.randint(3, arch_grid.VOCAB, (1, 120), generator=torch.Generator().manual_seed(1))
+    types = torch.zeros_like(ids)
+    types[:, 60:] = 1
+    kwargs = dict(do_sample=False, max_new_tokens=12, min_new_tokens=12, return_dict_in_generate=True)
+    reference = arch_grid._stock(model, ids, token_type_ids=types, **kwargs).sequences
+    assert not torch.equal(reference, arch_grid._stock(model, ids, **kwargs).sequences)  # the types matter
+    for call in (dict(static_engine=True), dict(prompt_lookup_num_tokens=3), dict(assistant_model=drafter),
+                 dict(assistant_model=drafter, kv_budget=32)):
+        out = model.generate(ids, token_type_ids=types, **call, **kwargs)
+        assert torch.equal(out.sequences, reference) and out.spec_stats is not None, call
+    with pytest.raises(NotImplementedError, match="token_type_ids"):
+        model.generate(ids, token_type_ids=types, assistant_model=model, kv_budget=32, **kwargs)
+    with pytest.raises(NotImplementedError, match="token_type_ids"):
+        model.generate(ids.repeat(2, 1), token_type_ids=types.repeat(2, 1), assistant_model=drafter, kv_budget=32,
+                       **kwargs)
+    out = model.generate(ids, token_type_ids=types, assistant_model=model, **kwargs)  # routed: stock's path
+    assert torch.equal(out.sequences, reference)

@@ -72,6 +72,7 @@ drops them, as it drops tokens after a stop (they cannot change the earlier ones
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
@@ -143,6 +144,8 @@ class EngineSpec:
     retrieval: int = 0  # chunk/window/full: retrieval beside the drafter, suffixes of up to this many tokens (0: off)
     tree_size: int | None = None  # chunk/window/full: draft nodes per round (draft_tree_size; None: the chain)
     adaptive: bool = False  # rounds may draft fewer than γ, or none (:mod:`.controller`): steps of every width
+    token_types: bool = False  # the verifier's forwards get token_type_ids (TOKEN_TYPE_MODELS): the prompt's, then
+    # its last one for every generated token, as stock generate() extends them
 
 
 def warpers_key(warpers) -> tuple | None:
@@ -292,6 +295,9 @@ class StaticEngine:
         self.drafter_deferred = False  # the drafter's prefill waits for a round that drafts (:meth:`prefill`)
         self.drafter_prefills = 0  # the drafter's prefills on this engine so far (the first pays one-time costs)
         self.holds_sequence = False  # the verifier's cache holds row 0's sequence up to n - 2 (a call ended)
+        # token types (spec.token_types): each row's prompt's [1, P], and the last one [B, 1] for generated tokens
+        self.prompt_types: list[torch.Tensor] = []
+        self.types = torch.zeros(rows, 1, dtype=torch.long, device=device) if spec.token_types else None
         self.reused = 0  # positions the last prefill found in the verifier's cache (a chat's earlier turns)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         self.compiled = spec.compiled
@@ -647,7 +653,7 @@ class StaticEngine:
 
     # ---- prefill
     def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None,
-                defer_drafter: bool = False, timer=None) -> list[int]:
+                defer_drafter: bool = False, timer=None, token_types: list | None = None) -> list[int]:
         """Reset the caches and feed ``prompts[b] [1, P_b]`` to row b of both models' caches (one batch-1 forward per
         row and model); returns each row's first token from the verifier (``host_first(row, raw [1, V])``, host-side
         rules: chosen on the host from its float32 logits). ``prefixes[b]``: a ``DynamicCache`` holding the first
@@ -659,12 +665,19 @@ class StaticEngine:
         where that prefill compiles, :func:`~.graph_steps.prefill_compiles`). ``timer``: marks the phase
         ``"drafter_prefill"`` around a separate drafter's prefill forwards (``mark(name, start)``), from its second
         prefill on this engine (the first pays one-time costs: lazy initialisation, kernel and plan choice; 150 ms
-        once for a 16K prompt on an H200, 20x the next)."""
+        once for a 16K prompt on an H200, 20x the next). ``token_types[b]`` ``[1, P_b]``: row b's token types
+        (engines with ``spec.token_types``), fed by :meth:`typed_forwards`."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
         separate = self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache
         shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
-        self.reused = 0 if shared_prefill else self._held_prefix(prompts)
+        if self.spec.token_types:
+            if token_types is None or len(token_types) != len(prompts):
+                raise ValueError("an engine built for token types needs each prompt's token_type_ids")
+            self.prompt_types = [t.to(self.seq.device) for t in token_types]
+            for row, types in enumerate(self.prompt_types):
+                self.types[row] = types[0, -1]
+        self.reused = 0 if shared_prefill or self.spec.token_types else self._held_prefix(prompts)
         self.holds_sequence = False
         self.verifier_cache.reset()  # (slot positions only: the buffers keep what a reused prefix needs)
         if separate:
@@ -732,8 +745,35 @@ class StaticEngine:
             self.fed_valid.zero_()
         if self.spec.mode == "lookup" or self.spec.retrieval:
             retrieve(self)
-        self.holds_sequence = self.spec.batch == 1 and isinstance(self.verifier_cache, StaticFullCache)
+        self.holds_sequence = (self.spec.batch == 1 and isinstance(self.verifier_cache, StaticFullCache)
+                               and not self.spec.token_types)  # (keys of typed tokens: not reused)
         return first.tolist()
+
+    @contextlib.contextmanager
+    def typed_forwards(self):
+        """Inside the block (a call on an engine with ``spec.token_types``), every forward of the verifier gets
+        ``token_type_ids``: during a prefill the prompt's types of the positions fed, in a step each row's last
+        prompt type for every token (captured into the graphs like any other step input)."""
+        if not self.spec.token_types:
+            yield
+            return
+        handle = self.verifier.register_forward_pre_hook(self._add_token_types, with_kwargs=True)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    def _add_token_types(self, module, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None or kwargs.get("token_type_ids") is not None:
+            return None
+        cache = self.verifier_cache
+        if cache.prefilling:
+            start = cache.prefill_start
+            types = self.prompt_types[cache.prefill_row][:, start : start + ids.shape[1]]
+        else:
+            types = self.types.expand(-1, ids.shape[1])
+        return args, {**kwargs, "token_type_ids": types}
 
     def _held_prefix(self, prompts: list[torch.Tensor]) -> int:
         """A chat's next turn: how many leading positions of the one-row ``prompts[0]`` the verifier's full cache
@@ -838,7 +878,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
                use_graphs: bool, warpers: list | None = None, batch: int = 1,
                penalty: tuple[float, int] | None = None, layout: tuple = (), host: bool = False,
                draft_weights: str = "full", retrieval: int = 0, tree_size: int | None = None,
-               adaptive: bool = False) -> StaticEngine:
+               adaptive: bool = False, token_types: bool = False) -> StaticEngine:
     """The engine kept on ``verifier`` for this configuration (caches and graphs survive across calls, as
     transformers keeps its static cache), or a new one replacing it. ``warpers``: sampling with these device
     warpers (:func:`~.sampling.device_warpers`); ``None``: greedy. ``batch``: rows decoded together; ``max_tokens``
@@ -859,7 +899,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     weights = _weights(verifier, None if drafter is verifier else drafter)
     spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
                       weights, warpers_key(warpers), penalty, tuple(layout), host, draft_weights, retrieval, tree_size,
-                      adaptive)
+                      adaptive, token_types)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones (an engine
         with _registry:  # drafting with ``drafter`` is in use only by a call that holds its lock: this one)
             stale = [e for kept in _engines.values() for e in kept if e.drafter is drafter]

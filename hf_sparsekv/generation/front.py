@@ -409,6 +409,29 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
                     SpeculativeGenerateOutput, shared_seconds=True, cache=cache)
 
 
+# Models whose forward only adds token_type_ids to the input embeddings (through the token embedding), as stock
+# generate() feeds them: the prompt's, then the last one for every new token.
+TOKEN_TYPE_MODELS = ("gpt2", "gptj", "codegen", "gpt_neo")
+
+
+def _row_token_types(model, token_types, input_ids: torch.Tensor, prompt: torch.Tensor, mode: str,
+                     drafter) -> torch.Tensor | None:
+    """The one row's ``token_type_ids`` ``[1, P]`` for the unpadded ``prompt`` (its left padding cut as the prompt's),
+    or None; refuses (``NotImplementedError``) what the engine does not serve with them."""
+    if token_types is None:
+        return None
+    model_type = getattr(_text_config(model), "model_type", None)
+    if model_type not in TOKEN_TYPE_MODELS:
+        raise NotImplementedError(f"token_type_ids on {type(model).__name__}: the engine feeds them only to models "
+                                  f"that add them to the input embeddings alone ({', '.join(TOKEN_TYPE_MODELS)})")
+    if drafter is model or mode == "int4":
+        raise NotImplementedError("token_type_ids with self-drafting or int4 self-speculation")
+    if tuple(token_types.shape) != tuple(input_ids.shape):
+        raise ValueError(f"token_type_ids has shape {tuple(token_types.shape)} but input_ids has "
+                         f"{tuple(input_ids.shape)}")
+    return token_types[:, input_ids.shape[1] - prompt.shape[1] :].long().to(prompt.device)
+
+
 def _stock_cache(model) -> DynamicCache:
     """An empty cache as stock ``generate()`` makes one: ``DynamicCache`` of the model's text config (a sliding
     layer keeps its last tokens)."""
@@ -473,6 +496,7 @@ def speculative_generate(
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
     attention_mask = kwargs.pop("attention_mask", None)
+    token_types = kwargs.pop("token_type_ids", None)
     past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
     tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
     if input_ids.dim() != 2 or input_ids.shape[0] < 1:
@@ -533,6 +557,8 @@ def speculative_generate(
     adaptive = (adaptive and mode in ADAPTIVE_MODES and (tree_size is None or assistant_model is not model)
                 and not retrieval and _tp_size(model) == 1)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
+    if batch > 1 and token_types is not None:
+        raise NotImplementedError("token_type_ids with a batch of several prompts (one prompt at a time is served)")
     if batch > 1:
         one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
         check_batch(input_ids, attention_mask, config, streamer=streamer,
@@ -558,6 +584,7 @@ def speculative_generate(
 
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
+    token_types = _row_token_types(model, token_types, input_ids, prompt, mode, assistant_model)
     if past_key_values is not None:
         check_prefix(past_key_values, mode, assistant_model is model, prompt.shape[1],
                      prompt.shape[1] != input_ids.shape[1])
@@ -568,14 +595,15 @@ def speculative_generate(
         engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
                             rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
                             penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
-                            retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
+                            retrieval=retrieval, tree_size=tree_size, adaptive=adaptive,
+                            token_types=token_types is not None)
         # The engine's buffers belong to it (and its CUDA graphs). The cache the call leaves, as stock's, with the
         # sequence but its last token: the caller's (a prefix of the prompt, extended in place), or a new one for the
         # output; a row's left padding first (zero columns: a prefix is refused with padding)
         cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
         pad = input_ids.shape[1] - prompt.shape[1]
         result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache,
-                                           streamed_prompt=input_ids.cpu())
+                                           streamed_prompt=input_ids.cpu(), token_types=token_types)
         if cache is not None and pad:
             _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 

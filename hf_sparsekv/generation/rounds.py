@@ -100,21 +100,23 @@ class _Tokens:
 
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
-                              streamed_prompt: torch.Tensor | None = None):
+                              streamed_prompt: torch.Tensor | None = None, token_types: torch.Tensor | None = None):
     """Speculative decoding on ``engine`` from ``prompt [1, P]`` under ``rules``: the prompt and its generated tokens
     with their stats (and scores where ``rules`` keep them). ``prefix``: a ``DynamicCache``, empty or holding the
     first tokens of the prompt (prompt caching); it is extended to hold the whole sequence but its last token.
     ``streamed_prompt``: what ``streamer`` gets first, once the prefill has run (a call refused there has streamed
-    nothing, so stock's path may serve it)."""
+    nothing, so stock's path may serve it). ``token_types [1, P]``: the prompt's ``token_type_ids`` (an engine built
+    for them)."""
     result, = static_decode_rows(engine, [prompt], [rules], streamer, None if prefix is None else [prefix],
-                                 streamed_prompt)
+                                 streamed_prompt, None if token_types is None else [token_types])
     if prefix is not None:
         engine.write_back(prefix, 0, result.sequence.shape[1] - 1)
     return result
 
 
 def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules: list, streamer=None,
-                       prefixes: list | None = None, streamed_prompt: torch.Tensor | None = None) -> list:
+                       prefixes: list | None = None, streamed_prompt: torch.Tensor | None = None,
+                       token_types: list | None = None) -> list:
     """Decode ``prompts[b] [1, P_b]`` under ``rules[b]`` together, one row of ``engine`` each (``engine.spec.batch ==
     len(prompts)``); one :class:`~.host_rules.SpeculativeResult` per row, each what that prompt alone would give.
 
@@ -255,11 +257,11 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                           sorted({e for r in rules for e in r.eos_token_ids}))
     t0 = time.perf_counter()
     models = [engine.verifier] + ([] if engine.drafter is None else [engine.drafter])
-    with torch.no_grad(), static_attention_for(*models, switches=engine.attention_switches):
+    with torch.no_grad(), static_attention_for(*models, switches=engine.attention_switches), engine.typed_forwards():
         # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
         prompt_tokens = sum(p.shape[1] for p in prompts)
         defer = engine.defers_drafter and controller.defers(room_left(), prompt_tokens)
-        firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer, timer)
+        firsts = engine.prefill(prompts, host_first if host else None, prefixes, defer, timer, token_types)
         wait_for(engine.devices)
         rounds_from = time.perf_counter()
         stats[0].prefill_seconds = rounds_from - t0
