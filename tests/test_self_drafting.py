@@ -142,6 +142,7 @@ def test_prefix_cache_is_reused_not_recomputed(arch, spec_name, n_prefix):
     with _forward_lengths(verifier) as fresh:
         out_fresh = verifier.generate(ids, **kwargs)
     cache = _prefix(verifier, ids, n_prefix)
+    static_engine.release_engines(verifier)  # (else the engine still holds the whole prompt: a chat's next turn)
     with _forward_lengths(verifier) as reused:
         out = verifier.generate(ids, past_key_values=cache, return_dict_in_generate=True, **kwargs)
     assert torch.equal(out.sequences, reference) and torch.equal(out_fresh, reference)
