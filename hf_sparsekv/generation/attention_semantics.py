@@ -12,12 +12,14 @@ with a probe registered as both its attention and its mask function (no cache, n
   in the same chunk: Llama 4's chunked attention), or unknown;
 * the **attention probe** receives each layer's query, mask and options, and records them.
 
-A layer is served when its mask is one of the three kinds above (a window equal to the ``sliding_window`` option its
-attention receives, which is what the engine applies), and every option its attention receives is one the engine
-applies: ``scaling``, ``sliding_window``, ``softcap`` (Gemma 2's logit soft-capping), ``s_aux`` / ``sinks`` (GPT-OSS's
-attention sinks), ``dropout`` of 0, and arguments that do not change attention (positions, flags that are off). Any
-other mask, a mask the model built itself, or any other option is refused with :class:`AttentionNotServed`, naming the
-layer and what it asked for. So a model the check has not seen before is refused rather than guessed.
+A layer is served when its mask is one of the three kinds above (a window the engine then applies itself, and where
+the attention also receives a ``sliding_window`` option, the same one), its keys/values have the shape the config
+gives (the engine's caches are sized from it), and every option its attention receives is one the engine applies:
+``scaling``, ``sliding_window``, ``softcap`` (Gemma 2's logit soft-capping), ``s_aux`` / ``sinks`` (GPT-OSS's attention
+sinks), ``dropout`` of 0, and arguments that do not change attention (positions, flags that are off). Any other mask,
+a mask the model built itself, any other option, a layer that runs attention twice or none, or a stock cache whose
+layers hold more than keys and values (linear attention, SSM states) is refused with :class:`AttentionNotServed`,
+naming the layer and what it asked for. So a model the check has not seen before is refused rather than guessed.
 """
 
 from __future__ import annotations
