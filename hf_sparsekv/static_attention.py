@@ -32,7 +32,9 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from .attention import _kernel_shape_ok, quant_kernel_ok
-from .caches.static import LAST_WRITTEN, StaticLayer, StaticQuantCache, StaticSinkWindowCache
+from .caches.static import (
+    LAST_WRITTEN, StaticLayer, StaticQuantCache, StaticSinkWindowCache, within_window_and_chunk,
+)
 from .kernels.chunk_attention import MAX_QUERIES
 
 NAME = "sparsekv_static"
@@ -48,12 +50,7 @@ def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 
         return None  # plain causal: SDPA's is_causal
     q = torch.arange(start, start + length, device=device)[:, None]
     k = torch.arange(start + length, device=device)[None, :]
-    seen = k <= q
-    if sliding_window is not None:
-        seen &= k > q - sliding_window
-    if chunk is not None:
-        seen &= k // chunk == q // chunk
-    return seen[None, None]
+    return within_window_and_chunk(k <= q, k, q, sliding_window, chunk)[None, None]
 
 
 def _reference_attention(module, query, key, value, mask, scale: float, softcap: float | None = None,

@@ -92,6 +92,18 @@ def mark_length_dynamic(*tensors: torch.Tensor, dim: int) -> None:
         torch._dynamo.maybe_mark_dynamic(tensor, dim)
 
 
+def within_window_and_chunk(seen: torch.Tensor, key_positions: torch.Tensor, query_positions: torch.Tensor,
+                            sliding_window: int | None, chunk: int | None) -> torch.Tensor:
+    """``seen`` (broadcast with the positions) where the key is also within the query's sliding window (transformers'
+    sliding masks: key position > query position - sliding_window) and in its chunk (its chunked masks: key position
+    // chunk == query position // chunk); either rule None: not applied."""
+    if sliding_window is not None:
+        seen = seen & (key_positions > query_positions - sliding_window)
+    if chunk is not None:
+        seen = seen & (key_positions // chunk == query_positions // chunk)
+    return seen
+
+
 class StaticLayer(CacheLayerMixin):
     """Key/value buffers ``[B, Hkv, capacity, D]`` of one layer; the slot arithmetic lives in the owning cache."""
 
@@ -225,7 +237,9 @@ class PreallocatedCache(Cache):
         self.slots = self.slots_of(positions) if tree is None else self.tree_slots(positions)
         self.slot_positions[self.rows, self.slots] = positions
         # slots in position order: read up to the last query's; otherwise (a ring) the whole buffer
-        ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], self.slot_positions.shape[1])
+        # (the capacity as the buffer's length, which compiles as a dynamic dimension)
+        capacity = self.slot_positions.shape[1]
+        ends = self.slots[:, -1] + 1 if self.contiguous else torch.full_like(self.slots[:, -1], capacity)
         if self.live is not None:  # a finished row reads only as many slots as it has queries
             ends = torch.where(self.live > 0, ends, positions.shape[1])
         self.fp_length.copy_(ends)
@@ -344,11 +358,7 @@ class PreallocatedCache(Cache):
             in_block = (rel >= 0) & (rel < tree.shape[-1])
             ancestor = (tree.expand(sp.shape[0], -1)[:, :, None] >> rel.clamp(0, 62)) & 1 == 1
             seen = torch.where(in_block, ancestor, seen & (rel < 0))
-        if sliding_window is not None:
-            seen &= sp > qp - sliding_window
-        if chunk is not None:
-            seen &= sp // chunk == qp // chunk
-        return seen
+        return within_window_and_chunk(seen, sp, qp, sliding_window, chunk)
 
     def _rule(self, slot_pos: torch.Tensor, query_pos: torch.Tensor) -> torch.Tensor:
         return torch.ones_like(slot_pos, dtype=torch.bool)
@@ -818,10 +828,7 @@ class StaticQuantCache(PreallocatedCache):
         positions = self.local("positions", keys.device)
         qp = positions[:, :, None]  # [B, L, 1]
         quant_seen = code_positions < self.local("offset", keys.device)[:, None, None]
-        if sliding_window is not None:
-            quant_seen = quant_seen & (code_positions > qp - sliding_window)
-        if chunk is not None:
-            quant_seen = quant_seen & (code_positions // chunk == qp // chunk)
+        quant_seen = within_window_and_chunk(quant_seen, code_positions, qp, sliding_window, chunk)
         mask = torch.cat([quant_seen.expand(-1, qp.shape[1], -1), self.visible(positions, sliding_window, chunk)],
                          -1)
         return keys, values, mask[:, None]

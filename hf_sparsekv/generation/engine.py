@@ -231,7 +231,8 @@ class StaticEngine:
         mark_length_dynamic(self.seq, dim=1)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
         self.live = torch.ones(rows, dtype=torch.long, device=device)  # 0: the row has finished, its n stays
-        for cache in {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values():
+        caches = {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values()
+        for cache in caches:
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
         # [a, v_0..v_γ, kind, found] per row: what the host reads (kind: the kind of the last node a tree round
@@ -304,7 +305,6 @@ class StaticEngine:
         # whose prefill runs compiled where its cache allows (graph_steps.prefill_compiles): small models only
         self.prefill_compiled = {id(m): spec.compiled and prefill_pays(m) for m in (verifier, drafter) if m is not None}
         self._compiled_draft_token = None
-        caches = {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values()
         self.nbytes = sum(c.nbytes() for c in caches) + self.seq.nbytes  # what keeping it holds, about
 
     @property
@@ -315,11 +315,13 @@ class StaticEngine:
     def drafter(self):
         return None if self._drafter is None else self._drafter()
 
+    def same_configuration(self, drafter, spec: EngineSpec, use_graphs: bool) -> bool:
+        """Whether this engine was built for ``drafter``, ``spec`` and ``use_graphs`` (whatever its lengths)."""
+        return self.drafter is drafter and spec == self.spec and use_graphs == self.use_graphs
+
     def fits(self, drafter, spec: EngineSpec, max_tokens: int, max_new: int, use_graphs: bool) -> bool:
-        return (
-            self.drafter is drafter and spec == self.spec and use_graphs == self.use_graphs
-            and max_tokens <= self.max_tokens and max_new <= self.max_new
-        )
+        return (self.same_configuration(drafter, spec, use_graphs) and max_tokens <= self.max_tokens
+                and max_new <= self.max_new)
 
     # ---- device-only steps (captured on CUDA); every tensor has one row per sequence
     def last(self, back: int) -> torch.Tensor:
@@ -867,7 +869,7 @@ def _grown(kept: list, drafter, spec: EngineSpec, max_tokens: int, use_graphs: b
     """Positions to allocate for a call of ``max_tokens``: where an engine of the same configuration is too short,
     twice its length (a growing sequence of prompts builds O(log n) engines; bounded by ``longest``, the model's
     ``max_position_embeddings``), else ``max_tokens``."""
-    shorter = [e.max_tokens for e in kept if e.drafter is drafter and e.spec == spec and e.use_graphs == use_graphs]
+    shorter = [e.max_tokens for e in kept if e.same_configuration(drafter, spec, use_graphs)]
     if not shorter:
         return max_tokens
     doubled = 2 * max(shorter)
@@ -922,7 +924,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
         longest = getattr(_text_config(verifier), "max_position_embeddings", None)
         max_tokens = _grown(kept, drafter, spec, max_tokens, use_graphs, longest)
         # superseded: the same configuration, too short; then the least recently used past the count
-        evicted = [e for e in kept if e.drafter is drafter and e.spec == spec and e.use_graphs == use_graphs]
+        evicted = [e for e in kept if e.same_configuration(drafter, spec, use_graphs)]
         kept[:] = [e for e in kept if e not in evicted]
         evicted += kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
         kept[:] = [e for e in kept if e not in evicted]
