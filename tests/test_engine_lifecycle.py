@@ -5,6 +5,8 @@ dynamic dimensions. Counted with dynamo's counters, the steps compiled by torch.
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -58,6 +60,28 @@ def test_an_engine_grows_geometrically_within_the_models_positions(fresh_engines
     assert static_engine.current_engine(model).max_tokens == 1024  # doubled, capped by max_position_embeddings
     model.generate(prompt(1100, 2), **kwargs)  # past the model's positions: what the call needs
     assert static_engine.current_engine(model).max_tokens >= 1104
+
+
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16)], ids=["ar", "chunk"])
+def test_a_superseded_engine_is_freed_without_a_cycle_collection(fresh_engines, call):
+    """A grown engine frees the shorter one's caches at once (no step keeps it alive through a reference cycle):
+    the captures hold Python's cycle collector off instead of running it, 0.5-1 s each after compilations."""
+    model = copy.deepcopy(tiny_model("llama"))
+    spec = dict(call)
+    if "static_engine" not in spec:
+        spec["assistant_model"] = model
+    kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, **spec)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        model.generate(prompt(60, 0), **kwargs)
+        shorter = weakref.ref(static_engine.current_engine(model))
+        model.generate(prompt(400, 1), **kwargs)
+        assert static_engine.current_engine(model) is not shorter()
+        assert shorter() is None
+    finally:
+        if was_enabled:
+            gc.enable()
 
 
 @pytest.fixture

@@ -965,13 +965,16 @@ def current_engine(verifier) -> StaticEngine | None:
 
 
 def _release_graphs(engines: list[StaticEngine]) -> None:
-    """Destroy the CUDA graphs of ``engines`` (each step runs uncaptured after)."""
+    """Destroy the CUDA graphs of ``engines`` and drop their steps (a step refers to its engine: without them an
+    engine no caller holds is freed at once, its caches with it, not at Python's next cycle collection)."""
     for engine in engines:
         if engine.use_graphs:
             wait_for(engine.devices)  # no replay of its graphs is still running
     for engine in engines:
         for step in engine.steps.values():
             step.release()
+        engine.steps.clear()  # (a caller still holding the engine captures its steps again on use)
+        engine._compiled_draft_token = None
 
 
 def release_engines(model=None) -> None:

@@ -47,6 +47,14 @@ FUSED_ROTARY_ENV = "HF_SPARSEKV_FUSED_ROTARY"  # "0": keep the rotary embedding 
 RECOMPILE_LIMIT = 64  # every engine (mode, γ, capacity) traces its steps anew; dynamo's default stops at 8
 
 
+def dynamo_settings():
+    """Dynamo's configuration while a step or prefill may compile: :data:`RECOMPILE_LIMIT`, and Python floats
+    (a layer's ``scaling``, a norm's ``eps``) constants of the graph: as symbolic inputs of a dynamic-shape trace
+    they cannot all become tensors, and dynamo then traces the whole forward a second time (a prefill's compilation
+    took twice as long)."""
+    return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True)
+
+
 def graphs_setting() -> str:
     """``HF_SPARSEKV_GRAPHS``: ``"0"`` run the engine's steps uncaptured, ``"1"``, unset or ``"auto"``: capture them
     as CUDA graphs on CUDA (on CPU they always run uncaptured)."""
@@ -125,7 +133,7 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     if compiled and model not in _eager_prefills and prefill_compiles(cache):
         _prefilling.model = model
         try:
-            with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            with dynamo_settings():
                 logits = compiled_prefill(*args)
         except Exception as error:  # (a real error of the inputs comes back from the eager forward below)
             _eager_prefill(model, f"failed ({type(error).__name__}: {error})")
@@ -244,7 +252,7 @@ class CapturedStep:
         self.pools: dict[int, torch.cuda.MemPool] = {}  # the other devices' memory for the graph
 
     def run(self) -> None:
-        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+        with dynamo_settings():
             self.fn()
 
     def uncompile(self) -> None:
@@ -252,9 +260,10 @@ class CapturedStep:
 
     def capture(self, restore: tuple[torch.Tensor, ...] = (), warmup: int = 2) -> None:
         # Python's cycle collector must not run inside the capture: freeing an unreachable engine there destroys its
-        # CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real model sizes).
+        # CUDA graphs, which CUDA forbids while a stream captures (the capture fails; seen at real model sizes). It is
+        # held off rather than run first: a full collection after compilations walks about a million objects (0.5-1 s
+        # a capture), and the engines that replace others free them themselves (:func:`~.engine._release_graphs`).
         with DEVICE_WIDE:
-            gc.collect()
             was_enabled = gc.isenabled()
             gc.disable()
             try:
