@@ -193,13 +193,13 @@ bench-tree-kernel: $(STAMP)
 # Each Triton kernel against SDPA-flash and the copy bandwidth at Llama-2/3 attention shapes, after a sweep of the
 # quantized kernel's launch settings (CUDA).
 bench-kernels: $(STAMP)
-	$(PY) benchmarks/kernels.py --out runs/kernels.json $(or $(ARGS),--sweep)
+	$(PY) benchmarks/kernel_sweep.py --out runs/kernels.json $(or $(ARGS),--sweep)
 
 # QuantSpec's quantized attention (INT4 / INT8 views, 1 and 6 queries) against SDPA-flash at 64K / 128K, with each
 # kernel's share of a launch, at the library's launch settings (CUDA, ~2 minutes).
 QUANT_KERNELS_DEFAULTS := --quant-only --breakdown --contexts 65536,131072
 bench-quant-kernels: $(STAMP)
-	$(PY) benchmarks/kernels.py --out runs/quant-kernels.json $(or $(ARGS),$(QUANT_KERNELS_DEFAULTS))
+	$(PY) benchmarks/kernel_sweep.py --out runs/quant-kernels.json $(or $(ARGS),$(QUANT_KERNELS_DEFAULTS))
 
 # The decode step's linear layers: cuBLAS against the grouped GEMV kernel at real projection shapes (CUDA, ~2 min).
 bench-linear: $(STAMP)

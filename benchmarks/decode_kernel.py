@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from kernels import Timer, sdpa_flash
+from kernel_sweep import Timer, sdpa_flash
 from provenance import commit
 from scale import copy_rate
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -25,11 +26,12 @@ import hf_sparsekv  # noqa: E402
 from hf_sparsekv.zoo import eval_documents, load_pair  # noqa: E402
 
 LENGTHS = (3000, 9000, 5000, 15000, 12000, 2000, 16000, 7000)  # an evaluation loop of mixed lengths, in this order
-METHODS = ("hf-static-ar", "static-engine", "routed")
+METHODS = ("hf-static-ar", "hf-ar", "static-engine", "routed")
+ALTERNATED = ("static-engine", "routed", "lookup", "chunk")  # configurations alternated on one model
 
 
-def call(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int) -> torch.Tensor:
-    common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+def call(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, **more):
+    common = dict(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0, **more)
     if name == "hf-static-ar":
         return verifier.generate(ids, cache_implementation="static", **common)
     if name == "hf-ar":
@@ -42,6 +44,10 @@ def call(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int) -> to
         return verifier.generate(ids, static_engine=True, **common)
     if name == "routed":
         return verifier.generate(ids, assistant_model=drafter, **common)
+    if name == "lookup":
+        return verifier.generate(ids, prompt_lookup_num_tokens=5, **common)
+    if name == "chunk":
+        return verifier.generate(ids, assistant_model=drafter, kv_budget=512, **common)
     raise ValueError(f"unknown method {name!r}")
 
 
@@ -53,6 +59,56 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
+def loop(name: str, prompts: list, verifier, drafter, new_tokens: int) -> list[float]:
+    """One method's loop over ``prompts`` from its first call (compilations included): each call's seconds."""
+    from tqdm import tqdm
+
+    times = [timed(lambda ids=ids: call(name, verifier, drafter, ids, new_tokens)) for ids in tqdm(prompts, desc=name)]
+    print(f"{name}: loop {sum(times):.1f} s ({', '.join(f'{t:.2f}' for t in times)})", flush=True)
+    return times
+
+
+def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: int, added: int,
+         new_tokens: int) -> list[dict]:
+    """A chat of ``turns`` turns: the first prompt is ``start`` tokens of ``text``; each later one is the previous
+    output and the next ``added`` tokens. Per turn: its seconds, the prefill tokens the engine fed (None for stock),
+    and a warm call of the same length on an unrelated prompt (no held prefix)."""
+    turns_out, ids, at = [], text[None, :start].cuda(), start
+    for _ in range(turns):
+        holder = {}
+
+        def one(ids=ids):
+            holder["out"] = call(name, verifier, drafter, ids, new_tokens, return_dict_in_generate=True)
+
+        seconds = timed(one)
+        stats = getattr(holder["out"], "spec_stats", None)
+        other = text[None, -ids.shape[1]:].cuda()  # the same length from the other end of the text
+        single = timed(lambda: call(name, verifier, drafter, other, new_tokens))
+        turns_out.append(dict(length=ids.shape[1], s=seconds, single_s=single,
+                              prefill_tokens=None if stats is None else stats.prefill_tokens))
+        ids = torch.cat([holder["out"].sequences, text[None, at : at + added].cuda()], 1)
+        at += added
+    print(f"{name}: chat " + ", ".join(f"{t['s']:.2f}/{t['single_s']:.2f}" for t in turns_out), flush=True)
+    return turns_out
+
+
+def alternate(names: list[str], ids: torch.Tensor, verifier, drafter, rounds: int, new_tokens: int) -> dict:
+    """``names`` called in turn on one model for ``rounds`` rounds, then each again 3 times (its warm time, the
+    median): every call's seconds."""
+    times = {name: [] for name in names}
+    for _ in range(rounds):
+        for name in names:
+            times[name].append(timed(lambda n=name: call(n, verifier, drafter, ids, new_tokens)))
+    warm = {name: [] for name in names}
+    for _ in range(3):
+        for name in names:
+            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, ids, new_tokens)))
+    result = {name: dict(rounds=times[name], warm=statistics.median(warm[name])) for name in names}
+    print("alternation: " + ", ".join(f"{n} {r['rounds']} warm {r['warm']:.3f}" for n, r in result.items()),
+          flush=True)
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/lifecycle")
@@ -60,9 +116,13 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--warm-reps", type=int, default=5)
+    parser.add_argument("--long-loop", type=int, default=64, help="prompts of the second loop (0: none)")
+    parser.add_argument("--chat-turns", type=int, default=10, help="turns of the chat (0: none)")
+    parser.add_argument("--alternate", default=",".join(ALTERNATED), help="configurations alternated ('': none)")
+    parser.add_argument("--compile", default="auto", choices=("auto", "1", "0"),
+                        help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
     args = parser.parse_args(argv)
-    from tqdm import tqdm
-
+    os.environ["HF_SPARSEKV_COMPILE"] = args.compile  # (provenance sets 1 for the other benchmarks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     lengths = [int(n) for n in args.lengths.split(",")]
@@ -71,18 +131,27 @@ def main(argv=None) -> int:
     text = torch.cat(eval_documents())
     prompts = [text[i * 997 : i * 997 + n][None].cuda() for i, n in enumerate(lengths)]
     record = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
-                  models="bundled pair (bf16)", lengths=lengths, new_tokens=args.new_tokens, loop={}, warm={})
-    for name in methods:  # each method's loop from its first call (compilations included), one after another
-        times = [timed(lambda ids=ids: call(name, verifier, drafter, ids, args.new_tokens))
-                 for ids in tqdm(prompts, desc=name)]
-        record["loop"][name] = times
-        print(f"{name}: loop {sum(times):.1f} s ({', '.join(f'{t:.2f}' for t in times)})", flush=True)
+                  models="bundled pair (bf16)", compile=args.compile, lengths=lengths, new_tokens=args.new_tokens,
+                  loop={name: loop(name, prompts, verifier, drafter, args.new_tokens) for name in methods})
     longest = prompts[lengths.index(max(lengths))]
     warm = {name: [] for name in methods}
     for _ in range(args.warm_reps):  # interleaved
         for name in methods:
-            warm[name].append(timed(lambda: call(name, verifier, drafter, longest, args.new_tokens)))
+            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, longest, args.new_tokens)))
     record["warm"] = {name: statistics.median(t) for name, t in warm.items()}
+    if args.long_loop:  # lengths drawn uniformly from 1K-16K, seeded; the methods' engines are warm by now
+        draw = torch.Generator().manual_seed(0)
+        long_lengths = torch.randint(1000, 16001, (args.long_loop,), generator=draw).tolist()
+        record["long_loop_lengths"] = long_lengths
+        long_prompts = [text[(7 * i) % 1000 : (7 * i) % 1000 + n][None].cuda() for i, n in enumerate(long_lengths)]
+        record["long_loop"] = {name: loop(name, long_prompts, verifier, drafter, args.new_tokens)
+                               for name in methods if name != "hf-ar"}
+    if args.chat_turns:
+        record["chat"] = {name: chat(name, text, verifier, drafter, args.chat_turns, 1024, 512, args.new_tokens)
+                          for name in methods if name in ("static-engine", "routed", "hf-static-ar")}
+    if args.alternate:
+        record["alternation"] = alternate(args.alternate.split(","), prompts[1], verifier, drafter, 3,
+                                          args.new_tokens)
     (out / "lifecycle.json").write_text(json.dumps(record, indent=1))
     print(table(record))
     plot(record, out / "lifecycle.png")
@@ -90,12 +159,29 @@ def main(argv=None) -> int:
 
 
 def table(record: dict) -> str:
-    lines = ["| method | first call (s) | loop total (s) | × HF static loop | warm call at the longest (s) |",
-             "| --- | --- | --- | --- | --- |"]
+    """The loops (first call, total, × HF static), the warm call; the chat's turns and the alternation's rounds
+    against warm calls."""
+    lines = ["| method | first call (s) | loop total (s) | × HF static loop | warm call at the longest (s) | "
+             f"{len(record.get('long_loop_lengths', []))}-prompt loop (s) | × HF static |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
     base = sum(record["loop"].get("hf-static-ar", [float("nan")]))
+    long = record.get("long_loop", {})
+    long_base = sum(long.get("hf-static-ar", [float("nan")]))
     for name, times in record["loop"].items():
+        more = f"{sum(long[name]):.1f} | {long_base / sum(long[name]):.2f}" if name in long else "- | -"
         lines.append(f"| {name} | {times[0]:.1f} | {sum(times):.1f} | {base / sum(times):.2f} | "
-                     f"{record['warm'][name]:.3f} |")
+                     f"{record['warm'][name]:.3f} | {more} |")
+    for name, turns in record.get("chat", {}).items():
+        later = turns[1:]
+        worst = max(t["s"] / t["single_s"] for t in later) if later else float("nan")
+        prefilled = [t["prefill_tokens"] for t in turns]
+        lines.append(f"\nchat, {name}: {len(turns)} turns, {turns[0]['length']}-{turns[-1]['length']} tokens; total "
+                     f"{sum(t['s'] for t in turns):.2f} s; worst later turn / warm single call {worst:.2f}; "
+                     f"prefill tokens per turn {prefilled}")
+    for name, result in record.get("alternation", {}).items():
+        later = result["rounds"][1:]
+        lines.append(f"\nalternation, {name}: rounds {', '.join(f'{t:.3f}' for t in result['rounds'])} s; warm "
+                     f"{result['warm']:.3f} s; worst later round / warm {max(later) / result['warm']:.2f}")
     return "\n".join(lines)
 
 

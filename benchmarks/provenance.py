@@ -1,10 +1,15 @@
-"""The commit a benchmark result comes from, for its JSON."""
+"""The commit a benchmark result comes from, for its JSON; and the benchmarks' one setting: the engine's steps
+compile from a configuration's first call (``HF_SPARSEKV_COMPILE=1``) unless the environment says otherwise, since a
+benchmark measures warm calls (the library's default compiles them once a model's uncompiled calls have taken long
+enough: ``hf_sparsekv.generation.compile_policy``; ``benchmarks/lifecycle.py`` measures that default)."""
 
 from __future__ import annotations
 
 import os
 import subprocess
 from pathlib import Path
+
+os.environ.setdefault("HF_SPARSEKV_COMPILE", "1")
 
 
 def commit() -> str:

@@ -33,13 +33,7 @@ from pathlib import Path
 
 import torch
 
-# (this folder, first on sys.path for a script, holds a kernels.py that would shadow the `kernels` package
-# transformers imports when it is installed)
-_HERE = sys.path.pop(0) if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent else None
-import hf_sparsekv  # noqa: E402,F401  (registers the attention implementations the models are built with)
-
-if _HERE is not None:
-    sys.path.insert(0, _HERE)
+import hf_sparsekv  # noqa: F401  (registers the attention implementations the models are built with)
 from provenance import commit
 from real_cost import SHAPES, build, engine_step_seconds, time_graph_step
 

@@ -91,6 +91,72 @@ def fresh_engines():
     static_engine.release_engines()
 
 
+@pytest.fixture
+def compiled_later(monkeypatch, fresh_engines):
+    """Steps compiled as on CUDA by default (``HF_SPARSEKV_COMPILE`` "auto" there; "later" here, on CPU), traced as
+    :func:`compiled_steps` traces them; due after ``HF_SPARSEKV_COMPILE_AFTER`` = 0 s: at the second call."""
+    from hf_sparsekv.generation import graph_steps
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "later")
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "0")
+    monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
+
+
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16)], ids=["ar", "chunk"])
+def test_steps_compile_once_uncompiled_calls_have_taken_long_enough(compiled_later, call):
+    """A model's first calls run uncompiled steps and compile nothing; once their time passes
+    ``HF_SPARSEKV_COMPILE_AFTER`` the next call compiles the steps and prefill, and later calls compile nothing more.
+    Every call's tokens are stock greedy's (float32)."""
+    model = copy.deepcopy(tiny_model("llama"))
+    spec = dict(call)
+    if "static_engine" not in spec:
+        spec["assistant_model"] = model
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    graphs, compiled = [], []
+    for n in (60, 90, 70):
+        ids = prompt(n, seed=n)
+        before = _graphs()
+        out = model.generate(ids, **spec, **kwargs)
+        assert torch.equal(out, model.generate(ids, **kwargs))
+        graphs.append(_graphs() - before)
+        compiled.append(static_engine.current_engine(model).compiled)
+    assert compiled == [False, True, True]
+    assert graphs[0] == 0 and graphs[1] >= 2 and graphs[2] == 0  # (the second: its steps and its prefill)
+
+
+def test_uncompiled_calls_are_charged_until_the_threshold(compiled_later, monkeypatch):
+    """Below ``HF_SPARSEKV_COMPILE_AFTER`` nothing compiles; the charge is the model's, over its configurations."""
+    from hf_sparsekv.generation import compile_policy
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "3600")
+    model = copy.deepcopy(tiny_model("llama"))
+    kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0)
+    before = _graphs()
+    model.generate(prompt(50, 0), static_engine=True, **kwargs)
+    first = compile_policy.charged(model)
+    model.generate(prompt(50, 1), assistant_model=model, kv_budget=16, **kwargs)
+    assert 0 < first < compile_policy.charged(model)
+    assert _graphs() == before and not static_engine.current_engine(model).compiled
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "x")
+    with pytest.raises(ValueError, match="HF_SPARSEKV_COMPILE_AFTER"):
+        model.generate(prompt(50, 2), static_engine=True, **kwargs)
+
+
+def test_warmup_compiles_at_once(compiled_later, monkeypatch):
+    import hf_sparsekv
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "3600")
+    model = copy.deepcopy(tiny_model("llama"))
+    kwargs = dict(do_sample=False, eos_token_id=None, pad_token_id=0, static_engine=True)
+    hf_sparsekv.warmup(model, max_length=128, max_new_tokens=8, **kwargs)
+    assert static_engine.current_engine(model).compiled
+    before = _graphs()
+    ids = prompt(100, 3)
+    assert torch.equal(model.generate(ids, max_new_tokens=8, **kwargs),
+                       model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0))
+    assert _graphs() == before
+
+
 def test_warmup_pays_the_first_call_ahead(compiled_steps):
     """After ``hf_sparsekv.warmup`` for a configuration and a length, calls with prompts up to it compile nothing and
     build no engine; their tokens are stock greedy's."""

@@ -91,6 +91,7 @@ from ..caches.chunk_selection import voting_queries
 from ..caches.static import StaticFullCache, StaticQuantCache, mark_length_dynamic
 from ..kernels import runtime
 from .acceptance import accept_or_resample, accepted_length, walk_tree
+from .compile_policy import compile_setting, compiles
 from .common import _attention_shape, _text_config, layer_devices
 from .controller import ControllerMemory
 from .draft_tree import DraftTree, path_nodes
@@ -99,7 +100,7 @@ from .drafting import (
     catch_up, catch_up_block, catch_up_copy, catch_up_lag, draft, draft_token, draft_tree, drafter_cache, drafter_input,
 )
 from .graph_steps import (
-    DEVICE_WIDE, CapturedStep, compile_setting, compiled_step, graphs_setting, prefill_compiles, prefill_pays,
+    DEVICE_WIDE, CapturedStep, compiled_step, graphs_setting, prefill_compiles, prefill_pays,
     static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
@@ -133,7 +134,7 @@ class EngineSpec:
     device: torch.device
     batch: int  # rows decoded together (independent sequences)
     kernels: bool  # decode attention through the Triton kernel (runtime.enabled at engine creation)
-    compiled: bool  # steps compiled with torch.compile before capture
+    compiled: bool  # steps may be compiled with torch.compile before capture (when: :mod:`.compile_policy`)
     weights: tuple  # (data_ptr, dtype) of every parameter of the verifier and the drafter
     sampling: tuple | None = None  # do_sample: the warpers (class, settings), baked into the steps; None: greedy
     penalty: tuple | None = None  # (repetition penalty, leading prompt tokens it ignores), baked into the steps
@@ -301,15 +302,29 @@ class StaticEngine:
         self.types = torch.zeros(rows, 1, dtype=torch.long, device=device) if spec.token_types else None
         self.reused = 0  # positions the last prefill found in the verifier's cache (a chat's earlier turns)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
-        self.compiled = spec.compiled
-        # whose prefill runs compiled where its cache allows (graph_steps.prefill_compiles): small models only
-        self.prefill_compiled = {id(m): spec.compiled and prefill_pays(m) for m in (verifier, drafter) if m is not None}
+        # steps compiled now (compile_policy: from the first call, or once uncompiled calls have taken long enough)
+        self.compiled = spec.compiled and compiles(verifier, compile_setting(use_graphs))
+        self.compile_failed = False  # compiling a step raised: the engine's steps stay uncompiled
+        # whose prefill compiles where its cache allows (graph_steps.prefill_compiles) once the steps do: small models
+        self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
         self._compiled_draft_token = None
         self.nbytes = sum(c.nbytes() for c in caches) + self.seq.nbytes  # what keeping it holds, about
 
     @property
     def verifier(self):
         return self._verifier()
+
+    def prefill_compiled(self, model) -> bool:
+        """Whether ``model``'s prefills on this engine run compiled (where their cache allows)."""
+        return self.compiled and self._prefill_pays[id(model)]
+
+    def compile_if_due(self) -> None:
+        """At a call's start: where :mod:`.compile_policy` now compiles this engine's steps and they run uncompiled,
+        drop them (and their graphs); the call compiles and captures each anew on first use."""
+        if (self.spec.compiled and not self.compiled and not self.compile_failed
+                and compiles(self.verifier, compile_setting(self.use_graphs))):
+            _release_graphs([self])
+            self.compiled = True
 
     @property
     def drafter(self):
@@ -631,9 +646,10 @@ class StaticEngine:
                         if getattr(self, name, None) is not None)
         if self.compiled:
             logger.warning_once(
-                "hf_sparsekv: compiling the engine's steps (torch.compile) and capturing them as CUDA graphs: the "
-                "first call of a model, mode and shape takes seconds to minutes, later ones nothing; "
-                "HF_SPARSEKV_COMPILE=0 captures them uncompiled (a faster start, slower steps)")
+                "hf_sparsekv: compiling the engine's steps (torch.compile) before capturing them as CUDA graphs: "
+                "seconds to a minute, once per model and configuration (kept on disk for later processes); calls "
+                "ran on uncompiled steps until now (HF_SPARSEKV_COMPILE=1 compiles from the first call, 0 never; "
+                "hf_sparsekv.warmup() pays it ahead)")
             try:
                 step.capture(restore)
                 return
@@ -642,7 +658,7 @@ class StaticEngine:
                                     "capturing them uncompiled")
                 with DEVICE_WIDE:
                     torch.cuda.synchronize()
-                self.compiled = False
+                self.compiled, self.compile_failed = False, True
                 step.uncompile()
         try:
             step.capture(restore)
@@ -690,7 +706,7 @@ class StaticEngine:
             or sum(voting) * self._query_bytes() > DEFERRED_QUERY_BYTES)
         self.drafter_deferred = defer_drafter and self.defers_drafter and (keeps_queries or not shared_prefill)
         # a self-drafter whose verifier prefill compiles is filled right after it, as a deferred one is later
-        fills_after = (keeps_queries and not self.drafter_deferred and self.prefill_compiled[id(self.verifier)]
+        fills_after = (keeps_queries and not self.drafter_deferred and self.prefill_compiled(self.verifier)
                        and prefill_compiles(self.verifier_cache))
         self.prompt_queries = [{} for _ in prompts]  # a deferred self-drafter's: row -> layer -> (queries, scaling)
         last = []
@@ -710,7 +726,7 @@ class StaticEngine:
                     start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
                                                             row)
                 last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start,
-                                            self.prefill_compiled[id(self.verifier)]))
+                                            self.prefill_compiled(self.verifier)))
             finally:
                 self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
             if shared_prefill and not (self.drafter_deferred or fills_after):
@@ -720,7 +736,7 @@ class StaticEngine:
                 if timed:
                     timer.mark("drafter_prefill", True)
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.prefill_compiled[id(self.drafter)])
+                               compiled=self.prefill_compiled(self.drafter))
                 if timed:
                     timer.mark("drafter_prefill", False)
             self.seq[row, :p].copy_(prompt[0])
@@ -807,7 +823,7 @@ class StaticEngine:
         for row, prompt in enumerate(prompts):
             if not self.self_drafting:
                 static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.prefill_compiled[id(self.drafter)])
+                               compiled=self.prefill_compiled(self.drafter))
                 continue
             p = prompt.shape[1]
             self.drafter_cache.begin_prefill(p, row)
@@ -899,7 +915,8 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
     dtype = next(verifier.parameters()).dtype
     device = verifier.device
     weights = _weights(verifier, None if drafter is verifier else drafter)
-    spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device), compile_setting(use_graphs),
+    spec = EngineSpec(mode, budget, gamma, dtype, device, batch, runtime.enabled(device),
+                      compile_setting(use_graphs) != "never",
                       weights, warpers_key(warpers), penalty, tuple(layout), host, draft_weights, retrieval, tree_size,
                       adaptive, token_types)
     if draft_weights == "int4" and attach(drafter):  # new copies: no kept step may read the old ones (an engine
@@ -919,6 +936,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
             engine = None
     if engine is not None:
         _keep_within_budget(verifier, device)
+        engine.compile_if_due()
         return engine
     with _registry:
         longest = getattr(_text_config(verifier), "max_position_embeddings", None)
@@ -996,6 +1014,11 @@ def release_engines(model=None) -> None:
 
 def captures(model) -> bool:
     """Whether the engine's steps are captured as CUDA graphs for ``model``: on CUDA unless ``HF_SPARSEKV_GRAPHS=0``
-    (on CPU, and with graphs off, the same steps run eagerly)."""
-    setting = graphs_setting()  # checked on every device: a wrong value is an error on CPU too
-    return model.device.type == "cuda" and setting != "0"
+    (on CPU, and with graphs off, the same steps run eagerly). Checks the engine's other settings too
+    (``HF_SPARSEKV_COMPILE``, ``HF_SPARSEKV_COMPILE_AFTER``, ``HF_SPARSEKV_ENGINE_MEMORY``): on every device, a wrong
+    value raises ``ValueError``."""
+    setting = graphs_setting()
+    use_graphs = model.device.type == "cuda" and setting != "0"
+    compile_setting(use_graphs)
+    engine_memory_budget(model.device)
+    return use_graphs

@@ -559,6 +559,7 @@ def speculative_generate(
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
     if batch > 1 and token_types is not None:
         raise NotImplementedError("token_type_ids with a batch of several prompts (one prompt at a time is served)")
+    captures(model)  # (the engine's settings checked here: a wrong value is the caller's error, not a fallback)
     if batch > 1:
         one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
         check_batch(input_ids, attention_mask, config, streamer=streamer,

@@ -36,7 +36,6 @@ from .fused_rotary import fuse_rotary_writes
 from .projection_groups import gate_projections, group_projections, norm_projections
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
-COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, no code generation
 GROUPED_LINEAR_ENV = "HF_SPARSEKV_GROUPED_LINEAR"  # "0": keep each linear layer a cuBLAS call in compiled steps
 GATED_LINEAR_ENV = "HF_SPARSEKV_GATED_LINEAR"  # "0": keep gate/up a grouped call and the activation Inductor's
@@ -62,15 +61,6 @@ def graphs_setting() -> str:
     if value not in ("0", "1", "auto"):
         raise ValueError(f"{GRAPHS_ENV} must be '0', '1' or 'auto', got {value!r}")
     return value
-
-
-def compile_setting(use_graphs: bool) -> bool:
-    """``HF_SPARSEKV_COMPILE``: ``"0"`` capture the eager steps, ``"1"`` compile the steps (also without graphs:
-    tests), unset or ``"auto"``: compile when the steps are captured as CUDA graphs."""
-    value = os.environ.get(COMPILE_ENV, "auto") or "auto"
-    if value not in ("0", "1", "auto"):
-        raise ValueError(f"{COMPILE_ENV} must be '0', '1' or 'auto', got {value!r}")
-    return value == "1" or (value == "auto" and use_graphs)
 
 
 def step_backend(gm: torch.fx.GraphModule, example_inputs):

@@ -13,6 +13,7 @@ import torch
 
 from .batch_rows import assemble
 from .common import _strip_left_padding, _tp_size
+from .compile_policy import charge
 from .draft_tree import CHAIN, RETRIEVED, SIBLING
 from .controller import DraftController
 from .engine import AR_STEPS_PER_SYNC, StaticEngine, captures, engine_for
@@ -395,6 +396,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
     wait_for(engine.devices)
     stats[0].rounds_seconds = time.perf_counter() - rounds_from - timer.seconds("deferred_prefill")
+    if engine.spec.compiled and not engine.compiled:  # a call on uncompiled steps: toward compiling them
+        charge(engine.verifier, time.perf_counter() - t0)
     stats[0].prefill_seconds += timer.seconds("deferred_prefill")
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")

@@ -49,7 +49,7 @@ from . import quant_gluon, runtime
 
 LOG2E = 1.4426950408889634
 
-# Launch configuration (benchmarks/kernels.py --sweep measures alternatives for the quantized segment):
+# Launch configuration (benchmarks/kernel_sweep.py --sweep measures alternatives for the quantized segment):
 # * kernel: "gluon" runs the quantized segment by the Gluon kernel of quant_gluon where it can (CUDA, float16/
 #   bfloat16, head_dim 64/128), one warp and 8 query rows per program, ``gluon_int4`` / ``gluon_int8`` = (tokens per
 #   block, cp.async ring stages) per view, ``gluon_per_sm`` programs per SM and ``gluon_min_split`` tokens per split
@@ -91,7 +91,7 @@ LOG2E = 1.4426950408889634
 # needed 240-255 registers per thread, leaving 12.5 % occupancy, and was latency-bound (ncu;
 # benchmarks/results/HISTORY.md).
 # Override without editing code: HF_SPARSEKV_QUANT_CONFIG = a JSON object or the path of a JSON file holding one
-# (e.g. the ``quant_config.json`` benchmarks/kernels.py --sweep writes), read at import; or :func:`quant_config`.
+# (e.g. the ``quant_config.json`` benchmarks/kernel_sweep.py --sweep writes), read at import; or :func:`quant_config`.
 QUANT_CONFIG = dict(
     kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
     gluon_int4_rows16=None, gluon_int8_rows16=(16, 3), path="vec", qblock=64, num_warps=2, num_stages=3,
@@ -102,7 +102,7 @@ QUANT_CONFIG = dict(
 # reaches this; below it one Triton launch reads both segments (the Gluon kernel needs a launch of its own for the
 # buffer). H200: the bundled verifier (2 x 16K x 64 = 2^21; benchmarks/step_kernels.py --mode int4) runs its plain
 # step in 0.315 against 0.352 ms, 6 drafts in 1.76 against 2.05 ms, verification of 6 in 0.42 against 0.50 ms; at
-# Llama-3-8B shape from 4K (8 x 4K x 128 = 2^22) the Gluon kernel stays (benchmarks/kernels.py --quant-only at 8K:
+# Llama-3-8B shape from 4K (8 x 4K x 128 = 2^22) the Gluon kernel stays (benchmarks/kernel_sweep.py --quant-only at 8K:
 # 15.7 against 22.5 µs INT4, 21.4 against 29.3 µs INT8). 0 puts every launch on the Gluon kernel.
 QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # The full-precision segment: ``block_n`` tokens per block (None: 64 for head_dim <= 64, else 32), warps, pipeline
@@ -194,7 +194,7 @@ def _validated(cfg: dict) -> dict:
 
 def load_quant_config(spec: str) -> dict:
     """A launch config from a JSON object string or the path of a JSON file (``{"config": {...}}`` also accepted,
-    the shape of benchmarks/kernels.py's quant_config.json)."""
+    the shape of benchmarks/kernel_sweep.py's quant_config.json)."""
     text = spec if spec.lstrip().startswith("{") else open(spec).read()
     cfg = json.loads(text)
     if isinstance(cfg, dict) and isinstance(cfg.get("config"), dict):

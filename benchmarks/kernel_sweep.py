@@ -20,7 +20,7 @@ error < 1e-2 on both shapes and both views); a config that fails or does not com
 fastest correct config (sum of the four times) is used for the table and written to ``quant_config.json`` beside
 ``--out``; ``HF_SPARSEKV_QUANT_CONFIG=<that file>`` makes it the runtime default (see kernels/decode_core.py).
 
-Usage: ``python benchmarks/kernels.py --out kernels.json [--quick] [--sweep] [--contexts 65536,131072]
+Usage: ``python benchmarks/kernel_sweep.py --out kernels.json [--quick] [--sweep] [--contexts 65536,131072]
 [--quant-only] [--breakdown]`` (CUDA GPU required).
 """
 
@@ -165,7 +165,7 @@ def main(argv=None) -> int:
                         help="also each kernel's GPU time within a quantized-attention launch (torch.profiler)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("benchmarks/kernels.py needs a CUDA GPU", file=sys.stderr)
+        print("benchmarks/kernel_sweep.py needs a CUDA GPU", file=sys.stderr)
         return 2
     import triton
 
