@@ -71,23 +71,26 @@ def loop(name: str, prompts: list, verifier, drafter, new_tokens: int) -> list[f
 def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: int, added: int,
          new_tokens: int) -> list[dict]:
     """A chat of ``turns`` turns: the first prompt is ``start`` tokens of ``text``; each later one is the previous
-    output and the next ``added`` tokens. Per turn: its seconds, the prefill tokens the engine fed (None for stock),
-    and a warm call of the same length on an unrelated prompt (no held prefix)."""
+    output and the next ``added`` tokens. Per turn: its seconds, the prompt tokens the engine prefilled (None for
+    stock), then (after the chat) a warm call of the same length on an unrelated prompt (no held prefix)."""
+    from hf_sparsekv.generation.engine import current_engine
+
     turns_out, ids, at = [], text[None, :start].cuda(), start
     for _ in range(turns):
         holder = {}
 
         def one(ids=ids):
-            holder["out"] = call(name, verifier, drafter, ids, new_tokens, return_dict_in_generate=True)
+            holder["out"] = call(name, verifier, drafter, ids, new_tokens)
 
         seconds = timed(one)
-        stats = getattr(holder["out"], "spec_stats", None)
-        other = text[None, -ids.shape[1]:].cuda()  # the same length from the other end of the text
-        single = timed(lambda: call(name, verifier, drafter, other, new_tokens))
-        turns_out.append(dict(length=ids.shape[1], s=seconds, single_s=single,
-                              prefill_tokens=None if stats is None else stats.prefill_tokens))
-        ids = torch.cat([holder["out"].sequences, text[None, at : at + added].cuda()], 1)
+        engine = current_engine(verifier) if name != "hf-static-ar" else None
+        turns_out.append(dict(length=ids.shape[1], s=seconds,
+                              prefill_tokens=None if engine is None else ids.shape[1] - engine.reused))
+        ids = torch.cat([holder["out"], text[None, at : at + added].cuda()], 1)
         at += added
+    for turn in turns_out:  # the same length from the other end of the text
+        other = text[None, -turn["length"]:].cuda()
+        turn["single_s"] = timed(lambda: call(name, verifier, drafter, other, new_tokens))
     print(f"{name}: chat " + ", ".join(f"{t['s']:.2f}/{t['single_s']:.2f}" for t in turns_out), flush=True)
     return turns_out
 
@@ -139,6 +142,8 @@ def main(argv=None) -> int:
         for name in methods:
             warm[name].append(timed(lambda n=name: call(n, verifier, drafter, longest, args.new_tokens)))
     record["warm"] = {name: statistics.median(t) for name, t in warm.items()}
+    save = lambda: (out / "lifecycle.json").write_text(json.dumps(record, indent=1))  # noqa: E731 (after each phase)
+    save()
     if args.long_loop:  # lengths drawn uniformly from 1K-16K, seeded; the methods' engines are warm by now
         draw = torch.Generator().manual_seed(0)
         long_lengths = torch.randint(1000, 16001, (args.long_loop,), generator=draw).tolist()
@@ -146,13 +151,15 @@ def main(argv=None) -> int:
         long_prompts = [text[(7 * i) % 1000 : (7 * i) % 1000 + n][None].cuda() for i, n in enumerate(long_lengths)]
         record["long_loop"] = {name: loop(name, long_prompts, verifier, drafter, args.new_tokens)
                                for name in methods if name != "hf-ar"}
+        save()
     if args.chat_turns:
         record["chat"] = {name: chat(name, text, verifier, drafter, args.chat_turns, 1024, 512, args.new_tokens)
                           for name in methods if name in ("static-engine", "routed", "hf-static-ar")}
+        save()
     if args.alternate:
         record["alternation"] = alternate(args.alternate.split(","), prompts[1], verifier, drafter, 3,
                                           args.new_tokens)
-    (out / "lifecycle.json").write_text(json.dumps(record, indent=1))
+    save()
     print(table(record))
     plot(record, out / "lifecycle.png")
     return 0

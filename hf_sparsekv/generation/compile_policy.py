@@ -7,13 +7,14 @@ uncompiled) but costs seconds to a minute per configuration the first time (trac
 dynamo, then Inductor's code generation). Paying that before the first token is a bad trade for a loop of a few
 calls, and a good one for a server. By default (``HF_SPARSEKV_COMPILE`` unset or ``"auto"``, with CUDA graphs) a
 model's calls run on uncompiled captured steps and each call's time on them is charged to the model; once the total
-reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`, about what the first
-compilation costs on the bundled pair) the next call of every configuration of that model compiles its steps and
-prefill, and they stay compiled. This is the rent-or-buy rule: whatever the number of calls, the total is at most
-about twice that of the better of the two fixed choices (compile first, or never).
+reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`, about what compiling the
+bundled pair's steps costs) the next call of every configuration of that model compiles its steps, and they stay
+compiled. This is the rent-or-buy rule: whatever the number of calls, the total is at most about twice that of the
+better of the two fixed choices (compile first, or never). Prefills stay eager under this rule: compiling a small
+model's prefill for prompts of every length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
 
-``HF_SPARSEKV_COMPILE="1"`` compiles from the first call, ``"0"`` never (``"later"``: the rule above also without
-CUDA graphs: tests); :func:`~.warmup.warmup` compiles at once. The tokens of compiled and uncompiled steps are the same
+``HF_SPARSEKV_COMPILE="1"`` compiles the steps and (small models') prefills from the first call, ``"0"`` nothing
+(``"later"``: the rule above also without CUDA graphs: tests); :func:`~.warmup.warmup` compiles both at once. The tokens of compiled and uncompiled steps are the same
 computation; in bf16 their roundings may differ (a greedy near-tie may then resolve differently, as between any two
 kernels).
 """
@@ -29,7 +30,7 @@ COMPILE_AFTER_ENV = "HF_SPARSEKV_COMPILE_AFTER"
 DEFAULT_COMPILE_AFTER_S = 30.0
 
 _charged: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> seconds on its uncompiled steps
-_due: "weakref.WeakSet" = weakref.WeakSet()  # models whose steps compile from their next call on
+_due: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> what compiles from its next call on
 _lock = threading.Lock()
 
 
@@ -62,27 +63,28 @@ def compile_after() -> float:
     return seconds
 
 
-def compiles(model, setting: str) -> bool:
-    """Whether ``model``'s engines compile their steps now, under ``setting`` (:func:`compile_setting`)."""
+def compiles(model, setting: str) -> str | None:
+    """What ``model``'s engines compile now, under ``setting`` (:func:`compile_setting`): ``"all"`` (steps and
+    prefills), ``"steps"``, or None."""
     if setting != "later":
-        return setting == "now"
+        return "all" if setting == "now" else None
     with _lock:
-        return model in _due
+        return _due.get(model)
 
 
 def charge(model, seconds: float) -> bool:
     """Add ``seconds`` of a call on ``model``'s uncompiled steps; returns whether its steps compile from now on."""
     with _lock:
         total = _charged[model] = _charged.get(model, 0.0) + seconds
-        if total >= compile_after():
-            _due.add(model)
+        if total >= compile_after() and model not in _due:
+            _due[model] = "steps"
         return model in _due
 
 
 def compile_from_now(model) -> None:
-    """``model``'s engines compile their steps from their next call on (:func:`~.warmup.warmup`)."""
+    """``model``'s engines compile their steps and prefills from their next call on (:func:`~.warmup.warmup`)."""
     with _lock:
-        _due.add(model)
+        _due[model] = "all"
 
 
 def charged(model) -> float:

@@ -303,10 +303,11 @@ class StaticEngine:
         self.reused = 0  # positions the last prefill found in the verifier's cache (a chat's earlier turns)
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         # steps compiled now (compile_policy: from the first call, or once uncompiled calls have taken long enough)
-        self.compiled = spec.compiled and compiles(verifier, compile_setting(use_graphs))
+        self.compiled = False
+        self.compiles_prefill = False  # prefills compiled too (where prefill_pays and their cache allows)
         self.compile_failed = False  # compiling a step raised: the engine's steps stay uncompiled
-        # whose prefill compiles where its cache allows (graph_steps.prefill_compiles) once the steps do: small models
         self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
+        self.compile_if_due()
         self._compiled_draft_token = None
         self.nbytes = sum(c.nbytes() for c in caches) + self.seq.nbytes  # what keeping it holds, about
 
@@ -316,15 +317,18 @@ class StaticEngine:
 
     def prefill_compiled(self, model) -> bool:
         """Whether ``model``'s prefills on this engine run compiled (where their cache allows)."""
-        return self.compiled and self._prefill_pays[id(model)]
+        return self.compiles_prefill and self._prefill_pays[id(model)]
 
     def compile_if_due(self) -> None:
-        """At a call's start: where :mod:`.compile_policy` now compiles this engine's steps and they run uncompiled,
-        drop them (and their graphs); the call compiles and captures each anew on first use."""
-        if (self.spec.compiled and not self.compiled and not self.compile_failed
-                and compiles(self.verifier, compile_setting(self.use_graphs))):
+        """At a call's start: what :mod:`.compile_policy` compiles now. Steps that ran uncompiled are dropped (with
+        their graphs); the call compiles and captures each anew on first use."""
+        if not self.spec.compiled or self.compile_failed:
+            return
+        level = compiles(self.verifier, compile_setting(self.use_graphs))
+        if level is not None and not self.compiled:
             _release_graphs([self])
             self.compiled = True
+        self.compiles_prefill = level == "all"
 
     @property
     def drafter(self):
