@@ -52,8 +52,7 @@ print(f"--- routed assisted call identical to greedy generate(): {torch.equal(ro
       f"to stock's assisted generation: {torch.equal(routed.sequences, stock)}")
 print(f"--- static_engine=True identical to greedy generate(): {torch.equal(plain, greedy)}")
 stats = routed.spec_stats
-print(f"--- the controller's rounds by width (0: a plain step): {dict(sorted(stats.width_rounds.items()))}; "
-      f"acceptance {stats.acceptance_rate:.2f}")
+print(f"--- {stats.summary()}")
 if device == "cuda":
     n = args.max_new_tokens
     print(f"--- tokens/s: routed {n / routed_s:.0f}, static_engine {n / plain_s:.0f}, stock assisted {n / stock_s:.0f}")

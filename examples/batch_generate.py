@@ -40,7 +40,7 @@ for b, text in enumerate(prompts):
     row = out.sequences[b, width : width + reference.shape[0]]
     stats = out.spec_stats.rows[b]
     print(f"--- row {b}: equals greedy generate() of the prompt alone: {torch.equal(row, reference)}; "
-          f"acceptance {stats.acceptance_rate:.2f}, tau {stats.mean_accepted_length:.2f}")
+          f"{stats.summary()}")
     print(text + tokenizer.decode(row, skip_special_tokens=True))
-print(f"--- batch: acceptance {out.spec_stats.acceptance_rate:.2f}, tau {out.spec_stats.mean_accepted_length:.2f}, "
-      f"{out.spec_stats.new_tokens} new tokens over {out.spec_stats.prompts} rows")
+print(f"--- batch: {out.spec_stats.summary()}; {out.spec_stats.new_tokens} new tokens over {out.spec_stats.prompts} "
+      "rows")

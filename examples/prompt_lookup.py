@@ -45,5 +45,4 @@ print(tokenizer.decode(out.sequences[0, ids.shape[1] :], skip_special_tokens=Tru
 print(f"--- identical to greedy generate(): {torch.equal(out.sequences, greedy)}; "
       f"identical to stock's prompt lookup: {torch.equal(out.sequences, stock)}")
 stats = out.spec_stats
-print(f"--- acceptance {stats.acceptance_rate:.2f}, tau {stats.mean_accepted_length:.2f}: {stats.rounds} verifier "
-      f"forwards for {stats.new_tokens} tokens (speed: BENCHMARKS.md; this toy verifier on a CPU says little)")
+print(f"--- {stats.summary()}: {stats.rounds} verifier forwards for {stats.new_tokens} tokens (speed: BENCHMARKS.md; this toy verifier on a CPU says little)")

@@ -72,5 +72,5 @@ spec, spec_s = timed(
 print(tokenizer.decode(spec.sequences[0, input_ids.shape[1] :]))
 stats = spec.spec_stats
 print(f"identical to greedy AR: {torch.equal(spec.sequences, ar)}")
-print(f"acceptance {stats.acceptance_rate:.3f}, tau {stats.mean_accepted_length:.2f}", end="")
+print(stats.summary(), end="")
 print(f", speedup {ar_s / spec_s:.2f}x" if device == "cuda" else " (speed is measured on the GPU: see BENCHMARKS.md)")

@@ -25,7 +25,8 @@ def greedy_reference(verifier, ids, max_new_tokens: int, mode="full"):
 
 def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_new_tokens: int, reference=None) -> dict:
     """Run speculative generation on ``ids [1, P]`` and check it against greedy AR; return the figures: the
-    ``spec_stats`` fields plus ``identical_to_ar``, ``sequences``, ``ar_seconds``, ``spec_seconds``, ``speedup``.
+    ``spec_stats`` fields plus ``identical_to_ar``, ``sequences``, ``ar_seconds``, ``spec_seconds``, ``speedup`` and
+    ``summary`` (:meth:`~hf_sparsekv.generation.stats.SpecStats.summary`).
 
     ``mode`` is a ``draft_cache`` value of ``generate()``: "chunk", "window", "full", "int4" (self-speculative) or a
     cache instance for the drafter; ``budget`` is passed as ``kv_budget`` for "chunk"/"window" only.
@@ -48,6 +49,7 @@ def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_ne
         "ar_seconds": ar_seconds,
         "spec_seconds": spec_seconds,
         "speedup": ar_seconds / spec_seconds,
+        "summary": out.spec_stats.summary(),
         **out.spec_stats.to_dict(),
     }
 
@@ -58,8 +60,7 @@ def report(name: str, result: dict, tokenizer=None, prompt_length: int = 0, show
     if tokenizer is not None:
         print(tokenizer.decode(result["sequences"][0, prompt_length:]))
     line = (
-        f"identical to greedy AR: {result['identical_to_ar']} | acceptance {result['acceptance_rate']:.3f} | "
-        f"tau {result['mean_accepted_length']:.2f}"
+        f"identical to greedy AR: {result['identical_to_ar']} | {result['summary']}"
     )
     if show_speed:
         line += (

@@ -314,7 +314,19 @@ def test_spec_stats_is_a_dataclass_with_dict_access():
     with pytest.raises(KeyError):
         stats["timer"]  # methods are not keys
     assert "timer" not in stats and "DERIVED" not in stats
-    assert hf_sparsekv.SpecStats().acceptance_rate == 0.0 and hf_sparsekv.SpecStats().mean_accepted_length == 0.0
+    empty = hf_sparsekv.SpecStats(rounds=3, new_tokens=4, width_rounds={0: 3})
+    assert empty.acceptance_rate is None and empty.to_dict()["acceptance_rate"] is None  # no drafts: no rate
+    assert "acceptance_rate=None" in repr(empty) and empty.summary().startswith("no drafts: 3 plain verifier steps")
+    assert stats.summary() == "acceptance 0.75 (9 of 12 drafts), tau 3.25, rounds by width {}"
+    assert hf_sparsekv.SpecStats().mean_accepted_length == 0.0
+
+
+def test_a_call_that_drafts_nothing_reports_no_rate():
+    model = tiny_model("llama")
+    out = model.generate(prompt(40, 0), prompt_lookup_num_tokens=3, max_new_tokens=1, do_sample=False,
+                         return_dict_in_generate=True)
+    assert out.spec_stats.drafted == 0 and out.spec_stats.acceptance_rate is None
+    assert out.spec_stats.summary().startswith("no drafts")
 
 
 def test_drafter_runs_past_its_native_positions():

@@ -61,7 +61,8 @@ class SpecStats:
 
     Derived (read-only properties, also in :meth:`to_dict` and reachable by ``[...]``):
 
-    - ``acceptance_rate`` α = accepted / drafted (0.0 if nothing was drafted).
+    - ``acceptance_rate`` α = accepted / drafted; None where nothing was drafted (every round a plain step: see
+      :meth:`summary`).
     - ``mean_accepted_length`` τ = tokens produced per verifier forward = (new_tokens - prompts) / rounds: the
       accepted drafts plus the verifier's own token, averaged over rounds (0.0 without rounds).
     """
@@ -89,13 +90,23 @@ class SpecStats:
         return self.width_rounds.get(0, 0)
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def mean_accepted_length(self) -> float:
         produced = self.new_tokens - self.prompts  # each prompt's first token comes from its prefill
         return produced / self.rounds if self.rounds else 0.0
+
+    def summary(self) -> str:
+        """One line for people: α with the drafts it counts, τ, and the rounds per width (0: a plain step); where
+        nothing was drafted, that, and why it may be."""
+        widths = dict(sorted(self.width_rounds.items()))
+        if not self.drafted:
+            return (f"no drafts: {self.rounds} plain verifier steps (the draft-length controller found drafting would "
+                    "not pay here, or retrieval found no match); tau 1.00")
+        return (f"acceptance {self.acceptance_rate:.2f} ({self.accepted} of {self.drafted} drafts), tau "
+                f"{self.mean_accepted_length:.2f}, rounds by width {widths}")
 
     def to_dict(self) -> dict:
         """Every field and derived figure as a plain ``dict`` (JSON-serialisable)."""
@@ -119,7 +130,7 @@ class SpecStats:
 
     def __repr__(self) -> str:
         return (
-            f"SpecStats(acceptance_rate={self.acceptance_rate:.3f}, mean_accepted_length={self.mean_accepted_length:.2f}, "
+            f"SpecStats(acceptance_rate={_rate(self.acceptance_rate)}, mean_accepted_length={self.mean_accepted_length:.2f}, "
             f"rounds={self.rounds}, drafted={self.drafted}, accepted={self.accepted}, new_tokens={self.new_tokens}, "
             f"prefill_seconds={self.prefill_seconds:.3f}, draft_seconds={self.draft_seconds:.3f}, "
             f"verify_seconds={self.verify_seconds:.3f})"
@@ -145,3 +156,7 @@ class SpecStats:
                 yield
         finally:
             setattr(self, field, getattr(self, field) + clock.seconds)
+
+
+def _rate(value: float | None) -> str:
+    return "None" if value is None else f"{value:.3f}"
