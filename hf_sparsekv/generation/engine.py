@@ -328,6 +328,7 @@ class StaticEngine:
         if level is not None and not self.compiled:
             _release_graphs([self])
             self.compiled = True
+            self.controller_memory.samples.clear()  # (round times of the uncompiled steps; acceptances stay)
         self.compiles_prefill = level == "all"
 
     @property
