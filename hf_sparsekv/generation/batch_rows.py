@@ -52,7 +52,7 @@ def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, co
                          f"{input_ids.shape[0]}")
     if prefix_cache:
         raise NotImplementedError(
-            "past_key_values (cache=) is supported with batch size 1 only (prompt caching): with kv_budget/draft_cache "
+            "past_key_values (cache=) is supported with batch size 1 only (prompt caching) on hf_sparsekv's engine: "
             "each row of a batch runs on caches of its own; omit it"
         )
     if max_time is not None:
@@ -60,7 +60,7 @@ def check_batch(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, co
                                   "(its rows run one after another)")
     if config.output_scores or config.output_logits:
         raise NotImplementedError(
-            "output_scores/output_logits with batch size > 1 are not supported with kv_budget/draft_cache"
+            "output_scores/output_logits with batch size > 1 are not supported on hf_sparsekv's engine"
         )
 
 

@@ -360,23 +360,23 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
     """Refuse the generation options the engine does not serve, naming where each came from."""
     if not config.use_cache:  # stock's assisted generation and prompt lookup raise this RuntimeError too
         raise RuntimeError(
-            f"Assisted decoding requires a cache: use_cache=False is not supported with kv_budget/draft_cache or "
+            f"Assisted decoding requires a cache: use_cache=False is not supported on hf_sparsekv's engine or "
             f"prompt lookup ({_refuse_source('use_cache', False, kwargs, generation_config, model)}); drop it"
         )
     if config.cache_implementation is not None:
         source = _refuse_source("cache_implementation", config.cache_implementation, kwargs, generation_config, model)
         raise NotImplementedError(
-            f"cache_implementation is not supported with kv_budget/draft_cache: {source}; the verifier runs on a "
+            f"cache_implementation is not supported on hf_sparsekv's engine: {source}; the verifier runs on a "
             "dynamic cache and the drafter on draft_cache"
         )
     if (config.num_beams or 1) > 1:
-        raise NotImplementedError("num_beams > 1 (beam search) is not supported with kv_budget/draft_cache")
+        raise NotImplementedError("num_beams > 1 (beam search) is not supported on hf_sparsekv's engine")
     if (config.num_return_sequences or 1) > 1 and not config.do_sample:
         raise NotImplementedError("num_return_sequences > 1 needs do_sample=True (greedy rows would be identical)")
     for name, is_active in _UNSUPPORTED_OPTIONS.items():
         value = getattr(config, name, None)
         if is_active(value):
-            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache: "
+            raise NotImplementedError(f"{name} is not supported on hf_sparsekv's engine: "
                                       f"{_refuse_source(name, value, kwargs, generation_config, model)}")
 
 
@@ -489,9 +489,9 @@ def speculative_generate(
         ("custom_generate", custom_generate),
     ):
         if value is not None:
-            raise NotImplementedError(f"{name} is not supported together with kv_budget/draft_cache")
+            raise NotImplementedError(f"{name} is not supported on hf_sparsekv's engine")
     if synced_gpus:
-        raise NotImplementedError("synced_gpus is not supported together with kv_budget/draft_cache")
+        raise NotImplementedError("synced_gpus is not supported on hf_sparsekv's engine")
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if input_ids is None:
         raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
