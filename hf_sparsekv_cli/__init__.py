@@ -80,9 +80,20 @@ def _add_push_arguments(push: argparse.ArgumentParser) -> None:
     push.add_argument("--hub-endpoint", help="another Hub-compatible server; unset: HF_ENDPOINT / huggingface.co")
 
 
+def _version() -> str:
+    """The installed distribution's version (read from its metadata: importing the package would load torch)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("hf_sparsekv")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     """The full parser; ``train-drafter``'s options are added (importing the training code) only if ``argv`` names it."""
     parser = argparse.ArgumentParser(prog="hf-sparsekv", description=DESCRIPTION, epilog=EPILOG)
+    parser.add_argument("--version", action="version", version=f"hf-sparsekv {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="{" + ",".join(COMMANDS) + "}")
     parser.commands = {}  # name -> its sub-parser, whose error() names the command's usage
     for name, text in COMMANDS.items():

@@ -30,6 +30,15 @@ def test_help_imports_neither_torch_nor_transformers(argv):
     assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
+def test_version_is_the_installed_distributions(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as done:
+        hf_sparsekv_cli.main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.strip() == f"hf-sparsekv {version('hf_sparsekv')}"
+
+
 def test_train_drafter_help_shows_the_defaults(capsys):
     with pytest.raises(SystemExit):
         hf_sparsekv_cli.main(["train-drafter", "--help"])
