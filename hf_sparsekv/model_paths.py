@@ -47,4 +47,9 @@ def refuse_folder_without_tokenizer(args, parser) -> None:
     if folder.is_dir() and not _holds_a_tokenizer(folder):
         given = "--tokenizer" if getattr(args, "tokenizer", None) not in (None, args.verifier) else "--verifier"
         parser.error(f"{given} {name}: the folder holds no tokenizer (none of {', '.join(_TOKENIZER_FILES[:3])}, "
-                     "...); pass --tokenizer PATH_OR_HUB_ID (the bundled pair's is hf_sparsekv/zoo/pair/tokenizer)")
+                     f"...); pass --tokenizer PATH_OR_HUB_ID (the bundled pair's is {_bundled_tokenizer()})")
+
+
+def _bundled_tokenizer() -> Path:
+    """The bundled pair's tokenizer folder, absolute (wherever the package is installed)."""
+    return Path(__file__).resolve().parent / "zoo" / "pair" / "tokenizer"

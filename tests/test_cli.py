@@ -76,7 +76,7 @@ def test_a_folder_without_a_tokenizer_is_refused_naming_tokenizer(tokenizer, cap
     assert exit_info.value.code == 2 and "Traceback" not in err and "sentencepiece" not in err
     message = err.strip().splitlines()[-1]
     assert f"{PAIR_DIR / 'verifier'}: the folder holds no tokenizer" in message and "pass --tokenizer" in message
-    assert "hf_sparsekv/zoo/pair/tokenizer" in message
+    assert f"the bundled pair's is {(PAIR_DIR / 'tokenizer').resolve()})" in message  # (absolute: from any folder)
 
 
 def test_generate_needs_a_verifier(capsys):
