@@ -52,4 +52,6 @@ def refuse_folder_without_tokenizer(args, parser) -> None:
 
 def _bundled_tokenizer() -> Path:
     """The bundled pair's tokenizer folder, absolute (wherever the package is installed)."""
-    return Path(__file__).resolve().parent / "zoo" / "pair" / "tokenizer"
+    from .zoo import PAIR_DIR  # (here: the zoo imports torch)
+
+    return (PAIR_DIR / "tokenizer").resolve()

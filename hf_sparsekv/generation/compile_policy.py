@@ -14,9 +14,9 @@ better of the two fixed choices (compile first, or never). Prefills stay eager u
 model's prefill for prompts of every length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
 
 ``HF_SPARSEKV_COMPILE="1"`` compiles the steps and (small models') prefills from the first call, ``"0"`` nothing
-(``"later"``: the rule above also without CUDA graphs: tests); :func:`~.warmup.warmup` compiles both at once. The tokens of compiled and uncompiled steps are the same
-computation; in bf16 their roundings may differ (a greedy near-tie may then resolve differently, as between any two
-kernels).
+(``"later"``: the rule above also without CUDA graphs: tests); :func:`~.warmup.warmup` compiles both at once. The
+tokens of compiled and uncompiled steps are the same computation; in bf16 their roundings may differ (a greedy
+near-tie may then resolve differently, as between any two kernels).
 """
 
 from __future__ import annotations
@@ -72,13 +72,12 @@ def compiles(model, setting: str) -> str | None:
         return _due.get(model)
 
 
-def charge(model, seconds: float) -> bool:
-    """Add ``seconds`` of a call on ``model``'s uncompiled steps; returns whether its steps compile from now on."""
+def charge(model, seconds: float) -> None:
+    """Add ``seconds`` of a call on ``model``'s uncompiled steps; past :func:`compile_after` its steps are due."""
     with _lock:
         total = _charged[model] = _charged.get(model, 0.0) + seconds
         if total >= compile_after() and model not in _due:
             _due[model] = "steps"
-        return model in _due
 
 
 def compile_from_now(model) -> None:
