@@ -1,8 +1,10 @@
 """What a user pays over a loop of plain ``generate()`` calls on the bundled pair, every compilation included: a loop
 of prompts of varying lengths (a dataset evaluation, a notebook) in one process, per call and in total, for HF
 static-cache AR, our engine's AR (``static_engine=True``) and the routed ``assistant_model=`` call; then each method's
-warm call at the longest length (median of repeats, interleaved). Prints a table, writes JSON and a PNG of the
-cumulative time.
+warm call at the longest length (median of repeats, interleaved); a second loop of 64 prompts of 1K-16K tokens, each
+method's in a fresh process (its first call and compilations included, as a user's script pays them); a chat whose
+turns extend the previous output; configurations alternated on one model. Prints a table, writes JSON and a PNG of
+the cumulative time.
 
     python benchmarks/lifecycle.py --out runs/lifecycle [--lengths 3000,9000,...] [--methods hf-static-ar,...]
 """
@@ -112,6 +114,32 @@ def alternate(names: list[str], ids: torch.Tensor, verifier, drafter, rounds: in
     return result
 
 
+def long_lengths(count: int) -> list[int]:
+    """The second loop's prompt lengths: drawn uniformly from 1K-16K, seeded."""
+    return torch.randint(1000, 16001, (count,), generator=torch.Generator().manual_seed(0)).tolist()
+
+
+def fresh_long_loop(name: str, args) -> list[float]:
+    """``name``'s loop over :func:`long_lengths` in a new Python process (``--only-long-loop``): each call's
+    seconds."""
+    import subprocess
+
+    result = Path(args.out) / f"long-loop-{name}.json"
+    subprocess.run([sys.executable, __file__, "--only-long-loop", name, "--long-loop", str(args.long_loop),
+                    "--new-tokens", str(args.new_tokens), "--compile", args.compile, "--out", args.out], check=True)
+    return json.loads(result.read_text())
+
+
+def only_long_loop(name: str, args) -> int:
+    verifier, drafter, _ = load_pair(device="cuda")
+    text = torch.cat(eval_documents())
+    lengths = long_lengths(args.long_loop)
+    prompts = [text[(7 * i) % 1000 : (7 * i) % 1000 + n][None].cuda() for i, n in enumerate(lengths)]
+    times = loop(name, prompts, verifier, drafter, args.new_tokens)
+    (Path(args.out) / f"long-loop-{name}.json").write_text(json.dumps(times))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/lifecycle")
@@ -119,15 +147,19 @@ def main(argv=None) -> int:
     parser.add_argument("--methods", default=",".join(METHODS))
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--warm-reps", type=int, default=5)
-    parser.add_argument("--long-loop", type=int, default=64, help="prompts of the second loop (0: none)")
+    parser.add_argument("--long-loop", type=int, default=64,
+                        help="prompts of the second loop, each method's in a fresh process (0: none)")
     parser.add_argument("--chat-turns", type=int, default=10, help="turns of the chat (0: none)")
     parser.add_argument("--alternate", default=",".join(ALTERNATED), help="configurations alternated ('': none)")
     parser.add_argument("--compile", default="auto", choices=("auto", "1", "0"),
                         help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
+    parser.add_argument("--only-long-loop", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
     args = parser.parse_args(argv)
     os.environ["HF_SPARSEKV_COMPILE"] = args.compile  # (provenance sets 1 for the other benchmarks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.only_long_loop:
+        return only_long_loop(args.only_long_loop, args)
     lengths = [int(n) for n in args.lengths.split(",")]
     methods = args.methods.split(",")
     verifier, drafter, _ = load_pair(device="cuda")
@@ -144,13 +176,9 @@ def main(argv=None) -> int:
     record["warm"] = {name: statistics.median(t) for name, t in warm.items()}
     save = lambda: (out / "lifecycle.json").write_text(json.dumps(record, indent=1))  # noqa: E731 (after each phase)
     save()
-    if args.long_loop:  # lengths drawn uniformly from 1K-16K, seeded; the methods' engines are warm by now
-        draw = torch.Generator().manual_seed(0)
-        long_lengths = torch.randint(1000, 16001, (args.long_loop,), generator=draw).tolist()
-        record["long_loop_lengths"] = long_lengths
-        long_prompts = [text[(7 * i) % 1000 : (7 * i) % 1000 + n][None].cuda() for i, n in enumerate(long_lengths)]
-        record["long_loop"] = {name: loop(name, long_prompts, verifier, drafter, args.new_tokens)
-                               for name in methods if name != "hf-ar"}
+    if args.long_loop:  # each method's in a process of its own: its first call and compilations included
+        record["long_loop_lengths"] = long_lengths(args.long_loop)
+        record["long_loop"] = {name: fresh_long_loop(name, args) for name in methods if name != "hf-ar"}
         save()
     if args.chat_turns:
         record["chat"] = {name: chat(name, text, verifier, drafter, args.chat_turns, 1024, 512, args.new_tokens)
