@@ -51,6 +51,33 @@ def test_longer_prompts_compile_nothing_again(compiled_steps, call):
     assert len(static_engine._engines[model]) == 1  # a grown engine supersedes the shorter one
 
 
+def test_alternating_configurations_compile_and_build_nothing_after_the_first_round(compiled_steps):
+    """Plain decoding, a separate drafter on the full cache, a chunk budget, prompt lookup and sampling, called in
+    turn on one model: once each was seen (the second round also compiles the prefill that continues a held
+    sequence), another round compiles no graph and builds no engine (each configuration keeps its engine); greedy
+    calls' tokens are stock greedy's."""
+    model = copy.deepcopy(tiny_model("llama"))
+    drafter = tiny_model("llama", role="drafter")
+    common = dict(max_new_tokens=8, eos_token_id=None, pad_token_id=0, num_assistant_tokens=3,
+                  num_assistant_tokens_schedule="constant")
+    configurations = [dict(static_engine=True), dict(assistant_model=drafter), dict(assistant_model=drafter,
+                      kv_budget=16), dict(prompt_lookup_num_tokens=3), dict(static_engine=True, do_sample=True)]
+    ids = prompt(120, seed=5)
+    reference = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    engines = []
+    for round_ in range(3):  # (the same prompt: from the second round on, each prefill continues a held sequence)
+        if round_ == 2:
+            graphs = _graphs()
+        for config in configurations:
+            out = model.generate(ids, **{"do_sample": False, **config}, **common)
+            if not config.get("do_sample"):
+                assert torch.equal(out, reference), config
+            engines.append(static_engine.current_engine(model))
+    n = len(configurations)
+    assert _graphs() == graphs
+    assert len({id(e) for e in engines[:n]}) == n and engines[n:] == 2 * engines[:n]  # each kept, and reused
+
+
 def test_an_engine_grows_geometrically_within_the_models_positions(fresh_engines):
     model = copy.deepcopy(tiny_model("llama"))  # max_position_embeddings 1024
     kwargs = dict(max_new_tokens=4, do_sample=False, eos_token_id=None, pad_token_id=0, static_engine=True)

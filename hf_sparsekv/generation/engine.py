@@ -807,12 +807,13 @@ class StaticEngine:
     def _held_prefix(self, prompts: list[torch.Tensor]) -> int:
         """A chat's next turn: how many leading positions of the one-row ``prompts[0]`` the verifier's full cache
         still holds from the engine's last call (its sequence up to ``n - 2``, all but the last token; the tokens
-        compared on the device), at most the prompt's length - 1 (the prefill's last position gives the first
-        token); 0 where nothing is held."""
+        compared on the device), at most the prompt's length - 2 (the prefill's last position gives the first
+        token, and a prefill of one token is a shape a compiled prefill would compile anew); 0 where nothing is
+        held."""
         if not self.holds_sequence:
             return 0
         prompt = prompts[0][0].to(self.seq.device)
-        m = min(int(self.n[0]) - 1, prompt.shape[0] - 1)
+        m = min(int(self.n[0]) - 1, prompt.shape[0] - 2)
         if m <= 0:
             return 0
         differs = (self.seq[0, :m] != prompt[:m]).nonzero()

@@ -118,7 +118,8 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     graphs)."""
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
-    args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
+    # (a copy, not a view: a compiled prefill guards on a view's base, which a chat's suffix changes)
+    args = (model, prompt[:, start:].clone(memory_format=torch.contiguous_format), positions, cache, cache_keyword(model))
     logits = None
     if compiled and model not in _eager_prefills and prefill_compiles(cache):
         _prefilling.model = model
