@@ -168,6 +168,10 @@ bench-bundled: $(STAMP)
 headline-plot: $(STAMP)
 	$(PY) benchmarks/headline.py --out docs/headline.png $(ARGS)
 
+# BENCHMARKS.md's tables, rewritten from the results JSON each names (benchmarks/tables.py's TABLES); no GPU.
+tables: $(STAMP)
+	$(PY) benchmarks/tables.py $(ARGS)
+
 # Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
 bench-scale: $(STAMP)
 	$(PY) benchmarks/scale.py --out runs/scale $(ARGS)
