@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -65,3 +66,24 @@ def test_check_mode_exits_nonzero_and_names_the_table(tables, tmp_path, capsys):
     assert tables.main(["--check", "--file", str(doc)]) == 1
     assert "'lifecycle'" in capsys.readouterr().out
     assert tables.main(["--file", str(doc)]) == 0 and tables.main(["--check", "--file", str(doc)]) == 0
+
+
+def _anchor(heading: str) -> str:
+    """GitHub's anchor of a markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_to_benchmarks_md_names_one_of_its_sections():
+    headings = re.findall(r"^#+ (.+)$", (ROOT / "BENCHMARKS.md").read_text(), re.M)
+    anchors = {_anchor(h) for h in headings}
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for anchor in re.findall(r"BENCHMARKS\.md#([^)\s]+)", page.read_text()):
+            assert anchor in anchors, f"{page.name}: BENCHMARKS.md#{anchor} is no section"
+
+
+def test_no_test_counts_or_suite_times_in_prose():
+    """The suites print their counts and times; README, docs/ and the Makefile's comments quote none."""
+    pages = [ROOT / "README.md", ROOT / "Makefile", *sorted((ROOT / "docs").glob("*.md"))]
+    for page in pages:
+        found = re.findall(r"\b\d+ (?:passed|skipped|failed)\b", page.read_text())
+        assert not found, f"{page.name}: {found}"
