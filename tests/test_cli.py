@@ -45,6 +45,9 @@ def test_train_drafter_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--seq-len SEQ_LEN T (default: 16384)" in text
     assert "--max-steps MAX_STEPS optimizer steps (default: 5000)" in text
+    # the letters (T, C, B, s, λ) are the paper's: --help names it and says what each stands for
+    assert "BudgetDraft: Acceptance-Aware Multi-View Training for Sparse-KV Speculative Decoding" in text
+    assert "arXiv:2606.00144" in text and "T the training sequence length" in text and "λ·L_C" in text
 
 
 def test_generate_help_shows_every_default(capsys):
