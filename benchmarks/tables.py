@@ -26,7 +26,7 @@ RUNS = {
     "lifecycle": "lifecycle-rent-or-buy-h200-2026-12-03",
     "e2e-16k": "e2e-h200-2026-12-03/never-slower-16k-095687a.json",
     "drafter-prefill": "e2e-h200-2026-12-02/e2e-16k-e6b0d8e.json",
-    "e2e-2k": "e2e-h200-2026-12-02/e2e-2k-cf0d085.json",
+    "e2e-2k": "e2e-h200-2026-12-02/never-slower-2k-a9888b3.json",
     "controller": ["e2e-h200-2026-12-02/fixed-vs-controller-16k-3fc8340.json",
                    "e2e-h200-2026-12-02/fixed-vs-controller-4k-3fc8340.json"],
     "routed": "routed-h100-2026-11-27/results.json",
