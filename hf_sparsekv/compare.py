@@ -40,8 +40,8 @@ def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_ne
     spec_args = {"assistant_model": drafter, "num_assistant_tokens": gamma}
     if lookup is not None:
         spec_args["prompt_lookup_num_tokens"] = lookup
-    if mode == "lookup":
-        spec_args = {"prompt_lookup_num_tokens": lookup or gamma}
+    if mode == "lookup":  # N drafts every round, as the other modes draft γ (no draft-length controller)
+        spec_args = {"prompt_lookup_num_tokens": lookup or gamma, "num_assistant_tokens_schedule": "constant"}
     elif mode == "int4":
         spec_args.update(assistant_model=verifier, draft_cache="int4")
     elif mode in ("chunk", "window"):
