@@ -74,7 +74,8 @@ METHODS = {
 PARTS = {
     r"chunk-(\d+)": "chunk budget {0}", r"window": "sink + window 1024", r"window(\d+)-(\d+)": "sink {0} + window {1}",
     r"lookup": "prompt lookup", r"hf-lookup": "stock's own prompt lookup (`hf_sparsekv.unregister()`)",
-    r"int4-self": "int4 self-speculation", r"int4-self-full": 'int4 self-speculation, `draft_weights="full"`', r"selfchunk-(\d+)": "self-drafting, chunk {0}",
+    r"int4-self": "int4 self-speculation", r"int4-self-full": 'int4 self-speculation, `draft_weights="full"`',
+    r"selfchunk-(\d+)": "self-drafting, chunk {0}",
     r"useless": "a drafter that never agrees", r"full": "full drafter cache",
 }
 SUFFIXES = {"eagerprefill": "eager prefill", "nocompile": "uncompiled", "lookup": "with prompt lookup as a branch"}
@@ -127,7 +128,8 @@ def _source(name: str, data: dict, settings: str = "") -> str:
     meta = data.get("settings", {}) if "gpu" not in data and "device" not in data else data
     gpu = meta.get("gpu") or meta.get("device") or "?"
     more = f"; {settings}" if settings else ""
-    return f"Source: `benchmarks/results/{name}` ({gpu}, {meta.get('date', '?')}, commit {meta.get('commit', '?')}{more})."
+    run = f"{gpu}, {meta.get('date', '?')}, commit {meta.get('commit', '?')}{more}"
+    return f"Source: `benchmarks/results/{name}` ({run})."
 
 
 def _e2e_settings(data: dict) -> str:
@@ -173,12 +175,12 @@ def lifecycle_later(spec: dict, results: Path) -> str:
     for key in list(chat) + [k for k in alt if k not in chat]:
         turns, later = chat.get(key, []), chat.get(key, [])[1:]
         cells = [method_name(key)]
-        if turns:
+        if later:
             cells += [_num(turns[0]["s"]), f"{min(t['s'] for t in later):.3f}-{max(t['s'] for t in later):.3f}",
                       _num(max(t["s"] / t["single_s"] for t in later))]
         else:
             cells += ["–"] * 3
-        if key in alt:
+        if len(alt.get(key, {}).get("rounds", [])) > 1:
             rounds, warm = alt[key]["rounds"], alt[key]["warm"]
             cells += [_num(rounds[0], 3), f"{min(rounds[1:]) / warm:.2f}-{max(rounds[1:]) / warm:.2f}"]
         else:
@@ -198,16 +200,18 @@ def e2e(spec: dict, results: Path) -> str:
     for name in spec["files"]:
         d = _load(name, results)
         rows = [s for s in d["summary"] if s["method"] in spec.get("only", [s["method"]])]
-        by_batch = "batch" in rows[0]
-        several = len(spec["files"]) > 1 and not by_batch
+        by_batch = "batch" in rows[0]  # batch.py: one context, rows by batch size, no identity column
+        several = len(spec["files"]) > 1 and not by_batch  # rows of several runs: a column names each run
         if not lines:
-            cols = ["run"] * several + ["batch" if by_batch else "context", "method", "tokens/s", "× HF static", "× our graph AR", "τ",
-                    "peak GiB"] + ([] if by_batch else ["identical"]) + (["first call (s)"] if first else [])
-            lines = _head(*cols)
+            cols = ["run"] * several + ["batch" if by_batch else "context", "method", "tokens/s", "× HF static",
+                                        "× our graph AR", "τ", "peak GiB"]
+            lines = _head(*cols, *["identical"] * (not by_batch), *["first call (s)"] * bool(first))
         for s in rows:
-            cells = [d.get("commit", "?")] * several + [s["batch"] if by_batch else _k(s["context"]), method_name(s["method"]),
-                     _num(s["tokens_per_s"], 0), _num(s.get("vs_hf_static")), _num(s.get("vs_graph_ar")),
-                     _num(s.get("tau")), _num(s.get("peak_gib"))] + ([] if by_batch else [s.get("identical", "–")])
+            cells = [d.get("commit", "?")] * several + [
+                s["batch"] if by_batch else _k(s["context"]), method_name(s["method"]), _num(s["tokens_per_s"], 0),
+                _num(s.get("vs_hf_static")), _num(s.get("vs_graph_ar")), _num(s.get("tau")), _num(s.get("peak_gib"))]
+            if not by_batch:
+                cells.append(s.get("identical", "–"))
             if first:
                 cells.append(_num(d.get("first_call_s", {}).get(f"{s['method']}@{s['context']}"), 1))
             lines.append(_row(cells))
@@ -276,7 +280,8 @@ def headline(spec: dict, results: Path) -> str:
 
     lines = plot.series(results)
     files = list(dict.fromkeys(f for s in lines for f in s["sources"]))
-    source = "Sources: " + ", ".join(f"`benchmarks/results/{f}`" for f in files) + " (one H100; `headline.py` names each)."
+    named = ", ".join(f"`benchmarks/results/{f}`" for f in files)
+    source = f"Sources: {named} (one H100; `headline.py` names each)."
     return plot.table(lines) + "\n\n" + source
 
 

@@ -212,7 +212,8 @@ def test_generate_static_engine_decodes_the_reference_on_the_engine(capsys, monk
 
     calls = []
     real = hf_sparsekv.compare.timed_generate
-    monkeypatch.setattr(hf_sparsekv.compare, "timed_generate", lambda m, ids, **kw: calls.append(kw) or real(m, ids, **kw))
+    monkeypatch.setattr(hf_sparsekv.compare, "timed_generate",
+                        lambda m, ids, **kw: calls.append(kw) or real(m, ids, **kw))
     argv = ["generate", "--pair", "--mode", "window", "--budget", "64", "--static-engine",
             "--prompt-lookup-num-tokens", "5", "--max-new-tokens", "8", "--device", "cpu"]
     assert hf_sparsekv_cli.main(argv) == 0
