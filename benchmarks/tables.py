@@ -25,6 +25,8 @@ BENCHMARKS = ROOT / "BENCHMARKS.md"
 RUNS = {
     "lifecycle": "lifecycle-rent-or-buy-h200-2026-12-03",
     "e2e-16k": "e2e-h200-2026-12-03/never-slower-16k-095687a.json",
+    "e2e-16k-latest": ["rope-h200-2026-12-03/e2e-16k-fused-b1d68a4.json",
+                       "rope-h200-2026-12-03/e2e-16k-fused-c29746b.json", "steps-h200-2026-12-03/e2e-16k-2262244.json"],
     "drafter-prefill": "e2e-h200-2026-12-02/e2e-16k-e6b0d8e.json",
     "e2e-2k": "e2e-h200-2026-12-02/never-slower-2k-a9888b3.json",
     "controller": ["e2e-h200-2026-12-02/fixed-vs-controller-16k-3fc8340.json",
@@ -33,6 +35,7 @@ RUNS = {
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
     "steps-8b": "scale-h200-2026-12-02/scale/scale.json",
+    "steps-8b-latest": "rope-h200-2026-12-03/scale-fused-c29746b.json",
     "acceptance": ["real-cpu-fp32/results.json", "real-chunk-selection-cpu/observe512/results-4k.json",
                    "real-chunk-selection-cpu/observe512/results-8k.json"],
 }
@@ -42,12 +45,14 @@ TABLES = {
     "lifecycle-later-calls": dict(kind="lifecycle_later", files=[f"{RUNS['lifecycle']}/lifecycle.json"]),
     "routed": dict(kind="e2e", files=[RUNS["routed"]], first_call=True),
     "e2e-16k": dict(kind="e2e", files=[RUNS["e2e-16k"]]),
+    "e2e-16k-latest": dict(kind="e2e", files=RUNS["e2e-16k-latest"]),
     "drafter-prefill": dict(kind="e2e", files=[RUNS["drafter-prefill"]]),
     "e2e-2k": dict(kind="e2e", files=[RUNS["e2e-2k"]]),
     "controller": dict(kind="best_fixed", files=RUNS["controller"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
     "steps-8b": dict(kind="steps", files=[RUNS["steps-8b"]]),
+    "steps-8b-latest": dict(kind="steps", files=[RUNS["steps-8b-latest"]]),
     "headline-8b": dict(kind="headline", files=[]),
     "acceptance": dict(kind="acceptance", files=RUNS["acceptance"],
                        only={"real-cpu-fp32/results.json": ["full", "int4"]}),
@@ -132,6 +137,12 @@ def _source(name: str, data: dict, settings: str = "") -> str:
     return f"Source: `benchmarks/results/{name}` ({run})."
 
 
+def _run(name: str, data: dict) -> str:
+    """The tree a run's file name gives (results files are named after it), else the commit its JSON records."""
+    tree = re.search(r"[0-9a-f]{7}$", Path(name).stem)
+    return tree.group(0) if tree else data.get("commit", "?")
+
+
 def _e2e_settings(data: dict) -> str:
     s = data.get("settings", {})
     opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in ("contexts", "docs", "repeats", "new_tokens") if k in s)
@@ -207,7 +218,7 @@ def e2e(spec: dict, results: Path) -> str:
                                         "× our graph AR", "τ", "peak GiB"]
             lines = _head(*cols, *["identical"] * (not by_batch), *["first call (s)"] * bool(first))
         for s in rows:
-            cells = [d.get("commit", "?")] * several + [
+            cells = [_run(name, d)] * several + [
                 s["batch"] if by_batch else _k(s["context"]), method_name(s["method"]), _num(s["tokens_per_s"], 0),
                 _num(s.get("vs_hf_static")), _num(s.get("vs_graph_ar")), _num(s.get("tau")), _num(s.get("peak_gib"))]
             if not by_batch:
