@@ -36,6 +36,7 @@ RUNS = {
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
     "steps-8b": "scale-h200-2026-12-02/scale/scale.json",
     "steps-8b-latest": "rope-h200-2026-12-03/scale-fused-c29746b.json",
+    "drop-in": "chunk-selection-cpu/observe/real-8192.json",
     "acceptance": ["real-cpu-fp32/results.json", "real-chunk-selection-cpu/observe512/results-4k.json",
                    "real-chunk-selection-cpu/observe512/results-8k.json"],
 }
@@ -54,6 +55,7 @@ TABLES = {
     "steps-8b": dict(kind="steps", files=[RUNS["steps-8b"]]),
     "steps-8b-latest": dict(kind="steps", files=[RUNS["steps-8b-latest"]]),
     "headline-8b": dict(kind="headline", files=[]),
+    "drop-in": dict(kind="drop_in", files=[RUNS["drop-in"]]),
     "acceptance": dict(kind="acceptance", files=RUNS["acceptance"],
                        only={"real-cpu-fp32/results.json": ["full", "int4"]}),
 }
@@ -83,6 +85,8 @@ PARTS = {
     r"selfchunk-(\d+)": "self-drafting, chunk {0}",
     r"useless": "a drafter that never agrees", r"full": "full drafter cache",
 }
+CACHES = {"observed": "chunk budget, observed selection (the default)", "window": "sink + window",
+          "cumulative": "chunk budget, cumulative score (the paper's)"}
 SUFFIXES = {"eagerprefill": "eager prefill", "nocompile": "uncompiled", "lookup": "with prompt lookup as a branch"}
 STEPS = {
     "ar": "AR step, 8B", "verify-6": "verify step, 6 tokens, 8B", "draft-full": "1B draft step, full cache",
@@ -131,7 +135,7 @@ def _load(name: str, results: Path) -> dict:
 
 def _source(name: str, data: dict, settings: str = "") -> str:
     meta = data.get("settings", {}) if "gpu" not in data and "device" not in data else data
-    gpu = meta.get("gpu") or meta.get("device") or "?"
+    gpu = meta.get("gpu") or meta.get("device") or ("CPU" if meta.get("cpu") else "?")
     more = f"; {settings}" if settings else ""
     run = f"{gpu}, {meta.get('date', '?')}, commit {meta.get('commit', '?')}{more}"
     return f"Source: `benchmarks/results/{name}` ({run})."
@@ -319,8 +323,29 @@ def acceptance(spec: dict, results: Path) -> str:
     return "\n".join(lines + [""] + sources)
 
 
+def drop_in(spec: dict, results: Path) -> str:
+    """chunk_selection.py's drop-in runs: teacher-forced top-1 agreement with the full cache of the verifier on each
+    cache (``ChunkBudgetCache`` with a selection, or the sink + window), mean over the documents, by budget."""
+    lines, sources = [], []
+    for name in spec["files"]:
+        d = _load(name, results)
+        cells: dict = {}
+        for key, value in d["drop_in"].items():
+            length, budget, cache = key.split("/")
+            cells.setdefault((int(length), cache), {})[int(budget)] = sum(value["top1"]) / len(value["top1"])
+        budgets = sorted({b for row in cells.values() for b in row})
+        if not lines:
+            lines = _head("prompt", "cache", *(f"B = {b}" for b in budgets))
+        for (length, cache), row in cells.items():
+            lines.append(_row([_k(length), CACHES.get(cache, f"`{cache}`"), *(_num(row.get(b), 3) for b in budgets)]))
+        s = d["settings"]
+        sources.append(_source(name, d, f"{s.get('pair')} pair, {s.get('dtype')}, documents {s.get('document_names')}, "
+                                         f"{s.get('new_tokens')} tokens teacher-forced"))
+    return "\n".join(lines + [""] + sources)
+
+
 KINDS = dict(lifecycle=lifecycle, lifecycle_later=lifecycle_later, e2e=e2e, best_fixed=best_fixed, steps=steps,
-             headline=headline, acceptance=acceptance)
+             headline=headline, acceptance=acceptance, drop_in=drop_in)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
 
 
