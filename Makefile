@@ -33,8 +33,7 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The CPU suites run on every core (pytest-xdist), one torch thread a process: its cases are tiny models whose time
-# is the host's Python, so two processes on 2 cores take about 0.6x one process with two threads (9 against 13-16
-# minutes on this project's 2-core machine, 2026-12-01).
+# is the host's Python, so a process a core beats one process with a thread a core. pytest prints counts and time.
 TEST_WORKERS ?= auto
 CPU_PYTEST = OMP_NUM_THREADS=1 $(1) -m pytest -n $(TEST_WORKERS)
 
@@ -42,7 +41,7 @@ test: $(STAMP)
 	$(call CPU_PYTEST,$(PY)) tests
 
 # The opt-in cases (marker `extended`, skipped by `make test`): the grids' further random cases, the exact sampling
-# distributions of most modes, the Triton kernels under TRITON_INTERPRET=1; about 20 more minutes on 2 idle cores.
+# distributions of most modes, the Triton kernels under TRITON_INTERPRET=1.
 test-extended: $(STAMP)
 	HF_SPARSEKV_EXTENDED=1 $(call CPU_PYTEST,$(PY)) tests -m extended --durations=10
 
@@ -77,8 +76,7 @@ zoo: $(STAMP)
 
 # On a CUDA machine: the GPU tests (graph path, kernels at real sizes); the slow cases separately.
 # Spread over CUDA_WORKERS processes on the one GPU (pytest-xdist, test by test): most of its time is compiling
-# kernels and steps on the host's cores (H200, 2026-12-03: 66 s on 8 workers test by test; 248 s a file to a worker,
-# where test_cuda.py's cases all ran in one process).
+# kernels and steps on the host's cores, so test by test (--dist load) spreads it best.
 CUDA_WORKERS ?= 8
 test-cuda: $(STAMP)
 	$(PY) -m pytest tests -m "cuda and not slow" -n $(CUDA_WORKERS) --dist load --durations=10
@@ -167,6 +165,10 @@ bench-bundled: $(STAMP)
 # (projections dashed), read from the committed JSON of benchmarks/results/; no GPU. ARGS adds options (--results).
 headline-plot: $(STAMP)
 	$(PY) benchmarks/headline.py --out docs/headline.png $(ARGS)
+
+# BENCHMARKS.md's tables, rewritten from the results JSON each names (benchmarks/tables.py's TABLES); no GPU.
+tables: $(STAMP)
+	$(PY) benchmarks/tables.py $(ARGS)
 
 # Real model shapes (random weights), 16K-128K, every method against its bandwidth floor (issue 30; tens of minutes).
 bench-scale: $(STAMP)

@@ -27,7 +27,7 @@ from pathlib import Path
 from hf_sparsekv.generation.controller import interpolated, widths
 
 RESULTS = Path(__file__).resolve().parent / "results"
-# the real pair's τ at γ = 5 on its 8K prompts (BENCHMARKS.md, "Real-weight acceptance"); int4: every context
+# the real pair's τ at γ = 5 on its 8K prompts (BENCHMARKS.md, "Real-pair acceptance"); int4: every context
 DEFAULT_TAU = {"chunk-1024": 3.00, "window-1024": 2.86, "full": 3.00, "int4": 5.73}
 STEPS = RESULTS / "scale-h100-2026-11-26" / "steps.json"  # ar, verify-4, verify-6, the 1B drafter's forwards
 INT4_STEPS = RESULTS / "quant-8b-h100-2026-11-27b" / "scale-8b-b1.json"  # ar, int4-verify, int4-w4-draft

@@ -1,7 +1,9 @@
 """The headline plot: decoding speed (generated tokens per second) against context at Llama-3.1-8B shape, batch 1,
 one NVIDIA H100, for HF's static-cache AR, our graph AR and each speculative mode. No GPU and no model: it only
-reads JSON results already committed under ``benchmarks/results/`` (the runs ``BENCHMARKS.md`` cites in "Plain
-decoding at 8B shape" and "Speculation per mode at 8B shape") and writes a PNG and a table.
+reads JSON results already committed under ``benchmarks/results/`` and writes a PNG and a table (the table is
+``BENCHMARKS.md``'s "8B shape: measured and projected tokens/s", written by ``benchmarks/tables.py``; the runs are
+described in ``benchmarks/results/HISTORY.md``, "Plain decoding at 8B shape" and "Speculation per mode at 8B
+shape").
 
 Weights are random bf16 tensors of the published Llama-3.1-8B verifier and Llama-3.2-1B drafter shapes: these runs
 measure costs, never acceptance. Every number drawn is read from a JSON file or derived from JSON numbers as follows.
@@ -9,7 +11,7 @@ measure costs, never acceptance. Every number drawn is read from a JSON file or 
 Measured end to end (solid lines). ``bench-scale``'s JSON holds ``seconds`` per generated token (a long minus a
 short run from the same prompt, so the prefill cancels); tokens/s = 1 / seconds:
 
-* ``grouped-linear-h100-2026-11-26/e2e.json`` (16K, 128K; BENCHMARKS.md run a, commit 4feb810) and
+* ``grouped-linear-h100-2026-11-26/e2e.json`` (16K, 128K; HISTORY.md's run a, commit 4feb810) and
   ``quant-8b-h100-2026-11-27b/scale-8b-hf-static.json`` (32K; run b, 9a16edf + 8c8592d): ``hf-static-ar`` and
   ``graph-ar``. No end-to-end run of the current code was made at 64K, so the lines join 32K to 128K.
 
@@ -33,10 +35,10 @@ mode):
   grouped GEMV, which took 7-11 % off the AR step); τ ``window4-1024`` of the observe512 file (2.86) and
   ``full`` of ``real-cpu-fp32/results.json`` (3.00).
 
-So the drafters' points use the 8K τ, where BENCHMARKS.md's window / full rows average 4K and 8K; divided by the
-captured AR step of the same step file, the int4 points give BENCHMARKS.md's projected speedups (1.44× at 32K). Our
+So the drafters' points use the 8K τ, where HISTORY.md's window / full rows average 4K and 8K; divided by the
+captured AR step of the same step file, the int4 points give HISTORY.md's projected speedups (1.44× at 32K). Our
 end-to-end AR is a few per cent slower than its captured step, so a projection's ratio to that line is a few
-per cent above BENCHMARKS.md's. Prompt lookup is not drawn: its τ is a property of the text (2.86-3.00 on the
+per cent above HISTORY.md's. Prompt lookup is not drawn: its τ is a property of the text (2.86-3.00 on the
 real pair's 4K prompts, 1.34-1.66 at 8K), not of the context.
 
     python benchmarks/headline.py --out docs/headline.png           # make headline-plot

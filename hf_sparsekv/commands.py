@@ -26,8 +26,19 @@ def resolve_generate_args(args, parser) -> None:
         args.tokenizer = args.tokenizer or str(PAIR_DIR / "tokenizer")
     if not args.verifier:
         parser.error("--verifier is required (or --pair for the bundled pair)")
-    if args.mode != "int4" and not args.drafter:
-        parser.error("--drafter is required unless --mode int4 (or --pair for the bundled pair)")
+    if args.mode not in ("int4", "lookup") and not args.drafter:
+        parser.error("--drafter is required unless --mode int4 or lookup (or --pair for the bundled pair)")
+    lookup = args.prompt_lookup_num_tokens
+    if lookup is not None and args.mode == "int4":
+        parser.error("--prompt-lookup-num-tokens: prompt lookup does not run beside --mode int4")
+    if lookup is not None and args.mode != "lookup" and lookup != args.gamma:
+        parser.error(f"--prompt-lookup-num-tokens {lookup} beside a drafter must equal --gamma ({args.gamma}): "
+                     "both branches draft the same number of tokens a round")
+    if args.mode == "lookup" and lookup is None:
+        args.prompt_lookup_num_tokens = args.gamma
+    if args.static_engine and args.mode == "int4":
+        parser.error("--static-engine: the int4 reference decodes on a quantized cache, which the engine's plain "
+                     "decoding does not take")
     args.tokenizer = args.tokenizer or args.verifier
     refuse_missing_model_paths(args, parser)
     refuse_folder_without_tokenizer(args, parser)
@@ -73,7 +84,10 @@ def cmd_generate(args) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     verifier = _load(args.verifier, args.device, args.dtype)
-    drafter = verifier if args.mode == "int4" else _load(args.drafter, args.device, args.dtype)
+    if args.mode in ("int4", "lookup"):  # self-speculation drafts with the verifier; prompt lookup with no model
+        drafter = verifier if args.mode == "int4" else None
+    else:
+        drafter = _load(args.drafter, args.device, args.dtype)
     if args.prompt_file:
         text, source = open(args.prompt_file).read(), args.prompt_file
     elif args.prompt is not None:
@@ -87,9 +101,18 @@ def cmd_generate(args) -> int:
     if args.mode in ("chunk", "window") and ids.shape[1] <= args.budget:
         print(f"(the prompt fits the budget of {args.budget} tokens: the drafter's cache keeps all of it, nothing is "
               "compressed; give a longer prompt or a smaller --budget)")
-    result = compare(verifier, drafter, ids, args.mode, args.budget, args.gamma, args.max_new_tokens)
+    lookup = args.prompt_lookup_num_tokens
+    result = compare(verifier, drafter, ids, args.mode, args.budget, args.gamma, args.max_new_tokens,
+                     lookup=lookup, static_engine=args.static_engine)
     on_gpu = torch.device(args.device).type == "cuda"
-    report(f"{args.mode} (budget {args.budget}, gamma {args.gamma})", result, tokenizer, ids.shape[1], on_gpu)
+    if args.mode == "lookup":
+        name = f"prompt lookup alone (N {lookup})"
+    else:
+        name = f"{args.mode} (budget {args.budget}, gamma {args.gamma}" + (f", prompt lookup N {lookup})" if lookup
+                                                                         else ")")
+    if args.static_engine:
+        name += "; greedy AR on hf_sparsekv's engine (static_engine=True)"
+    report(name, result, tokenizer, ids.shape[1], on_gpu)
     if not on_gpu:
         print(SPEED_ON_CPU)
     return 0 if result["identical_to_ar"] else 1

@@ -17,29 +17,38 @@ def timed_generate(model, ids, **kwargs):
     return out, clock.seconds
 
 
-def greedy_reference(verifier, ids, max_new_tokens: int, mode="full"):
-    """``(sequences, seconds)`` of plain greedy AR; for ``mode == "int4"`` on the INT8 view the self-speculation verifies."""
+def greedy_reference(verifier, ids, max_new_tokens: int, mode="full", static_engine: bool = False):
+    """``(sequences, seconds)`` of plain greedy AR; for ``mode == "int4"`` on the INT8 view the self-speculation
+    verifies; with ``static_engine`` on hf_sparsekv's engine (``generate(static_engine=True)``), else stock's."""
     cache = {cache_keyword(verifier): HierarchicalQuantCache()} if mode == "int4" else {}
-    return timed_generate(verifier, ids, max_new_tokens=max_new_tokens, **cache)
+    engine = {"static_engine": True} if static_engine else {}
+    return timed_generate(verifier, ids, max_new_tokens=max_new_tokens, **cache, **engine)
 
 
-def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_new_tokens: int, reference=None) -> dict:
+def compare(verifier, drafter, ids, mode, budget: int | None, gamma: int, max_new_tokens: int, reference=None,
+            lookup: int | None = None, static_engine: bool = False) -> dict:
     """Run speculative generation on ``ids [1, P]`` and check it against greedy AR; return the figures: the
     ``spec_stats`` fields plus ``identical_to_ar``, ``sequences``, ``ar_seconds``, ``spec_seconds``, ``speedup`` and
     ``summary`` (:meth:`~hf_sparsekv.generation.stats.SpecStats.summary`).
 
     ``mode`` is a ``draft_cache`` value of ``generate()``: "chunk", "window", "full", "int4" (self-speculative) or a
-    cache instance for the drafter; ``budget`` is passed as ``kv_budget`` for "chunk"/"window" only.
-    ``reference`` is a :func:`greedy_reference` result to reuse (same ids, length).
+    cache instance for the drafter, or "lookup" (prompt lookup alone, ``lookup`` tokens a round, no drafter);
+    ``budget`` is passed as ``kv_budget`` for "chunk"/"window" only; ``lookup`` beside a drafter adds prompt lookup
+    as a second branch. ``reference`` is a :func:`greedy_reference` result to reuse (same ids, length);
+    ``static_engine`` decodes the reference on hf_sparsekv's engine.
     """
     spec_args = {"assistant_model": drafter, "num_assistant_tokens": gamma}
-    if mode == "int4":
+    if lookup is not None:
+        spec_args["prompt_lookup_num_tokens"] = lookup
+    if mode == "lookup":  # N drafts every round, as the other modes draft γ (no draft-length controller)
+        spec_args = {"prompt_lookup_num_tokens": lookup or gamma, "num_assistant_tokens_schedule": "constant"}
+    elif mode == "int4":
         spec_args.update(assistant_model=verifier, draft_cache="int4")
     elif mode in ("chunk", "window"):
         spec_args.update(draft_cache=mode, kv_budget=budget)
     else:
         spec_args.update(draft_cache=mode)
-    sequences, ar_seconds = reference or greedy_reference(verifier, ids, max_new_tokens, mode)
+    sequences, ar_seconds = reference or greedy_reference(verifier, ids, max_new_tokens, mode, static_engine)
     out, spec_seconds = timed_generate(
         verifier, ids, max_new_tokens=max_new_tokens, return_dict_in_generate=True, **spec_args
     )

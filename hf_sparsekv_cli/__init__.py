@@ -55,12 +55,21 @@ def _add_generate_arguments(gen: argparse.ArgumentParser) -> None:
                    help="the bundled trained pair (hf_sparsekv/zoo/pair): sets --verifier, --drafter (the "
                         "BudgetDraft-trained one) and --tokenizer unless given")
     g.add_argument("--verifier", help="path or Hub id of the verifier")
-    g.add_argument("--drafter", help="path or Hub id of the drafter (same tokenizer); not needed for --mode int4")
+    g.add_argument("--drafter", help="path or Hub id of the drafter (same tokenizer); not needed for --mode int4 or "
+                                     "lookup")
     g.add_argument("--tokenizer", help="path or Hub id of the tokenizer (default: the verifier's)")
     s = gen.add_argument_group("speculative decoding")
-    s.add_argument("--mode", default="chunk", choices=["chunk", "window", "int4", "full"], help="drafter cache")
+    s.add_argument("--mode", default="chunk", choices=["chunk", "window", "int4", "full", "lookup"],
+                   help="drafter cache; lookup: prompt lookup alone, no drafter")
     s.add_argument("--budget", type=_positive_int, default=256, help="drafter KV budget (chunk/window)")
     s.add_argument("--gamma", type=_positive_int, default=5, help="draft tokens per round")
+    s.add_argument("--prompt-lookup-num-tokens", type=_positive_int, metavar="N",
+                   help="tokens prompt lookup drafts a round from the text itself (generate()'s "
+                        "prompt_lookup_num_tokens): alone with --mode lookup (there: --gamma unless given), else "
+                        "beside the drafter as a second branch (N = --gamma)")
+    s.add_argument("--static-engine", action="store_true",
+                   help="decode the greedy AR reference on hf_sparsekv's engine (generate()'s static_engine=True) "
+                        "instead of stock generate(); both outputs are still compared")
     s.add_argument("--prompt", help="the prompt text (default: the start of a held-out Python source document of the "
                                     "bundled pair, --prompt-tokens long, so that the budget bites)")
     s.add_argument("--prompt-file", help="read the prompt from this file (instead of --prompt)")

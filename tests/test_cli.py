@@ -45,6 +45,9 @@ def test_train_drafter_help_shows_the_defaults(capsys):
     text = " ".join(capsys.readouterr().out.split())
     assert "--seq-len SEQ_LEN T (default: 16384)" in text
     assert "--max-steps MAX_STEPS optimizer steps (default: 5000)" in text
+    # the letters (T, C, B, s, λ) are the paper's: --help names it and says what each stands for
+    assert "BudgetDraft: Acceptance-Aware Multi-View Training for Sparse-KV Speculative Decoding" in text
+    assert "arXiv:2606.00144" in text and "T the training sequence length" in text and "λ·L_C" in text
 
 
 def test_generate_help_shows_every_default(capsys):
@@ -186,3 +189,53 @@ def test_default_prompt_is_a_held_out_document_the_budget_bites_into(capsys):
     assert out.index(tok.decode(doc[-40:])) < out.index("identical to greedy AR: True")
     assert hf_sparsekv_cli.main(base + ["--prompt", "def fibonacci(n):"]) == 0
     assert "the prompt fits the budget of 64 tokens" in capsys.readouterr().out
+
+
+def test_generate_runs_prompt_lookup_alone_without_loading_a_drafter(capsys, monkeypatch):
+    import hf_sparsekv.commands
+
+    loaded = []
+    real_load = hf_sparsekv.commands._load
+    monkeypatch.setattr(hf_sparsekv.commands, "_load", lambda name, *a: loaded.append(name) or real_load(name, *a))
+    argv = ["generate", "--pair", "--mode", "lookup", "--prompt-lookup-num-tokens", "3", "--max-new-tokens", "8",
+            "--device", "cpu"]
+    assert hf_sparsekv_cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert loaded == [str(PAIR_DIR / "verifier")]
+    assert "== prompt lookup alone (N 3)" in out and "identical to greedy AR: True" in out
+
+
+def test_generate_static_engine_decodes_the_reference_on_the_engine(capsys, monkeypatch):
+    """--static-engine: the greedy AR reference is generate(static_engine=True); --prompt-lookup-num-tokens beside
+    the drafter reaches generate() as prompt_lookup_num_tokens."""
+    import hf_sparsekv.compare
+
+    calls = []
+    real = hf_sparsekv.compare.timed_generate
+    monkeypatch.setattr(hf_sparsekv.compare, "timed_generate",
+                        lambda m, ids, **kw: calls.append(kw) or real(m, ids, **kw))
+    argv = ["generate", "--pair", "--mode", "window", "--budget", "64", "--static-engine",
+            "--prompt-lookup-num-tokens", "5", "--max-new-tokens", "8", "--device", "cpu"]
+    assert hf_sparsekv_cli.main(argv) == 0
+    reference, speculative = calls
+    assert reference.get("static_engine") is True and "assistant_model" not in reference
+    assert speculative["prompt_lookup_num_tokens"] == 5 and speculative["draft_cache"] == "window"
+    out = capsys.readouterr().out
+    assert "prompt lookup N 5" in out and "static_engine=True" in out and "identical to greedy AR: True" in out
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--mode", "int4", "--prompt-lookup-num-tokens", "5"], "does not run beside --mode int4"),
+        (["--prompt-lookup-num-tokens", "3"], "must equal --gamma (5)"),
+        (["--mode", "int4", "--static-engine"], "--static-engine: the int4 reference"),
+    ],
+)
+def test_generate_refuses_lookup_and_static_engine_where_they_cannot_run(extra, message, capsys, monkeypatch):
+    import hf_sparsekv.commands
+
+    monkeypatch.setattr(hf_sparsekv.commands, "_load", lambda *a: pytest.fail("a model was loaded"))
+    with pytest.raises(SystemExit) as exit_info:
+        hf_sparsekv_cli.main(["generate", "--pair", *extra])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err

@@ -1,7 +1,9 @@
-"""The examples run as written (on the bundled pair, on CPU), and the batch example's rows equal greedy generate()."""
+"""The examples run as written (on the bundled pair, on CPU), the batch example's rows equal greedy generate(), and
+the prompt-lookup example's default prompt is one where retrieval pays (far fewer verifier forwards than tokens)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +28,6 @@ def test_example_runs_on_the_bundled_pair(script, expect):
         assert proc.stdout.count(expect) == 3 and "False" not in proc.stdout, proc.stdout
     else:
         assert expect in proc.stdout, proc.stdout
+    if script == "prompt_lookup.py":  # its default prompt is one where retrieval drafts well
+        forwards, tokens = map(int, re.search(r"(\d+) verifier forwards for (\d+) tokens", proc.stdout).groups())
+        assert tokens == 16 and forwards <= tokens // 3, proc.stdout

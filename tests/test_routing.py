@@ -233,6 +233,21 @@ def test_static_engine_from_the_generation_config_and_refusals(monkeypatch):
         hf_sparsekv.speculative_generate(model, ids, static_engine=True, kv_budget=16, max_new_tokens=4)
 
 
+def test_a_static_engine_fallback_names_what_the_call_passed(monkeypatch):
+    """The one-time warning of a ``static_engine=True`` call that goes to stock names that argument (and the
+    refused ones), not kv_budget/draft_cache, which the call never passed."""
+    model = tiny_model("llama")
+    warned = []
+    monkeypatch.setattr(registration.logger, "warning_once", warned.append)
+    ids = prompt(25, 3)
+    model.generate(ids, static_engine=True, num_beams=2, max_new_tokens=4, do_sample=False)
+    with pytest.raises(ValueError, match="not used by the model"):  # stock's own answer to an unknown argument
+        model.generate(ids, static_engine=True, max_new_tokens=4, do_sample=False, no_such_argument=1)
+    assert len(warned) == 2 and all("kv_budget" not in w and "draft_cache" not in w for w in warned)
+    assert "num_beams" in warned[0]
+    assert "(static_engine=True): ['no_such_argument']" in warned[1]
+
+
 def test_pipeline_and_text_streamer_on_the_routed_call_and_the_opt_in(capsys):
     from transformers import pipeline
 

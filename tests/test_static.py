@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import random
+import re
 import types
 
 import pytest
@@ -387,6 +388,8 @@ def test_alternating_configurations_keep_their_engines_within_the_memory_budget(
         assert torch.equal(verifier.generate(ids, **extra, **kwargs), expected)
         assert len(static_engine._engines[verifier]) == 1
     assert len(warned) == len(calls) and all(static_engine.ENGINE_MEMORY_ENV in w for w in warned)
+    # it states this machine's budget, not figures measured on another device
+    assert all("0.0 GiB" in w and not re.search(r"H[12]00|\d+K\b|\d s\b", w) for w in warned)
     monkeypatch.setenv(static_engine.ENGINE_MEMORY_ENV, "lots")
     with pytest.raises(ValueError, match="GiB"):  # (a call with the engine's options: no hand-back to stock)
         verifier.generate(ids, assistant_model=drafter, kv_budget=16, **kwargs)

@@ -29,8 +29,8 @@ tokens. Two methods, named by :attr:`ChunkSelection.method`:
 The observed defaults were chosen on held-out documents 0, 1 and 3 of the bundled pair at 2K prompts, and
 ``observe`` then on the real Qwen2.5-Coder-1.5B used drop-in (2K and 4K prompts; 512 voting queries against 128
 raised its top-1 agreement with the full cache from 0.67 / 0.89 to 0.81 / 0.98 at B = 512 / 1024 on 2K prompts and
-left the bundled pair's within one token of 128; ``benchmarks/chunk_selection.py --variant``; BENCHMARKS.md, "Chunk
-selection").
+left the bundled pair's within one token of 128; ``benchmarks/chunk_selection.py --variant``; benchmarks/results/HISTORY.md,
+"Chunk selection").
 
 Both are computed ``block_size`` queries at a time in float32: memory O(block·P) per layer, never P×P.
 """

@@ -449,6 +449,17 @@ def _place_engine_rows(engine, target: DynamicCache, pads: list[int], lengths: l
 
 
 @holding("model", "assistant_model")
+def _asked_for(kv_budget, draft_cache, draft_tree_size, static_engine: bool, lookup, assistant_model) -> str:
+    """The arguments that brought this call to the engine, as its caller passed them (for messages)."""
+    cache = draft_cache if draft_cache is None or isinstance(draft_cache, str) else type(draft_cache).__name__
+    named = [f"{name}={value!r}" for name, value in (("kv_budget", kv_budget), ("draft_cache", cache),
+                                                      ("draft_tree_size", draft_tree_size)) if value is not None]
+    named += ["static_engine=True"] * bool(static_engine) + ["prompt_lookup_num_tokens"] * (lookup is not None)
+    if not named and assistant_model is not None:
+        named.append("assistant_model")
+    return ", ".join(named) or "hf_sparsekv's engine"
+
+
 def speculative_generate(
     model,
     inputs: torch.Tensor | None = None,
@@ -494,7 +505,9 @@ def speculative_generate(
         raise NotImplementedError("synced_gpus is not supported on hf_sparsekv's engine")
     input_ids = kwargs.pop("input_ids", None) if inputs is None else inputs
     if input_ids is None:
-        raise ValueError("input_ids (or inputs) is required with kv_budget/draft_cache")
+        asked = _asked_for(kv_budget, draft_cache, draft_tree_size, static_engine,
+                           kwargs.get("prompt_lookup_num_tokens"), assistant_model)
+        raise ValueError(f"input_ids (or inputs) is required with {asked}")
     attention_mask = kwargs.pop("attention_mask", None)
     token_types = kwargs.pop("token_type_ids", None)
     past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
@@ -513,8 +526,10 @@ def speculative_generate(
     row_kwargs = dict(kwargs)  # what each row gets when a batch is decoded row by row
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
     if unused:
-        raise NotImplementedError(f"arguments for the model's forward are not supported with kv_budget/draft_cache "
-                                  f"(or prompt lookup on the engine): {sorted(unused)}")
+        asked = _asked_for(kv_budget, draft_cache, draft_tree_size, static_engine, config.prompt_lookup_num_tokens,
+                           assistant_model)
+        raise NotImplementedError(f"arguments for the model's forward are not supported on hf_sparsekv's engine "
+                                  f"({asked}): {sorted(unused)}")
     lookup = config.prompt_lookup_num_tokens is not None
     alone = lookup and assistant_model is None and kv_budget is None and draft_cache is None  # stock's prompt lookup
     plain = static_engine and assistant_model is None and not lookup  # plain decoding on the engine

@@ -26,9 +26,9 @@ class TrainingConfig:
     ``"observed"`` (the inference cache's default: recent window + sinks + observation-window scores);
     ``per_kv_head`` as in ``ChunkBudgetCache``. The training default is the paper's score because it trains the
     better drafter for the observed inference cache: on the bundled pair, the same 650-step run with observed views
-    reached acceptance 0.13-0.21 and with cumulative views 0.20-0.28 (4K-16K, every budget; BENCHMARKS.md,
-    "BudgetDraft retrained"). Observed views keep the recent tokens, so the sparse branch sees nearly what the full
-    branch sees and adds little to L_A.
+    reached acceptance 0.13-0.21 and with cumulative views 0.20-0.28 (4K-16K, every budget;
+    benchmarks/results/HISTORY.md, "BudgetDraft retrained"). Observed views keep the recent tokens, so the sparse
+    branch sees nearly what the full branch sees and adds little to L_A.
 
     Optimisation: AdamW(``lr``, ``weight_decay``), linear warm-up over ``warmup_steps`` then cosine decay to 0 at
     ``max_steps``, gradient norm clipped at ``clip_norm``, batch size 1 (per process).

@@ -18,6 +18,12 @@ from ..caches.chunk_selection import METHODS
 from .config import LOSSES, TrainingConfig
 
 PAPER = TrainingConfig()
+BUDGETDRAFT_NOTATION = """\
+The letters below are the notation of the BudgetDraft paper (He et al., "BudgetDraft: Acceptance-Aware
+Multi-View Training for Sparse-KV Speculative Decoding", arXiv:2606.00144); the defaults are its §3.5's:
+T the training sequence length and C its continuation (the prompt is P = T - C); B the sparse branch's KV
+budgets and w their sampling weights; s the chunk size; L = L_A + λ·L_C the loss, L_A acceptance-aware on
+the full cache, L_C multi-view on the sparse caches."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -37,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="verifier weights (frozen; the default depends on whether CUDA is available)")
     g.add_argument("--drafter-dtype", default="float32", help="drafter weights (trained; paper: float32)")
 
-    t = parser.add_argument_group("BudgetDraft (defaults: paper §3.5)")
+    t = parser.add_argument_group("BudgetDraft", BUDGETDRAFT_NOTATION)
     t.add_argument("--seq-len", type=int, default=PAPER.seq_len, help="T")
     t.add_argument("--continuation-len", type=int, default=PAPER.continuation_len, help="C (P = T - C)")
     t.add_argument("--prefill-chunk", type=int, default=PAPER.prefill_chunk, help="tokens per chunked-prefill forward")
