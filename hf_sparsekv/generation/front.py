@@ -448,7 +448,6 @@ def _place_engine_rows(engine, target: DynamicCache, pads: list[int], lengths: l
                       len(cache.layers))
 
 
-@holding("model", "assistant_model")
 def _asked_for(kv_budget, draft_cache, draft_tree_size, static_engine: bool, lookup, assistant_model) -> str:
     """The arguments that brought this call to the engine, as its caller passed them (for messages)."""
     cache = draft_cache if draft_cache is None or isinstance(draft_cache, str) else type(draft_cache).__name__
@@ -460,6 +459,7 @@ def _asked_for(kv_budget, draft_cache, draft_tree_size, static_engine: bool, loo
     return ", ".join(named) or "hf_sparsekv's engine"
 
 
+@holding("model", "assistant_model")
 def speculative_generate(
     model,
     inputs: torch.Tensor | None = None,
