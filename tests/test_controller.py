@@ -16,7 +16,7 @@ import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
     CALL_PRIOR, CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, EXPLORE_SHARE_CALLS, LONG_DECAY, PLAIN_DRIFT,
-    PREFILL, TRUST, WINDOW, ControllerMemory, DraftController, widths,
+    PREFILL, TRUST, VERIFY_COST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, prompt, record_plain_reads, tiny_model
@@ -50,7 +50,9 @@ def test_widths_are_the_ladder_up_to_gamma():
 def test_a_perfect_cheap_drafter_drafts_the_widest_width():
     ctl = DraftController(8)
     chosen = _run(ctl, 1.0, linear(1.0, 0.05), 60)
-    assert chosen[:6] == [0, 0, 0, 1, 2, 8]  # TRUST plain steps, the two narrowest widths, then the best by the model
+    # TRUST plain steps (the prior, a drafting step as costly as a plain step, says no), a probe at the narrowest
+    # width, then the best by the model (width 8 costs at most 1 draft's implied cost more per draft)
+    assert chosen[:5] == [0, 0, 0, 1, 8]
     assert chosen[-40:] == [8] * 40
 
 
@@ -129,69 +131,79 @@ def test_a_slow_first_sample_of_the_second_width_does_not_lock_the_first_in():
     assert rate[top] >= 0.95 * max(rate.values()), ({g: settled.count(g) for g in set(settled)}, rate)
 
 
-def test_unmeasured_widths_are_interpolated_between_measured_ones():
+def test_unmeasured_widths_are_bounded_by_the_measured_ones():
     ctl = DraftController(8)
     ctl.observe(0, [], 1.0)
-    ctl.observe(8, [8], 3.0)
+    ctl.observe(8, [8], 3.0)  # 2 over 8 drafts: at most 0.25 a draft (a round's own cost is not negative)
     assert ctl.round_seconds(4) == pytest.approx(2.0)
-    ctl.observe(2, [2], 1.2)  # two drafting widths: their slope alone (0.3 a draft), never below a plain step
-    assert ctl.round_seconds(1) == pytest.approx(1.0)
-    assert ctl.round_seconds(5) == pytest.approx(1.2 + 1.8 * 3 / 6)
-    ctl.observe(1, [1], 1.5)
-    assert ctl.round_seconds(12) == pytest.approx(3.0 + 1.5 / 7 * 4)
+    ctl.observe(2, [2], 1.2)  # at most 0.1 a draft: each width past 2 at most 1.2 + 0.1 a draft
+    assert ctl.round_seconds(1) == pytest.approx(1.0)  # (never below a plain step)
+    assert ctl.round_seconds(5) == pytest.approx(1.2 + 0.1 * 3)
+    ctl.observe(2, [2], 5.0)  # a slow sample moves nothing: the width's time is its window's low end
+    assert ctl.round_seconds(5) == pytest.approx(1.2 + 0.1 * 3)
+    for _ in range(TRUST):
+        ctl.observe(8, [8], 3.0)
+    ctl.observe(4, [4], 1.3)
+    assert ctl.round_seconds(8) == pytest.approx(3.0)  # a trusted width: its own time
+    assert ctl.round_seconds(6) == pytest.approx(1.3 + 0.05 * 2)  # (0.05 a draft from 2 to 4)
 
 
 def _round_seconds_by_definition(ctl: DraftController, g: int):
-    """t(g) as the controller's docstring defines it, from its samples alone: each width's median of its kept samples;
-    a plain step's own; a drafting width interpolated (or extrapolated) from the trusted drafting widths once two are
-    trusted, else from the drafting widths once two are measured, else from every measured width; while one width w is
-    trusted and drafting it beats plain steps, no other width above t(w); never below a plain step."""
-    medians = {w: statistics.median(v) for w, v in ctl.samples.items() if w >= 0 and v}
+    """t(g) as the controller's docstring defines it, from its samples alone: each width's low quantile of its kept
+    samples (the ((n - 1) // 4)-th smallest); a plain step's own (with none, the least t(w) / (1 + prior w), with
+    nothing measured 1); a trusted drafting width its own; else the least of: the line through the trusted drafting
+    widths once two are, else the measured ones (two or more); each narrower measured width's time plus the slope
+    per draft (with neither it nor a narrower one measured, a plain step's plus the slope per draft); each wider or equal measured width's
+    time. The slope: the least of the prior's, each measured width's (t(w) - t0) / w and each pair's, not below 0.
+    Never below a plain step."""
+    lows = {w: sorted(v)[(len(v) - 1) // 4] for w, v in ctl.samples.items() if w >= 0 and v}
+    prior = ctl.draft_cost + VERIFY_COST
+    drafting = {w: t for w, t in lows.items() if w > 0}
+    t0 = lows[0] if 0 in lows else min([t / (1 + prior * w) for w, t in drafting.items()] or [1.0])
     if g == 0:
-        return medians.get(0)
-    drafting = {w: t for w, t in medians.items() if w > 0}
+        return t0
+    if len(ctl.samples.get(g, ())) >= TRUST:
+        return max(lows[g], t0)
+    slopes = [prior * t0] + [(t - t0) / w for w, t in drafting.items()]
+    slopes += [(drafting[b] - drafting[a]) / (b - a) for a in drafting for b in drafting if a < b]
+    slope = max(min(slopes), 0.0)
     trusted = {w: t for w, t in drafting.items() if len(ctl.samples[w]) >= TRUST}
-    base = trusted if len(trusted) >= 2 else drafting if len(drafting) >= 2 else medians
-    if g in base:
-        t = base[g]
-    elif not base:
-        return None
-    else:
+    base = trusted if len(trusted) >= 2 else drafting
+    bounds = [t + slope * (g - w) if w < g else t for w, t in drafting.items()]
+    if not any(w <= g for w in drafting):
+        bounds.append(t0 + slope * g)
+    if len(base) >= 2:
         lower, upper = [w for w in base if w < g], [w for w in base if w > g]
-        if lower and upper:
+        if g in base:
+            bounds.append(base[g])
+        elif lower and upper:
             a, b = max(lower), min(upper)
-            t = base[a] + (base[b] - base[a]) * (g - a) / (b - a)
-        elif len(base) == 1:
-            t = next(iter(base.values()))
+            bounds.append(base[a] + (base[b] - base[a]) * (g - a) / (b - a))
         else:
             a, b = min(base), max(base)
-            slope = max((base[b] - base[a]) / (b - a), 0.0)
             anchor = b if g > b else a
-            t = max(base[anchor] + slope * (g - anchor), 1e-9)
-    if len(trusted) == 1 and g not in trusted:
-        (w, tw), = trusted.items()
-        if 0 not in medians or ctl.expected_tokens(w) * medians[0] > tw:
-            t = min(t, tw)
-    return t if 0 not in medians else max(t, medians[0])
+            bounds.append(max(base[anchor] + max((base[b] - base[a]) / (b - a), 0.0) * (g - anchor), 1e-9))
+    return max(min(bounds), t0)
 
 
 def test_round_times_follow_their_definition_whatever_was_measured():
-    """Random sets of measured widths, sample counts (below and at TRUST) and times, plain steps measured or not: every
-    width's t(g), and its rate, equal the docstring's definition computed from the samples."""
+    """Random sets of measured widths, sample counts (below and past TRUST) and times, plain steps measured or not,
+    priors of every drafting cost: every width's t(g), and its rate, equal the docstring's definition computed from
+    the samples."""
     g_rng = torch.Generator().manual_seed(7)
     for case in range(300):
-        ctl = DraftController(8)
+        ctl = DraftController(8, draft_cost=float(torch.rand((), generator=g_rng)) * 1.2)
         widths_seen = [w for w in (0, 1, 2, 3, 4, 6, 8) if float(torch.rand((), generator=g_rng)) < 0.5]
         for w in widths_seen:
-            for _ in range(int(torch.randint(1, TRUST + 2, (), generator=g_rng))):
+            for _ in range(int(torch.randint(1, WINDOW + 2, (), generator=g_rng))):
                 seconds = 1.0 + w * 0.1 + float(torch.rand((), generator=g_rng))
                 ctl.observe(w, [int(torch.randint(0, w + 1, (), generator=g_rng))] if w else [], seconds)
                 ctl.again = None
         for g in range(0, 11):
             expected = _round_seconds_by_definition(ctl, g)
             got = ctl.round_seconds(g)
-            assert (got is None) == (expected is None) and (got is None or got == pytest.approx(expected)), (case, g)
-            if g <= 8 and got is not None:
+            assert got == pytest.approx(expected), (case, g)
+            if g <= 8:
                 assert ctl.rate(g) == pytest.approx(ctl.expected_tokens(g) / got)
 
 
@@ -492,8 +504,8 @@ class _Scripted(DraftController):
     # them), and after more than γ + 1 and more than a catch-up block of them (lag catch-ups first)
     TREE_SCRIPT = [8, 8, 0, 8, 0, 0, 8] + [0] * 12 + [8, 8]
 
-    def __init__(self, gamma, fixed=None, memory=None, choices=None, lag_block=1):
-        super().__init__(gamma, fixed, memory, choices, lag_block)
+    def __init__(self, gamma, fixed=None, memory=None, choices=None, lag_block=1, draft_cost=1.0):
+        super().__init__(gamma, fixed, memory, choices, lag_block, draft_cost)
         self._script = itertools.cycle(self.TREE_SCRIPT if choices else self.SCRIPT)
 
     def choose(self, allowed=None, remaining=None):
@@ -506,9 +518,9 @@ class _Scripted(DraftController):
     def plain_steps(self, most):
         return min(most, 3)  # several plain steps to a sync, and still many switches
 
-    def observe(self, g, accepted, seconds, rounds=1, caught_up=0, prefilled=0):
+    def observe(self, g, accepted, seconds, rounds=1, caught_up=0, prefilled=0, each=None):
         self.bursts.append(rounds)
-        super().observe(g, accepted, seconds, rounds, caught_up, prefilled)
+        super().observe(g, accepted, seconds, rounds, caught_up, prefilled, each)
 
     bursts: list = []  # the plain steps of each observed round, over every instance (reset by the fixture)
 
@@ -924,7 +936,7 @@ def _call(memory: ControllerMemory, accept_prob: float, seconds, new_tokens: int
         while a < g and float(torch.rand((), generator=rng)) < accept_prob:
             a += 1
         prefilled, ctl.deferred = (ctl.deferred, 0) if g else (0, ctl.deferred)
-        ctl.observe(g, [a], seconds(g) + ctl._median(PREFILL) * prefilled, 1, 0, prefilled)
+        ctl.observe(g, [a], seconds(g) + ctl._low(PREFILL) * prefilled, 1, 0, prefilled)
         tried += [(i, float(i < a)) for i in range(min(a + 1, g))]
         chosen.append(g)
         made += a + 1
@@ -1017,6 +1029,7 @@ def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_dra
         assert not forwards and set(short.spec_stats.width_rounds) == {0}
         assert memory.samples[PREFILL] == [1000.0]  # (no prefill ran: nothing learnt)
         memory.samples[PREFILL] = learnt
+        memory.samples[0] = [10.0] * WINDOW  # (the short call's plain steps, each a sample on a CPU, replaced them)
         again = verifier.generate(ids, max_new_tokens=12, **kw)
     finally:
         hook.remove()
@@ -1047,13 +1060,14 @@ def test_the_first_plain_steps_of_an_engine_are_queued_too(monkeypatch):
     """The plain bursts that measure a plain step before the first probes are queued like every later plain run (each
     read after the next burst is launched), so their samples hold no host wait between bursts: unqueued, they read
     0.47 ms a step on an H200 where the queued steps took 0.34, and a controller that then always drafts never
-    corrects it."""
+    corrects it. (A self-drafter: the prior prices its drafting step as a plain step, so plain steps are measured
+    first; a cheap drafter drafts from the first round.)"""
     static_engine.release_engines()
-    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    verifier = tiny_model("llama")
     ids = prompt(50, seed=2)
     reads, drafts = record_plain_reads(monkeypatch)
     kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
-    out = verifier.generate(ids, assistant_model=drafter, kv_budget=32, **kwargs)
+    out = verifier.generate(ids, assistant_model=verifier, kv_budget=32, **kwargs)
     static_engine.release_engines()
     assert torch.equal(out, verifier.generate(ids, **kwargs))
     measuring = reads[: drafts[0]]  # the reads before the first probe
