@@ -1,0 +1,148 @@
+"""The draft-length controller on CPU against every constant γ and plain greedy decoding, idle or loaded.
+
+A tiny random Llama (2 layers, hidden 64, float64: the tests' ``tiny_model``), greedy, ``--new-tokens`` new tokens:
+
+* ``retrieval``: a prompt of a 23-token motif repeated ``--repeats-of-motif`` times, prompt lookup
+  (``prompt_lookup_num_tokens=8``): once the model's own continuation repeats, every draft is accepted;
+* ``useless``: a separate random drafter (1 layer) on a full cache, whose drafts the verifier almost never accepts.
+
+Per case: plain ``generate()``, each constant γ in ``--gammas`` (``num_assistant_tokens``) and the controller,
+interleaved (one call of each per repeat, after ``--warmup`` calls of each), the median seconds per call; the
+controller's engine keeps what it learnt across the calls, as a user's would. ``--load N`` starts N busy processes
+(``while 1: pass``) for the measurement and kills them after. Every speculative output is checked against plain
+greedy. Prints a table and writes ``controller_cpu.json`` under ``--out``.
+
+    python benchmarks/controller_cpu.py --out runs/controller-cpu --load 0
+    python benchmarks/controller_cpu.py --out runs/controller-cpu --load 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import hf_sparsekv
+
+VOCAB = 96
+
+
+def tiny_llama(layers: int, hidden: int, seed: int) -> LlamaForCausalLM:
+    """A random Llama of ``layers`` layers, as the tests build it (float64, spread logits)."""
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=4 if hidden >= 64 else 2, num_key_value_heads=2 if hidden >= 64 else 1,
+                         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                         tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).eval().to(torch.float64)
+    with torch.no_grad():
+        model.get_output_embeddings().weight.mul_(8.0)
+    return model
+
+
+def cases(verifier, drafter, motif_repeats: int, gammas: list[int]) -> dict:
+    """case -> (prompt [1, P], {method: generate() keyword arguments}); method "plain" has none."""
+    g = torch.Generator().manual_seed(0)
+    motif = torch.randint(3, VOCAB, (1, 23), generator=g)
+    random_prompt = torch.randint(3, VOCAB, (1, 23 * motif_repeats), generator=g)
+    constant = dict(num_assistant_tokens_schedule="constant")  # (a constant γ; the controller: no schedule given)
+    lookup = {"plain": {}, **{f"gamma {k}": dict(prompt_lookup_num_tokens=k, **constant) for k in gammas},
+              "controller": dict(prompt_lookup_num_tokens=8)}
+    model = {"plain": {}, **{f"gamma {k}": dict(assistant_model=drafter, draft_cache="full", num_assistant_tokens=k)
+                             for k in gammas},
+             "controller": dict(assistant_model=drafter, draft_cache="full")}  # (at most 8 drafts a round)
+    return {"retrieval": (motif.repeat(1, motif_repeats), lookup), "useless": (random_prompt, model)}
+
+
+def busy(n: int) -> list[subprocess.Popen]:
+    """``n`` processes spinning on a core each."""
+    return [subprocess.Popen([sys.executable, "-c", "while 1: pass"], start_new_session=True) for _ in range(n)]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats: int, warmup: int) -> dict:
+    """Each method's seconds per call (interleaved), its last call's width_rounds, and whether its output was stock
+    greedy's every time."""
+    greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
+    reference = verifier.generate(ids, **greedy).sequences
+    seconds = {m: [] for m in methods}
+    widths, identical = {}, {m: True for m in methods}
+    for repeat in tqdm(range(warmup + repeats), desc="repeats", leave=False):
+        for method, kwargs in methods.items():
+            start = time.perf_counter()
+            out = verifier.generate(ids, **greedy, **kwargs)
+            elapsed = time.perf_counter() - start
+            identical[method] &= torch.equal(out.sequences, reference)
+            if repeat >= warmup:
+                seconds[method].append(elapsed)
+            stats = getattr(out, "spec_stats", None)
+            if stats is not None:
+                widths[method] = {int(k): v for k, v in sorted(stats.width_rounds.items())}
+    return {m: {"median_s": statistics.median(s), "seconds": s, "width_rounds": widths.get(m),
+                "identical": identical[m]} for m, s in seconds.items()}
+
+
+def table(results: dict, load: int) -> str:
+    lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run",
+             "| case | method | s | × plain | × best γ | widths of the last call | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for case, rows in results.items():
+        plain = rows["plain"]["median_s"]
+        best = min(r["median_s"] for m, r in rows.items() if m.startswith("gamma"))
+        for method, row in rows.items():
+            s = row["median_s"]
+            lines.append(f"| {case} | {method} | {s:.3f} | {plain / s:.2f} | {best / s:.2f} | "
+                         f"{row['width_rounds'] or '-'} | {row['identical']} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--repeats-of-motif", type=int, default=8)
+    p.add_argument("--gammas", default="1,2,3,4,6,8")
+    p.add_argument("--load", type=int, default=0, help="busy processes during the measurement")
+    p.add_argument("--cases", default="retrieval,useless")
+    p.add_argument("--out", default="runs/controller-cpu")
+    args = p.parse_args()
+    verifier, drafter = tiny_llama(2, 64, 0), tiny_llama(1, 32, 7)
+    chosen = {k: v for k, v in cases(verifier, drafter, args.repeats_of_motif, [int(g) for g in args.gammas.split(",")])
+              .items() if k in args.cases.split(",")}
+    procs = busy(args.load)
+    try:
+        with torch.no_grad():
+            results = {case: measure(verifier, ids, methods, args.new_tokens, args.repeats, args.warmup)
+                       for case, (ids, methods) in tqdm(chosen.items(), desc="cases")}
+    finally:
+        stop(procs)
+    text = table(results, args.load)
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    record = {"settings": vars(args), "threads": torch.get_num_threads(), "package": hf_sparsekv.__file__,
+              "torch": torch.__version__, "cpus": os.cpu_count(), "results": results}
+    name = f"controller_cpu_load{args.load}"
+    (out / f"{name}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{name}.txt").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
