@@ -77,11 +77,12 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats: int, warmup: int) -> dict:
-    """Each method's seconds per call (interleaved), its last call's width_rounds, and whether its output was stock
-    greedy's every time."""
+    """Each method's seconds per call after the warm-up calls (interleaved), its first call's seconds (a fresh
+    engine, nothing learnt yet: with the engine's one-time costs), its last call's width_rounds, and whether its
+    output was stock greedy's every time."""
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     reference = verifier.generate(ids, **greedy).sequences
-    seconds = {m: [] for m in methods}
+    seconds, first = {m: [] for m in methods}, {}
     widths, identical = {}, {m: True for m in methods}
     for repeat in tqdm(range(warmup + repeats), desc="repeats", leave=False):
         for method, kwargs in methods.items():
@@ -91,23 +92,27 @@ def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats
             identical[method] &= torch.equal(out.sequences, reference)
             if repeat >= warmup:
                 seconds[method].append(elapsed)
+            else:
+                first.setdefault(method, elapsed)
             stats = getattr(out, "spec_stats", None)
             if stats is not None:
                 widths[method] = {int(k): v for k, v in sorted(stats.width_rounds.items())}
-    return {m: {"median_s": statistics.median(s), "seconds": s, "width_rounds": widths.get(m),
-                "identical": identical[m]} for m, s in seconds.items()}
+    return {m: {"median_s": statistics.median(s), "seconds": s, "first_call_s": first.get(m),
+                "width_rounds": widths.get(m), "identical": identical[m]} for m, s in seconds.items()}
 
 
 def table(results: dict, load: int) -> str:
-    lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run",
-             "| case | method | s | × plain | × best γ | widths of the last call | identical |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run; the first "
+             "call (a fresh engine) apart",
+             "| case | method | s | × plain | × best γ | first call s | widths of the last call | identical |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case, rows in results.items():
         plain = rows["plain"]["median_s"]
         best = min(r["median_s"] for m, r in rows.items() if m.startswith("gamma"))
         for method, row in rows.items():
             s = row["median_s"]
-            lines.append(f"| {case} | {method} | {s:.3f} | {plain / s:.2f} | {best / s:.2f} | "
+            first = "-" if row["first_call_s"] is None else f"{row['first_call_s']:.3f}"
+            lines.append(f"| {case} | {method} | {s:.3f} | {plain / s:.2f} | {best / s:.2f} | {first} | "
                          f"{row['width_rounds'] or '-'} | {row['identical']} |")
     return "\n".join(lines)
 
@@ -126,6 +131,8 @@ def main() -> None:
     verifier, drafter = tiny_llama(2, 64, 0), tiny_llama(1, 32, 7)
     chosen = {k: v for k, v in cases(verifier, drafter, args.repeats_of_motif, [int(g) for g in args.gammas.split(",")])
               .items() if k in args.cases.split(",")}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # (killed: the busy processes are stopped too)
+    load_before = os.getloadavg()
     procs = busy(args.load)
     try:
         with torch.no_grad():
@@ -138,7 +145,8 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"settings": vars(args), "threads": torch.get_num_threads(), "package": hf_sparsekv.__file__,
-              "torch": torch.__version__, "cpus": os.cpu_count(), "results": results}
+              "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load_before,
+              "loadavg_after": os.getloadavg(), "results": results}
     name = f"controller_cpu_load{args.load}"
     (out / f"{name}.json").write_text(json.dumps(record, indent=1))
     (out / f"{name}.txt").write_text(text + "\n")

@@ -11,43 +11,59 @@ host work together, so nothing is synchronised for timing) and each live row's a
   towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
   instead of an old estimate that no round corrects. A call starts from each depth's rate over the earlier calls
   (decayed by ``LONG_DECAY`` a trial), weighing ``CALL_PRIOR`` trials, not from where the last call ended: its text
-  is new, and the end of one document (measured: acceptance 0.5 at the end of one, 0.9 over the next) is a poor
-  guess of the next one's start.
-* ``t(g)``: the median of each width's last ``WINDOW`` measured round seconds. A width counts its own median once it
-  has ``TRUST`` samples (one slow sample, such as a graph's first replay or a host hiccup, would otherwise keep a
-  width from ever being chosen and measured again); until then, and for a width never measured, ``t(g)`` is
-  interpolated linearly between the trusted drafting widths (or extrapolated from their per-draft slope; while fewer
-  than two are trusted, from every measured drafting width; but while drafting at the one trusted width beats
-  plain steps, never above that width's time, so that one slow first sample of another width cannot keep it from
-  being tried until it is trusted), never below a plain step.
-  Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
-  fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
-  (compilation, CUDA-graph capture) is not a sample.
+  is new, and the end of one document is a poor guess of the next one's start.
+* ``t(g)``: each width's time is the low quantile of its last ``WINDOW`` measured round seconds (:func:`low`: the
+  least of up to four, the second least of five to eight). Noise only adds time (a host hiccup, another process on
+  the core, a thread waiting for one), so the low end of the window is the step's own cost, where a median of a few
+  samples may be a hiccup. A width counts its own time once it has ``TRUST`` samples; until then, and for a width
+  never measured, ``t(g)`` is the least of its bounds from the measured drafting widths: the line through them
+  (:func:`interpolated`; through the trusted ones once two are), a narrower width's time plus the slope per draft
+  for each extra draft, a wider width's time (more drafts never cost less), its own time so far, and, where neither
+  it nor a narrower width is measured, a plain step's time plus the slope per draft. The slope per draft is the
+  least of the prior's (below), each measured width's ``(t(w) - t0) / w`` (a round's own cost beyond its drafts is
+  not negative) and the slope between any two measured widths, not below 0. So one slow sample of one width moves
+  no other width's time, and a wide width is priced from the narrow ones until it is measured itself (an optimistic
+  price is corrected by the width's own samples; a pessimistic one would never be), but not below
+  ``t0 (1 + VERIFY_COST g)`` (a verification of g + 1 tokens costs a forward and a little more per token: a drafter
+  whose drafts are never accepted does not look free). ``t(g)`` is never below a plain step.
+  The prior, before anything is measured: a round of g drafts costs ``t0 (1 + (draft_cost + VERIFY_COST) g)``, a
+  verification of g + 1 tokens about one forward (on a CPU too) and each draft a drafting step, ``draft_cost`` plain
+  steps (the round loop's :func:`~.rounds.draft_cost`: 0 for retrieval, a separate drafter's layers over the
+  verifier's, 1 for the verifier drafting on its own compressed cache). Where no plain step is measured, ``t0`` is
+  the least that the prior implies from the measured drafting widths, ``t(w) / (1 + (draft_cost + VERIFY_COST) w)``,
+  and where nothing is, 1 (a plain step is the unit: only ratios decide).
+  Plain steps run several to a sync; where they run one after another on the host (a CPU) each step is its own
+  sample (with an even share of the burst's host time), else each burst is one sample of its mean time (a mean of
+  several steps holds a hiccup of any one of them, so its low end would sit above a single drafting round's). A
+  round that ran a step for the first time (compilation, CUDA-graph capture) is not a sample.
 * The switch from plain steps to drafting: the first drafting round after plain rounds also catches the drafter up
   on the positions it missed (a forward over them, or for a self-drafter a copy). That is a cost of the switch, not
   of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
   width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of a catch-up
   step's cost (a step reads up to ``lag_block`` missed positions: its cost is mostly the drafter's forward, not the
-  positions; counted per position, a switch after a few plain rounds priced each at 42 us on an H200, an eighth of
-  a plain step, and no exploration came within a call), which the exploration interval accounts for; and the round
+  positions), which the exploration interval accounts for; and the round
   after it drafts the same width again, a clean sample (so that the width's time stays current while plain steps
   win; an exploration then costs two rounds, both counted in its expected loss).
 
-The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them; queued as
-every plain run is, below), then one round at each of the two narrowest widths (a drafter that cannot pay costs
-little more than a plain step there), then the choice, which tries a wider width as soon as the
-model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
-the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
-exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows, or
-``EXPLORE_SHARE_CALLS`` where drafting that width pays at the acceptance over the earlier calls (a good document
-whose first answer tokens are hard dips this call's estimates: simulated at the H200's costs, such calls ran a median
-of 58 plain rounds of about 75 at 2 %, 18 of about 40 at 5 %; a drafter that pays on no text keeps the smaller
-budget) (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds
-rounds up to ``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
-again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
-again at once, without stopping the queue of plain steps where they still win), and its steps run as greedy AR's
-do: bursts of several steps to a sync, each queued before the host reads the tokens of the one before
-(:meth:`plain_ahead`), so that the device does not wait for the host.
+The first rounds start from what is known: each round takes the width of the best rate, from the first round on,
+at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at first), so that retrieval or a
+cheap drafter that pays at that acceptance drafts at once. Where plain steps win there, they are measured first
+(``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
+narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
+little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
+as the model expects it to win.
+
+While plain steps win, the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so
+that a drafter whose acceptance rises is used again; the interval is set so that an exploration round's expected loss
+stays under ``EXPLORE_SHARE`` of the plain rounds it follows, or ``EXPLORE_SHARE_CALLS`` where drafting that width pays
+at the acceptance over the earlier calls (a good document whose first answer tokens are hard dips this call's estimates,
+and should draft again within the call; a drafter that pays on no text keeps the smaller budget) (and within
+``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
+``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed again (only the
+plain step's time is observed meanwhile; a move of its time by more than ``PLAIN_DRIFT`` decides again at once, without
+stopping the queue of plain steps where they still win), and its steps run as greedy AR's do: bursts of several steps to
+a sync, each queued before the host reads the tokens of the one before (:meth:`plain_ahead`), so that the device does
+not wait for the host.
 
 What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
@@ -87,13 +103,14 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_SHARE_CALLS = 0.05  # ... where the acceptance over earlier calls says drafting pays (this call's may be a dip)
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
-PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
+PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
 
 def median(values: list[float]) -> float:
-    """The median of a short list (cheaper than :func:`statistics.median`; it runs after every round)."""
+    """The median of a short list (cheaper than :func:`statistics.median`; for the benchmarks: the controller takes
+    each window's :func:`low` quantile)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
@@ -257,8 +274,9 @@ class DraftController:
 
     def round_seconds(self, g: int) -> float:
         """t(g) (see the module docstring): a plain step's time (g = 0), a drafting width's own once it has TRUST
-        samples, else the least of its bounds (:meth:`_bounds`); never below a plain step; kept until the next
-        observation. While nothing is measured it is in units of a plain step (the prior alone)."""
+        samples, else the least of its bounds (:meth:`_bounds`), but at least t0 (1 + VERIFY_COST g); never below a
+        plain step; kept until the next observation. While nothing is measured it is in units of a plain step (the
+        prior alone)."""
         times = self._times
         if g in times:
             return times[g]
@@ -269,17 +287,17 @@ class DraftController:
             t = t0
         elif len(self.samples.get(g, ())) >= TRUST:
             t = self.seconds[g]
-        else:
-            t = min(self._bounds(g))
+        else:  # (a verification of g + 1 tokens costs at least one forward, a little more per token)
+            t = max(min(self._bounds(g)), t0 * (1.0 + VERIFY_COST * g))
         times[g] = t = max(t, t0)
         return t
 
     def _bounds(self, g: int) -> list[float]:
-        """What an untrusted width ``g``'s time is at most, from the measured drafting widths' times: the line
-        through the base widths (two or more; :func:`interpolated`), a narrower width's time plus the slope per
-        extra draft (with neither it nor a narrower width measured, a plain step's plus the slope per draft), a wider width's time
-        (more drafts never cost less), its own time so far. Noise only adds time, so one slow sample of one width
-        moves none of the others' bounds."""
+        """What an untrusted width ``g``'s time is at most, from the measured drafting widths' times: the line through
+        the base widths (two or more; :func:`interpolated`), a narrower width's time plus the slope per extra draft
+        (with neither it nor a narrower width measured, a plain step's plus the slope per draft), a wider width's time
+        (more drafts never cost less), its own time so far. Noise only adds time, so one slow sample of one width moves
+        none of the others' bounds."""
         t0, slope, base, known, drafting = self._basis_kept
         bounds = [interpolated(base, g, known)] if len(known) >= 2 else []
         bounds += [t + slope * (g - w) if w < g else t for w, t in drafting.items()]
