@@ -6,11 +6,15 @@ A tiny random Llama (2 layers, hidden 64, float64: the tests' ``tiny_model``), g
   (``prompt_lookup_num_tokens=8``): once the model's own continuation repeats, every draft is accepted;
 * ``useless``: a separate random drafter (1 layer) on a full cache, whose drafts the verifier almost never accepts.
 
-Per case: plain ``generate()``, each constant γ in ``--gammas`` (``num_assistant_tokens``) and the controller,
-interleaved (one call of each per repeat, after ``--warmup`` calls of each), the median seconds per call; the
-controller's engine keeps what it learnt across the calls, as a user's would. ``--load N`` starts N busy processes
-(``while 1: pass``) for the measurement and kills them after. Every speculative output is checked against plain
-greedy. Prints a table and writes ``controller_cpu.json`` under ``--out``.
+Per case: plain ``generate()``, each constant γ in ``--gammas`` (prompt lookup: ``prompt_lookup_num_tokens=γ``;
+the drafter: ``num_assistant_tokens=γ``; both with the constant schedule) and the controller (no schedule, at most 8),
+the median seconds per call over ``--repeats`` after ``--warmup`` calls of each. ``--order interleaved`` (default):
+one call of each method per repeat; a model keeps one engine (one configuration), so every call then builds a fresh
+engine and the controller starts each call from nothing (its cold start, where the constant γ pays the same engine
+build). ``--order grouped``: each method's calls in a row, so the engine and what the controller learnt persist from
+call to call, as in a user's loop. ``--load N`` starts N busy processes (``while 1: pass``) for the measurement and
+kills them after. Every output is checked against stock greedy. Prints a table and writes
+``controller_cpu_load<N>[_grouped].json`` and the table as ``.txt`` under ``--out``.
 
     python benchmarks/controller_cpu.py --out runs/controller-cpu --load 0
     python benchmarks/controller_cpu.py --out runs/controller-cpu --load 2
@@ -76,34 +80,37 @@ def stop(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats: int, warmup: int) -> dict:
-    """Each method's seconds per call after the warm-up calls (interleaved), its first call's seconds (a fresh
-    engine, nothing learnt yet: with the engine's one-time costs), its last call's width_rounds, and whether its
-    output was stock greedy's every time."""
+def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats: int, warmup: int,
+            grouped: bool = False) -> dict:
+    """Each method's seconds per call after the warm-up calls, its first call's seconds (with the process's one-time
+    costs), its last call's width_rounds, and whether its
+    output was stock greedy's every time. ``grouped``: each method's calls in a row (else one of each in turn)."""
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     reference = verifier.generate(ids, **greedy).sequences
     seconds, first = {m: [] for m in methods}, {}
     widths, identical = {}, {m: True for m in methods}
-    for repeat in tqdm(range(warmup + repeats), desc="repeats", leave=False):
-        for method, kwargs in methods.items():
-            start = time.perf_counter()
-            out = verifier.generate(ids, **greedy, **kwargs)
-            elapsed = time.perf_counter() - start
-            identical[method] &= torch.equal(out.sequences, reference)
-            if repeat >= warmup:
-                seconds[method].append(elapsed)
-            else:
-                first.setdefault(method, elapsed)
-            stats = getattr(out, "spec_stats", None)
-            if stats is not None:
-                widths[method] = {int(k): v for k, v in sorted(stats.width_rounds.items())}
+    calls = [(r, m) for m in methods for r in range(warmup + repeats)] if grouped else \
+        [(r, m) for r in range(warmup + repeats) for m in methods]
+    for repeat, method in tqdm(calls, desc="calls", leave=False):
+        kwargs = methods[method]
+        start = time.perf_counter()
+        out = verifier.generate(ids, **greedy, **kwargs)
+        elapsed = time.perf_counter() - start
+        identical[method] &= torch.equal(out.sequences, reference)
+        if repeat >= warmup:
+            seconds[method].append(elapsed)
+        else:
+            first.setdefault(method, elapsed)
+        stats = getattr(out, "spec_stats", None)
+        if stats is not None:
+            widths[method] = {int(k): v for k, v in sorted(stats.width_rounds.items())}
     return {m: {"median_s": statistics.median(s), "seconds": s, "first_call_s": first.get(m),
                 "width_rounds": widths.get(m), "identical": identical[m]} for m, s in seconds.items()}
 
 
 def table(results: dict, load: int) -> str:
     lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run; the first "
-             "call (a fresh engine) apart",
+             "(warm-up) call apart",
              "| case | method | s | × plain | × best γ | first call s | widths of the last call | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case, rows in results.items():
@@ -126,6 +133,7 @@ def main() -> None:
     p.add_argument("--gammas", default="1,2,3,4,6,8")
     p.add_argument("--load", type=int, default=0, help="busy processes during the measurement")
     p.add_argument("--cases", default="retrieval,useless")
+    p.add_argument("--order", choices=("interleaved", "grouped"), default="interleaved")
     p.add_argument("--out", default="runs/controller-cpu")
     args = p.parse_args()
     verifier, drafter = tiny_llama(2, 64, 0), tiny_llama(1, 32, 7)
@@ -136,18 +144,19 @@ def main() -> None:
     procs = busy(args.load)
     try:
         with torch.no_grad():
-            results = {case: measure(verifier, ids, methods, args.new_tokens, args.repeats, args.warmup)
+            results = {case: measure(verifier, ids, methods, args.new_tokens, args.repeats, args.warmup,
+                                     args.order == "grouped")
                        for case, (ids, methods) in tqdm(chosen.items(), desc="cases")}
     finally:
         stop(procs)
-    text = table(results, args.load)
+    text = f"order: {args.order}\n" + table(results, args.load)
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"settings": vars(args), "threads": torch.get_num_threads(), "package": hf_sparsekv.__file__,
               "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load_before,
               "loadavg_after": os.getloadavg(), "results": results}
-    name = f"controller_cpu_load{args.load}"
+    name = f"controller_cpu_load{args.load}" + ("_grouped" if args.order == "grouped" else "")
     (out / f"{name}.json").write_text(json.dumps(record, indent=1))
     (out / f"{name}.txt").write_text(text + "\n")
 
