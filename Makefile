@@ -183,6 +183,12 @@ bench-batch: $(STAMP)
 bench-cpu: $(STAMP)
 	$(PY) benchmarks/cpu_path.py --out runs/cpu-path $(or $(ARGS),--context 3072 --new-tokens 64)
 
+# The draft-length controller on CPU (issue 82): plain greedy, each constant γ and the controller, perfect retrieval and a
+# useless drafter, on an idle CPU and with 2 busy processes beside it (~3 minutes).
+bench-controller-cpu: $(STAMP)
+	$(PY) benchmarks/controller_cpu.py --out runs/controller-cpu --load 0 $(ARGS)
+	$(PY) benchmarks/controller_cpu.py --out runs/controller-cpu --load 2 $(ARGS)
+
 # The full-precision decode kernel against SDPA-flash at Llama-3-8B shape, after a launch-settings sweep (CUDA).
 bench-decode-kernel: $(STAMP)
 	$(PY) benchmarks/decode_kernel.py --out runs/decode-kernel $(or $(ARGS),--sweep)

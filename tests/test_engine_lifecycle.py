@@ -129,11 +129,13 @@ def compiled_later(monkeypatch, fresh_engines):
     monkeypatch.setattr(graph_steps, "COMPILE_BACKEND", "aot_eager")
 
 
-@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16)], ids=["ar", "chunk"])
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16, num_assistant_tokens=3)],
+                         ids=["ar", "chunk"])
 def test_steps_compile_once_uncompiled_calls_have_taken_long_enough(compiled_later, call):
     """A model's first calls run uncompiled steps and compile nothing; once their time passes
     ``HF_SPARSEKV_COMPILE_AFTER`` the next call compiles the steps (not the prefill), and later calls compile nothing
-    more.
+    more. (A constant γ: every call runs the same steps; the controller may run a step in a later call that the
+    compiling call did not, which compiles on its first run.)
     Every call's tokens are stock greedy's (float32)."""
     model = copy.deepcopy(tiny_model("llama"))
     spec = dict(call)

@@ -11,43 +11,59 @@ host work together, so nothing is synchronised for timing) and each live row's a
   towards the rate pooled over all depths by ``SHRINK`` trials, so a depth rarely tried follows the pooled rate
   instead of an old estimate that no round corrects. A call starts from each depth's rate over the earlier calls
   (decayed by ``LONG_DECAY`` a trial), weighing ``CALL_PRIOR`` trials, not from where the last call ended: its text
-  is new, and the end of one document (measured: acceptance 0.5 at the end of one, 0.9 over the next) is a poor
-  guess of the next one's start.
-* ``t(g)``: the median of each width's last ``WINDOW`` measured round seconds. A width counts its own median once it
-  has ``TRUST`` samples (one slow sample, such as a graph's first replay or a host hiccup, would otherwise keep a
-  width from ever being chosen and measured again); until then, and for a width never measured, ``t(g)`` is
-  interpolated linearly between the trusted drafting widths (or extrapolated from their per-draft slope; while fewer
-  than two are trusted, from every measured drafting width; but while drafting at the one trusted width beats
-  plain steps, never above that width's time, so that one slow first sample of another width cannot keep it from
-  being tried until it is trusted), never below a plain step.
-  Plain steps run several to a sync, so their time per step holds less host time than a drafting round's and only
-  fills in while fewer than two drafting widths are measured. A round that ran a step for the first time
-  (compilation, CUDA-graph capture) is not a sample.
+  is new, and the end of one document is a poor guess of the next one's start.
+* ``t(g)``: each width's time is the low quantile of its last ``WINDOW`` measured round seconds (:func:`low`: the
+  least of up to four, the second least of five to eight). Noise only adds time (a host hiccup, another process on
+  the core, a thread waiting for one), so the low end of the window is the step's own cost, where a median of a few
+  samples may be a hiccup. A width counts its own time once it has ``TRUST`` samples; until then, and for a width
+  never measured, ``t(g)`` is the least of its bounds from the measured drafting widths: the line through them
+  (:func:`interpolated`; through the trusted ones once two are), a narrower width's time plus the slope per draft
+  for each extra draft, a wider width's time (more drafts never cost less), its own time so far, and, where neither
+  it nor a narrower width is measured, a plain step's time plus the slope per draft. The slope per draft is the
+  least of the prior's (below), each measured width's ``(t(w) - t0) / w`` (a round's own cost beyond its drafts is
+  not negative) and the slope between any two measured widths, not below 0. So one slow sample of one width moves
+  no other width's time, and a wide width is priced from the narrow ones until it is measured itself (an optimistic
+  price is corrected by the width's own samples; a pessimistic one would never be), but not below
+  ``t0 (1 + VERIFY_COST g)`` (a verification of g + 1 tokens costs a forward and a little more per token: a drafter
+  whose drafts are never accepted does not look free). ``t(g)`` is never below a plain step.
+  The prior, before anything is measured: a round of g drafts costs ``t0 (1 + (draft_cost + VERIFY_COST) g)``, a
+  verification of g + 1 tokens about one forward (on a CPU too) and each draft a drafting step, ``draft_cost`` plain
+  steps (the round loop's :func:`~.rounds.draft_cost`: 0 for retrieval, a separate drafter's layers over the
+  verifier's, 1 for the verifier drafting on its own compressed cache). Where no plain step is measured, ``t0`` is
+  the least that the prior implies from the measured drafting widths, ``t(w) / (1 + (draft_cost + VERIFY_COST) w)``,
+  and where nothing is, 1 (a plain step is the unit: only ratios decide).
+  Plain steps run several to a sync; where they run one after another on the host (a CPU) each step is its own
+  sample (with an even share of the burst's host time), else each burst is one sample of its mean time (a mean of
+  several steps holds a hiccup of any one of them, so its low end would sit above a single drafting round's). A
+  round that ran a step for the first time (compilation, CUDA-graph capture) is not a sample.
 * The switch from plain steps to drafting: the first drafting round after plain rounds also catches the drafter up
   on the positions it missed (a forward over them, or for a self-drafter a copy). That is a cost of the switch, not
   of the width: such a round is no sample of its width (else one exploration after a long plain run would make the
   width look slow for good, and drafting would never resume). Its time beyond ``t(g)`` is a sample of a catch-up
   step's cost (a step reads up to ``lag_block`` missed positions: its cost is mostly the drafter's forward, not the
-  positions; counted per position, a switch after a few plain rounds priced each at 42 us on an H200, an eighth of
-  a plain step, and no exploration came within a call), which the exploration interval accounts for; and the round
+  positions), which the exploration interval accounts for; and the round
   after it drafts the same width again, a clean sample (so that the width's time stays current while plain steps
   win; an exploration then costs two rounds, both counted in its expected loss).
 
-The first rounds measure cheaply: plain steps (``TRUST`` samples: every choice is weighed against them; queued as
-every plain run is, below), then one round at each of the two narrowest widths (a drafter that cannot pay costs
-little more than a plain step there), then the choice, which tries a wider width as soon as the
-model expects it to win. While plain steps win, the controller drafts once every ``explore_every`` plain rounds at
-the best drafting width, so that a drafter whose acceptance rises is used again; the interval is set so that an
-exploration round's expected loss stays under ``EXPLORE_SHARE`` of the plain rounds it follows, or
-``EXPLORE_SHARE_CALLS`` where drafting that width pays at the acceptance over the earlier calls (a good document
-whose first answer tokens are hard dips this call's estimates: simulated at the H200's costs, such calls ran a median
-of 58 plain rounds of about 75 at 2 %, 18 of about 40 at 5 %; a drafter that pays on no text keeps the smaller
-budget) (and within ``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds
-rounds up to ``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed
-again (only the plain step's time is observed meanwhile; a move of its median by more than ``PLAIN_DRIFT`` decides
-again at once, without stopping the queue of plain steps where they still win), and its steps run as greedy AR's
-do: bursts of several steps to a sync, each queued before the host reads the tokens of the one before
-(:meth:`plain_ahead`), so that the device does not wait for the host.
+The first rounds start from what is known: each round takes the width of the best rate, from the first round on,
+at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at first), so that retrieval or a
+cheap drafter that pays at that acceptance drafts at once. Where plain steps win there, they are measured first
+(``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
+narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
+little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
+as the model expects it to win.
+
+While plain steps win, the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so
+that a drafter whose acceptance rises is used again; the interval is set so that an exploration round's expected loss
+stays under ``EXPLORE_SHARE`` of the plain rounds it follows, or ``EXPLORE_SHARE_CALLS`` where drafting that width pays
+at the acceptance over the earlier calls (a good document whose first answer tokens are hard dips this call's estimates,
+and should draft again within the call; a drafter that pays on no text keeps the smaller budget) (and within
+``EXPLORE_MIN..EXPLORE_MAX`` rounds; while the drafter's prefill is pending, its cost adds rounds up to
+``PREFILL_EXPLORE_MAX``). Until that exploration the choice of plain steps stands without being computed again (only the
+plain step's time is observed meanwhile; a move of its time by more than ``PLAIN_DRIFT`` decides again at once, without
+stopping the queue of plain steps where they still win), and its steps run as greedy AR's do: bursts of several steps to
+a sync, each queued before the host reads the tokens of the one before (:meth:`plain_ahead`), so that the device does
+not wait for the host.
 
 What a controller learns (round times, acceptance, the plain rounds since the last draft) is kept by the engine
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
@@ -69,14 +85,17 @@ same (sampling).
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
 LADDER = (1, 2, 3, 4, 6, 8)  # the widths the controller may choose, cut at the engine's γ (which is always one)
 DECAY = 0.95  # weight of the past acceptance counts at each new trial (the same depth; the pooled ones per trial)
 SHRINK = 4.0  # pseudo-trials at the pooled rate in each depth's estimate
-WINDOW = 7  # round times kept per width (the median of these is its time)
-TRUST = 3  # samples before a width's own median is used instead of its neighbours' line
+WINDOW = 7  # round times kept per width (their low quantile, :func:`low`, is its time)
+TRUST = 3  # samples before a width's own time is used instead of the line through the plain step (:meth:`_line`)
+VERIFY_COST = 0.03  # prior: what each draft adds to a verification, as a share of a plain step (g + 1 tokens are
+# verified in about one forward, on a CPU too)
 PRIOR_ACCEPT = 0.6  # a depth's acceptance before any observation
 LONG_DECAY = 0.995  # ... the weight of the past counts at each new trial in the rate over calls
 CALL_PRIOR = 8.0  # the trials that rate weighs at a call's start
@@ -84,16 +103,24 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_SHARE_CALLS = 0.05  # ... where the acceptance over earlier calls says drafting pays (this call's may be a dip)
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
-PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their median time moves by more than this
+PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
 
 def median(values: list[float]) -> float:
-    """The median of a short list (cheaper than :func:`statistics.median`; it runs after every round)."""
+    """The median of a short list (cheaper than :func:`statistics.median`; for the benchmarks: the controller takes
+    each window's :func:`low` quantile)."""
     ordered = sorted(values)
     mid = len(ordered) // 2
     return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
+
+
+def low(values: list[float]) -> float:
+    """A window's low quantile: its ``(n - 1) // 4``-th smallest of ``n`` (the least of up to 4 samples, the second
+    least of 5 to 8). Noise (a host hiccup, a busy core, a thread waiting for a core) only adds time: the low end of
+    the window is the step's own cost, where a median of a few samples may be a hiccup."""
+    return sorted(values)[(len(values) - 1) // 4]
 
 
 def widths(gamma: int) -> tuple[int, ...]:
@@ -195,14 +222,15 @@ class DraftController:
     lagging drafter's catch-up step reads."""
 
     def __init__(self, gamma: int, fixed: int | None = None, memory: ControllerMemory | None = None,
-                 choices: tuple[int, ...] | None = None, lag_block: int = 1):
+                 choices: tuple[int, ...] | None = None, lag_block: int = 1, draft_cost: float = 1.0):
         self.gamma = gamma
         self.lag_block = lag_block
+        self.draft_cost = draft_cost
         self.fixed = fixed
         self.widths = (fixed,) if fixed is not None else choices or widths(gamma)
         self.memory = ControllerMemory(gamma) if memory is None else memory
         self.memory.start_call()
-        self.seconds = {w: median(v) for w, v in self.samples.items() if w >= 0}  # width -> median
+        self.seconds = {w: low(v) for w, v in self.samples.items() if w >= 0}  # width -> its low quantile
         self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._plain_until: tuple[int, float, int] | None = None  # while plain steps win: (the plain run at which
@@ -210,7 +238,7 @@ class DraftController:
         # unless that time moves or a wider width is allowed
         self._rates: dict[int, float] = {}  # rate(g) since the last observation
         self._expected: list[float] | None = None  # E[tokens | g] for g = 0..gamma, since the last observation
-        self._basis_kept: tuple | None = None  # what round_seconds interpolates from (:meth:`_basis`)
+        self._basis_kept: tuple | None = None  # what round_seconds derives from (:meth:`_basis`)
         self._times: dict[int, float | None] = {}  # round_seconds(g) since the last observation
         self.explorations = 0
 
@@ -244,48 +272,63 @@ class DraftController:
             return False
         return _expected([h for _, h in calls[:-1]], [t for t, _ in calls[:-1]], calls[-1])[g] * t0 > tg
 
-    def round_seconds(self, g: int) -> float | None:
-        """t(g) from the round times measured so far (:func:`interpolated`): a drafting width from the drafting
-        widths once two are measured (else from every measured width), and never below a plain step; kept until the
-        next observation."""
-        if g == 0:
-            return self.seconds.get(0)
+    def round_seconds(self, g: int) -> float:
+        """t(g) (see the module docstring): a plain step's time (g = 0), a drafting width's own once it has TRUST
+        samples, else the least of its bounds (:meth:`_bounds`), but at least t0 (1 + VERIFY_COST g); never below a
+        plain step; kept until the next observation. While nothing is measured it is in units of a plain step (the
+        prior alone)."""
         times = self._times
         if g in times:
             return times[g]
         if self._basis_kept is None:
             self._basis_kept = self._basis()
-        base, known, clamp = self._basis_kept
-        t = interpolated(base, g, known)
-        if clamp is not None and g != clamp[0] and t is not None:
-            t = min(t, clamp[1])
-        plain = self.seconds.get(0)
-        times[g] = t = t if t is None or plain is None else max(t, plain)
+        t0 = self._basis_kept[0]
+        if g == 0:
+            t = t0
+        elif len(self.samples.get(g, ())) >= TRUST:
+            t = self.seconds[g]
+        else:  # (a verification of g + 1 tokens costs at least one forward, a little more per token)
+            t = max(min(self._bounds(g)), t0 * (1.0 + VERIFY_COST * g))
+        times[g] = t = max(t, t0)
         return t
 
-    def _basis(self) -> tuple[dict, list, tuple[int, float] | None]:
-        """What :meth:`round_seconds` interpolates from: the trusted drafting widths' medians once two are trusted,
-        else the drafting widths' once two are measured, else every measured width's; their sorted widths; and, while
-        exactly one width is trusted and drafting it beats plain steps, that width and its time, a ceiling for the
-        others (one slow first sample of another width cannot keep it from being tried until it is trusted)."""
-        drafting = {w: s for w, s in self.seconds.items() if w > 0}
-        trusted = {w: s for w, s in drafting.items() if len(self.samples[w]) >= TRUST}
-        clamp = None
-        if len(trusted) >= 2:
-            base = trusted
-        else:
-            base = drafting if len(drafting) >= 2 else self.seconds
-            if len(trusted) == 1:
-                (w, tw), = trusted.items()
-                if 0 not in self.seconds or self.expected_tokens(w) * self.seconds[0] > tw:
-                    clamp = w, tw
-        return base, sorted(base), clamp
+    def _bounds(self, g: int) -> list[float]:
+        """What an untrusted width ``g``'s time is at most, from the measured drafting widths' times: the line through
+        the base widths (two or more; :func:`interpolated`), a narrower width's time plus the slope per extra draft
+        (with neither it nor a narrower width measured, a plain step's plus the slope per draft), a wider width's time
+        (more drafts never cost less), its own time so far. Noise only adds time, so one slow sample of one width moves
+        none of the others' bounds."""
+        t0, slope, base, known, drafting = self._basis_kept
+        bounds = [interpolated(base, g, known)] if len(known) >= 2 else []
+        bounds += [t + slope * (g - w) if w < g else t for w, t in drafting.items()]
+        if not any(w <= g for w in drafting):
+            bounds.append(t0 + slope * g)
+        return bounds
+
+    def _basis(self) -> tuple[float, float, dict, list, dict]:
+        """What :meth:`round_seconds` derives from: ``t0``, a plain step's time (with none measured, the least the
+        prior implies from the drafting widths, t(w) / (1 + (``draft_cost`` + VERIFY_COST) w); with nothing
+        measured, 1); the seconds per draft: the least of the prior's, (``draft_cost`` + VERIFY_COST) t0, each
+        measured width's (t(w) - t0) / w (a round's own cost, beyond its drafts, is not negative), and the slope
+        between any two of them (not below 0); the widths the line runs through
+        (the trusted drafting widths once two are, else the measured ones) and their sorted widths; the measured
+        drafting widths' times."""
+        prior = self.draft_cost + VERIFY_COST
+        drafting = {w: t for w, t in self.seconds.items() if w > 0}
+        t0 = self.seconds.get(0)
+        if t0 is None:
+            t0 = min((t / (1.0 + prior * w) for w, t in drafting.items()), default=1.0)
+        slopes = [(t - t0) / w for w, t in drafting.items()]  # (each at least the cost of a draft)
+        slopes += [(drafting[b] - drafting[a]) / (b - a) for a, b in itertools.combinations(sorted(drafting), 2)]
+        slope = max(min([prior * t0, *slopes]), 0.0)
+        trusted = {w: t for w, t in drafting.items() if len(self.samples[w]) >= TRUST}
+        base = trusted if len(trusted) >= 2 else drafting
+        return t0, slope, base, sorted(base), drafting
 
     def rate(self, g: int) -> float:
-        """E[tokens | g] / t(g) (0 while nothing is measured); kept until the next observation."""
+        """E[tokens | g] / t(g); kept until the next observation."""
         if g not in self._rates:
-            t = self.round_seconds(g)
-            self._rates[g] = 0.0 if t is None else self.expected_tokens(g) / t
+            self._rates[g] = self.expected_tokens(g) / self.round_seconds(g)
         return self._rates[g]
 
     def best_drafting(self) -> int:
@@ -309,14 +352,16 @@ class DraftController:
             if self._plain_stands() and cap <= self._plain_until[2]:
                 return 0
             self._plain_until = None
-        if len(self.samples.get(0, ())) < TRUST:
-            return 0  # first: plain steps (their cost: the yardstick of every choice, so TRUST samples of it)
-        probes = [w for w in self.widths[:2] if w not in self.seconds]
-        if probes:  # then the two narrowest widths (the cost per draft, the first depths' acceptance)
-            return probes[0] if probes[0] <= cap else 0
         best = max(options, key=self.rate)
         if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
-            return best  # (else plain steps, explored now and then: acceptance learnt on other text may be stale)
+            return best  # (from the first round where the prior, or what earlier calls measured, says it pays)
+        if len(self.samples.get(0, ())) < TRUST:
+            return 0  # plain steps win, not yet measured: TRUST samples of them (every choice is weighed against them)
+        probes = [w for w in self.widths[:2] if w not in self.seconds]
+        if probes and sum(w > 0 for w in self.seconds) < 2:  # then the two narrowest widths, where the prior said
+            # no (the cost per draft, the first depths' acceptance; a drafter that cannot pay costs little there)
+            return probes[0] if probes[0] <= cap else 0
+        # (else plain steps, explored now and then: acceptance learnt on other text may be stale)
         until = self.explore_every(best)
         if self.plain_run >= until:
             self.explorations += 1
@@ -378,8 +423,8 @@ class DraftController:
             return EXPLORE_MIN
         rounds = 2 if self.samples.get(CATCH_UP) else 1  # a lagging drafter's exploration: the switch, then a sample
         loss = rounds * max(tg - self.expected_tokens(g) * t0, 0.0)
-        prefill = self._median(PREFILL) * self.deferred
-        step = self._median(CATCH_UP)
+        prefill = self._low(PREFILL) * self.deferred
+        step = self._low(CATCH_UP)
         share = EXPLORE_SHARE_CALLS if self.pays_over_calls(g) else EXPLORE_SHARE
         margin = share * t0 - step / self.lag_block  # what each plain round leaves for the loss
         if margin <= 0:
@@ -396,7 +441,7 @@ class DraftController:
         drafter's prefill of ``prompt_tokens`` over the call's ``remaining`` tokens (:meth:`pays_back`), so that the
         drafter's prefill may wait for the first drafting round (:attr:`deferred`; an exploration due at once makes
         that the first round)."""
-        measured = 0 in self.seconds and all(w in self.seconds for w in self.widths[:2])
+        measured = 0 in self.seconds and any(w > 0 for w in self.seconds)
         if self.fixed is not None or not measured or self.again is not None:
             return False
         best = self.best_drafting()
@@ -407,7 +452,7 @@ class DraftController:
         more than the drafter's prefill of ``prompt_tokens`` costs (its seconds per prompt token learnt,
         :data:`PREFILL`): a short answer after a long prompt is decoded plainly, the drafter never reading the
         prompt. True where nothing is pending or nothing is known of the prefill's cost."""
-        cost = self._median(PREFILL) * prompt_tokens
+        cost = self._low(PREFILL) * prompt_tokens
         if not cost or remaining is None or self.rate(0) <= 0 or self.rate(g) <= 0:
             return True
         return remaining * (1.0 / self.rate(0) - 1.0 / self.rate(g)) > cost
@@ -419,18 +464,21 @@ class DraftController:
             self._keep(PREFILL, seconds / prompt_tokens)
 
     def observe(self, g: int, accepted: list[int], seconds: float | None, rounds: int = 1,
-                caught_up: int = 0, prefilled: int = 0) -> None:
+                caught_up: int = 0, prefilled: int = 0, each: list[float] | None = None) -> None:
         """After a round of ``g`` drafts: each live row's accepted count, and the round's wall-clock seconds (None:
-        not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time;
+        not a timing sample); ``rounds`` plain steps run together count as that many rounds of their mean time, or,
+        where ``each`` gives their own seconds (steps that ran one after another on the host, a CPU's), as that many
+        samples (a mean of several steps holds a hiccup of any one of them: its low quantile would sit above a single
+        round's, which would favour drafting);
         ``caught_up``: the positions the drafter caught up on before drafting (after plain rounds: the switch's
         cost, kept apart from the width's); ``prefilled``: the prompt tokens of the drafter's deferred prefill,
         which ran in this round (likewise)."""
         if seconds is not None and g > 0 and (prefilled or (self.plain_run > 0 and caught_up > 0)):
             t = self.round_seconds(g)
-            if t is not None and g in self.seconds:
+            if g in self.seconds:
                 steps = math.ceil(caught_up / self.lag_block)  # the catch-up steps this round ran
                 if prefilled:
-                    excess = seconds - t - self._median(CATCH_UP) * steps
+                    excess = seconds - t - self._low(CATCH_UP) * steps
                     self._keep(PREFILL, max(excess, 0.0) / prefilled)
                 else:
                     self._keep(CATCH_UP, max(seconds - t, 0.0) / steps)
@@ -444,18 +492,19 @@ class DraftController:
             for a in accepted:
                 self.memory.count(a, g)
         if seconds is not None:
-            self._keep(g, seconds)
+            for sample in each if each is not None else (seconds,):
+                self._keep(g, sample)
 
-    def _median(self, key: int) -> float:
+    def _low(self, key: int) -> float:
         kept = self.samples.get(key)
-        return median(kept) if kept else 0.0
+        return low(kept) if kept else 0.0
 
     def _keep(self, key: int, seconds: float) -> None:
         kept = self.samples.setdefault(key, [])
         kept.append(seconds)
         del kept[:-WINDOW]
         if key >= 0:
-            self.seconds[key] = median(kept)
+            self.seconds[key] = low(kept)
             self._forget_derived()
 
     def _forget_derived(self) -> None:

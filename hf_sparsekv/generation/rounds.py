@@ -79,6 +79,7 @@ class _Tokens:
     def __init__(self, seq: torch.Tensor, n: list[int], k: int, done: list[bool], tail: torch.Tensor | None = None):
         live = [m for m, d in zip(n, done) if not d] or n
         self.n, self.k, self.lo = n, k, min(live)
+        self.each: list[float] | None = None  # the steps' own seconds, where the caller timed them
         hi = min(max(live) + k, seq.shape[1])
         self.width = hi - self.lo
         block = seq[:, self.lo : hi] if tail is None else torch.cat([seq[:, self.lo : hi], tail], 1)
@@ -98,6 +99,20 @@ class _Tokens:
         rows = self.block.tolist()
         return [r[: self.width][max(m - self.lo, 0) : max(m - self.lo, 0) + self.k] + r[self.width :]
                 for r, m in zip(rows, self.n)]
+
+
+def draft_cost(engine: StaticEngine) -> float:
+    """The controller's prior of a drafting step's cost, as a share of a plain step's, before any is measured:
+    retrieval's drafts are a few comparisons (0); a separate drafter's step, its layers over the verifier's (a small
+    model's step costs its layers' launches and reads, each about a verifier layer's at a short context); the
+    verifier drafting on its own compressed cache or quantized store, one step (1)."""
+    if engine.spec.mode == "lookup":
+        return 0.0
+    drafter = engine.drafter
+    if drafter is None or drafter is engine.verifier:
+        return 1.0
+    layers = [getattr(m.config, "num_hidden_layers", None) for m in (drafter, engine.verifier)]
+    return min(layers[0] / layers[1], 1.0) if all(layers) else 1.0
 
 
 def static_speculative_decode(engine: StaticEngine, prompt: torch.Tensor, rules, streamer=None, prefix=None,
@@ -147,7 +162,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
     lagging = engine.lagging
     controller = DraftController(gamma, fixed, engine.controller_memory, (gamma,) if always_tree else None,
-                                 engine.lag_offsets.numel() if lagging else 1)
+                                 engine.lag_offsets.numel() if lagging else 1, draft_cost(engine))
+    synchronous = device.type != "cuda"  # each step runs as it is called: its own time is measured (plain steps)
 
     def accept(row: int, new: list[int]) -> None:
         for token in new:
@@ -204,13 +220,23 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         """The most tokens a live row may still generate."""
         return max(r.max_length - len(t) for r, t, d in zip(rules, tokens, done) if not d)
 
+    def timed_plain(k: int, new: bool = False) -> tuple[bool, list[float] | None]:
+        """``k`` plain verifier steps; whether one was new (captured in this call), and where steps run as they are
+        called (:data:`synchronous`), the seconds of each (else None)."""
+        each = []
+        for _ in range(k):
+            start = time.perf_counter()
+            new |= engine.run_step("ar_step")
+            each.append(time.perf_counter() - start)
+        return new, each if synchronous else None
+
     def launch_plain(k: int, n: list[int]) -> tuple[_Tokens, bool]:
-        """``k`` plain verifier steps from each row's position ``n[b]``, and their tokens on their way to the host;
-        whether the step was new (captured in this call)."""
-        new = engine.run_step("ar_step")
-        for _ in range(1, k):
-            engine.run_step("ar_step")
-        return _Tokens(engine.seq, n, k, done), new
+        """``k`` plain verifier steps from each row's position ``n[b]``, and their tokens on their way to the host
+        (with the steps' own seconds where they ran synchronously, ``each``); whether the step was new."""
+        new, each = timed_plain(k)
+        tokens = _Tokens(engine.seq, n, k, done)
+        tokens.each = each
+        return tokens, new
 
     def plain_run(steps: int, fresh: bool) -> None:
         """Plain steps, ``steps`` (at most ``QUEUED_BURST``) first, then more while the controller's choice of plain
@@ -240,11 +266,19 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     behind[row] += burst.k
             now = time.perf_counter()
             seconds = now - last - queued + carried  # this burst's time, not the next one's queueing
-            controller.observe(0, [0] * len(live), None if fresh else seconds / burst.k, burst.k)
+            controller.observe(0, [0] * len(live), None if fresh else seconds / burst.k, burst.k,
+                               each=shared(burst.each, seconds))
             last, fresh, carried = now, False, queued
             retire_finished()
             burst = None if all(done) else following  # (a burst queued past every row's stop is left to run)
         timer.mark("verify", False)
+
+    def shared(each: list[float] | None, seconds: float) -> list[float] | None:
+        """Each plain step's own seconds with an even share of the rest of the round's ``seconds`` (its host work)."""
+        if each is None:
+            return None
+        rest = max(seconds - sum(each), 0.0) / len(each)
+        return [t + rest for t in each]
 
     def retire_finished() -> None:
         nonlocal retired
@@ -339,17 +373,21 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 fresh = False
                 continue
             timer.mark("verify", True)
+            each = None  # plain steps' own seconds (several to a sync, on a CPU)
             if host:
                 fresh |= engine.run_step("tree_logits" if tree else "verify_logits" if drafting else "ar_logits",
                                          width or None)
                 rounds = host_round(width, rooms, tree)
                 found = engine.report[:, -1].tolist() if lookup or beside else None
             else:
+                start = time.perf_counter()
                 fresh |= engine.run_step("verify_tree" if tree else "verify" if drafting else "ar_step", width or None)
+                each = [time.perf_counter() - start] if synchronous and not drafting else None
                 for i in range(1, steps):
                     if quant is not None:  # each plain step sees its own quantization state (known on the host)
                         flush(quant, i)
-                    engine.run_step("ar_step")
+                    fresh, step_seconds = timed_plain(1, fresh)
+                    each = None if each is None else each + step_seconds
                 if steps > 1 and (lookup or beside):  # each row's tokens from its n on, and the match
                     new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done, engine.report[:, -1:]).read()
                     found = [r[-1] for r in new]
@@ -390,7 +428,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                     # did not)
             now = time.perf_counter()
             controller.observe(width, [rounds[row][0] for row in live], None if fresh else (now - last) / steps, steps,
-                               caught_up, prefilled)
+                               caught_up, prefilled, shared(each, now - last) if steps > 1 else None)
             last, fresh = now, False
             retire_finished()
     engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
