@@ -153,7 +153,10 @@ def main() -> None:
     print(text)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"settings": vars(args), "threads": torch.get_num_threads(), "package": hf_sparsekv.__file__,
+    tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent).stdout.strip()
+    record = {"date": time.strftime("%Y-%m-%d"), "commit": os.environ.get("GIT_COMMIT") or tree or "unknown",
+              "settings": vars(args), "threads": torch.get_num_threads(), "package": hf_sparsekv.__file__,
               "torch": torch.__version__, "cpus": os.cpu_count(), "loadavg_before": load_before,
               "loadavg_after": os.getloadavg(), "results": results}
     name = f"controller_cpu_load{args.load}" + ("_grouped" if args.order == "grouped" else "")

@@ -37,6 +37,8 @@ RUNS = {
     "steps-8b": "scale-h200-2026-12-02/scale/scale.json",
     "steps-8b-latest": "rope-h200-2026-12-03/scale-fused-c29746b.json",
     "drop-in": "chunk-selection-cpu/observe/real-8192.json",
+    "controller-cpu": ["controller-cpu-2026-12-04/controller_cpu_load0.json",
+                       "controller-cpu-2026-12-04/controller_cpu_load2.json"],
     "acceptance": ["real-cpu-fp32/results.json", "real-chunk-selection-cpu/observe512/results-4k.json",
                    "real-chunk-selection-cpu/observe512/results-8k.json"],
 }
@@ -50,6 +52,7 @@ TABLES = {
     "drafter-prefill": dict(kind="e2e", files=[RUNS["drafter-prefill"]]),
     "e2e-2k": dict(kind="e2e", files=[RUNS["e2e-2k"]]),
     "controller": dict(kind="best_fixed", files=RUNS["controller"]),
+    "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
     "steps-8b": dict(kind="steps", files=[RUNS["steps-8b"]]),
@@ -344,7 +347,32 @@ def drop_in(spec: dict, results: Path) -> str:
     return "\n".join(lines + [""] + sources)
 
 
-KINDS = dict(lifecycle=lifecycle, lifecycle_later=lifecycle_later, e2e=e2e, best_fixed=best_fixed, steps=steps,
+def controller_cpu(spec: dict, results: Path) -> str:
+    """``benchmarks/controller_cpu.py`` runs: per case, plain decoding, the best constant γ in hindsight and the
+    controller (median seconds a call), the controller × plain and × that γ, and the widths of its last call."""
+    lines, sources = _head("busy processes", "case", "plain (s)", "best constant γ (s)", "controller (s)",
+                           "× plain", "× best γ", "controller's widths (last call)"), []
+    for name in spec["files"]:
+        d = _load(name, results)
+        for case, methods in d["results"].items():
+            fixed = {k: v for k, v in methods.items() if k.startswith("gamma")}
+            best = min(fixed, key=lambda k: fixed[k]["median_s"])
+            plain, ctl, top = (methods["plain"]["median_s"], methods["controller"]["median_s"],
+                               fixed[best]["median_s"])
+            widths = methods["controller"].get("width_rounds") or {}
+            lines.append(_row([d["settings"].get("load", 0), case, _num(plain, 3),
+                               f"{_num(top, 3)} (γ {best.split()[-1]})", _num(ctl, 3), _num(plain / ctl),
+                               _num(top / ctl), ", ".join(f"{w}: {n}" for w, n in widths.items()) or "–"]))
+        s = d["settings"]
+        date = re.search(r"\d{4}-\d{2}-\d{2}", name)  # (these runs record no date or commit: the folder's date)
+        meta = {"device": f"CPU, {d.get('cpus')} cores, torch {d.get('torch')}", "date": date and date.group(0),
+                "commit": d.get("commit", "not recorded")}
+        sources.append(_source(name, meta, f"{s.get('new_tokens')} new tokens, median of {s.get('repeats')} calls, "
+                                           f"load average {d.get('loadavg_before', [float('nan')])[0]:.1f} before"))
+    return "\n".join(lines + [""] + sources)
+
+
+KINDS = dict(controller_cpu=controller_cpu, lifecycle=lifecycle, lifecycle_later=lifecycle_later, e2e=e2e, best_fixed=best_fixed, steps=steps,
              headline=headline, acceptance=acceptance, drop_in=drop_in)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
 
