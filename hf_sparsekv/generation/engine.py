@@ -292,8 +292,6 @@ class StaticEngine:
                                for device in c.layer_devices if device.type == "cuda"} - {device.index})
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
-        self.ran: set = set()  # the keys of the steps rounds ran (not only captured)
-        self.ran_before: set | None = None  # grown from a shorter engine: the step keys that one ran
         self.controller_memory = ControllerMemory(spec.gamma)  # what the draft-length controller learnt so far
         self.attention_switches = {}  # id(model) -> graph_steps.AttentionSwitch of its calls' attention switch
         self.drafter_deferred = False  # the drafter's prefill waits for a round that drafts (:meth:`prefill`)
@@ -616,7 +614,6 @@ class StaticEngine:
                 if self.use_graphs:
                     self._capture(step)
             if run:
-                self.ran.add(key)
                 new |= step()
         return new
 
@@ -625,10 +622,8 @@ class StaticEngine:
 
     def capture_widths(self, widths: tuple[int, ...]) -> None:
         """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the
-        catch-ups) once, right after a prefill, so that no later round pays a capture; an engine that grew from a
-        shorter one of its configuration only the steps that one ran (:attr:`ran_before`; another width is captured
-        when a round first runs it). Their warm-up runs write only past each row's sequence (restored or overwritten
-        later)."""
+        catch-ups) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
+        past each row's sequence (restored or overwritten later)."""
         if not self.use_graphs:
             return
         if self.lagging:
@@ -645,8 +640,7 @@ class StaticEngine:
                 steps.append(("catch_up", None))  # step's does; a tree's draft step reads up to γ + 1 missed
                 # tokens itself; self-drafting copies every missed token)
             steps.append(("catch_up_lag", None))
-        new = [(name, width) for name, width in steps if self._key(name, width) not in self.steps
-               and (self.ran_before is None or self._key(name, width) in self.ran_before)]
+        new = [(name, width) for name, width in steps if self._key(name, width) not in self.steps]
         for name, width in tqdm(new, desc="hf_sparsekv: compiling and capturing steps", unit="step", leave=False,
                                 disable=not self.compiled or len(new) < 2):
             self.run_step(name, width, run=False)
@@ -955,13 +949,11 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
         max_tokens = _grown(kept, drafter, spec, max_tokens, use_graphs, longest)
         # superseded: the same configuration, too short; then the least recently used past the count
         evicted = [e for e in kept if e.same_configuration(drafter, spec, use_graphs)]
-        ran_before = {key for e in evicted for key in e.ran} if evicted else None
         kept[:] = [e for e in kept if e not in evicted]
         evicted += kept[: max(0, len(kept) - MAX_ENGINES_PER_MODEL + 1)]
         kept[:] = [e for e in kept if e not in evicted]
     _release_graphs(evicted)  # now, also where a caller still holds one of them; and before allocating
     engine = StaticEngine(verifier, drafter, spec, max_tokens, max_new, use_graphs, warpers)
-    engine.ran_before = ran_before
     for model, cache in ((verifier, engine.verifier_cache), (drafter, engine.drafter_cache)):
         if cache is not None:
             for layer, rules in zip(cache.layers, served[id(model)], strict=True):
