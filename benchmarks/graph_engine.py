@@ -59,7 +59,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
-from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, median
+from hf_sparsekv.generation.controller import CATCH_UP, PREFILL
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -103,9 +103,9 @@ def _recorded_stats():
         calls.append(results[0].stats)
         memory = engine.controller_memory  # what the controller knows after the call (why it chose what it did)
         calls[-1].controller = dict(
-            round_ms={w: round(1e3 * median(v), 4) for w, v in memory.samples.items() if w >= 0},
-            prefill_us_per_token=round(1e6 * median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
-            catch_up_us_per_step=(round(1e6 * median(memory.samples[CATCH_UP]), 3) if CATCH_UP in memory.samples
+            round_ms={w: round(1e3 * statistics.median(v), 4) for w, v in memory.samples.items() if w >= 0},
+            prefill_us_per_token=round(1e6 * statistics.median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
+            catch_up_us_per_step=(round(1e6 * statistics.median(memory.samples[CATCH_UP]), 3) if CATCH_UP in memory.samples
                                   else None),
             acceptance=[round(h / t, 3) if t else None for h, t in zip(memory.hits, memory.trials)],
             plain_run=memory.plain_run)

@@ -108,14 +108,6 @@ CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds 
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
 
-def median(values: list[float]) -> float:
-    """The median of a short list (cheaper than :func:`statistics.median`; for the benchmarks: the controller takes
-    each window's :func:`low` quantile)."""
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else 0.5 * (ordered[mid - 1] + ordered[mid])
-
-
 def low(values: list[float]) -> float:
     """A window's low quantile: its ``(n - 1) // 4``-th smallest of ``n`` (the least of up to 4 samples, the second
     least of 5 to 8). Noise (a host hiccup, a busy core, a thread waiting for a core) only adds time: the low end of

@@ -118,14 +118,13 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     graphs)."""
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
-    # (a copy, not a view: a compiled prefill guards on a view's base, which a chat's suffix changes)
-    args = (model, prompt[:, start:].clone(memory_format=torch.contiguous_format), positions, cache, cache_keyword(model))
+    args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
     logits = None
     if compiled and model not in _eager_prefills and prefill_compiles(cache):
         _prefilling.model = model
-        try:
+        try:  # (a contiguous copy, not a view: a compiled prefill guards on a view's base and strides)
             with dynamo_settings():
-                logits = compiled_prefill(*args)
+                logits = compiled_prefill(model, args[1].clone(memory_format=torch.contiguous_format), *args[2:])
         except Exception as error:  # (a real error of the inputs comes back from the eager forward below)
             _eager_prefill(model, f"failed ({type(error).__name__}: {error})")
         finally:
