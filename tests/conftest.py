@@ -153,6 +153,23 @@ def _uncompiled_unless_marked(request, monkeypatch):
     monkeypatch.setattr(graph_steps, "_eager_prefills", weakref.WeakSet())
 
 
+@pytest.fixture(autouse=True)
+def _no_failed_capture_on_cuda(request, caplog):
+    """A CUDA test fails if a CUDA-graph capture failed during it (the engine falls back to uncaptured steps with a
+    warning, so the tokens alone would not tell) or if it leaves CUDA's generator unable to draw."""
+    if "cuda" not in request.keywords or not torch.cuda.is_available():
+        yield
+        return
+    caplog.set_level("WARNING", logger="hf_sparsekv")
+    yield
+    failed = [r.getMessage() for r in caplog.records if "capture failed" in r.getMessage()]
+    assert not failed, f"a CUDA-graph capture failed: {failed[0]}"
+    try:
+        torch.rand(1, device="cuda")
+    except RuntimeError as err:
+        pytest.fail(f"the test left CUDA's generator unable to draw: {err}")
+
+
 @pytest.fixture
 def compiled_steps(monkeypatch):
     """The engine's steps compiled (``HF_SPARSEKV_COMPILE=1``) by torch.compile's tracing (dynamo + AOT autograd)

@@ -170,3 +170,15 @@ def test_token_type_ids_of_a_gpt2_reach_the_engine():
                        **kwargs)
     out = model.generate(ids, token_type_ids=types, assistant_model=model, **kwargs)  # routed: stock's path
     assert torch.equal(out.sequences, reference)
+
+
+@pytest.mark.parametrize("arch,per_call", [("llama@dynamic-ntk", True), ("phi3@longrope", True), ("llama", False),
+                                           ("gemma3_text", False)])
+def test_a_rotary_embedding_that_reads_positions_on_the_host_is_never_captured(arch, per_call):
+    """Dynamic NTK and LongRoPE choose their frequencies from a comparison on the host each call, which a CUDA graph
+    cannot record: such models are known before any capture is tried (a failed capture would leave CUDA's generator
+    marked as capturing); other rotary kinds are captured."""
+    from hf_sparsekv.generation.graph_steps import updates_rotary_per_call
+
+    model = arch_grid.build(arch)
+    assert updates_rotary_per_call(model) is per_call

@@ -38,6 +38,33 @@ def test_a_captured_steps_first_replay_is_reported_and_runs_the_step():
     assert torch.equal(x, torch.full((4,), 3.0, device="cuda"))
 
 
+def test_an_engine_whose_capture_fails_still_samples_after_it(monkeypatch):
+    """A capture that CUDA invalidates (here: a host sync inside it) leaves PyTorch's default generator marked as
+    capturing; the engine's fallback to uncaptured steps releases it, so the call and every later sampled call draw
+    as usual: with top_k=1 the sampled tokens are stock greedy's."""
+    from hf_sparsekv.generation.graph_steps import CapturedStep
+
+    real_run = CapturedStep.run
+
+    def syncing_run(step):  # a step whose capture CUDA invalidates (and only its capture: eager runs sync freely)
+        real_run(step)
+        if torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
+
+    monkeypatch.setattr(CapturedStep, "run", syncing_run)
+    monkeypatch.setattr(static_engine.logger, "warning_once", lambda message: None)  # (the fallback's warning)
+    verifier = _on_cuda("llama")
+    ids = prompt(40, 3).cuda()
+    expected = verifier.generate(ids, max_new_tokens=12, do_sample=False, **NO_EOS)
+    out = verifier.generate(ids, static_engine=True, do_sample=True, top_k=1, max_new_tokens=12, **NO_EOS)
+    assert torch.equal(out, expected)
+    torch.rand(1, device="cuda")  # the generator draws outside any graph
+    monkeypatch.setattr(CapturedStep, "run", real_run)
+    static_engine.release_engines()
+    out = verifier.generate(ids, static_engine=True, do_sample=True, top_k=1, max_new_tokens=12, **NO_EOS)
+    assert torch.equal(out, expected)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window", "int4"])

@@ -101,6 +101,7 @@ from .drafting import (
 )
 from .graph_steps import (
     DEVICE_WIDE, CapturedStep, compiled_step, graphs_setting, prefill_compiles, prefill_pays,
+    release_generator_after_failed_capture, updates_rotary_per_call,
     static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
@@ -663,6 +664,7 @@ class StaticEngine:
                                     "capturing them uncompiled")
                 with DEVICE_WIDE:
                     torch.cuda.synchronize()
+                    release_generator_after_failed_capture()
                 self.compiled, self.compile_failed = False, True
                 step.uncompile()
         try:
@@ -673,6 +675,7 @@ class StaticEngine:
             self.use_graphs = False
             with DEVICE_WIDE:
                 torch.cuda.synchronize()
+                release_generator_after_failed_capture()
 
     # ---- prefill
     def prefill(self, prompts: list[torch.Tensor], host_first=None, prefixes: list | None = None,
@@ -1020,11 +1023,12 @@ def release_engines(model=None) -> None:
 
 def captures(model) -> bool:
     """Whether the engine's steps are captured as CUDA graphs for ``model``: on CUDA unless ``HF_SPARSEKV_GRAPHS=0``
-    (on CPU, and with graphs off, the same steps run eagerly). Checks the engine's other settings too
+    or its rotary embedding reads each call's positions on the host (:func:`~.graph_steps.updates_rotary_per_call`;
+    on CPU, and without graphs, the same steps run eagerly). Checks the engine's other settings too
     (``HF_SPARSEKV_COMPILE``, ``HF_SPARSEKV_COMPILE_AFTER``, ``HF_SPARSEKV_ENGINE_MEMORY``): on every device, a wrong
     value raises ``ValueError``."""
     setting = graphs_setting()
-    use_graphs = model.device.type == "cuda" and setting != "0"
+    use_graphs = model.device.type == "cuda" and setting != "0" and not updates_rotary_per_call(model)
     compile_setting(use_graphs)
     engine_memory_budget(model.device)
     return use_graphs

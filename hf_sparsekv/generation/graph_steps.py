@@ -54,6 +54,34 @@ def dynamo_settings():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True)
 
 
+def release_generator_after_failed_capture(device=None) -> None:
+    """Let CUDA's default generator on ``device`` draw again after a capture that failed.
+
+    PyTorch marks the generator as capturing when a capture begins and unmarks it only when the capture ends cleanly;
+    after a capture that CUDA invalidated, every later random draw outside a graph raises "Offset increment outside
+    graph capture". If a probe draw raises that, the generator takes a copy of its own state (same seed and offset)
+    that is not marked; graphs captured before keep the state they registered."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    try:
+        torch.empty(1, device=device).uniform_()
+    except RuntimeError:
+        generator = torch.cuda.default_generators[index]
+        generator.graphsafe_set_state(generator.clone_state())
+
+
+def updates_rotary_per_call(model) -> bool:
+    """Whether ``model``'s rotary embedding chooses its frequencies from each call's positions (transformers'
+    ``"dynamic"`` NTK scaling and ``"longrope"``): it compares the largest position with a threshold on the host,
+    which a CUDA graph cannot record (the capture would fail), so such a model's steps run uncaptured."""
+    for module in model.modules():
+        kind = getattr(module, "rope_type", None)
+        kinds = kind.values() if isinstance(kind, dict) else [kind]
+        if any(isinstance(k, str) and ("dynamic" in k or k == "longrope") for k in kinds):
+            return True
+    return False
+
+
 def graphs_setting() -> str:
     """``HF_SPARSEKV_GRAPHS``: ``"0"`` run the engine's steps uncaptured, ``"1"``, unset or ``"auto"``: capture them
     as CUDA graphs on CUDA (on CPU they always run uncaptured)."""
