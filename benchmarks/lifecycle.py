@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                         help="prompts of the second loop, each method's in a fresh process (0: none)")
     parser.add_argument("--chat-turns", type=int, default=10, help="turns of the chat (0: none)")
     parser.add_argument("--alternate", default=",".join(ALTERNATED), help="configurations alternated ('': none)")
-    parser.add_argument("--compile", default="auto", choices=("auto", "1", "0"),
+    parser.add_argument("--compile", default="auto", choices=("auto", "1", "light", "0"),
                         help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
     parser.add_argument("--only-long-loop", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
     args = parser.parse_args(argv)

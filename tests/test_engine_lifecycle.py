@@ -158,6 +158,42 @@ def test_steps_compile_once_uncompiled_calls_have_taken_long_enough(compiled_lat
     assert not static_engine.current_engine(model).compiles_prefill  # (prefills compile only from the start)
 
 
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16, num_assistant_tokens=3)],
+                         ids=["ar", "chunk"])
+def test_steps_compile_light_first_then_fully(compiled_later, monkeypatch, call):
+    """Two stages of the rule: past the light share of ``HF_SPARSEKV_COMPILE_AFTER`` the next call traces the steps
+    through the light backend (our rewrites, no Inductor); past the whole, the next call drops them and compiles
+    them fully; a call after compiles nothing. Every call's tokens are stock greedy's (float32)."""
+    from hf_sparsekv.generation import compile_policy, graph_steps
+
+    backends = []
+    for name in ("light_step_backend", "step_backend"):
+        real = getattr(graph_steps, name)
+        monkeypatch.setattr(graph_steps, name, lambda gm, inputs, real=real, name=name: (backends.append(name),
+                                                                                          real(gm, inputs))[1])
+    monkeypatch.setattr(compile_policy, "LIGHT_SHARE", 0.0)
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "3600")
+    model = copy.deepcopy(tiny_model("llama"))
+    spec = dict(call)
+    if "static_engine" not in spec:
+        spec["assistant_model"] = model
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    stages = []
+    for n in (60, 90, 70, 80):
+        if n == 90:  # (the charge at the end of a call decides the next call's stage)
+            monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "0")
+        ids = prompt(n, seed=n)
+        del backends[:]
+        out = model.generate(ids, **spec, **kwargs)
+        assert torch.equal(out, model.generate(ids, **kwargs))
+        engine = static_engine.current_engine(model)
+        stages.append((engine.compiled, engine.light, sorted(set(backends))))
+    assert stages[0] == (False, False, [])
+    assert stages[1][:2] == (True, True) and "step_backend" not in stages[1][2]
+    assert stages[2][:2] == (True, False) and "light_step_backend" not in stages[2][2]
+    assert stages[3] == (True, False, [])
+
+
 def test_uncompiled_calls_are_charged_until_the_threshold(compiled_later, monkeypatch):
     """Below ``HF_SPARSEKV_COMPILE_AFTER`` nothing compiles; the charge is the model's, over its configurations."""
     from hf_sparsekv.generation import compile_policy

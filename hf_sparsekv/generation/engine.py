@@ -305,6 +305,7 @@ class StaticEngine:
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         # steps compiled now (compile_policy: from the first call, or once uncompiled calls have taken long enough)
         self.compiled = False
+        self.light = False  # the compiled steps are light (graph_steps.light_step_backend), not Inductor's
         self.compiles_prefill = False  # prefills compiled too (where prefill_pays and their cache allows)
         self.compile_failed = False  # compiling a step raised: the engine's steps stay uncompiled
         self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
@@ -321,14 +322,15 @@ class StaticEngine:
         return self.compiles_prefill and self._prefill_pays[id(model)]
 
     def compile_if_due(self) -> None:
-        """At a call's start: what :mod:`.compile_policy` compiles now. Steps that ran uncompiled are dropped (with
-        their graphs); the call compiles and captures each anew on first use."""
+        """At a call's start: what :mod:`.compile_policy` compiles now. Steps that ran uncompiled, or light where
+        they are now due to compile fully, are dropped (with their graphs); the call compiles and captures each anew
+        on first use."""
         if not self.spec.compiled or self.compile_failed:
             return
         level = compiles(self.verifier, compile_setting(self.use_graphs))
-        if level is not None and not self.compiled:
+        if level is not None and (not self.compiled or (self.light and level != "light")):
             _release_graphs([self])
-            self.compiled = True
+            self.compiled, self.light = True, level == "light"
             self.controller_memory.samples.clear()  # (round times of the uncompiled steps; acceptances stay)
         self.compiles_prefill = level == "all"
 
@@ -364,7 +366,7 @@ class StaticEngine:
             return
         if self._compiled_draft_token is None:
             self._compiled_draft_token = compiled_step(functools.partial(draft_token, self),
-                                                       self.spec.draft_weights == "int4")
+                                                       self.spec.draft_weights == "int4", self.light)
         self._compiled_draft_token(index)
 
     def _catch_up(self) -> None:
@@ -611,7 +613,8 @@ class StaticEngine:
                 fn = getattr(self, "_" + name)
                 per_token = name == "draft" and not self.grows_tree  # its one-token steps compile on their own
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
-                                                      self.compiled and not per_token, self.devices, on_copies)
+                                                      self.compiled and not per_token, self.devices, on_copies,
+                                                      self.light)
                 if self.use_graphs:
                     self._capture(step)
             if run:
@@ -650,12 +653,19 @@ class StaticEngine:
         # what a step's warm-up changes and a later round reads before writing it again
         restore = tuple(getattr(self, name) for name in ("n", "seq", "seen", "held", "cap")
                         if getattr(self, name, None) is not None)
-        if self.compiled:
+        if self.compiled and self.light:
+            logger.warning_once(
+                "hf_sparsekv: tracing the engine's steps (torch.compile, light: our fused kernels, no code "
+                "generation) before capturing them as CUDA graphs: about a second a step, once per model and "
+                "configuration; they compile fully once calls have run long enough (HF_SPARSEKV_COMPILE=1 compiles "
+                "fully from the first call, 0 never; hf_sparsekv.warmup() pays it ahead)")
+        elif self.compiled:
             logger.warning_once(
                 "hf_sparsekv: compiling the engine's steps (torch.compile) before capturing them as CUDA graphs: "
                 "seconds to a minute, once per model and configuration (kept on disk for later processes); calls "
-                "ran on uncompiled steps until now (HF_SPARSEKV_COMPILE=1 compiles from the first call, 0 never; "
-                "hf_sparsekv.warmup() pays it ahead)")
+                "ran on steps not fully compiled until now (HF_SPARSEKV_COMPILE=1 compiles from the first call, 0 "
+                "never; hf_sparsekv.warmup() pays it ahead)")
+        if self.compiled:
             try:
                 step.capture(restore)
                 return
