@@ -156,6 +156,31 @@ def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
     assert engine.compiled and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
 
 
+@pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 5), ("qwen2", "int4", 3)])
+def test_light_compiled_graph_path_lossless_float32(arch, mode, gamma, monkeypatch):
+    """Steps compiled light (dynamo's graph with our rewrites, PyTorch's kernels for the rest, no Inductor) and
+    captured: the tokens are stock greedy's, and the verifier's linear layers run through our grouped kernel."""
+    from hf_sparsekv.generation import graph_steps
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "light")
+    static_engine.release_engines()
+    rewritten = []
+    real = graph_steps.light_step_backend
+    monkeypatch.setattr(graph_steps, "light_step_backend",
+                        lambda gm, inputs: (real(gm, inputs), rewritten.append(gm.code))[0])
+    verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
+    for seed, length in enumerate((7, 400)):
+        ids = prompt(length, seed).cuda()
+        kwargs = dict(max_new_tokens=48, do_sample=False, **NO_EOS)
+        reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
+        out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
+        assert torch.equal(out, reference), length
+    engine = static_engine.current_engine(verifier)
+    assert engine.compiled and engine.light and all(s.graph is not None for s in engine.steps.values())
+    assert rewritten and any("grouped_linear" in code or "normed_linear" in code for code in rewritten)
+    static_engine.release_engines()
+
+
 @pytest.mark.parametrize("arch,mode", [
     pytest.param(arch, mode, marks=() if BFLOAT16_ARCH.get(mode) == arch else pytest.mark.slow, id=f"{mode}-{arch}")
     for arch in ARCHS for mode in ("chunk", "window", "full", "int4")

@@ -161,9 +161,10 @@ def test_steps_compile_once_uncompiled_calls_have_taken_long_enough(compiled_lat
 @pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16, num_assistant_tokens=3)],
                          ids=["ar", "chunk"])
 def test_steps_compile_light_first_then_fully(compiled_later, monkeypatch, call):
-    """Two stages of the rule: past the light share of ``HF_SPARSEKV_COMPILE_AFTER`` the next call traces the steps
-    through the light backend (our rewrites, no Inductor); past the whole, the next call drops them and compiles
-    them fully; a call after compiles nothing. Every call's tokens are stock greedy's (float32)."""
+    """Two stages of the rule: past what tracing its steps light costs (here 0 s) a configuration's next call traces
+    them through the light backend (our rewrites, no Inductor); past ``HF_SPARSEKV_COMPILE_AFTER``, the next call
+    drops them and compiles them fully; a call after compiles nothing. Every call's tokens are stock greedy's
+    (float32)."""
     from hf_sparsekv.generation import compile_policy, graph_steps
 
     backends = []
@@ -171,7 +172,8 @@ def test_steps_compile_light_first_then_fully(compiled_later, monkeypatch, call)
         real = getattr(graph_steps, name)
         monkeypatch.setattr(graph_steps, name, lambda gm, inputs, real=real, name=name: (backends.append(name),
                                                                                           real(gm, inputs))[1])
-    monkeypatch.setattr(compile_policy, "LIGHT_SHARE", 0.0)
+    monkeypatch.setattr(compile_policy, "LIGHT_FIXED_S", 0.0)
+    monkeypatch.setattr(compile_policy, "LIGHT_STEP_S", 0.0)
     monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "3600")
     model = copy.deepcopy(tiny_model("llama"))
     spec = dict(call)
@@ -334,3 +336,24 @@ def test_a_sampled_chat_turn_draws_as_a_fresh_call_does(fresh_engines):
     static_engine.release_engines(model)
     torch.manual_seed(11)
     assert torch.equal(reused.sequences, model.generate(history, **kwargs))
+
+
+def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
+    """Rent or buy per configuration: light compilation is due once the model's charged time reaches what tracing
+    the configuration's steps costs (more steps, later), never before a configuration ran a step, never after the full
+    stage; the full stage is the model's, at ``HF_SPARSEKV_COMPILE_AFTER``."""
+    from hf_sparsekv.generation import compile_policy
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "30")
+    model = torch.nn.Linear(1, 1)
+    compile_policy.charge(model, 5.0)
+    assert compile_policy.compiles(model, "later", 1) == "light"  # 3 + 1 s
+    assert compile_policy.compiles(model, "later", 14) is None  # 3 + 14 s
+    assert compile_policy.compiles(model, "later", 0) is None
+    compile_policy.charge(model, 13.0)
+    assert compile_policy.compiles(model, "later", 14) == "light"
+    assert compile_policy.light_after(40) == 30.0
+    compile_policy.charge(model, 12.0)
+    assert compile_policy.compiles(model, "later", 0) == "steps"
+    assert compile_policy.compiles(model, "now") == "all" and compile_policy.compiles(model, "light") == "light"
+    assert compile_policy.compiles(model, "never", 14) is None

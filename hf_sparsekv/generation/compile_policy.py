@@ -12,11 +12,12 @@ configuration. There are two ways to compile:
   to a minute per configuration (Inductor's code generation; kept on disk for later processes).
 
 By default (``HF_SPARSEKV_COMPILE`` unset or ``"auto"``, with CUDA graphs) a model's calls start on uncompiled
-captured steps, and each call's time on steps not fully compiled is charged to the model: once the total reaches
-:data:`LIGHT_SHARE` of ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`) the next call
-of every configuration of the model compiles its steps light; once it reaches the whole, fully. This is the
-rent-or-buy rule applied to each stage: whatever the number of calls, the total stays within a small factor of the
-best fixed choice. Prefills stay eager under this rule: compiling a small model's prefill for prompts of every
+captured steps, and each call's time on steps not fully compiled is charged to the model. Once the total reaches what
+tracing a configuration's steps light is expected to cost (:func:`light_after`: a few seconds for plain decoding's one
+step, more for a drafting configuration's dozen), that configuration's next call compiles its steps light; once it
+reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`), every configuration's next
+call compiles them fully. This is the rent-or-buy rule applied to each stage: whatever the number of calls, the total
+stays within a small factor of the best fixed choice. Prefills stay eager under this rule: compiling a small model's prefill for prompts of every
 length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
 
 ``HF_SPARSEKV_COMPILE="1"`` compiles the steps fully and (small models') prefills from the first call, ``"light"``
@@ -34,7 +35,8 @@ import weakref
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_AFTER_ENV = "HF_SPARSEKV_COMPILE_AFTER"
 DEFAULT_COMPILE_AFTER_S = 30.0
-LIGHT_SHARE = 0.1  # light compilation is due at this share of HF_SPARSEKV_COMPILE_AFTER
+LIGHT_FIXED_S = 3.0  # tracing light: dynamo's one-time start in a process, about (bundled pair, H200)
+LIGHT_STEP_S = 1.0  # and per step traced and captured (the 30-layer 135M shape: about 2.5 s)
 LEVELS = (None, "light", "steps", "all")  # what compiles, weakest first
 
 _charged: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> seconds on its uncompiled steps
@@ -73,23 +75,32 @@ def compile_after() -> float:
     return seconds
 
 
-def compiles(model, setting: str) -> str | None:
-    """What ``model``'s engines compile now, under ``setting`` (:func:`compile_setting`): ``"all"`` (steps fully, and
-    prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None (one of :data:`LEVELS`)."""
+def compiles(model, setting: str, steps: int = 0) -> str | None:
+    """What an engine of ``model`` that ran ``steps`` steps compiles now, under ``setting`` (:func:`compile_setting`):
+    ``"all"`` (steps fully, and prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None (one of
+    :data:`LEVELS`). An engine that ran no step yet compiles nothing light (what it would trace is not known)."""
     if setting != "later":
         return {"now": "all", "light": "light"}.get(setting)
     with _lock:
-        return _due.get(model)
+        due = _due.get(model)
+        if due is None and steps and _charged.get(model, 0.0) >= light_after(steps):
+            due = "light"
+        return due
+
+
+def light_after(steps: int) -> float:
+    """Seconds of calls after which a configuration that runs ``steps`` steps traces them light: about what that costs
+    (:data:`LIGHT_FIXED_S` + :data:`LIGHT_STEP_S` a step); never later than the full compilation."""
+    return min(compile_after(), LIGHT_FIXED_S + LIGHT_STEP_S * steps)
 
 
 def charge(model, seconds: float) -> None:
-    """Add ``seconds`` of a call on ``model``'s steps not fully compiled: past :data:`LIGHT_SHARE` of
-    :func:`compile_after` its steps are due to compile light, past the whole fully."""
+    """Add ``seconds`` of a call on ``model``'s steps not fully compiled: past :func:`compile_after` its steps are
+    due to compile fully (the light stage: :func:`compiles`)."""
     with _lock:
         total = _charged[model] = _charged.get(model, 0.0) + seconds
-        due = "steps" if total >= compile_after() else "light" if total >= LIGHT_SHARE * compile_after() else None
-        if LEVELS.index(due) > LEVELS.index(_due.get(model)):
-            _due[model] = due
+        if total >= compile_after() and LEVELS.index("steps") > LEVELS.index(_due.get(model)):
+            _due[model] = "steps"
 
 
 def compile_from_now(model) -> None:

@@ -327,7 +327,7 @@ class StaticEngine:
         on first use."""
         if not self.spec.compiled or self.compile_failed:
             return
-        level = compiles(self.verifier, compile_setting(self.use_graphs))
+        level = compiles(self.verifier, compile_setting(self.use_graphs), len(self.steps))
         if level is not None and (not self.compiled or (self.light and level != "light")):
             _release_graphs([self])
             self.compiled, self.light = True, level == "light"
