@@ -346,6 +346,8 @@ def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
 
     monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "30")
     model = torch.nn.Linear(1, 1)
+    monkeypatch.setattr(compile_policy, "LIGHT_FIXED_S", 3.0)
+    monkeypatch.setattr(compile_policy, "LIGHT_STEP_S", 1.0)
     compile_policy.charge(model, 5.0)
     assert compile_policy.compiles(model, "later", 1) == "light"  # 3 + 1 s
     assert compile_policy.compiles(model, "later", 14) is None  # 3 + 14 s

@@ -35,8 +35,10 @@ import weakref
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_AFTER_ENV = "HF_SPARSEKV_COMPILE_AFTER"
 DEFAULT_COMPILE_AFTER_S = 30.0
-LIGHT_FIXED_S = 3.0  # tracing light: dynamo's one-time start in a process, about (bundled pair, H200)
-LIGHT_STEP_S = 1.0  # and per step traced and captured (the 30-layer 135M shape: about 2.5 s)
+LIGHT_FIXED_S = 6.0  # tracing light: the first configuration in a process, about (bundled pair, H200: an AR call
+# that traced its step took 4.5-8 s)
+LIGHT_STEP_S = 1.0  # and per step traced and captured (bundled pair: 17 s for a routed call's 14; 30-layer 135M
+# shape: about 2.7 s)
 LEVELS = (None, "light", "steps", "all")  # what compiles, weakest first
 
 _charged: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> seconds on its uncompiled steps
