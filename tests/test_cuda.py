@@ -145,6 +145,13 @@ def test_graph_path_self_drafting_lossless_float32(mode):
     pytest.param("qwen2", "full", 1, marks=pytest.mark.slow), pytest.param("llama", "int4", 3, marks=pytest.mark.slow),
 ])
 def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
+    engine = _lossless_on_compiled_graphs(arch, mode, gamma)
+    assert not engine.light
+
+
+def _lossless_on_compiled_graphs(arch: str, mode: str, gamma: int):
+    """Two prompts' greedy tokens on ``mode`` equal stock greedy's; the engine (returned) ran compiled captured
+    steps."""
     verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
     for seed, length in enumerate((7, 400)):
         ids = prompt(length, seed).cuda()
@@ -154,6 +161,7 @@ def test_compiled_graph_path_lossless_float32(arch, mode, gamma):
         assert torch.equal(out, reference), length
     engine = static_engine.current_engine(verifier)
     assert engine.compiled and engine.use_graphs and all(s.graph is not None for s in engine.steps.values())
+    return engine
 
 
 @pytest.mark.parametrize("arch,mode,gamma", [("llama", "chunk", 5), ("qwen2", "int4", 3)])
@@ -169,16 +177,7 @@ def test_light_compiled_graph_path_lossless_float32(arch, mode, gamma, monkeypat
     real = graph_steps.light_step_backend
     monkeypatch.setattr(graph_steps, "light_step_backend",
                         lambda gm, inputs: (real(gm, inputs), rewritten.append(gm.code))[0])
-    verifier, drafter = _on_cuda(arch), _on_cuda(arch, "drafter")
-    for seed, length in enumerate((7, 400)):
-        ids = prompt(length, seed).cuda()
-        kwargs = dict(max_new_tokens=48, do_sample=False, **NO_EOS)
-        reference, spec = _reference_and_spec(verifier, drafter, mode, ids, kwargs)
-        out = verifier.generate(ids, num_assistant_tokens=gamma, **spec, **kwargs)
-        assert torch.equal(out, reference), length
-    engine = static_engine.current_engine(verifier)
-    assert engine.compiled and engine.light and all(s.graph is not None for s in engine.steps.values())
-    assert rewritten
+    assert _lossless_on_compiled_graphs(arch, mode, gamma).light and rewritten
     static_engine.release_engines()
 
 
