@@ -12,7 +12,9 @@ the median seconds per call over ``--repeats`` after ``--warmup`` calls of each.
 one call of each method per repeat; a model keeps one engine (one configuration), so every call then builds a fresh
 engine and the controller starts each call from nothing (its cold start, where the constant γ pays the same engine
 build). ``--order grouped``: each method's calls in a row, so the engine and what the controller learnt persist from
-call to call, as in a user's loop. ``--load N`` starts N busy processes (``while 1: pass``) for the measurement and
+call to call, as in a user's loop; a block of plain calls runs before each method's block and after the last, and each
+method is set against the plain blocks on either side of it (a process slows as its kept engines and objects grow:
+stock greedy took 0.075 s a call at the start and 0.106 s after the six constant-γ blocks). ``--load N`` starts N busy processes (``while 1: pass``) for the measurement and
 kills them after. Every output is checked against stock greedy. Prints a table and writes
 ``controller_cpu_load<N>[_grouped].json`` and the table as ``.txt`` under ``--out``.
 
@@ -84,14 +86,20 @@ def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats
             grouped: bool = False) -> dict:
     """Each method's seconds per call after the warm-up calls, its first call's seconds (with the process's one-time
     costs), its last call's width_rounds, and whether its
-    output was stock greedy's every time. ``grouped``: each method's calls in a row (else one of each in turn)."""
+    output was stock greedy's every time. ``grouped``: each method's calls in a row (else one of each in turn), a
+    block of plain calls before each and after the last; each method's ``plain_adjacent_s``: the median plain call of
+    the blocks on either side of it."""
     greedy = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, return_dict_in_generate=True)
     reference = verifier.generate(ids, **greedy).sequences
     seconds, first = {m: [] for m in methods}, {}
     widths, identical = {}, {m: True for m in methods}
-    calls = [(r, m) for m in methods for r in range(warmup + repeats)] if grouped else \
-        [(r, m) for r in range(warmup + repeats) for m in methods]
-    for repeat, method in tqdm(calls, desc="calls", leave=False):
+    if grouped:
+        order = [b for m in methods if m != "plain" for b in ("plain", m)] + ["plain"]
+        calls = [(r, m, block) for block, m in enumerate(order) for r in range(warmup + repeats)]
+    else:
+        calls = [(r, m, 0) for r in range(warmup + repeats) for m in methods]
+    blocks: dict[int, list[float]] = {}  # grouped: block index -> its plain calls' seconds
+    for repeat, method, block in tqdm(calls, desc="calls", leave=False):
         kwargs = methods[method]
         start = time.perf_counter()
         out = verifier.generate(ids, **greedy, **kwargs)
@@ -99,25 +107,32 @@ def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats
         identical[method] &= torch.equal(out.sequences, reference)
         if repeat >= warmup:
             seconds[method].append(elapsed)
+            if method == "plain":
+                blocks.setdefault(block, []).append(elapsed)
         else:
             first.setdefault(method, elapsed)
         stats = getattr(out, "spec_stats", None)
         if stats is not None:
             widths[method] = {int(k): v for k, v in sorted(stats.width_rounds.items())}
-    return {m: {"median_s": statistics.median(s), "seconds": s, "first_call_s": first.get(m),
-                "width_rounds": widths.get(m), "identical": identical[m]} for m, s in seconds.items()}
+    results = {m: {"median_s": statistics.median(s), "seconds": s, "first_call_s": first.get(m),
+                   "width_rounds": widths.get(m), "identical": identical[m]} for m, s in seconds.items()}
+    if grouped:
+        for block, m in enumerate(order):
+            if m != "plain":
+                results[m]["plain_adjacent_s"] = statistics.median(blocks[block - 1] + blocks[block + 1])
+    return results
 
 
 def table(results: dict, load: int) -> str:
-    lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run; the first "
-             "(warm-up) call apart",
+    lines = [f"load: {load} busy processes; seconds per call (median), speed against plain of the same run (grouped: "
+             "the plain blocks beside the method's); the first (warm-up) call apart",
              "| case | method | s | × plain | × best γ | first call s | widths of the last call | identical |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for case, rows in results.items():
-        plain = rows["plain"]["median_s"]
         best = min(r["median_s"] for m, r in rows.items() if m.startswith("gamma"))
         for method, row in rows.items():
             s = row["median_s"]
+            plain = row.get("plain_adjacent_s", rows["plain"]["median_s"])
             first = "-" if row["first_call_s"] is None else f"{row['first_call_s']:.3f}"
             lines.append(f"| {case} | {method} | {s:.3f} | {plain / s:.2f} | {best / s:.2f} | {first} | "
                          f"{row['width_rounds'] or '-'} | {row['identical']} |")

@@ -350,17 +350,18 @@ def drop_in(spec: dict, results: Path) -> str:
 def controller_cpu(spec: dict, results: Path) -> str:
     """``benchmarks/controller_cpu.py`` runs: per case, plain decoding, the best constant γ in hindsight and the
     controller (median seconds a call), the controller × plain and × that γ, and the widths of its last call."""
-    lines, sources = _head("busy processes", "case", "plain (s)", "best constant γ (s)", "controller (s)",
+    lines, sources = _head("busy processes", "order", "case", "plain (s)", "best constant γ (s)", "controller (s)",
                            "× plain", "× best γ", "controller's widths (last call)"), []
     for name in spec["files"]:
         d = _load(name, results)
         for case, methods in d["results"].items():
             fixed = {k: v for k, v in methods.items() if k.startswith("gamma")}
             best = min(fixed, key=lambda k: fixed[k]["median_s"])
-            plain, ctl, top = (methods["plain"]["median_s"], methods["controller"]["median_s"],
-                               fixed[best]["median_s"])
+            ctl, top = methods["controller"]["median_s"], fixed[best]["median_s"]
+            plain = methods["controller"].get("plain_adjacent_s", methods["plain"]["median_s"])  # (grouped order)
             widths = methods["controller"].get("width_rounds") or {}
-            lines.append(_row([d["settings"].get("load", 0), case, _num(plain, 3),
+            lines.append(_row([d["settings"].get("load", 0), d["settings"].get("order", "interleaved"), case,
+                               _num(plain, 3),
                                f"{_num(top, 3)} (γ {best.split()[-1]})", _num(ctl, 3), _num(plain / ctl),
                                _num(top / ctl), ", ".join(f"{w}: {n}" for w, n in widths.items()) or "–"]))
         s = d["settings"]
