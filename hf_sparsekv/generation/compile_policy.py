@@ -17,8 +17,8 @@ tracing a configuration's steps light is expected to cost (:func:`light_after`: 
 step, more for a drafting configuration's dozen), that configuration's next call compiles its steps light; once it
 reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`), every configuration's next
 call compiles them fully. This is the rent-or-buy rule applied to each stage: whatever the number of calls, the total
-stays within a small factor of the best fixed choice. Prefills stay eager under this rule: compiling a small model's prefill for prompts of every
-length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
+stays within a small factor of the best fixed choice. Prefills stay eager under this rule: compiling a small model's
+prefill for prompts of every length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
 
 ``HF_SPARSEKV_COMPILE="1"`` compiles the steps fully and (small models') prefills from the first call, ``"light"``
 the steps light from the first call, ``"0"`` nothing (``"later"``: the rule above also without CUDA graphs: tests);
