@@ -13,9 +13,8 @@ one call of each method per repeat; a model keeps one engine (one configuration)
 engine and the controller starts each call from nothing (its cold start, where the constant γ pays the same engine
 build). ``--order grouped``: each method's calls in a row, so the engine and what the controller learnt persist from
 call to call, as in a user's loop; a block of plain calls runs before each method's block and after the last, and each
-method is set against the plain blocks on either side of it (a process slows as its kept engines and objects grow:
-stock greedy took 0.075 s a call at the start and 0.106 s after the six constant-γ blocks). ``--load N`` starts N busy processes (``while 1: pass``) for the measurement and
-kills them after. Every output is checked against stock greedy. Prints a table and writes
+method is set against the plain blocks on either side of it (a process slows as its kept engines and objects grow).
+``--load N`` starts N busy processes (``while 1: pass``) for the measurement and kills them after. Every output is checked against stock greedy. Prints a table and writes
 ``controller_cpu_load<N>[_grouped].json`` and the table as ``.txt`` under ``--out``.
 
     python benchmarks/controller_cpu.py --out runs/controller-cpu --load 0

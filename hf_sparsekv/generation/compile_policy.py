@@ -2,14 +2,13 @@
 calls on steps not yet fully compiled have run as long as each stage is expected to take.
 
 The engine's steps are CUDA graphs either way. Compiling makes each step several times faster on a small model
-(fewer kernels: the bundled pair's AR step at 16K, H200: 1.08 ms uncompiled, 522 kernels) and costs time once per
-configuration. There are two ways to compile:
+(fewer kernels) and costs time once per configuration. There are two ways to compile:
 
-- light (:func:`~.graph_steps.light_step_backend`): dynamo traces the step and our rewrites put in our fused kernels
-  (grouped, gated and normed linear layers; the rotary embedding inside the decode attention); PyTorch's kernels run
-  the rest. 0.34 ms a step (103 kernels); about a second of tracing a step.
-- full: the same rewrites, then Inductor generates fused kernels for the rest. 0.27 ms a step (66 kernels); seconds
-  to a minute per configuration (Inductor's code generation; kept on disk for later processes).
+- light (:func:`~.graph_steps.light_step_backend`, which gives the measured step times): dynamo traces the step and
+  our rewrites put in our fused kernels (grouped, gated and normed linear layers; the rotary embedding inside the
+  decode attention); PyTorch's kernels run the rest. About a second of tracing a step.
+- full (:func:`~.graph_steps.step_backend`): the same rewrites, then Inductor generates fused kernels for the rest.
+  Seconds to a minute per configuration (Inductor's code generation; kept on disk for later processes).
 
 By default (``HF_SPARSEKV_COMPILE`` unset or ``"auto"``, with CUDA graphs) a model's calls start on uncompiled
 captured steps, and each call's time on steps not fully compiled is charged to the model. Once the total reaches what
@@ -39,7 +38,6 @@ LIGHT_FIXED_S = 6.0  # tracing light: the first configuration in a process, abou
 # that traced its step took 4.5-8 s)
 LIGHT_STEP_S = 1.0  # and per step traced and captured (bundled pair: 17 s for a routed call's 14; 30-layer 135M
 # shape: about 2.7 s)
-LEVELS = (None, "light", "steps", "all")  # what compiles, weakest first
 
 _charged: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> seconds on its uncompiled steps
 _due: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> what compiles from its next call on
@@ -79,8 +77,7 @@ def compile_after() -> float:
 
 def compiles(model, setting: str, steps: int = 0) -> str | None:
     """What an engine of ``model`` that ran ``steps`` steps compiles now, under ``setting`` (:func:`compile_setting`):
-    ``"all"`` (steps fully, and prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None (one of
-    :data:`LEVELS`). An engine that ran no step yet compiles nothing light (what it would trace is not known)."""
+    ``"all"`` (steps fully, and prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None. An engine that ran no step yet compiles nothing light (what it would trace is not known)."""
     if setting != "later":
         return {"now": "all", "light": "light"}.get(setting)
     with _lock:
@@ -101,7 +98,7 @@ def charge(model, seconds: float) -> None:
     due to compile fully (the light stage: :func:`compiles`)."""
     with _lock:
         total = _charged[model] = _charged.get(model, 0.0) + seconds
-        if total >= compile_after() and LEVELS.index("steps") > LEVELS.index(_due.get(model)):
+        if total >= compile_after() and model not in _due:
             _due[model] = "steps"
 
 

@@ -653,19 +653,8 @@ class StaticEngine:
         # what a step's warm-up changes and a later round reads before writing it again
         restore = tuple(getattr(self, name) for name in ("n", "seq", "seen", "held", "cap")
                         if getattr(self, name, None) is not None)
-        if self.compiled and self.light:
-            logger.warning_once(
-                "hf_sparsekv: tracing the engine's steps (torch.compile, light: our fused kernels, no code "
-                "generation) before capturing them as CUDA graphs: about a second a step, once per model and "
-                "configuration; they compile fully once calls have run long enough (HF_SPARSEKV_COMPILE=1 compiles "
-                "fully from the first call, 0 never; hf_sparsekv.warmup() pays it ahead)")
-        elif self.compiled:
-            logger.warning_once(
-                "hf_sparsekv: compiling the engine's steps (torch.compile) before capturing them as CUDA graphs: "
-                "seconds to a minute, once per model and configuration (kept on disk for later processes); calls "
-                "ran on steps not fully compiled until now (HF_SPARSEKV_COMPILE=1 compiles from the first call, 0 "
-                "never; hf_sparsekv.warmup() pays it ahead)")
         if self.compiled:
+            logger.warning_once(LIGHT_COMPILE_NOTICE if self.light else COMPILE_NOTICE)
             try:
                 step.capture(restore)
                 return
@@ -1029,6 +1018,18 @@ def release_engines(model=None) -> None:
                 kept = _engines.pop(model, [])
             _release_graphs(kept)
             release_copies(model)
+
+
+COMPILE_NOTICE = (
+    "hf_sparsekv: compiling the engine's steps (torch.compile) before capturing them as CUDA graphs: seconds to a "
+    "minute, once per model and configuration (kept on disk for later processes); calls ran on steps not fully "
+    "compiled until now (HF_SPARSEKV_COMPILE=1 compiles from the first call, 0 never; hf_sparsekv.warmup() pays it "
+    "ahead)")
+LIGHT_COMPILE_NOTICE = (
+    "hf_sparsekv: tracing the engine's steps (torch.compile, light: our fused kernels, no code generation) before "
+    "capturing them as CUDA graphs: about a second a step, once per model and configuration; they compile fully once "
+    "calls have run long enough (HF_SPARSEKV_COMPILE=1 compiles fully from the first call, 0 never; "
+    "hf_sparsekv.warmup() pays it ahead)")
 
 
 def captures(model) -> bool:

@@ -54,17 +54,16 @@ def dynamo_settings():
     return torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, specialize_float=True)
 
 
-def release_generator_after_failed_capture(device=None) -> None:
-    """Let CUDA's default generator on ``device`` draw again after a capture that failed.
+def release_generator_after_failed_capture() -> None:
+    """Let CUDA's default generator on the current device draw again after a capture that failed.
 
     PyTorch marks the generator as capturing when a capture begins and unmarks it only when the capture ends cleanly;
     after a capture that CUDA invalidated, every later random draw outside a graph raises "Offset increment outside
     graph capture". If a probe draw raises that, the generator takes a copy of its own state (same seed and offset)
     that is not marked; graphs captured before keep the state they registered."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    index = torch.cuda.current_device() if device.index is None else device.index
+    index = torch.cuda.current_device()
     try:
-        torch.empty(1, device=device).uniform_()
+        torch.empty(1, device=torch.device("cuda", index)).uniform_()
     except RuntimeError:
         generator = torch.cuda.default_generators[index]
         generator.graphsafe_set_state(generator.clone_state())
