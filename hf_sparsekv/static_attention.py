@@ -224,7 +224,9 @@ def static_attention(
     ``([B, L, Hq, D], None)``."""
     layer = LAST_WRITTEN.layer
     LAST_WRITTEN.layer = None
-    if not isinstance(layer, StaticLayer) or layer.layer_idx != getattr(module, "layer_idx", -1):
+    # (the index check stays out of traced code: a traced layer serves every layer alike, generation.regional)
+    if not isinstance(layer, StaticLayer) or (not torch.compiler.is_compiling()
+                                              and layer.layer_idx != getattr(module, "layer_idx", -1)):
         raise RuntimeError(
             f"attn_implementation '{NAME}' runs on the static caches of hf_sparsekv.caches.static only (it is set by "
             "the CUDA-graph path of generate() for the duration of a call)"

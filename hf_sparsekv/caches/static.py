@@ -308,10 +308,14 @@ class PreallocatedCache(Cache):
         self.filled_rows.add(self.prefill_row)
         self.seen = self.prefill_start + self.prefill_length
 
-    def write(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor):
+    def write(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor,
+              companion_layer: StaticLayer | None = None):
         """Store a step's keys/values ``[B, Hkv, L, D]`` (a prefill: ``[1, Hkv, P, D]`` of one row); returns what the
         attention reads (the buffers, or during a prefill the prompt's own keys/values, after the row's prefix if it
-        has one)."""
+        has one). ``companion_layer``: the :attr:`companion`'s layer of the same index (default: looked up by
+        ``layer.layer_idx``, which code traced for every layer alike must not read)."""
+        if self.companion is not None and companion_layer is None:
+            companion_layer = self.companion.layers[layer.layer_idx]
         if self.prefilling:
             if key_states.shape[-2] != self.prefill_length:
                 raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
@@ -320,7 +324,7 @@ class PreallocatedCache(Cache):
                 r, end = self.prefill_row, self.prefill_start + self.prefill_length
                 key_states, value_states = layer.keys[r : r + 1, :, :end], layer.values[r : r + 1, :, :end]
             if self.companion is not None:  # it gets the whole prompt
-                self.companion._store_prefill(self.companion.layers[layer.layer_idx], key_states, value_states)
+                self.companion._store_prefill(companion_layer, key_states, value_states)
             return key_states, value_states
         if self.slots is None or tuple(key_states.shape[::2]) != tuple(self.slots.shape):
             raise RuntimeError(f"{type(self).__name__}: call begin_step(positions) before each forward")
@@ -330,7 +334,7 @@ class PreallocatedCache(Cache):
         layer.keys[rows, :, slots] = key_states.transpose(1, 2)
         layer.values[rows, :, slots] = value_states.transpose(1, 2)
         if self.companion is not None:  # a self-drafting step without drafts (its begin_step ran): the same there
-            self.companion.write(self.companion.layers[layer.layer_idx], key_states, value_states)
+            self.companion.write(companion_layer, key_states, value_states)
         return layer.keys, layer.values
 
     def _store_prefill(self, layer: StaticLayer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:

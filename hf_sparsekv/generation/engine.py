@@ -105,6 +105,7 @@ from .graph_steps import (
     static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
+from .regional import decoder_layers
 from .retrieval import retrieve
 from .sampling import draw, penalized
 
@@ -306,6 +307,9 @@ class StaticEngine:
         # steps compiled now (compile_policy: from the first call, or once uncompiled calls have taken long enough)
         self.compiled = False
         self.light = False  # the compiled steps are light (graph_steps.light_step_backend), not Inductor's
+        # each model's decoder layers, which light steps trace one for all (regional); None: they trace steps whole
+        found = [decoder_layers(m) for m in {id(m): m for m in (verifier, drafter) if m is not None}.values()]
+        self.layers = None if any(f is None for f in found) else found
         self.compiles_prefill = False  # prefills compiled too (where prefill_pays and their cache allows)
         self.compile_failed = False  # compiling a step raised: the engine's steps stay uncompiled
         self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
@@ -366,7 +370,7 @@ class StaticEngine:
             return
         if self._compiled_draft_token is None:
             self._compiled_draft_token = compiled_step(functools.partial(draft_token, self),
-                                                       self.spec.draft_weights == "int4", self.light)
+                                                       self.spec.draft_weights == "int4", self.light, self.layers)
         self._compiled_draft_token(index)
 
     def _catch_up(self) -> None:
@@ -614,7 +618,7 @@ class StaticEngine:
                 per_token = name == "draft" and not self.grows_tree  # its one-token steps compile on their own
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
                                                       self.compiled and not per_token, self.devices, on_copies,
-                                                      self.light)
+                                                      self.light, self.layers)
                 if self.use_graphs:
                     self._capture(step)
             if run:

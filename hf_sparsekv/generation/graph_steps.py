@@ -34,6 +34,7 @@ from .draft_weights import compiling_drafts, layer_elements
 from .outer_products import outer_products
 from .fused_rotary import fuse_rotary_writes
 from .projection_groups import gate_projections, group_projections, norm_projections
+from .regional import regional_layers, regional_setting
 
 GRAPHS_ENV = "HF_SPARSEKV_GRAPHS"
 COMPILE_BACKEND = "inductor"  # tests on CPU use "aot_eager": the same tracing, no code generation
@@ -259,11 +260,25 @@ def draft_weights_backend(gm: torch.fx.GraphModule, example_inputs):
     return step_backend(gm, example_inputs)
 
 
-def compiled_step(fn, on_copies: bool = False, light: bool = False):
+def regional_light_backend(gm: torch.fx.GraphModule, example_inputs):
+    """:func:`light_step_backend` for one decoder layer's trace (:mod:`.regional`), under a backend of its own."""
+    return light_step_backend(gm, example_inputs)
+
+
+def compiled_step(fn, on_copies: bool = False, light: bool = False, layers: list | None = None):
     """``fn`` compiled as the engine compiles its steps (:func:`step_backend`, static shapes; ``light``:
     :func:`light_step_backend`); ``on_copies``: a drafter's step on 4-bit weight copies, compiled under
     :func:`draft_weights_backend` (:func:`light_draft_weights_backend`) and traced inside
-    :func:`~.draft_weights.compiling_drafts` (its traces alone read the copies)."""
+    :func:`~.draft_weights.compiling_drafts` (its traces alone read the copies). ``layers``: the decoder layers of
+    each model the step runs (:func:`~.regional.decoder_layers`); given, a light step on the full weights runs
+    uncompiled around its layers, each traced once for all (:func:`~.regional.regional_layers`) unless
+    ``HF_SPARSEKV_REGIONAL=0``."""
+    if light and layers and not on_copies and regional_setting():
+        def around_regional_layers(*args):
+            with regional_layers(layers, regional_light_backend):
+                return fn(*args)
+
+        return around_regional_layers
     if light:
         backend = light_draft_weights_backend if on_copies else light_step_backend
     else:
@@ -281,15 +296,15 @@ def compiled_step(fn, on_copies: bool = False, light: bool = False):
 
 class CapturedStep:
     """``fn`` (device ops on static tensors only), compiled by :func:`compiled_step` (``on_copies``: a drafter's
-    step on 4-bit weight copies; ``light``: by the light backend) when ``compiled``, replayed as a
+    step on 4-bit weight copies; ``light``: by the light backend, ``layers`` traced one for all) when ``compiled``, replayed as a
     CUDA graph once :meth:`capture` succeeded, else run as it is. ``restore``: tensors whose contents the warm-up
     and capture may change and must be put back (the warm-up really runs ``fn``). Calling it returns whether this
     was a graph's first replay (which uploads the graph to the device: slower than every later one)."""
 
     def __init__(self, fn, pool=None, compiled: bool = False, devices: list[int] = (), on_copies: bool = False,
-                 light: bool = False):
+                 light: bool = False, layers: list | None = None):
         self.eager_fn, self.pool = fn, pool
-        self.fn = compiled_step(fn, on_copies, light) if compiled else fn
+        self.fn = compiled_step(fn, on_copies, light, layers) if compiled else fn
         self.graph: torch.cuda.CUDAGraph | None = None
         self.replayed = False  # whether :attr:`graph` ran once
         self.devices = list(devices)  # CUDA device indices, the current (capturing) one first
