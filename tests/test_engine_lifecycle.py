@@ -348,9 +348,13 @@ def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
     model = torch.nn.Linear(1, 1)
     monkeypatch.setattr(compile_policy, "LIGHT_FIXED_S", 3.0)
     monkeypatch.setattr(compile_policy, "LIGHT_STEP_S", 1.0)
+    monkeypatch.setattr(compile_policy, "REGIONAL_FIXED_S", 2.0)
+    monkeypatch.setattr(compile_policy, "REGIONAL_STEP_S", 0.25)
     compile_policy.charge(model, 5.0)
     assert compile_policy.compiles(model, "later", 1) == "light"  # 3 + 1 s
     assert compile_policy.compiles(model, "later", 14) is None  # 3 + 14 s
+    assert compile_policy.compiles(model, "later", 12, regional=True) == "light"  # 2 + 3 s: one layer traced
+    assert compile_policy.compiles(model, "later", 14, regional=True) is None  # 2 + 3.5 s
     assert compile_policy.compiles(model, "later", 0) is None
     compile_policy.charge(model, 13.0)
     assert compile_policy.compiles(model, "later", 14) == "light"
@@ -359,3 +363,26 @@ def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
     assert compile_policy.compiles(model, "later", 0) == "steps"
     assert compile_policy.compiles(model, "now") == "all" and compile_policy.compiles(model, "light") == "light"
     assert compile_policy.compiles(model, "never", 14) is None
+
+
+def test_a_first_engine_on_graphs_holds_a_chat_ahead_where_memory_allows(monkeypatch):
+    """A configuration's first engine on CUDA graphs holds at least ``FIRST_CAPACITY`` positions (bounded by the
+    model's ``max_position_embeddings``) where its caches that long take at most ``FIRST_CAPACITY_SHARE`` of the
+    engines' memory budget; without graphs, or past that memory, exactly what the call needs; a second engine of the
+    same configuration doubles the first."""
+    from types import SimpleNamespace
+
+    model = tiny_model("llama")  # 2 layers, 2 KV heads of 16, float64: 1 KiB a position; 1,024 positions at most
+    spec = SimpleNamespace(device=torch.device("cpu"))
+    grown = static_engine._grown
+    monkeypatch.setattr(static_engine, "FIRST_CAPACITY", 512)
+    assert grown([], model, None, spec, 300, True, 1024) == 512
+    assert grown([], model, None, spec, 600, True, 1024) == 600
+    assert grown([], model, None, spec, 300, True, 400) == 400
+    assert grown([], model, None, spec, 300, False, 1024) == 300
+    monkeypatch.setenv("HF_SPARSEKV_ENGINE_MEMORY", str(8 * 512 * 1024 / 2**30 * 0.99))  # 1/8: just short of it
+    assert grown([], model, None, spec, 300, True, 1024) == 300
+    monkeypatch.setenv("HF_SPARSEKV_ENGINE_MEMORY", str(8 * 512 * 1024 / 2**30))
+    assert grown([], model, None, spec, 300, True, 1024) == 512
+    kept = SimpleNamespace(max_tokens=512, same_configuration=lambda *args: True)
+    assert grown([kept], model, None, spec, 600, True, 4096) == 1024

@@ -6,7 +6,9 @@ The engine's steps are CUDA graphs either way. Compiling makes each step several
 
 - light (:func:`~.graph_steps.light_step_backend`, which gives the measured step times): dynamo traces the step and
   our rewrites put in our fused kernels (grouped, gated and normed linear layers; the rotary embedding inside the
-  decode attention); PyTorch's kernels run the rest. About a second of tracing a step.
+  decode attention); PyTorch's kernels run the rest. Where a model's decoder layers are alike, one layer's trace
+  serves every layer (:mod:`.regional`): about 2 s for a configuration, a fraction of a second more per step;
+  traced whole, about a second a step.
 - full (:func:`~.graph_steps.step_backend`): the same rewrites, then Inductor generates fused kernels for the rest.
   Seconds to a minute per configuration (Inductor's code generation; kept on disk for later processes).
 
@@ -34,10 +36,13 @@ import weakref
 COMPILE_ENV = "HF_SPARSEKV_COMPILE"
 COMPILE_AFTER_ENV = "HF_SPARSEKV_COMPILE_AFTER"
 DEFAULT_COMPILE_AFTER_S = 30.0
-LIGHT_FIXED_S = 6.0  # tracing light: the first configuration in a process, about (bundled pair, H200: an AR call
-# that traced its step took 4.5-8 s)
+LIGHT_FIXED_S = 6.0  # tracing whole steps light: the first configuration in a process, about (bundled pair, H200:
+# an AR call that traced its step took 4.5-8 s)
 LIGHT_STEP_S = 1.0  # and per step traced and captured (bundled pair: 17 s for a routed call's 14; 30-layer 135M
 # shape: about 2.7 s)
+REGIONAL_FIXED_S = 2.0  # the same where one decoder layer is traced for all (.regional; bundled pair, H200: an AR
+# call at 16K took 2.2 s more than uncompiled)
+REGIONAL_STEP_S = 0.25
 
 _charged: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> seconds on its uncompiled steps
 _due: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> what compiles from its next call on
@@ -75,22 +80,26 @@ def compile_after() -> float:
     return seconds
 
 
-def compiles(model, setting: str, steps: int = 0) -> str | None:
+def compiles(model, setting: str, steps: int = 0, regional: bool = False) -> str | None:
     """What an engine of ``model`` that ran ``steps`` steps compiles now, under ``setting`` (:func:`compile_setting`):
-    ``"all"`` (steps fully, and prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None. An engine that ran no step yet compiles nothing light (what it would trace is not known)."""
+    ``"all"`` (steps fully, and prefills), ``"steps"`` (fully), ``"light"`` (steps light), or None. An engine that
+    ran no step yet compiles nothing light (what it would trace is not known). ``regional``: its light steps trace
+    one decoder layer for all (:mod:`.regional`)."""
     if setting != "later":
         return {"now": "all", "light": "light"}.get(setting)
     with _lock:
         due = _due.get(model)
-        if due is None and steps and _charged.get(model, 0.0) >= light_after(steps):
+        if due is None and steps and _charged.get(model, 0.0) >= light_after(steps, regional):
             due = "light"
         return due
 
 
-def light_after(steps: int) -> float:
+def light_after(steps: int, regional: bool = False) -> float:
     """Seconds of calls after which a configuration that runs ``steps`` steps traces them light: about what that costs
-    (:data:`LIGHT_FIXED_S` + :data:`LIGHT_STEP_S` a step); never later than the full compilation."""
-    return min(compile_after(), LIGHT_FIXED_S + LIGHT_STEP_S * steps)
+    (:data:`LIGHT_FIXED_S` + :data:`LIGHT_STEP_S` a step; ``regional``: :data:`REGIONAL_FIXED_S` +
+    :data:`REGIONAL_STEP_S` a step); never later than the full compilation."""
+    fixed, per_step = (REGIONAL_FIXED_S, REGIONAL_STEP_S) if regional else (LIGHT_FIXED_S, LIGHT_STEP_S)
+    return min(compile_after(), fixed + per_step * steps)
 
 
 def charge(model, seconds: float) -> None:

@@ -105,7 +105,7 @@ from .graph_steps import (
     static_forward, static_prefill, wait_for,
 )
 from .model_locks import exclusive
-from .regional import decoder_layers
+from .regional import decoder_layers, regional_setting
 from .retrieval import retrieve
 from .sampling import draw, penalized
 
@@ -331,7 +331,8 @@ class StaticEngine:
         on first use."""
         if not self.spec.compiled or self.compile_failed:
             return
-        level = compiles(self.verifier, compile_setting(self.use_graphs), len(self.steps))
+        level = compiles(self.verifier, compile_setting(self.use_graphs), len(self.steps),
+                         self.layers is not None and regional_setting())
         if level is not None and (not self.compiled or (self.light and level != "light")):
             _release_graphs([self])
             self.compiled, self.light = True, level == "light"
@@ -893,15 +894,34 @@ def engine_memory_budget(device: torch.device) -> int:
     return 2 * 2**30
 
 
-def _grown(kept: list, drafter, spec: EngineSpec, max_tokens: int, use_graphs: bool, longest: int | None) -> int:
+FIRST_CAPACITY = 8192  # positions a configuration's first engine on CUDA graphs holds at least (memory allowing)
+FIRST_CAPACITY_SHARE = 1 / 8  # of the kept engines' memory budget (engine_memory_budget) it may take for that
+
+
+def _position_bytes(*models) -> int:
+    """Bytes of one position in a full key/value cache of each of ``models`` (in its own dtype)."""
+    total = 0
+    for model in {id(m): m for m in models if m is not None}.values():
+        layers, heads, head_dim = _attention_shape(model)
+        total += 2 * layers * heads * head_dim * next(model.parameters()).element_size()
+    return total
+
+
+def _grown(kept: list, verifier, drafter, spec: EngineSpec, max_tokens: int, use_graphs: bool,
+           longest: int | None) -> int:
     """Positions to allocate for a call of ``max_tokens``: where an engine of the same configuration is too short,
-    twice its length (a growing sequence of prompts builds O(log n) engines; bounded by ``longest``, the model's
-    ``max_position_embeddings``), else ``max_tokens``."""
+    twice its length (a growing sequence of prompts builds O(log n) engines); else, on CUDA graphs, at least
+    :data:`FIRST_CAPACITY` where full caches of the verifier and drafter that long take at most
+    :data:`FIRST_CAPACITY_SHARE` of the memory budget (a chat, or prompts of growing length, then captures its steps
+    again rarely or never); else ``max_tokens``. Bounded by ``longest``, the model's ``max_position_embeddings``."""
+    bound = (lambda n: n) if longest is None else (lambda n: min(n, longest))  # noqa: E731
     shorter = [e.max_tokens for e in kept if e.same_configuration(drafter, spec, use_graphs)]
-    if not shorter:
-        return max_tokens
-    doubled = 2 * max(shorter)
-    return max(max_tokens, doubled if longest is None else min(doubled, longest))
+    if shorter:
+        return max(max_tokens, bound(2 * max(shorter)))
+    if use_graphs and (FIRST_CAPACITY * _position_bytes(verifier, drafter)
+                       <= FIRST_CAPACITY_SHARE * engine_memory_budget(spec.device)):
+        return max(max_tokens, bound(FIRST_CAPACITY))
+    return max_tokens
 
 
 def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max_tokens: int, max_new: int,
@@ -952,7 +972,7 @@ def engine_for(verifier, drafter, mode: str, budget: int | None, gamma: int, max
         return engine
     with _registry:
         longest = getattr(_text_config(verifier), "max_position_embeddings", None)
-        max_tokens = _grown(kept, drafter, spec, max_tokens, use_graphs, longest)
+        max_tokens = _grown(kept, verifier, drafter, spec, max_tokens, use_graphs, longest)
         # superseded: the same configuration, too short; then the least recently used past the count
         evicted = [e for e in kept if e.same_configuration(drafter, spec, use_graphs)]
         kept[:] = [e for e in kept if e not in evicted]
@@ -1031,7 +1051,7 @@ COMPILE_NOTICE = (
     "ahead)")
 LIGHT_COMPILE_NOTICE = (
     "hf_sparsekv: tracing the engine's steps (torch.compile, light: our fused kernels, no code generation) before "
-    "capturing them as CUDA graphs: about a second a step, once per model and configuration; they compile fully once "
+    "capturing them as CUDA graphs: a few seconds, once per model and configuration; they compile fully once "
     "calls have run long enough (HF_SPARSEKV_COMPILE=1 compiles fully from the first call, 0 never; "
     "hf_sparsekv.warmup() pays it ahead)")
 
