@@ -536,3 +536,30 @@ def test_the_inductor_compiled_prefill_fills_each_drafter_cache_as_the_eager_one
                     torch.testing.assert_close(y, x, rtol=0, atol=0.05 * float(x.abs().max()))
         counts.append(len(graphs))
     assert counts[1] == counts[2] == counts[3] <= graph_steps.PREFILL_MAX_GRAPHS, counts
+
+
+@pytest.mark.parametrize("call", ["ar", "drafter", "self-chunk"])
+def test_steps_compiled_light_after_uncompiled_captures_are_captured_again(call, monkeypatch):
+    """The default rule's stages on CUDA graphs: a configuration's first calls on uncompiled captured steps, then the
+    call that compiles them light (the old graphs released, the steps traced one layer for all and captured again,
+    into a new memory pool), then light calls; none fails to compile or capture (the conftest fixture), and every
+    call's tokens are stock greedy's (float32)."""
+    from hf_sparsekv.generation import compile_policy
+
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "auto")
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE_AFTER", "3600")
+    monkeypatch.setattr(compile_policy, "REGIONAL_FIXED_S", 0.0)
+    monkeypatch.setattr(compile_policy, "REGIONAL_STEP_S", 0.0)
+    static_engine.release_engines()
+    verifier = copy.deepcopy(_on_cuda("llama"))
+    spec = {"ar": dict(static_engine=True), "drafter": dict(assistant_model=_on_cuda("llama", "drafter")),
+            "self-chunk": dict(assistant_model=verifier, kv_budget=64)}[call]
+    stages = []
+    for seed, length in enumerate((300, 120, 200)):
+        ids = prompt(length, seed).cuda()
+        kwargs = dict(max_new_tokens=32, do_sample=False, **NO_EOS)
+        assert torch.equal(verifier.generate(ids, **spec, **kwargs), verifier.generate(ids, **kwargs)), seed
+        engine = static_engine.current_engine(verifier)
+        stages.append((engine.compiled, engine.light, engine.use_graphs))
+    assert stages == [(False, False, True), (True, True, True), (True, True, True)]
+    static_engine.release_engines()

@@ -335,6 +335,8 @@ class StaticEngine:
                          self.layers is not None and regional_setting())
         if level is not None and (not self.compiled or (self.light and level != "light")):
             _release_graphs([self])
+            if self.pool is not None:  # (a tensor the old graphs allocated may still hold their pool: CUDA's
+                self.pool = torch.cuda.graph_pool_handle()  # allocator refuses to capture into it again)
             self.compiled, self.light = True, level == "light"
             self.controller_memory.samples.clear()  # (round times of the uncompiled steps; acceptances stay)
         self.compiles_prefill = level == "all"

@@ -435,7 +435,7 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
     wait_for(engine.devices)
     stats[0].rounds_seconds = time.perf_counter() - rounds_from - timer.seconds("deferred_prefill")
     if engine.spec.compiled and (engine.light or not engine.compiled):  # toward compiling them (more)
-        charge(engine.verifier, time.perf_counter() - t0)
+        charge(engine.verifier, time.perf_counter() - t0, light=engine.compiled)
     stats[0].prefill_seconds += timer.seconds("deferred_prefill")
     stats[0].draft_seconds = timer.seconds("draft")
     stats[0].verify_seconds = timer.seconds("verify")
