@@ -23,7 +23,7 @@ BENCHMARKS = ROOT / "BENCHMARKS.md"
 
 # The run each family of tables reads: a new run is a one-line change here.
 RUNS = {
-    "lifecycle": "lifecycle-h200-2026-12-04",
+    "lifecycle": "lifecycle-h200-2026-12-04b",
     "e2e-16k": "e2e-h200-2026-12-03/never-slower-16k-095687a.json",
     "e2e-16k-latest": ["rope-h200-2026-12-03/e2e-16k-fused-b1d68a4.json",
                        "rope-h200-2026-12-03/e2e-16k-fused-c29746b.json", "steps-h200-2026-12-03/e2e-16k-2262244.json"],

@@ -7,8 +7,8 @@ The engine's steps are CUDA graphs either way. Compiling makes each step several
 - light (:func:`~.graph_steps.light_step_backend`, which gives the measured step times): dynamo traces the step and
   our rewrites put in our fused kernels (grouped, gated and normed linear layers; the rotary embedding inside the
   decode attention); PyTorch's kernels run the rest. Where a model's decoder layers are alike, one layer's trace
-  serves every layer (:mod:`.regional`): about 2 s for a configuration, a fraction of a second more per step;
-  traced whole, about a second a step.
+  serves every layer (:mod:`.regional`): a few seconds for a configuration, half a second more per step (Triton's
+  first compilations of our kernels included); traced whole, about a second a step.
 - full (:func:`~.graph_steps.step_backend`): the same rewrites, then Inductor generates fused kernels for the rest.
   Seconds to a minute per configuration (Inductor's code generation; kept on disk for later processes).
 
@@ -41,9 +41,9 @@ LIGHT_FIXED_S = 6.0  # tracing whole steps light: the first configuration in a p
 # an AR call that traced its step took 4.5-8 s)
 LIGHT_STEP_S = 1.0  # and per step traced and captured (bundled pair: 17 s for a routed call's 14; 30-layer 135M
 # shape: about 2.7 s)
-REGIONAL_FIXED_S = 2.0  # the same where one decoder layer is traced for all (.regional; bundled pair, H200: an AR
-# call at 16K took 2.2 s more than uncompiled)
-REGIONAL_STEP_S = 0.25
+REGIONAL_FIXED_S = 3.0  # the same where one decoder layer is traced for all (.regional; bundled pair, H200: AR's
+# light call 2.2-4.4 s more than an uncompiled one, Triton's first compilations of our kernels included)
+REGIONAL_STEP_S = 0.5  # (the routed call's 14 steps: 6.4-10.2 s)
 LIGHT_CHARGE_SHARE = 0.25  # of a call on light steps, what full compilation would save (bundled pair, H200, 16K: a
 # warm call 0.059 s light, 0.045 s compiled by Inductor)
 
