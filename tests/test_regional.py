@@ -119,3 +119,19 @@ def test_decoder_layers_are_found_only_where_every_layer_is_alike():
     model = copy.deepcopy(tiny_model("llama", layers=3))
     model.model.layers[2].self_attn.layer_idx = 0
     assert regional.decoder_layers(model) is None
+
+
+def test_longer_prompts_trace_a_layer_at_most_once_more(light):
+    """Prompts of other lengths after a configuration's first call, each of the first three longer than the engine
+    (a new engine of twice the length each time): at most one more trace of a decoder layer over the whole sequence
+    (the caches' lengths become dynamic dimensions), every call's tokens stock greedy's."""
+    traced, _ = light
+    model = copy.deepcopy(tiny_model("llama"))
+    _generate(model, None, "ar", 60)
+    first = len(traced)
+    capacities = [static_engine.current_engine(model).max_tokens]
+    for n in (300, 700, 120, 900, 200):
+        _generate(model, None, "ar", n)
+        capacities.append(static_engine.current_engine(model).max_tokens)
+    assert len(set(capacities)) >= 3  # (it grew twice at least)
+    assert first > 0 and len(traced) <= first + 1, (first, len(traced))
