@@ -258,3 +258,18 @@ def kernel_asm():
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def assert_drafter_holds(engine, drafter, sequence: torch.Tensor) -> None:
+    """What an engine says its separate drafter's full cache holds of row 0 after a call (``drafter_holds``
+    positions of ``sequence [1, T]``, the call's output) is what a fresh forward of the drafter over them keeps: each
+    layer's keys and values at those positions (float64: equal to rounding)."""
+    held = engine.drafter_holds
+    assert 0 <= held <= sequence.shape[1] - 2
+    if not held:
+        return
+    with torch.no_grad():
+        reference = drafter(sequence[:, :held], use_cache=True).past_key_values
+    for layer, expected in zip(engine.drafter_cache.layers, reference.layers, strict=True):
+        torch.testing.assert_close(layer.keys[0, :, :held], expected.keys[0])
+        torch.testing.assert_close(layer.values[0, :, :held], expected.values[0])

@@ -19,7 +19,7 @@ from hf_sparsekv.generation.controller import (
     PREFILL, TRUST, VERIFY_COST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
-from .conftest import ARCHS, prompt, record_plain_reads, tiny_model
+from .conftest import ARCHS, assert_drafter_holds, prompt, record_plain_reads, tiny_model
 
 
 def _run(controller: DraftController, accept_prob: float, seconds, rounds: int, seed: int = 0) -> list[int]:
@@ -1228,3 +1228,29 @@ def test_plain_steps_timed_one_by_one_are_samples_each():
     assert ctl.samples[0] == [1.0, 1.0, 1.0, 5.0] and ctl.round_seconds(0) == 1.0
     ctl.observe(0, [0], 2.0, 4)
     assert ctl.samples[0][-1] == 2.0 and ctl.plain_run == 8
+
+
+def test_a_chat_turn_starts_a_lagging_drafter_from_what_it_read(scripted):
+    """A separate drafter on its full cache under scripted widths (drafting rounds, single plain rounds, runs of
+    plain rounds longer than a catch-up block): after each turn the positions the engine says the drafter holds are
+    what a fresh forward of the drafter keeps, the next turn's drafter prefill starts there (where the verifier's
+    does, or earlier), and every turn's tokens are stock greedy's."""
+    import copy
+
+    verifier, drafter = copy.deepcopy(tiny_model("llama")), tiny_model("llama", role="drafter")
+    kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
+    history, read = prompt(60, seed=3), []
+    for turn in range(3):
+        mask = torch.ones_like(history)  # (a generated 0 is a token, not padding)
+        out = verifier.generate(history, attention_mask=mask, assistant_model=drafter, draft_cache="full",
+                                return_dict_in_generate=True, **kwargs)
+        assert torch.equal(out.sequences, verifier.generate(history, attention_mask=mask, **kwargs)), turn
+        engine = static_engine.current_engine(verifier)
+        assert engine.lagging
+        assert_drafter_holds(engine, drafter, out.sequences)
+        stats = out.spec_stats
+        read.append((history.shape[1], stats.prefill_tokens, stats.drafter_prefill_tokens, engine.drafter_holds))
+        history = torch.cat([out.sequences, prompt(16, seed=20 + turn)], 1)
+    for (p, verifier_read, drafter_read, _), (*_, held) in zip(read[1:], read):  # what it held of the turn before
+        assert drafter_read in (0, max(verifier_read, p - held)), read
+    assert any(0 < drafter_read < p - 60 for p, _, drafter_read, _ in read[1:]), read

@@ -14,7 +14,7 @@ from torch._dynamo.utils import counters
 
 from hf_sparsekv.generation import engine as static_engine
 
-from .conftest import prompt, tiny_model
+from .conftest import assert_drafter_holds, prompt, tiny_model
 
 LENGTHS = (60, 300, 700, 120, 900)  # each of the first three outgrows the engine before it
 
@@ -300,6 +300,38 @@ def test_a_chat_prefills_only_its_new_tokens(fresh_engines, arch, call):
     assert torch.equal(out.sequences, model.generate(edited, **kwargs))
     if call.get("assistant_model") != "self":
         assert out.spec_stats.prefill_tokens == edited.shape[1] - 50
+
+
+@pytest.mark.parametrize("schedule", ["constant", "controller"])
+def test_a_chat_turn_prefills_only_the_new_tokens_of_a_separate_drafter_too(fresh_engines, schedule):
+    """A separate drafter on its full cache (the mode of the routed ``assistant_model=`` call): a turn that appends to
+    the previous output feeds the drafter's prefill only what its cache does not hold (with a constant γ, at most three
+    tokens more than the verifier's prefill reads), what it holds is what a fresh forward keeps, and a drafter with
+    the verifier's weights has every draft accepted. Tokens: stock greedy's (float64)."""
+    model = copy.deepcopy(tiny_model("llama"))
+    drafter = copy.deepcopy(model)  # a separate model with the verifier's weights: every correct draft is accepted
+    spec = dict(assistant_model=drafter, draft_cache="full")  # (named: the output then carries spec_stats)
+    if schedule == "constant":
+        spec.update(num_assistant_tokens=4, num_assistant_tokens_schedule="constant")
+    kwargs = dict(max_new_tokens=24, do_sample=False, eos_token_id=None, pad_token_id=0)
+    history = prompt(80, seed=1)
+    read = []
+    for turn in range(3):  # (80 + 3 * 44 tokens: one engine holds them all)
+        mask = torch.ones_like(history)  # (a generated 0 is a token, not padding)
+        out = model.generate(history, attention_mask=mask, return_dict_in_generate=True, **spec, **kwargs)
+        assert torch.equal(out.sequences, model.generate(history, attention_mask=mask, **kwargs)), turn
+        stats = out.spec_stats
+        assert stats.accepted == stats.drafted, (turn, stats.accepted, stats.drafted)
+        engine = static_engine.current_engine(model)
+        assert_drafter_holds(engine, drafter, out.sequences)
+        read.append((history.shape[1], stats.prefill_tokens, stats.drafter_prefill_tokens, engine.drafter_holds))
+        history = torch.cat([out.sequences, prompt(20, seed=10 + turn)], 1)
+    assert read[0][:3] == (80, 80, 80) or (schedule == "controller" and read[0][2] == 0), read
+    for (p, verifier_read, drafter_read, _), (*_, held) in zip(read[1:], read):  # what it held of the turn before
+        assert drafter_read in (0, max(verifier_read, p - held)), read
+    if schedule == "constant":  # (the controller may keep to plain steps on a CPU: a drafter as large as the model)
+        # (beyond the verifier's: the last draft of an all-accepted round, which it never read, and a margin of one)
+        assert all(0 < drafter_read <= verifier_read + 3 for _, verifier_read, drafter_read, _ in read[1:]), read
 
 
 def test_a_chat_passing_back_the_returned_cache_copies_nothing_in(fresh_engines, monkeypatch):

@@ -135,3 +135,22 @@ def test_longer_prompts_trace_a_layer_at_most_once_more(light):
         capacities.append(static_engine.current_engine(model).max_tokens)
     assert len(set(capacities)) >= 3  # (it grew twice at least)
     assert first > 0 and len(traced) <= first + 1, (first, len(traced))
+
+
+def test_a_layer_cache_answers_what_else_a_layer_asks_as_its_cache_does():
+    """:class:`~hf_sparsekv.generation.regional.LayerCache` writes through its layer and hands anything else a layer's
+    code may ask of ``past_key_values`` (here ``get_seq_length``, ``is_compileable``, ``prefilling``) to the cache it
+    belongs to."""
+    from hf_sparsekv.caches.static import StaticFullCache
+
+    cache = StaticFullCache(2, 1, 4, 16, torch.float64, torch.device("cpu"))
+    cache.begin_prefill(3)
+    cache.update(torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64), 0)
+    cache.update(torch.randn(1, 1, 3, 4, dtype=torch.float64), torch.randn(1, 1, 3, 4, dtype=torch.float64), 1)
+    cache.end_prefill()
+    view = regional.LayerCache(cache, 1)
+    assert view.layer is cache.layers[1] and view.companion is None
+    assert view.get_seq_length() == cache.get_seq_length() == 3
+    assert view.is_compileable and view.prefilling is cache.prefilling is False
+    with pytest.raises(AttributeError):
+        view.no_such_thing

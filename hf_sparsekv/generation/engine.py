@@ -303,6 +303,11 @@ class StaticEngine:
         self.prompt_types: list[torch.Tensor] = []
         self.types = torch.zeros(rows, 1, dtype=torch.long, device=device) if spec.token_types else None
         self.reused = 0  # positions the last prefill found in the verifier's cache (a chat's earlier turns)
+        # a separate drafter's full cache: the leading positions of row 0 it holds from the last call (set at a call's
+        # end, the rounds knowing what it read), and where this call's prefill of it starts (at most ``reused``)
+        self.drafter_holds = 0
+        self.drafter_start = 0
+        self.drafter_prefill_tokens = 0  # prompt tokens the drafter's prefills read in this call
         self.prompt_queries: list[dict] = []  # a deferred self-drafter's kept prompt queries, per row and layer
         # steps compiled now (compile_policy: from the first call, or once uncompiled calls have taken long enough)
         self.compiled = False
@@ -710,6 +715,8 @@ class StaticEngine:
             for row, types in enumerate(self.prompt_types):
                 self.types[row] = types[0, -1]
         self.reused = 0 if shared_prefill or self.spec.token_types else self._held_prefix(prompts)
+        self.drafter_start = min(self.reused, self.drafter_holds) if self.keeps_drafter_prefix else 0
+        self.drafter_holds, self.drafter_prefill_tokens = 0, 0
         self.holds_sequence = False
         self.verifier_cache.reset()  # (slot positions only: the buffers keep what a reused prefix needs)
         if separate:
@@ -749,8 +756,7 @@ class StaticEngine:
                 timed = timer is not None and self.drafter_prefills > 0
                 if timed:
                     timer.mark("drafter_prefill", True)
-                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.prefill_compiled(self.drafter))
+                self._prefill_separate_drafter(prompt, row)
                 if timed:
                     timer.mark("drafter_prefill", False)
             self.seq[row, :p].copy_(prompt[0])
@@ -837,8 +843,7 @@ class StaticEngine:
         self.drafter_cache.reset()
         for row, prompt in enumerate(prompts):
             if not self.self_drafting:
-                static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row,
-                               compiled=self.prefill_compiled(self.drafter))
+                self._prefill_separate_drafter(prompt, row)
                 continue
             p = prompt.shape[1]
             self.drafter_cache.begin_prefill(p, row)
@@ -849,6 +854,22 @@ class StaticEngine:
         self.drafter_deferred = False
         self.drafter_prefills += 1
         self.prompt_queries = []  # (read: not kept past their one use)
+
+    def _prefill_separate_drafter(self, prompt: torch.Tensor, row: int) -> None:
+        """A separate drafter's prefill of ``prompt [1, P]`` into row ``row`` of its (reset) cache; row 0 from
+        :attr:`drafter_start`, the leading positions its full cache still holds of a chat's earlier turns."""
+        start = self.drafter_start if row == 0 else 0
+        static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row, start,
+                       compiled=self.prefill_compiled(self.drafter))
+        self.drafter_prefill_tokens += prompt.shape[1] - start
+
+    @property
+    def keeps_drafter_prefix(self) -> bool:
+        """Whether a separate drafter's cache keeps what it read of the last call's sequence for the next call's
+        prefill: one row, a full cache, a chain (a tree's drafter cache holds blocks past ``held`` the host does not
+        follow)."""
+        return (self.spec.batch == 1 and self.drafter is not None and self.drafter is not self.verifier
+                and isinstance(self.drafter_cache, StaticFullCache) and self.tree is None)
 
     def _voting_queries(self, p: int) -> int:
         """How many of a ``p``-token prompt's last queries a self-drafter's chunk selection reads (0: it selects

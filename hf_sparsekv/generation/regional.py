@@ -46,6 +46,11 @@ class LayerCache:
         LAST_WRITTEN.layer = self.layer
         return keys, values
 
+    def __getattr__(self, name: str):  # anything else a layer asks of its cache (get_seq_length...): the owner's
+        if name in ("layer", "companion"):  # (not set yet: no recursion)
+            raise AttributeError(name)
+        return getattr(self.layer.owner, name)
+
 
 def _layer_forward(layer, cache_layer: LayerCache, keyword: str, args: tuple, kwargs: dict):
     return type(layer).forward(layer, *args, **kwargs, **{keyword: cache_layer})

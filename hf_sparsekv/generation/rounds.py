@@ -301,7 +301,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         rounds_from = time.perf_counter()
         stats[0].prefill_seconds = rounds_from - t0
         stats[0].prefill_tokens = prompt_tokens - engine.reused
-        if "drafter_prefill" in timer.host:  # its cost, for the next calls' choice to defer it (no extra sync)
+        if "drafter_prefill" in timer.host and not engine.drafter_start:  # its cost, for the next calls' choice to
+            # defer it (no extra sync; a chat turn's prefill of its new tokens alone is no sample of a whole prompt's)
             controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
                                     prompt_tokens)
         if engine.spec.adaptive:
@@ -315,6 +316,9 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
         found = engine.report[:, -1].tolist() if lookup or beside else None
         catch_up = None  # the drafter's step before the next draft: "catch_up" (one token), "catch_up_block"
         behind = [0] * rows  # per row: positions before n - 1 its drafter has not read (after rounds without drafts)
+        # a separate drafter's cache holds row 0's positions below this: its prefill's, then as of each drafting round
+        # (every position before the row's last token, but a last draft all accepted, which it never read)
+        drafter_upto = 0 if engine.drafter_deferred else prompts[0].shape[1]
         last, fresh = time.perf_counter(), True  # the last round's end; whether this round ran a step first
         while not all(done):
             rooms = [gamma + 1] * rows
@@ -415,6 +419,8 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
                 # the drafter never read the last draft of a round that accepted every draft (the shared store of
                 # self-speculation holds every token, and a self-drafting verify step writes the drafter's cache), nor
                 # the tokens of a kept path off the chain; feeding it again to the other rows rewrites what they hold
+                if drafting and row == 0:  # (a row done this round read as far: its kept tokens are no more)
+                    drafter_upto = len(tokens[0]) - 1 - int(a == width)
                 if quant is not None or engine.drafter is None or done[row] or (always_tree and not lagging):
                     continue
                 if lagging:  # (a tree round: its draft step read up to the root; the kept tokens after it are new;
@@ -432,6 +438,10 @@ def static_decode_rows(engine: StaticEngine, prompts: list[torch.Tensor], rules:
             last, fresh = now, False
             retire_finished()
     engine.prompt_queries = []  # (a deferred self-drafter's kept queries: none past the call)
+    if engine.keeps_drafter_prefix and not engine.drafter_deferred:  # what the drafter read of row 0's sequence,
+        # less a margin of one (the next call's prefill reads one token more)
+        engine.drafter_holds = max(0, drafter_upto - 1)
+    stats[0].drafter_prefill_tokens = engine.drafter_prefill_tokens
     wait_for(engine.devices)
     stats[0].rounds_seconds = time.perf_counter() - rounds_from - timer.seconds("deferred_prefill")
     if engine.spec.compiled and (engine.light or not engine.compiled):  # toward compiling them (more)

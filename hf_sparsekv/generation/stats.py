@@ -48,6 +48,8 @@ class SpecStats:
     - ``new_tokens``: tokens generated (the first comes from the verifier's prefill, each later one from a round).
     - ``prefill_tokens``: prompt tokens the verifier's prefill read: the prompt's, less the leading ones its cache
       still held from the engine's last call (a chat's next turn, :meth:`~.engine.StaticEngine.prefill`).
+    - ``drafter_prefill_tokens``: prompt tokens a separate drafter's prefill read (its full cache also keeps a chat's
+      earlier turns; 0 where its prefill was deferred and no round drafted, or no separate drafter).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt (a drafter
       prefill deferred to the first drafting round: its device seconds there, or host seconds on CPU).
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
@@ -75,6 +77,7 @@ class SpecStats:
     width_rounds: dict = field(default_factory=dict)
     new_tokens: int = 0
     prefill_tokens: int = 0
+    drafter_prefill_tokens: int = 0
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
