@@ -73,8 +73,8 @@ def loop(name: str, prompts: list, verifier, drafter, new_tokens: int) -> list[f
 def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: int, added: int,
          new_tokens: int) -> list[dict]:
     """A chat of ``turns`` turns: the first prompt is ``start`` tokens of ``text``; each later one is the previous
-    output and the next ``added`` tokens. Per turn: its seconds, the prompt tokens the engine prefilled (None for
-    stock), then (after the chat) a warm call of the same length on an unrelated prompt (no held prefix)."""
+    output and the next ``added`` tokens. Per turn: its seconds, the prompt tokens the engine's verifier and drafter
+    prefilled (None for stock), then (after the chat) a warm call of the same length on an unrelated prompt (no held prefix)."""
     from hf_sparsekv.generation.engine import current_engine
 
     turns_out, ids, at = [], text[None, :start].cuda(), start
@@ -87,7 +87,8 @@ def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: in
         seconds = timed(one)
         engine = current_engine(verifier) if name != "hf-static-ar" else None
         turns_out.append(dict(length=ids.shape[1], s=seconds,
-                              prefill_tokens=None if engine is None else ids.shape[1] - engine.reused))
+                              prefill_tokens=None if engine is None else ids.shape[1] - engine.reused,
+                              drafter_prefill_tokens=None if engine is None else engine.drafter_prefill_tokens))
         ids = torch.cat([holder["out"], text[None, at : at + added].cuda()], 1)
         at += added
     for turn in turns_out:  # the same length from the other end of the text
@@ -209,10 +210,10 @@ def table(record: dict) -> str:
     for name, turns in record.get("chat", {}).items():
         later = turns[1:]
         worst = max(t["s"] / t["single_s"] for t in later) if later else float("nan")
-        prefilled = [t["prefill_tokens"] for t in turns]
+        prefilled = [(t["prefill_tokens"], t.get("drafter_prefill_tokens")) for t in turns]
         lines.append(f"\nchat, {name}: {len(turns)} turns, {turns[0]['length']}-{turns[-1]['length']} tokens; total "
                      f"{sum(t['s'] for t in turns):.2f} s; worst later turn / warm single call {worst:.2f}; "
-                     f"prefill tokens per turn {prefilled}")
+                     f"prefill tokens per turn (verifier, drafter) {prefilled}")
     for name, result in record.get("alternation", {}).items():
         later = result["rounds"][1:]
         lines.append(f"\nalternation, {name}: rounds {', '.join(f'{t:.3f}' for t in result['rounds'])} s; warm "
