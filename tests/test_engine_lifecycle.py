@@ -360,14 +360,16 @@ def test_a_sampled_chat_turn_draws_as_a_fresh_call_does(fresh_engines):
     model = copy.deepcopy(tiny_model("llama"))
     kwargs = dict(max_new_tokens=12, do_sample=True, temperature=1.3, pad_token_id=0, eos_token_id=None,
                   static_engine=True)
+    torch.manual_seed(2)  # (the draws of the first turn, whatever ran before on this process)
     first = model.generate(prompt(70, seed=2), **kwargs)
     history = torch.cat([first, prompt(25, seed=5)], 1)
+    mask = torch.ones_like(history)  # (a drawn 0 is a token, not padding)
     torch.manual_seed(11)
-    reused = model.generate(history, return_dict_in_generate=True, **kwargs)
+    reused = model.generate(history, attention_mask=mask, return_dict_in_generate=True, **kwargs)
     assert reused.spec_stats.prefill_tokens == 26
     static_engine.release_engines(model)
     torch.manual_seed(11)
-    assert torch.equal(reused.sequences, model.generate(history, **kwargs))
+    assert torch.equal(reused.sequences, model.generate(history, attention_mask=mask, **kwargs))
 
 
 def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
