@@ -306,7 +306,7 @@ def test_spec_stats_is_a_dataclass_with_dict_access():
     assert stats.acceptance_rate == stats["acceptance_rate"] == 0.75
     assert stats.mean_accepted_length == stats["mean_accepted_length"] == 13 / 4
     assert stats.to_dict() == dict(rounds=4, drafted=12, accepted=9, retrieved_rounds=0, sibling_rounds=0, new_tokens=14,
-                                   prefill_tokens=0, prefill_seconds=0.0,
+                                   prefill_tokens=0, drafter_prefill_tokens=0, prefill_seconds=0.0,
                                    draft_seconds=0.5, verify_seconds=0.0, rounds_seconds=0.0, prompts=1, rows=[],
                                    width_rounds={}, acceptance_rate=0.75, mean_accepted_length=3.25, ar_rounds=0)
     text = repr(stats)
