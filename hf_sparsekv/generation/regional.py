@@ -57,7 +57,7 @@ def _layer_forward(layer, cache_layer: LayerCache, keyword: str, args: tuple, kw
 
 
 _compiled: dict = {}  # backend -> _layer_forward compiled under it (one per process: dynamo keeps the traces)
-_active = threading.local()  # .caches: id(layer) -> (the layer's index in its model) while regional_layers runs
+_active = threading.local()  # .layers: ids of the layers routed on this thread while regional_layers runs (None: none)
 
 
 def compiled_layer_forward(backend):
@@ -112,9 +112,8 @@ def _routed_forward(layer, index: int, backend, original):
 def regional_layers(models, backend):
     """Inside the block, on this thread, the decoder layers of ``models`` (each a list from :func:`decoder_layers`)
     run through :func:`_layer_forward` compiled under ``backend`` when called on a static cache's step."""
-    layers = [layer for found in models for layer in found]
-    installed = []
-    _active.layers = {id(layer) for layer in layers}
+    installed, previous = [], getattr(_active, "layers", None)
+    _active.layers = (previous or set()) | {id(layer) for found in models for layer in found}
     try:
         for found in models:
             for index, layer in enumerate(found):
@@ -125,4 +124,4 @@ def regional_layers(models, backend):
     finally:
         for layer in installed:
             del layer.forward
-        _active.layers = None
+        _active.layers = previous
