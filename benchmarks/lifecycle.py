@@ -98,17 +98,23 @@ def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: in
     return turns_out
 
 
-def alternate(names: list[str], ids: torch.Tensor, verifier, drafter, rounds: int, new_tokens: int) -> dict:
+def unrelated(text: torch.Tensor, length: int, count: int) -> list[torch.Tensor]:
+    """``count`` prompts of ``length`` tokens of ``text``, each from another offset: a call on one of them finds none of
+    its prefix held by an engine that ran another (a repeated prompt would prefill only its last token)."""
+    return [text[None, 131 * i : 131 * i + length].cuda() for i in range(count)]
+
+
+def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int) -> dict:
     """``names`` called in turn on one model for ``rounds`` rounds, then each again 3 times (its warm time, the
-    median): every call's seconds."""
+    median), round r on ``prompts[r]`` (no call repeats the previous one's prompt): every call's seconds."""
     times = {name: [] for name in names}
-    for _ in range(rounds):
+    for r in range(rounds):
         for name in names:
-            times[name].append(timed(lambda n=name: call(n, verifier, drafter, ids, new_tokens)))
+            times[name].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
     warm = {name: [] for name in names}
-    for _ in range(3):
+    for r in range(rounds, rounds + 3):
         for name in names:
-            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, ids, new_tokens)))
+            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
     result = {name: dict(rounds=times[name], warm=statistics.median(warm[name])) for name in names}
     print("alternation: " + ", ".join(f"{n} {r['rounds']} warm {r['warm']:.3f}" for n, r in result.items()),
           flush=True)
@@ -169,11 +175,11 @@ def main(argv=None) -> int:
     record = dict(gpu=torch.cuda.get_device_name(), date=time.strftime("%Y-%m-%d"), commit=commit(),
                   models="bundled pair (bf16)", compile=args.compile, lengths=lengths, new_tokens=args.new_tokens,
                   loop={name: loop(name, prompts, verifier, drafter, args.new_tokens) for name in methods})
-    longest = prompts[lengths.index(max(lengths))]
+    longest = unrelated(text, max(lengths), args.warm_reps)
     warm = {name: [] for name in methods}
-    for _ in range(args.warm_reps):  # interleaved
+    for ids in longest:  # interleaved; each repeat on another prompt (no held prefix)
         for name in methods:
-            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, longest, args.new_tokens)))
+            warm[name].append(timed(lambda n=name, ids=ids: call(n, verifier, drafter, ids, args.new_tokens)))
     record["warm"] = {name: statistics.median(t) for name, t in warm.items()}
     save = lambda: (out / "lifecycle.json").write_text(json.dumps(record, indent=1))  # noqa: E731 (after each phase)
     save()
@@ -186,8 +192,8 @@ def main(argv=None) -> int:
                           for name in methods if name in ("static-engine", "routed", "hf-static-ar")}
         save()
     if args.alternate:
-        record["alternation"] = alternate(args.alternate.split(","), prompts[1], verifier, drafter, 3,
-                                          args.new_tokens)
+        record["alternation"] = alternate(args.alternate.split(","), unrelated(text, lengths[1], 6), verifier,
+                                          drafter, 3, args.new_tokens)
     save()
     print(table(record))
     plot(record, out / "lifecycle.png")

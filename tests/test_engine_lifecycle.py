@@ -400,10 +400,10 @@ def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
 
 
 def test_a_first_engine_on_graphs_holds_a_chat_ahead_where_memory_allows(monkeypatch):
-    """A configuration's first engine on CUDA graphs holds at least ``FIRST_CAPACITY`` positions (bounded by the
-    model's ``max_position_embeddings``) where its caches that long, every row, take at most ``FIRST_CAPACITY_SHARE``
-    of the engines' memory budget; without graphs, or past that memory, exactly what the call needs; a second engine of the
-    same configuration doubles the first."""
+    """A configuration's first engine on CUDA graphs holds ``FIRST_CAPACITY`` positions, or twice, four times ... as
+    many as the call needs (bounded by the model's ``max_position_embeddings``) where its caches that long, every row,
+    take at most ``FIRST_CAPACITY_SHARE`` of the engines' memory budget; without graphs, or past that memory, exactly
+    what the call needs; a second engine of the same configuration doubles the first."""
     from types import SimpleNamespace
 
     model = tiny_model("llama")  # 2 layers, 2 KV heads of 16, float64: 1 KiB a position; 1,024 positions at most
@@ -411,12 +411,16 @@ def test_a_first_engine_on_graphs_holds_a_chat_ahead_where_memory_allows(monkeyp
     grown = static_engine._grown
     monkeypatch.setattr(static_engine, "FIRST_CAPACITY", 512)
     assert grown([], model, None, spec, 300, True, 1024) == 512
-    assert grown([], model, None, spec, 600, True, 1024) == 600
+    assert grown([], model, None, spec, 600, True, 1024) == 1024
+    assert grown([], model, None, spec, 1024, True, 4096) == 1024
+    assert grown([], model, None, spec, 1100, True, 4096) == 2048
+    assert grown([], model, None, spec, 600, True, 800) == 800
     assert grown([], model, None, spec, 300, True, 400) == 400
     assert grown([], model, None, spec, 300, False, 1024) == 300
     monkeypatch.setenv("HF_SPARSEKV_ENGINE_MEMORY", str(8 * 512 * 1024 / 2**30 * 0.99))  # 1/8: just short of it
     assert grown([], model, None, spec, 300, True, 1024) == 300
     monkeypatch.setenv("HF_SPARSEKV_ENGINE_MEMORY", str(8 * 512 * 1024 / 2**30))
+    assert grown([], model, None, spec, 600, True, 1024) == 600  # 1,024 positions: past the share
     assert grown([], model, None, spec, 300, True, 1024) == 512
     assert grown([], model, None, SimpleNamespace(device=spec.device, batch=2), 300, True, 1024) == 300  # 2 rows
     kept = SimpleNamespace(max_tokens=512, same_configuration=lambda *args: True)

@@ -1812,3 +1812,71 @@ def test_cuda_grouped_linear_real_sizes(rows):
         assert kernel_takes(x, ws, bs)
         for out, ref in zip(grouped_linear(x, ws, bs), _grouped_reference(x, ws, bs)):
             assert _rel(out, ref) < TOL
+
+
+def _compiled_for(kernel, args: tuple, kwargs: dict, unspecialized: tuple) -> tuple:
+    """What Triton compiles ``kernel`` for, of a launch's arguments: its constexprs, the dtypes of its tensors, and
+    for each integer it specializes whether it is 1 and whether 16 divides it."""
+    key = [(k, v) for k, v in sorted(kwargs.items())]
+    for name, value in zip(kernel.arg_names, args):
+        if isinstance(value, torch.Tensor):
+            key.append((name, value.dtype))
+        elif isinstance(value, int) and not isinstance(value, bool) and name not in unspecialized:
+            key.append((name, value == 1, value % 16 == 0))
+    return tuple(key)
+
+
+def test_engines_of_every_capacity_launch_one_compiled_decode_kernel(monkeypatch):
+    """A grown engine (a longer prompt: a larger capacity, so more splits) launches the split kernel, and the merge
+    kernel where the splits take a launch of their own, with what Triton compiled for the smaller one: the same
+    constexprs, tensor dtypes and classes of the integers it specializes. Capacities up to the in-kernel merge's
+    split count share one split kernel; every larger one shares a second (and one merge kernel). Nothing runs: the
+    launches are recorded, with an H100/H200's 132 SMs for the split counts."""
+    from hf_sparsekv.kernels import _decode_triton, decode_core
+
+    monkeypatch.setattr(decode_core, "_sm_count", lambda device: 132)
+    keys = []
+
+    def recording(kernel, grid, *args, **kwargs):
+        names = {"decode_split_kernel": _decode_triton.CAPACITY_ARGS,
+                 "combine_kernel": _decode_triton.COMBINE_CAPACITY_ARGS}
+        keys[-1].append((kernel.fn.__name__, _compiled_for(kernel, args, kwargs, names[kernel.fn.__name__])))
+
+    monkeypatch.setattr(runtime, "launch", recording)
+    for capacity in (8192, 8448, 15104, 16384, 32768, 65536, 131072):
+        keys.append([])
+        q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+        k = v = torch.empty(1, 2, capacity, 64, dtype=torch.bfloat16, device=DEVICE)
+        n = torch.tensor([capacity - 100], dtype=torch.int32, device=DEVICE)
+        chunk_decode_attention(q, k, v, 0.125, length=n, tickets=torch.zeros(64, dtype=torch.int32, device=DEVICE))
+    merged, own_launch = keys[:4], keys[4:]
+    assert [len(k) for k in merged] == [1] * 4 and [len(k) for k in own_launch] == [2] * 3
+    assert all(k == merged[0] for k in merged) and all(k == own_launch[0] for k in own_launch)
+
+
+@pytest.mark.cuda
+def test_cuda_a_grown_capacity_compiles_no_new_decode_kernel(monkeypatch):
+    """On the GPU: after a launch at 8,192 positions, launches at 15,104 and 16,384 (a grown engine's caches, more
+    splits, merged in the kernel) compile nothing new, and the tokens equal the reference at each."""
+    from triton.runtime import jit
+
+    if not hasattr(jit.JITFunction, "_do_compile"):
+        pytest.skip("this Triton compiles through another entry point")
+    compiled = []
+    do_compile = jit.JITFunction._do_compile
+
+    def counting(self, *args, **kwargs):
+        compiled.append(self.fn.__name__)
+        return do_compile(self, *args, **kwargs)
+
+    monkeypatch.setattr(jit.JITFunction, "_do_compile", counting)
+    for i, capacity in enumerate((8192, 15104, 16384)):
+        q, k, v = _qkv(4, 2, 1, 64, capacity, torch.bfloat16, seed=40 + i)
+        n = torch.tensor([capacity - 700], dtype=torch.int32, device=DEVICE)
+        out = chunk_decode_attention(q, k, v, 0.125, length=n, tickets=torch.zeros(64, dtype=torch.int32,
+                                                                                  device=DEVICE))
+        ref = chunk_decode_attention_reference(q.float(), k.float(), v.float(), 0.125, length=n)
+        assert _rel(out, ref) < TOL
+        if i == 0:
+            compiled.clear()
+    assert "decode_split_kernel" not in compiled

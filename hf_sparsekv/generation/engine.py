@@ -933,17 +933,19 @@ def _position_bytes(*models) -> int:
 def _grown(kept: list, verifier, drafter, spec: EngineSpec, max_tokens: int, use_graphs: bool,
            longest: int | None) -> int:
     """Positions to allocate for a call of ``max_tokens``: where an engine of the same configuration is too short,
-    twice its length (a growing sequence of prompts builds O(log n) engines); else, on CUDA graphs, at least
-    :data:`FIRST_CAPACITY` where full caches of the verifier and drafter that long (every row) take at most
-    :data:`FIRST_CAPACITY_SHARE` of the memory budget (a chat, or prompts of growing length, then captures its steps
-    again rarely or never); else ``max_tokens``. Bounded by ``longest``, the model's ``max_position_embeddings``."""
+    twice its length (a growing sequence of prompts builds O(log n) engines); else, on CUDA graphs, the first of
+    :data:`FIRST_CAPACITY` x 1, 2, 4, ... that holds the call, where full caches of the verifier and drafter that long
+    (every row) take at most :data:`FIRST_CAPACITY_SHARE` of the memory budget (a chat, or prompts of varying length,
+    then captures its steps again rarely or never); else ``max_tokens``. Bounded by ``longest``, the model's
+    ``max_position_embeddings``."""
     bound = (lambda n: n) if longest is None else (lambda n: min(n, longest))  # noqa: E731
     shorter = [e.max_tokens for e in kept if e.same_configuration(drafter, spec, use_graphs)]
     if shorter:
         return max(max_tokens, bound(2 * max(shorter)))
-    if use_graphs and (FIRST_CAPACITY * spec.batch * _position_bytes(verifier, drafter)
+    first = FIRST_CAPACITY << max(0, math.ceil(math.log2(max_tokens / FIRST_CAPACITY)))
+    if use_graphs and (bound(first) * spec.batch * _position_bytes(verifier, drafter)
                        <= FIRST_CAPACITY_SHARE * engine_memory_budget(spec.device)):
-        return max(max_tokens, bound(FIRST_CAPACITY))
+        return max(max_tokens, bound(first))
     return max_tokens
 
 

@@ -721,7 +721,14 @@ def _merge_when_last(
         tl.store(O + (r % L) * stride_ol + (kvh * GROUP + r // L) * stride_oh + d, out.to(O.dtype.element_ty),
                  mask=row_ok)
 
-@triton.jit
+# Arguments that follow an engine's capacity (a longer prompt grows it) and are only loop bounds or scalar strides:
+# not specialized (Triton would otherwise compile the kernel again when one of them changes divisibility by 16 or
+# passes 1), so a grown engine launches the code compiled for the first. Pointer strides that set vector widths stay
+# specialized: capacities are multiples of 256, so they keep their divisibility.
+CAPACITY_ARGS = ("S_FP", "T_Q", "N_QSPLITS", "N_FSPLITS", "N_MERGE", "SPLIT_BASE", "stride_lph")
+
+
+@triton.jit(do_not_specialize=CAPACITY_ARGS)
 def decode_split_kernel(
     Q, stride_qh, stride_ql,
     K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP,
@@ -801,7 +808,10 @@ def decode_split_kernel(
                          stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh, L, GROUP, HEAD_DIM, BLOCK_M,
                          MERGE_S, MERGE_R)
 
-@triton.jit
+COMBINE_CAPACITY_ARGS = ("NS", "stride_lph")  # the merge kernel's (as CAPACITY_ARGS)
+
+
+@triton.jit(do_not_specialize=COMBINE_CAPACITY_ARGS)
 def combine_kernel(
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps,
     O, stride_ol, stride_oh, NS, L,

@@ -277,6 +277,7 @@ def _fold_rows(qblock: int, head_dim: int, num_warps: int) -> int:
 # The merge of split results: channels per program, and partial-output elements a program loads at once (the split
 # chunk is COMBINE_TILE / COMBINE_BLOCK_D splits: 256 splits of 16 channels, 32 registers per thread at 4 warps).
 COMBINE_BLOCK_D, COMBINE_TILE = 16, 4096
+COMBINE_MIN_SPLITS = 512  # the merge kernel's split weights loaded at once, at least (masked past the count)
 
 NO_CHUNK = 1 << 62  # the kernel's chunk size where there are no chunks (every position in chunk 0)
 MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the quantized segment takes one program
@@ -286,13 +287,20 @@ MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the q
 # tile); larger merges, or none given, run the merge kernel as a launch of its own. 0: always that launch.
 
 
+def _merge_splits(rows: int, head_dim: int, num_warps: int) -> int:
+    """The splits one in-kernel merge takes (see ``merge_per_warp``): as many as fill its tile with the partials of
+    ``rows`` rows (0: not even one). The tile, not the split count, sets the kernel's ``MERGE_S``, so that engines
+    of every capacity (their split counts differ) launch one compiled kernel."""
+    room = FP_CONFIG["merge_per_warp"] * num_warps // (triton_next_pow2(rows) * head_dim)
+    return 1 << (room.bit_length() - 1) if room else 0
+
+
 def _merges_in_kernel(tickets, n_splits: int, row_blocks: int, kv_heads: int, rows: int, head_dim: int,
                       num_warps: int) -> bool:
-    """Whether the split kernel merges its splits itself (see ``merge_per_warp``): a ticket per row block and KV
-    head, and the partials of one row block in one tile."""
-    tile = triton_next_pow2(n_splits) * triton_next_pow2(rows) * head_dim
+    """Whether the split kernel merges its splits itself: a ticket per row block and KV head, and the partials of
+    one row block in one tile (:func:`_merge_splits`)."""
     return (tickets is not None and tickets.numel() >= row_blocks * kv_heads
-            and tile <= FP_CONFIG["merge_per_warp"] * num_warps)
+            and n_splits <= _merge_splits(rows, head_dim, num_warps))
 
 
 def _block_m(rows: int) -> int:
@@ -481,14 +489,15 @@ def launch_decode(
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-        MERGE=merge, MERGE_S=triton_next_pow2(n_splits) if merge else 1,
+        MERGE=merge, MERGE_S=_merge_splits(min(rows, block_m), d, num_warps) if merge else 1,
         MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
         ROPE=rope is not None, BLOCK_L=max(16, triton_next_pow2(length)) if rope is not None else 16,
         num_warps=num_warps,
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
     if not final and not merge:
-        block_s, block_d = triton_next_pow2(n_splits), min(d, COMBINE_BLOCK_D)
+        # every split count up to COMBINE_MIN_SPLITS in one compiled kernel (engines of every capacity)
+        block_s, block_d = max(triton_next_pow2(n_splits), COMBINE_MIN_SPLITS), min(d, COMBINE_BLOCK_D)
         runtime.launch(
             combine_kernel, (hkv, rows, d // block_d),
             op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
