@@ -425,3 +425,27 @@ def test_a_first_engine_on_graphs_holds_a_chat_ahead_where_memory_allows(monkeyp
     assert grown([], model, None, SimpleNamespace(device=spec.device, batch=2), 300, True, 1024) == 300  # 2 rows
     kept = SimpleNamespace(max_tokens=512, same_configuration=lambda *args: True)
     assert grown([kept], model, None, spec, 600, True, 4096) == 1024
+
+
+def test_a_prefill_runs_without_cudnn_attention(monkeypatch):
+    """Every prefill (the verifier's and a separate drafter's) runs with PyTorch's cuDNN attention off and its other
+    SDPA kernels on (cuDNN builds a plan on the host for each new prompt length), and leaves the settings as they
+    were; the tokens are stock greedy's."""
+    from hf_sparsekv.generation import graph_steps
+
+    flags, forward = [], graph_steps.prefill_forward
+
+    def recording(model, *args):
+        flags.append((model.config.num_hidden_layers, torch.backends.cuda.cudnn_sdp_enabled(),
+                      torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled()))
+        return forward(model, *args)
+
+    monkeypatch.setattr(graph_steps, "prefill_forward", recording)
+    model, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")  # 2 layers, 1
+    ids = prompt(40, seed=9)
+    common = dict(max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = model.generate(ids, **common)
+    assert torch.equal(model.generate(ids, assistant_model=drafter, **common), reference)
+    assert {f[0] for f in flags} == {2, 1}
+    assert all(f[1:] == (False, True, True) for f in flags)
+    assert torch.backends.cuda.cudnn_sdp_enabled()

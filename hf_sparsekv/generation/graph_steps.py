@@ -27,6 +27,7 @@ import warnings
 import weakref
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
@@ -168,6 +169,20 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
     args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
+    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+        logits = _prefill_logits(model, args, compiled, cache)
+    cache.end_prefill()
+    return logits[0, -1]
+
+
+# The SDPA kernels a prefill may take: every one but cuDNN's, which PyTorch prefers on Hopper but which builds an
+# execution plan on the host for each new prompt length (about 3.5 ms a layer: a loop of prompts of varying lengths
+# on the bundled pair spent 42 ms of a 100 ms call on it, H200).
+PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _prefill_logits(model, args: tuple, compiled: bool, cache) -> torch.Tensor:
+    """:func:`prefill_forward` of ``args``, compiled where :func:`static_prefill` says."""
     logits = None
     if compiled and model not in _eager_prefills and prefill_compiles(cache):
         _prefilling.model = model
@@ -183,8 +198,7 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
                                   "new prompt lengths)")
     if logits is None:  # (the eager forward rewrites every layer's keys/values and kept queries)
         logits = prefill_forward(*args)
-    cache.end_prefill()
-    return logits[0, -1]
+    return logits
 
 
 def prefill_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, keyword: str) -> torch.Tensor:
