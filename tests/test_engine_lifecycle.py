@@ -449,3 +449,19 @@ def test_a_prefill_runs_without_cudnn_attention(monkeypatch):
     assert {f[0] for f in flags} == {2, 1}
     assert all(f[1:] == (False, True, True) for f in flags)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_a_forgotten_sequence_is_prefilled_again():
+    """A repeated prompt prefills its last two tokens only (the engine holds it); after ``forget_sequences`` the same
+    call prefills the whole prompt, with the same tokens."""
+    model = copy.deepcopy(tiny_model("llama"))
+    ids = prompt(30, seed=11)
+    kwargs = dict(static_engine=True, max_new_tokens=5, do_sample=False, eos_token_id=None, pad_token_id=0,
+                  return_dict_in_generate=True)
+    first = model.generate(ids, **kwargs)
+    again = model.generate(ids, **kwargs)
+    static_engine.forget_sequences(model)
+    forgotten = model.generate(ids, **kwargs)
+    assert (first.spec_stats.prefill_tokens, again.spec_stats.prefill_tokens,
+            forgotten.spec_stats.prefill_tokens) == (30, 2, 30)
+    assert torch.equal(first.sequences, again.sequences) and torch.equal(first.sequences, forgotten.sequences)

@@ -1039,6 +1039,15 @@ def current_engine(verifier) -> StaticEngine | None:
         return kept[-1] if kept else None
 
 
+def forget_sequences(model) -> None:
+    """The engines kept on ``model`` hold no earlier call's sequence any more: the next call prefills its whole prompt,
+    as a call on an unrelated prompt does (benchmarks time a repeated prompt this way, as HF's static cache does)."""
+    with exclusive(model):
+        with _registry:
+            for engine in _engines.get(model, []):
+                engine.holds_sequence = False
+
+
 def _release_graphs(engines: list[StaticEngine]) -> None:
     """Destroy the CUDA graphs of ``engines`` and drop their steps (a step refers to its engine: without them an
     engine no caller holds is freed at once, its caches with it, not at Python's next cycle collection)."""
