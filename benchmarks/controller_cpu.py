@@ -8,12 +8,13 @@ A tiny random Llama (2 layers, hidden 64, float64: the tests' ``tiny_model``), g
 
 Per case: plain ``generate()``, each constant γ in ``--gammas`` (prompt lookup: ``prompt_lookup_num_tokens=γ``;
 the drafter: ``num_assistant_tokens=γ``; both with the constant schedule) and the controller (no schedule, at most 8),
-the median seconds per call over ``--repeats`` after ``--warmup`` calls of each. ``--order interleaved`` (default):
-one call of each method per repeat; a model keeps one engine (one configuration), so every call then builds a fresh
-engine and the controller starts each call from nothing (its cold start, where the constant γ pays the same engine
-build). ``--order grouped``: each method's calls in a row, so the engine and what the controller learnt persist from
-call to call, as in a user's loop; a block of plain calls runs before each method's block and after the last, and each
-method is set against the plain blocks on either side of it (a process slows as its kept engines and objects grow).
+the median seconds per call over ``--repeats`` after ``--warmup`` calls of each. A model keeps an engine per
+configuration, so in either order each method's engine and what the controller learnt (kept by the engine) persist
+from call to call; only the sequence an engine holds is forgotten before each call (``forget_sequences``), so that
+every call prefills its whole prompt, as a call on a new prompt does. ``--order interleaved`` (default): one call of
+each method per repeat. ``--order grouped``: each method's calls in a row, as in a user's loop; a block of plain calls
+runs before each method's block and after the last, and each method is set against the plain blocks on either side
+of it (a process slows as its kept engines and objects grow).
 ``--load N`` starts N busy processes (``while 1: pass``) for the measurement and kills them after. Every output is checked against stock greedy. Prints a table and writes
 ``controller_cpu_load<N>[_grouped].json`` and the table as ``.txt`` under ``--out``.
 
@@ -38,6 +39,7 @@ from tqdm import tqdm
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import hf_sparsekv
+from hf_sparsekv.generation.engine import forget_sequences
 
 VOCAB = 96
 
@@ -100,6 +102,7 @@ def measure(verifier, ids: torch.Tensor, methods: dict, new_tokens: int, repeats
     blocks: dict[int, list[float]] = {}  # grouped: block index -> its plain calls' seconds
     for repeat, method, block in tqdm(calls, desc="calls", leave=False):
         kwargs = methods[method]
+        forget_sequences(verifier)  # a repeat prefills its whole prompt, as HF's static cache does
         start = time.perf_counter()
         out = verifier.generate(ids, **greedy, **kwargs)
         elapsed = time.perf_counter() - start
