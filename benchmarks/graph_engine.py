@@ -35,7 +35,9 @@ the device's timeline as a gzipped Chrome trace beside it, to find where a call'
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
 
 Every method is called as a user calls it, ``generate(ids, ...)`` returning sequences (no returned cache, as the
-baselines); the speculative stats are read from the engine's round loop. End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
+baselines); the speculative stats are read from the engine's round loop. Before each timed call the kept engines forget
+the sequence they hold (``forget_sequences``): a repeat, or a method sharing another's engine, prefills its whole
+prompt, as HF's static cache does. End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
 (torch.compile and graph capture happen there; its duration is reported as ``first_call_s``; a second warm-up
 pass catches the recompiles one method's model change causes in another's steps), acceptance α and τ, peak memory, token identity against greedy AR (stock's; our graph AR's where stock's eager AR
 is not in the run).
@@ -220,7 +222,8 @@ def _useless(drafter):
     return _USELESS[id(drafter)]
 
 
-def timed(fn) -> tuple[float, torch.Tensor, dict | None, int]:
+def timed(fn, verifier) -> tuple[float, torch.Tensor, dict | None, int]:
+    static_engine.forget_sequences(verifier)  # a repeat prefills its whole prompt, as HF static does
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -298,12 +301,12 @@ def main(argv=None) -> int:
         references = {}
         for name in tqdm(names, desc=f"warm-up {context}"):
             first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens,
-                                                           args.temperature))[0]
+                                                           args.temperature), verifier)[0]
             save()
         # a second pass: int4 self-speculation swaps the verifier's linear layers for 4-bit-capable ones, so every
         # compiled step of that model that ran before it compiles once more (70 s mid-table on an H200 once)
         for name in tqdm(names, desc=f"warm-up again {context}"):
-            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens, args.temperature))
+            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens, args.temperature), verifier)
         for rep in range(args.repeats):
             for i, ids in enumerate(prompts):
                 for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
@@ -311,7 +314,7 @@ def main(argv=None) -> int:
                         continue
                     torch.manual_seed(1000 * rep + i)
                     seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens,
-                                                             args.temperature))
+                                                             args.temperature), verifier)
                     if not sampling and (name == "hf-eager-ar" or (name == "graph-ar" and "hf-eager-ar" not in names)):
                         references[i] = seq  # stock greedy; else our AR (itself tested identical to it)
                     ref = references.get(i)
@@ -341,7 +344,7 @@ def main(argv=None) -> int:
         path = out / f"profile-{name}.txt"
         path.write_text(profile_method(runner(name, verifier, drafter, docs[0][None, :context].cuda(),
                                               args.new_tokens, args.temperature), f"{name} at {context}",
-                                       out / f"trace-{name}.json.gz"))
+                                       out / f"trace-{name}.json.gz", verifier))
         print(path.read_text()[:4000], flush=True)
     if args.steps:
         ids = docs[0][None, :16384].cuda()
@@ -354,13 +357,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def profile_method(fn, label: str, trace: Path) -> str:
+def profile_method(fn, label: str, trace: Path, verifier) -> str:
     """torch.profiler table (CUDA time by kernel, with launch counts) of one more run of ``fn`` (compiled and captured
     already), headed by the run's rounds and its draft / verify milliseconds per round; the run's host and device
     timeline is written to ``trace`` (Chrome trace format, gzipped)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
+    static_engine.forget_sequences(verifier)  # the profiled run prefills its whole prompt too
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, stats = fn()
