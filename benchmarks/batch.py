@@ -75,9 +75,10 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int):
                                      **common)
 
 
-def timed(fn) -> tuple[float, torch.Tensor, dict | None, int]:
+def timed(fn, verifier) -> tuple[float, torch.Tensor, dict | None, int]:
     """Seconds, sequences ``[B, L + new]``, the speculative counters (``SpecStats.to_dict()``; None for AR) and peak
     bytes of one call of ``fn``."""
+    static_engine.forget_sequences(verifier)  # a repeat at B=1 prefills its whole prompt, as HF static does
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
@@ -183,10 +184,10 @@ def main(argv=None) -> int:
     for batch in [int(b) for b in args.batches.split(",")]:
         ids = prompts(args.context, batch).cuda()
         for name in tqdm(names, desc=f"warm-up B={batch}"):
-            first_call[f"{name}@{batch}"] = timed(runner(name, verifier, drafter, ids, args.new_tokens))[0]
+            first_call[f"{name}@{batch}"] = timed(runner(name, verifier, drafter, ids, args.new_tokens), verifier)[0]
         for rep in range(args.repeats):
             for name in tqdm(names, desc=f"B={batch} rep {rep}", leave=False):
-                seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens))
+                seconds, seq, stats, peak = timed(runner(name, verifier, drafter, ids, args.new_tokens), verifier)
                 generated = batch * (seq.shape[1] - ids.shape[1])
                 if stats:
                     stats.pop("rows")  # each row's counters: the totals suffice here
