@@ -4,6 +4,7 @@ Greedy speculative generation (chunk budget 256, γ = 3) and plain greedy ``gene
 to ``--context`` tokens, median of ``--repeats`` after one warm-up, float32, the threads torch picks. Prints a table
 and writes ``cpu_path.json``. To compare two checkouts on one machine, run this script under each one's
 ``PYTHONPATH`` in turn (interleaved), as the one-engine refactor's check did (benchmarks/results/HISTORY.md).
+Before each call the kept engine forgets the sequence it holds, so that a repeat prefills its whole prompt.
 
     python benchmarks/cpu_path.py --context 3072 --new-tokens 64 --out runs/cpu-path
 """
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 import hf_sparsekv
+from hf_sparsekv.generation.engine import forget_sequences
 from hf_sparsekv.zoo import eval_documents, load_pair
 
 
@@ -42,6 +44,7 @@ def main() -> None:
     with torch.no_grad():
         for repeat in range(args.repeats + 1):  # the first round is the warm-up
             for name, run in methods.items():
+                forget_sequences(verifier)  # a repeat prefills its whole prompt, as plain generate() does
                 start = time.perf_counter()
                 outputs[name] = run()
                 if repeat:
