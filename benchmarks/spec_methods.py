@@ -9,6 +9,7 @@ import torch
 import hf_sparsekv
 from hf_sparsekv import HierarchicalQuantCache, SinkWindowCache
 from hf_sparsekv.cache_keyword import cache_keyword
+from hf_sparsekv.generation.engine import forget_sequences
 from hf_sparsekv.generation.stats import SyncedTimer
 from hf_sparsekv.zoo import load_pair
 
@@ -133,13 +134,16 @@ def _generate_fn(method: str, models: dict, ids: torch.Tensor, budget, gamma, ar
     raise ValueError(f"unknown method {method!r}")
 
 
-def _measure(fn, device, warmup: int, repeats: int, warmup_fn=None) -> dict:
-    """``warmup`` discarded runs of ``warmup_fn`` (default ``fn``), then the median of ``repeats`` timed runs."""
+def _measure(fn, device, warmup: int, repeats: int, warmup_fn=None, verifier=None) -> dict:
+    """``warmup`` discarded runs of ``warmup_fn`` (default ``fn``), then the median of ``repeats`` timed runs; before
+    each, the engines kept on ``verifier`` (the model whose ``generate`` ``fn`` calls) forget the sequence they hold."""
     cuda = torch.device(device).type == "cuda"
     for _ in range(warmup):
         (warmup_fn or fn)()
     runs = []
     for _ in range(repeats):
+        if verifier is not None:
+            forget_sequences(verifier)  # a repeat prefills its whole prompt, as the AR baselines do
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -139,7 +139,7 @@ def run_job(job: dict, models: dict, prompts: list[torch.Tensor], references: di
         fn = _generate_fn(job["method"], models, ids, job["budget"], job["gamma"], args)
         warm = _generate_fn(job["method"], models, ids, job["budget"], job["gamma"], args,
                             new_tokens=min(args.new_tokens, args.warmup_tokens))
-        m = _measure(fn, device, args.warmup, args.repeats, warmup_fn=warm)
+        m = _measure(fn, device, args.warmup, args.repeats, warmup_fn=warm, verifier=models["verifier"])
         new = m["sequences"].shape[1] - ids.shape[1]
         record.update(seconds=m["seconds"], seconds_all=m["seconds_all"], new_tokens=new,
                       tokens_per_s=new / m["seconds"], peak_memory_bytes=m["peak"], spec_stats=m["stats"],
