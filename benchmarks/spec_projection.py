@@ -246,6 +246,7 @@ def profile(args, models: dict, prompts, device) -> dict:
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in patches]
     for obj, name, new in patches:
         setattr(obj, name, new)
+    static_engine.forget_sequences(models["verifier"])  # the profiled call prefills its whole prompt, as AR does
     try:
         with SyncedTimer(device) as clock:
             _, stats = fn()
@@ -265,6 +266,7 @@ def profile(args, models: dict, prompts, device) -> dict:
         from torch.profiler import ProfilerActivity, profile as tprofile
 
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        static_engine.forget_sequences(models["verifier"])
         with tprofile(activities=activities) as prof:
             fn()
         key = "self_cuda_time_total" if cuda else "self_cpu_time_total"
