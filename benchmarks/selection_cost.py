@@ -28,6 +28,7 @@ def prefill_seconds(engine, ids: torch.Tensor, repeats: int) -> tuple[float, int
     times = []
     torch.cuda.reset_peak_memory_stats()
     for _ in range(repeats + 1):  # the first is a warm-up
+        engine.holds_sequence = False  # a repeat prefills its whole prompt (else the engine reuses the one it holds)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         engine.prefill([ids])
