@@ -12,7 +12,8 @@ runs ``--calls`` times after ``--warmup`` calls; for each, the median over the c
 
 Methods: ``ar`` (``graph_greedy_generate``, no ``generate()``), ``ar_generate`` (``static_engine=True``),
 ``chunk`` (the drafter on a chunk budget of 512, the controller), ``selfchunk`` (self-drafting, chunk 512). On CPU it
-runs too (the same host code, eager steps). Prints a table, writes JSON. ``HF_SPARSEKV_COMPILE=0`` skips compilation
+runs too (the same host code, eager steps). Before each call the kept engines forget the sequence they hold, so that
+every call prefills its whole prompt. Prints a table, writes JSON. ``HF_SPARSEKV_COMPILE=0`` skips compilation
 (the front end does not depend on it).
 """
 
@@ -29,6 +30,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv.generation import front, rounds
+from hf_sparsekv.generation.engine import forget_sequences
 from hf_sparsekv.zoo import eval_documents, load_pair
 
 PHASES = ("_prepare_config", "infer_attention_mask", "_draft_length", "_check_models", "_row_rules", "_engine_rules",
@@ -78,10 +80,12 @@ def main(argv=None) -> int:
     rows = {}
     for name, call in methods.items():
         for _ in range(args.warmup):
+            forget_sequences(verifier)  # every call prefills its whole prompt, as a call on a new prompt does
             call()
         record.clear()
         outside, inner = [], []
         for _ in range(args.calls):
+            forget_sequences(verifier)
             if device == "cuda":
                 torch.cuda.synchronize()
             start = time.perf_counter()
