@@ -512,16 +512,7 @@ def speculative_generate(
     token_types = kwargs.pop("token_type_ids", None)
     past_key_values = pop_user_cache(kwargs)  # past_key_values= or, from transformers 5.24 on, cache=
     tokenizer = kwargs.pop("tokenizer", None)  # as stock: for stop_strings (and the vocabulary check)
-    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
-        raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
-    if input_ids.shape[1] == 0:
-        raise ValueError("input_ids is empty")
-    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
-        raise ValueError(
-            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
-        )
-    if not input_ids.dtype.is_floating_point:
-        input_ids = input_ids.long()  # the output is int64 whatever integer type came in, as stock's is
+    input_ids = _checked_ids(input_ids, attention_mask)
     batch = input_ids.shape[0]
     row_kwargs = dict(kwargs)  # what each row gets when a batch is decoded row by row
     config, unused = _prepare_config(model, generation_config, kwargs, input_ids)
@@ -547,6 +538,58 @@ def speculative_generate(
         attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(copies, 0)
         batch = input_ids.shape[0]
         row_kwargs["num_return_sequences"] = 1
+    plan = _draft_plan(model, assistant_model, config, generation_config, kwargs, tokenizer, kv_budget, draft_cache,
+                       draft_tree_size, draft_weights, plain, alone)
+    if batch > 1 and token_types is not None:
+        raise NotImplementedError("token_type_ids with a batch of several prompts (one prompt at a time is served)")
+    captures(model)  # (the engine's settings checked here: a wrong value is the caller's error, not a fallback)
+    if batch == 1:
+        return _decode_one_row(model, assistant_model, config, input_ids, attention_mask, plan, token_types,
+                               past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
+                               stock_fallback)
+    mode, draft_weights = plan[0], plan[4]
+    one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
+    check_batch(input_ids, attention_mask, config, streamer=streamer,
+                prefix_cache=past_key_values is not None, max_time=config.max_time if one_by_one else None)
+    if one_by_one:
+
+        def one_row(ids, mask, cache):
+            return speculative_generate(
+                model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
+                kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights,
+                draft_tree_size=draft_tree_size, attention_mask=mask,
+                tokenizer=tokenizer,
+                **{**row_kwargs, "return_dict_in_generate": config.return_dict_in_generate},
+            )
+
+        return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
+                             _stock_cache(model) if config.return_dict_in_generate else None)
+    with _handing_back(stock_fallback and plain):  # (stock's speculative calls take one row: its error is ours)
+        output = _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan,
+                                       logits_processor, stopping_criteria, tokenizer)
+    return _length_reminder(model, config, output)
+
+
+def _checked_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``input_ids [B, P]`` as the engine takes them (int64), after checking their shape and the mask's."""
+    if input_ids.dim() != 2 or input_ids.shape[0] < 1:
+        raise ValueError(f"input_ids must have shape [batch, length], got {tuple(input_ids.shape)}")
+    if input_ids.shape[1] == 0:
+        raise ValueError("input_ids is empty")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(
+            f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has {tuple(input_ids.shape)}"
+        )
+    if not input_ids.dtype.is_floating_point:
+        input_ids = input_ids.long()  # the output is int64 whatever integer type came in, as stock's is
+    return input_ids
+
+
+def _draft_plan(model, assistant_model, config, generation_config, kwargs: dict, tokenizer, kv_budget: int | None,
+                draft_cache, draft_tree_size: int | None, draft_weights: str | None, plain: bool,
+                alone: bool) -> tuple:
+    """How the engine drafts for this call: ``(mode, budget, layout, gamma, draft_weights, retrieval, tree_size,
+    adaptive)`` (``plain``: one verifier step per token; ``alone``: retrieval without a drafter)."""
     gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs, bool(config.do_sample))
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
     if plain:  # one verifier step per token
@@ -555,6 +598,7 @@ def speculative_generate(
         gamma, ngram = _lookup_settings(config, None)
         mode, budget, layout = "lookup", ngram, ()
     else:
+        lookup = config.prompt_lookup_num_tokens is not None
         if lookup:
             gamma, retrieval = _lookup_settings(config, gamma)
         else:
@@ -572,32 +616,15 @@ def speculative_generate(
     adaptive = (adaptive and mode in ADAPTIVE_MODES and (tree_size is None or assistant_model is not model)
                 and not retrieval and _tp_size(model) == 1)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
-    if batch > 1 and token_types is not None:
-        raise NotImplementedError("token_type_ids with a batch of several prompts (one prompt at a time is served)")
-    captures(model)  # (the engine's settings checked here: a wrong value is the caller's error, not a fallback)
-    if batch > 1:
-        one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
-        check_batch(input_ids, attention_mask, config, streamer=streamer,
-                    prefix_cache=past_key_values is not None, max_time=config.max_time if one_by_one else None)
-        if one_by_one:
+    return mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive
 
-            def one_row(ids, mask, cache):
-                return speculative_generate(
-                    model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                    kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights,
-                    draft_tree_size=draft_tree_size, attention_mask=mask,
-                    tokenizer=tokenizer,
-                    **{**row_kwargs, "return_dict_in_generate": config.return_dict_in_generate},
-                )
 
-            return generate_rows(one_row, input_ids, attention_mask, draft_cache, pad_value(config),
-                                 _stock_cache(model) if config.return_dict_in_generate else None)
-        plan = (mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive)
-        with _handing_back(stock_fallback and plain):  # (stock's speculative calls take one row: its error is ours)
-            output = _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan,
-                                           logits_processor, stopping_criteria, tokenizer)
-        return _length_reminder(model, config, output)
-
+def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, attention_mask, plan: tuple,
+                    token_types, past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
+                    stock_fallback: bool):
+    """One prompt ``input_ids [1, P]`` (left padding dropped) decoded on its engine under ``plan``
+    (:func:`_draft_plan`): the sequences, or stock's output class with the cache, scores, logits and stats."""
+    mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive = plan
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
     token_types = _row_token_types(model, token_types, input_ids, prompt, mode, assistant_model)
