@@ -164,6 +164,8 @@ class _Round:
     def __init__(self, width: int, tree: bool, queued: bool, steps: int, rooms: list[int]):
         self.width, self.tree, self.queued, self.steps, self.rooms = width, tree, queued, steps, rooms
         self.drafting = width > 0
+        self.caught_up = 0  # positions the drafter caught up on before drafting (the controller keeps them apart)
+        self.prefilled = 0  # prompt tokens of the drafter's deferred prefill, run in this round
 
 
 class RowsDecoding:
@@ -204,7 +206,6 @@ class RowsDecoding:
         # (every position before the row's last token, but a last draft all accepted, which it never read)
         self.drafter_upto = 0
         self.last, self.fresh = 0.0, True  # the last round's end; whether this round ran a step first
-        self.caught_up = self.prefilled = 0  # the round's catch-up positions and deferred prefill's prompt tokens
         self.t0 = self.rounds_from = time.perf_counter()  # the call's start (its prefill's, then its rounds')
 
     # --- the prefill ------------------------------------------------------------------------------------------------
@@ -286,17 +287,16 @@ class RowsDecoding:
         engine, timer, tokens, prompts = self.engine, self.timer, self.tokens, self.prompts
         drafting = plan.drafting
         drafter_steps = drafting or self.catch_up is not None  # (else no drafter step runs: no events to record)
-        self.prefilled = 0  # prompt tokens of the drafter's deferred prefill, run in this round
         if drafting and engine.drafter_deferred:  # (its seconds count as prefill, not drafting)
             timer.mark("deferred_prefill", True)
             engine.prefill_drafter(prompts)
             timer.mark("deferred_prefill", False)
-            self.prefilled, self.controller.deferred = self.controller.deferred, 0
+            plan.prefilled, self.controller.deferred = self.controller.deferred, 0
             self.behind = [0 if d else len(t) - 1 - p.shape[1] for t, p, d in zip(tokens, prompts, self.done)]
         if drafter_steps:
             timer.mark("draft", True)
         behind = self.behind
-        self.caught_up = max(behind) if self.lagging and drafting else 0  # (the controller keeps these costs apart)
+        plan.caught_up = max(behind) if self.lagging and drafting else 0
         if self.lagging:  # the drafter gets what it missed (rounds without drafts) before it drafts
             if drafting and max(behind) == 1 and not (self.always_tree or engine.self_drafting):
                 self.fresh |= engine.run_step("catch_up")
@@ -381,8 +381,8 @@ class RowsDecoding:
                 # tree's did not)
         now = time.perf_counter()
         self.controller.observe(width, [rounds[row][0] for row in live],
-                                None if self.fresh else (now - self.last) / steps, steps, self.caught_up,
-                                self.prefilled, self.shared(each, now - self.last) if steps > 1 else None)
+                                None if self.fresh else (now - self.last) / steps, steps, plan.caught_up,
+                                plan.prefilled, self.shared(each, now - self.last) if steps > 1 else None)
         self.last, self.fresh = now, False
         self.retire_finished()
 

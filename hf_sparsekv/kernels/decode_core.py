@@ -295,12 +295,10 @@ def _merge_splits(rows: int, head_dim: int, num_warps: int) -> int:
     return 1 << (room.bit_length() - 1) if room else 0
 
 
-def _merges_in_kernel(tickets, n_splits: int, row_blocks: int, kv_heads: int, rows: int, head_dim: int,
-                      num_warps: int) -> bool:
+def _merges_in_kernel(tickets, n_splits: int, row_blocks: int, kv_heads: int, merge_splits: int) -> bool:
     """Whether the split kernel merges its splits itself: a ticket per row block and KV head, and the partials of
-    one row block in one tile (:func:`_merge_splits`)."""
-    return (tickets is not None and tickets.numel() >= row_blocks * kv_heads
-            and n_splits <= _merge_splits(rows, head_dim, num_warps))
+    one row block in one tile (at most ``merge_splits``, :func:`_merge_splits`)."""
+    return tickets is not None and tickets.numel() >= row_blocks * kv_heads and n_splits <= merge_splits
 
 
 def _block_m(rows: int) -> int:
@@ -468,7 +466,8 @@ def launch_decode(
         n_splits_here = n_splits
     row_blocks = math.ceil(rows / block_m)
     num_warps = qcfg["num_warps"] if quant is not None else fcfg["num_warps"]
-    merge = not final and _merges_in_kernel(tickets, n_splits, row_blocks, hkv, min(rows, block_m), d, num_warps)
+    merge_splits = _merge_splits(min(rows, block_m), d, num_warps)
+    merge = not final and _merges_in_kernel(tickets, n_splits, row_blocks, hkv, merge_splits)
     # without rope its 15 arguments are placeholders (pointers KN, VN, CS, SN, SL, RW and strides), never read
     rope_args = _rope_args(rope, k, length) if rope is not None else (s_ptr,) * 2 + (0,) * 6 + (s_ptr,) * 2 + (
         0, 0, s_ptr, 0, s_ptr)
@@ -489,7 +488,7 @@ def launch_decode(
         LENGTHS_ON_DEVICE=on_device, BY_POSITION=positions is not None,
         ACC_ROWS=_fold_rows(qblock, d, qcfg["num_warps"]),
         ASM_CODES=bool(qcfg["asm_codes"]) and not runtime.interpreting(), TREE=tree is not None,
-        MERGE=merge, MERGE_S=_merge_splits(min(rows, block_m), d, num_warps) if merge else 1,
+        MERGE=merge, MERGE_S=merge_splits if merge else 1,
         MERGE_R=triton_next_pow2(min(rows, block_m)) if merge else 1,
         ROPE=rope is not None, BLOCK_L=max(16, triton_next_pow2(length)) if rope is not None else 16,
         num_warps=num_warps,
