@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
 import weakref
 
 import pytest
@@ -449,6 +450,46 @@ def test_a_prefill_runs_without_cudnn_attention(monkeypatch):
     assert {f[0] for f in flags} == {2, 1}
     assert all(f[1:] == (False, True, True) for f in flags)
     assert torch.backends.cuda.cudnn_sdp_enabled()
+
+
+def test_overlapping_prefills_restore_the_users_attention_settings():
+    """Prefills overlapping in threads may leave their contexts in any order: cuDNN attention stays off while any is
+    inside and comes back as the user set it when the last leaves; the other backends keep the user's choice."""
+    from hf_sparsekv.generation.graph_steps import cudnn_attention_off
+
+    flash = torch.backends.cuda.flash_sdp_enabled()
+    torch.backends.cuda.enable_flash_sdp(False)
+    try:
+        for user_cudnn in (True, False):
+            torch.backends.cuda.enable_cudnn_sdp(user_cudnn)
+            first = threading.Barrier(2)
+            second, done = threading.Event(), threading.Event()
+            seen = []
+
+            def outer():
+                with cudnn_attention_off:
+                    first.wait()
+                    second.wait()  # (the inner prefill entered after this one ...)
+                seen.append(torch.backends.cuda.cudnn_sdp_enabled())  # (... and is still inside)
+                done.set()
+
+            def inner():
+                first.wait()
+                with cudnn_attention_off:
+                    second.set()
+                    done.wait()
+                    seen.append(torch.backends.cuda.flash_sdp_enabled())
+
+            threads = [threading.Thread(target=outer), threading.Thread(target=inner)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(timeout=30)
+            assert seen == [False, False]  # cuDNN off while the inner one runs; flash as the user set it
+            assert torch.backends.cuda.cudnn_sdp_enabled() == user_cudnn
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+        torch.backends.cuda.enable_cudnn_sdp(True)
 
 
 def test_a_forgotten_sequence_is_prefilled_again():

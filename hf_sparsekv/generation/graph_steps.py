@@ -27,7 +27,6 @@ import warnings
 import weakref
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..static_attention import NAME as STATIC_ATTENTION
 from ..cache_keyword import cache_keyword
@@ -169,16 +168,40 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     cache.begin_prefill(prompt.shape[1] - start, row, start)
     positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
     args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
-    with sdpa_kernel(PREFILL_SDPA_BACKENDS):
+    with cudnn_attention_off:
         logits = _prefill_logits(model, args, compiled, cache)
     cache.end_prefill()
     return logits[0, -1]
 
 
-# The SDPA kernels a prefill may take: every one but cuDNN's, which PyTorch prefers on Hopper but which builds an
-# execution plan on the host for each new prompt length (about 3.5 ms a layer: a loop of prompts of varying lengths
-# on the bundled pair spent 42 ms of a 100 ms call on it, H200).
-PREFILL_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+class _CudnnAttentionOff:
+    """A context in which PyTorch's SDPA does not pick cuDNN's attention, which it prefers for a bf16 prefill on Hopper
+    but which builds an execution plan on the host for each new prompt length (about 3.5 ms a layer: a loop of
+    prompts of varying lengths on the bundled pair spent 42 ms of a 100 ms call on it, H200).
+
+    PyTorch's switch is one process-wide flag (``torch.backends.cuda.enable_cudnn_sdp``), and
+    ``torch.nn.attention.sdpa_kernel`` restores it per context, so two prefills overlapping in threads could restore
+    out of order and leave it off. Here the contexts are counted: the first to enter saves the flag and turns it off,
+    the last to leave restores it; the other backends' flags are left as the user set them."""
+
+    def __init__(self):
+        self._lock, self._inside, self._saved = threading.Lock(), 0, True
+
+    def __enter__(self):
+        with self._lock:
+            if self._inside == 0:
+                self._saved = torch.backends.cuda.cudnn_sdp_enabled()
+                torch.backends.cuda.enable_cudnn_sdp(False)
+            self._inside += 1
+
+    def __exit__(self, *exc):
+        with self._lock:
+            self._inside -= 1
+            if self._inside == 0:
+                torch.backends.cuda.enable_cudnn_sdp(self._saved)
+
+
+cudnn_attention_off = _CudnnAttentionOff()
 
 
 def _prefill_logits(model, args: tuple, compiled: bool, cache) -> torch.Tensor:
