@@ -74,10 +74,12 @@ def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: in
          new_tokens: int) -> list[dict]:
     """A chat of ``turns`` turns: the first prompt is ``start`` tokens of ``text``; each later one is the previous
     output and the next ``added`` tokens. Per turn: its seconds, the prompt tokens the engine's verifier and drafter
-    prefilled (None for stock), then (after the chat) a warm call of the same length on an unrelated prompt (no held prefix)."""
-    from hf_sparsekv.generation.engine import current_engine
+    prefilled (None for stock); then, after the chat, two warm calls of the same length with no held prefix: on an
+    unrelated prompt (``single_s``) and on the turn's own prompt once the engine forgot it (``same_s``: the same
+    tokens to draft, so only what the held prefix saves or costs differs)."""
+    from hf_sparsekv.generation.engine import current_engine, forget_sequences
 
-    turns_out, ids, at = [], text[None, :start].cuda(), start
+    turns_out, prompts, ids, at = [], [], text[None, :start].cuda(), start
     for _ in range(turns):
         holder = {}
 
@@ -89,12 +91,16 @@ def chat(name: str, text: torch.Tensor, verifier, drafter, turns: int, start: in
         turns_out.append(dict(length=ids.shape[1], s=seconds,
                               prefill_tokens=None if engine is None else ids.shape[1] - engine.reused,
                               drafter_prefill_tokens=None if engine is None else engine.drafter_prefill_tokens))
+        prompts.append(ids)
         ids = torch.cat([holder["out"], text[None, at : at + added].cuda()], 1)
         at += added
-    for turn in turns_out:  # the same length from the other end of the text
-        other = text[None, -turn["length"]:].cuda()
+    for turn, own in zip(turns_out, prompts):
+        other = text[None, -turn["length"]:].cuda()  # the same length from the other end of the text
         turn["single_s"] = timed(lambda: call(name, verifier, drafter, other, new_tokens))
-    print(f"{name}: chat " + ", ".join(f"{t['s']:.2f}/{t['single_s']:.2f}" for t in turns_out), flush=True)
+        forget_sequences(verifier)
+        turn["same_s"] = timed(lambda: call(name, verifier, drafter, own, new_tokens))
+    print(f"{name}: chat (turn/unrelated/same prompt) "
+          + ", ".join(f"{t['s']:.3f}/{t['single_s']:.3f}/{t['same_s']:.3f}" for t in turns_out), flush=True)
     return turns_out
 
 
@@ -147,6 +153,55 @@ def only_long_loop(name: str, args) -> int:
     return 0
 
 
+GROWTH_LENGTHS = (3000, 12000)  # a first engine of 8,192 positions, then a prompt that outgrows it
+
+
+def growth(name: str, args) -> dict:
+    """In a new process with ``HF_SPARSEKV_COMPILE=light`` (steps traced from the first call, so a recompilation
+    would show): three calls at the first length, a call at the second (the engine grows), three warm calls at the
+    second on other prompts. The growth call's seconds against the warm median, the engine's positions before and
+    after, and what the growth call compiled (dynamo graphs, Triton kernels)."""
+    import subprocess
+
+    result = Path(args.out) / f"growth-{name}.json"
+    subprocess.run([sys.executable, __file__, "--only-growth", name, "--new-tokens", str(args.new_tokens),
+                    "--compile", "light", "--out", args.out], check=True)
+    return json.loads(result.read_text())
+
+
+def only_growth(name: str, args) -> int:
+    from triton.runtime import jit
+    from torch._dynamo.utils import counters
+
+    from hf_sparsekv.generation.engine import current_engine
+
+    triton_compiles = []
+    if hasattr(jit.JITFunction, "_do_compile"):  # (Triton's private hook: the count is left empty where it is gone)
+        do_compile = jit.JITFunction._do_compile
+
+        def counted(self, *a, **k):
+            triton_compiles.append(self.__name__)
+            return do_compile(self, *a, **k)
+
+        jit.JITFunction._do_compile = counted
+    verifier, drafter, _ = load_pair(device="cuda")
+    text = torch.cat(eval_documents())
+    small, large = GROWTH_LENGTHS
+    first = [timed(lambda ids=ids: call(name, verifier, drafter, ids, args.new_tokens))
+             for ids in unrelated(text, small, 3)]
+    before = current_engine(verifier).max_tokens
+    graphs, kernels = counters["stats"]["unique_graphs"], len(triton_compiles)
+    grown = unrelated(text, large, 4)
+    growth_s = timed(lambda: call(name, verifier, drafter, grown[0], args.new_tokens))
+    record = dict(first=first, growth_s=growth_s, positions=[before, current_engine(verifier).max_tokens],
+                  dynamo_graphs=counters["stats"]["unique_graphs"] - graphs,
+                  triton_kernels=triton_compiles[kernels:])
+    record["warm"] = [timed(lambda ids=ids: call(name, verifier, drafter, ids, args.new_tokens)) for ids in grown[1:]]
+    print(f"{name}: growth {record}", flush=True)
+    (Path(args.out) / f"growth-{name}.json").write_text(json.dumps(record))
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="runs/lifecycle")
@@ -160,13 +215,17 @@ def main(argv=None) -> int:
     parser.add_argument("--alternate", default=",".join(ALTERNATED), help="configurations alternated ('': none)")
     parser.add_argument("--compile", default="auto", choices=("auto", "1", "light", "0"),
                         help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
+    parser.add_argument("--growth", action="store_true", help="time a prompt that outgrows the engine (fresh processes)")
     parser.add_argument("--only-long-loop", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
+    parser.add_argument("--only-growth", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
     args = parser.parse_args(argv)
     os.environ["HF_SPARSEKV_COMPILE"] = args.compile  # (provenance sets 1 for the other benchmarks)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.only_long_loop:
         return only_long_loop(args.only_long_loop, args)
+    if args.only_growth:
+        return only_growth(args.only_growth, args)
     lengths = [int(n) for n in args.lengths.split(",")]
     methods = args.methods.split(",")
     verifier, drafter, _ = load_pair(device="cuda")
@@ -190,6 +249,9 @@ def main(argv=None) -> int:
     if args.chat_turns:
         record["chat"] = {name: chat(name, text, verifier, drafter, args.chat_turns, 1024, 512, args.new_tokens)
                           for name in methods if name in ("static-engine", "routed", "hf-static-ar")}
+        save()
+    if args.growth:
+        record["growth"] = {name: growth(name, args) for name in methods if name in ("static-engine", "routed")}
         save()
     if args.alternate:
         record["alternation"] = alternate(args.alternate.split(","), unrelated(text, lengths[1], 6), verifier,
@@ -216,10 +278,16 @@ def table(record: dict) -> str:
     for name, turns in record.get("chat", {}).items():
         later = turns[1:]
         worst = max(t["s"] / t["single_s"] for t in later) if later else float("nan")
+        same = max(t["s"] / t["same_s"] for t in later) if later else float("nan")
         prefilled = [(t["prefill_tokens"], t.get("drafter_prefill_tokens")) for t in turns]
         lines.append(f"\nchat, {name}: {len(turns)} turns, {turns[0]['length']}-{turns[-1]['length']} tokens; total "
-                     f"{sum(t['s'] for t in turns):.2f} s; worst later turn / warm single call {worst:.2f}; "
-                     f"prefill tokens per turn (verifier, drafter) {prefilled}")
+                     f"{sum(t['s'] for t in turns):.2f} s; worst later turn / warm call on an unrelated prompt "
+                     f"{worst:.2f}, on its own prompt {same:.2f}; prefill tokens per turn (verifier, drafter) {prefilled}")
+    for name, result in record.get("growth", {}).items():
+        warm = statistics.median(result["warm"])
+        lines.append(f"\ngrowth, {name}: {result['positions'][0]} -> {result['positions'][1]} positions; the call "
+                     f"{result['growth_s']:.3f} s, warm {warm:.3f} s (+{result['growth_s'] - warm:.3f} s); compiled "
+                     f"{result['dynamo_graphs']} dynamo graphs, Triton kernels {result['triton_kernels']}")
     for name, result in record.get("alternation", {}).items():
         later = result["rounds"][1:]
         lines.append(f"\nalternation, {name}: rounds {', '.join(f'{t:.3f}' for t in result['rounds'])} s; warm "

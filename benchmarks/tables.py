@@ -184,20 +184,22 @@ def lifecycle(spec: dict, results: Path) -> str:
 
 def lifecycle_later(spec: dict, results: Path) -> str:
     """The calls after the first: a chat whose turns extend the previous output (each turn against a warm call of
-    the same length on another prompt), and configurations alternated on one model (each round against warm)."""
+    the same length on another prompt, and on its own prompt with nothing held), and configurations alternated on one model (each round against warm)."""
     name = spec["files"][0]
     d = _load(name, results)
     chat, alt = d.get("chat", {}), d.get("alternation", {})
-    lines = _head("method", "chat: first turn (s)", "chat: later turns (s)", "worst later turn / warm call",
+    lines = _head("method", "chat: first turn (s)", "chat: later turns (s)",
+                  "worst later turn / warm call, unrelated prompt", "/ warm call, its own prompt",
                   "alternation: first round (s)", "later rounds / warm call")
     for key in list(chat) + [k for k in alt if k not in chat]:
         turns, later = chat.get(key, []), chat.get(key, [])[1:]
         cells = [method_name(key)]
         if later:
+            same = max(t["s"] / t["same_s"] for t in later) if all("same_s" in t for t in later) else None
             cells += [_num(turns[0]["s"]), f"{min(t['s'] for t in later):.3f}-{max(t['s'] for t in later):.3f}",
-                      _num(max(t["s"] / t["single_s"] for t in later))]
+                      _num(max(t["s"] / t["single_s"] for t in later)), _num(same)]
         else:
-            cells += ["–"] * 3
+            cells += ["–"] * 4
         if len(alt.get(key, {}).get("rounds", [])) > 1:
             rounds, warm = alt[key]["rounds"], alt[key]["warm"]
             cells += [_num(rounds[0], 3), f"{min(rounds[1:]) / warm:.2f}-{max(rounds[1:]) / warm:.2f}"]

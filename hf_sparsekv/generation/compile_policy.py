@@ -41,9 +41,11 @@ LIGHT_FIXED_S = 6.0  # tracing whole steps light: the first configuration in a p
 # an AR call that traced its step took 4.5-8 s)
 LIGHT_STEP_S = 1.0  # and per step traced and captured (bundled pair: 17 s for a routed call's 14; 30-layer 135M
 # shape: about 2.7 s)
-REGIONAL_FIXED_S = 3.0  # the same where one decoder layer is traced for all (.regional; bundled pair, H200: AR's
-# light call 2.2-4.4 s more than an uncompiled one, Triton's first compilations of our kernels included)
-REGIONAL_STEP_S = 0.5  # (the routed call's 14 steps: 6.4-10.2 s)
+REGIONAL_FIXED_S = 1.5  # the same where one decoder layer is traced for all (.regional). Bundled pair, H200, a
+# process after the first (Triton's on-disk cache warm), the tracing call against the uncompiled calls around it: AR
+# (1 step) 1.3 s more, prompt lookup (7) 2.8 s, the routed call (14) 5.8 s; the first process pays Triton's first
+# compilations of our kernels on top (up to 8 s once)
+REGIONAL_STEP_S = 0.3
 LIGHT_CHARGE_SHARE = 0.25  # of a call on light steps, what full compilation would save (bundled pair, H200, 16K: a
 # warm call 0.059 s light, 0.045 s compiled by Inductor)
 
