@@ -385,16 +385,18 @@ def test_the_light_stage_waits_for_what_tracing_costs(monkeypatch):
     monkeypatch.setattr(compile_policy, "LIGHT_STEP_S", 1.0)
     monkeypatch.setattr(compile_policy, "REGIONAL_FIXED_S", 2.0)
     monkeypatch.setattr(compile_policy, "REGIONAL_STEP_S", 0.25)
-    compile_policy.charge(model, 5.0)
+    monkeypatch.setattr(compile_policy, "UNCOMPILED_CHARGE_SHARE", 0.5)
+    compile_policy.charge(model, 10.0)  # uncompiled rounds: half counts
+    assert compile_policy.charged(model) == 5.0
     assert compile_policy.compiles(model, "later", 1) == "light"  # 3 + 1 s
     assert compile_policy.compiles(model, "later", 14) is None  # 3 + 14 s
     assert compile_policy.compiles(model, "later", 12, regional=True) == "light"  # 2 + 3 s: one layer traced
     assert compile_policy.compiles(model, "later", 14, regional=True) is None  # 2 + 3.5 s
     assert compile_policy.compiles(model, "later", 0) is None
-    compile_policy.charge(model, 13.0)
+    compile_policy.charge(model, 26.0)
     assert compile_policy.compiles(model, "later", 14) == "light"
     assert compile_policy.light_after(40) == 30.0
-    compile_policy.charge(model, 12.0)
+    compile_policy.charge(model, 48.0, light=True)  # light rounds: a quarter counts
     assert compile_policy.compiles(model, "later", 0) == "steps"
     assert compile_policy.compiles(model, "now") == "all" and compile_policy.compiles(model, "light") == "light"
     assert compile_policy.compiles(model, "never", 14) is None

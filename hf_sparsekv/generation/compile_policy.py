@@ -13,13 +13,13 @@ The engine's steps are CUDA graphs either way. Compiling makes each step several
   Seconds to a minute per configuration (Inductor's code generation; kept on disk for later processes).
 
 By default (``HF_SPARSEKV_COMPILE`` unset or ``"auto"``, with CUDA graphs) a model's calls start on uncompiled
-captured steps, and each call's time on steps not fully compiled is charged to the model. Once the total reaches what
+captured steps, and what compiling would have saved of each call is charged to the model (:func:`charge`: half of its
+rounds on uncompiled steps, a quarter on light ones; the prefill is the same either way). Once the total reaches what
 tracing a configuration's steps light is expected to cost (:func:`light_after`: a few seconds for plain decoding's one
 step, more for a drafting configuration's dozen), that configuration's next call compiles its steps light; once it
-reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`; a call on light steps counts
-for a quarter of its time, what full compilation would save of it), every configuration's next call compiles them
-fully. This is the rent-or-buy rule applied to each stage: whatever the number of calls, the total
-stays within a small factor of the best fixed choice. Prefills stay eager under this rule: compiling a small model's
+reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`), every configuration's next
+call compiles them fully. This is the rent-or-buy rule applied to each stage (rent: what compiling would save, buy:
+what it costs): whatever the number of calls, the total stays within about twice the best fixed choice. Prefills stay eager under this rule: compiling a small model's
 prefill for prompts of every length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
 
 ``HF_SPARSEKV_COMPILE="1"`` compiles the steps fully and (small models') prefills from the first call, ``"light"``
@@ -46,6 +46,9 @@ REGIONAL_FIXED_S = 1.5  # the same where one decoder layer is traced for all (.r
 # (1 step) 1.3 s more, prompt lookup (7) 2.8 s, the routed call (14) 5.8 s; the first process pays Triton's first
 # compilations of our kernels on top (up to 8 s once)
 REGIONAL_STEP_S = 0.3
+UNCOMPILED_CHARGE_SHARE = 0.5  # of a call's rounds on uncompiled steps, what light steps save (bundled pair, H200,
+# 64-prompt loops, a call before and after the trace: AR 0.17 -> 0.06 s, routed 0.13 -> 0.065 s, prompt lookup 0.08 ->
+# 0.04 s, chunk 0.14 -> 0.06 s)
 LIGHT_CHARGE_SHARE = 0.25  # of a call on light steps, what full compilation would save (bundled pair, H200, 16K: a
 # warm call 0.059 s light, 0.045 s compiled by Inductor)
 
@@ -108,11 +111,13 @@ def light_after(steps: int, regional: bool = False) -> float:
 
 
 def charge(model, seconds: float, light: bool = False) -> None:
-    """Add ``seconds`` of a call on ``model``'s steps not fully compiled (``light``: on light steps, which full
-    compilation would make only about a quarter faster, so that :data:`LIGHT_CHARGE_SHARE` of them counts): past
-    :func:`compile_after` its steps are due to compile fully (the light stage: :func:`compiles`)."""
+    """Add what compiling would have saved of ``seconds`` of a call's rounds on ``model``'s steps not fully compiled
+    (its prefill, the same either way, and an adaptive engine's first captures of its widths excluded): :data:`UNCOMPILED_CHARGE_SHARE` of rounds on
+    uncompiled steps, :data:`LIGHT_CHARGE_SHARE` of rounds on light steps (``light``). Past :func:`compile_after` the
+    model's steps are due to compile fully (the light stage: :func:`compiles`)."""
+    share = LIGHT_CHARGE_SHARE if light else UNCOMPILED_CHARGE_SHARE
     with _lock:
-        total = _charged[model] = _charged.get(model, 0.0) + (LIGHT_CHARGE_SHARE if light else 1.0) * seconds
+        total = _charged[model] = _charged.get(model, 0.0) + share * seconds
         if total >= compile_after() and model not in _due:
             _due[model] = "steps"
 

@@ -207,6 +207,7 @@ class RowsDecoding:
         self.drafter_upto = 0
         self.last, self.fresh = 0.0, True  # the last round's end; whether this round ran a step first
         self.t0 = self.rounds_from = time.perf_counter()  # the call's start (its prefill's, then its rounds')
+        self.capture_seconds = 0.0  # of the rounds' time, the adaptive steps' first captures (after the prefill)
 
     # --- the prefill ------------------------------------------------------------------------------------------------
 
@@ -226,7 +227,9 @@ class RowsDecoding:
             controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
                                     prompt_tokens)
         if engine.spec.adaptive:
+            captures_from = time.perf_counter()
             engine.capture_widths(controller.widths)
+            self.capture_seconds = time.perf_counter() - captures_from
         controller.deferred = prompt_tokens if engine.drafter_deferred else 0
         if self.streamer is not None and streamed_prompt is not None:
             self.streamer.put(streamed_prompt)
@@ -527,7 +530,7 @@ class RowsDecoding:
         wait_for(engine.devices)
         stats[0].rounds_seconds = time.perf_counter() - self.rounds_from - timer.seconds("deferred_prefill")
         if engine.spec.compiled and (engine.light or not engine.compiled):  # toward compiling them (more)
-            charge(engine.verifier, time.perf_counter() - self.t0, light=engine.compiled)
+            charge(engine.verifier, stats[0].rounds_seconds - self.capture_seconds, light=engine.compiled)
         stats[0].prefill_seconds += timer.seconds("deferred_prefill")
         stats[0].draft_seconds = timer.seconds("draft")
         stats[0].verify_seconds = timer.seconds("verify")
