@@ -110,9 +110,21 @@ def unrelated(text: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
     return [text[None, 131 * i : 131 * i + length].cuda() for i in range(count)]
 
 
-def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int) -> dict:
+def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int,
+              setting: str) -> dict:
     """``names`` called in turn on one model for ``rounds`` rounds, then each again 3 times (its warm time, the
-    median), round r on ``prompts[r]`` (no call repeats the previous one's prompt): every call's seconds."""
+    median), round r on ``prompts[r]`` (no call repeats the previous one's prompt), with ``HF_SPARSEKV_COMPILE`` set
+    to ``setting`` (``light``: every configuration's steps traced in its first round, so that the later rounds and
+    the warm calls run the same steps; under ``auto`` a configuration's trace lands in whichever call crosses its
+    threshold): every call's seconds."""
+    previous, os.environ["HF_SPARSEKV_COMPILE"] = os.environ.get("HF_SPARSEKV_COMPILE"), setting
+    try:
+        return _alternate(names, prompts, verifier, drafter, rounds, new_tokens)
+    finally:
+        os.environ["HF_SPARSEKV_COMPILE"] = previous or "auto"
+
+
+def _alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int) -> dict:
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names:
@@ -213,6 +225,8 @@ def main(argv=None) -> int:
                         help="prompts of the second loop, each method's in a fresh process (0: none)")
     parser.add_argument("--chat-turns", type=int, default=10, help="turns of the chat (0: none)")
     parser.add_argument("--alternate", default=",".join(ALTERNATED), help="configurations alternated ('': none)")
+    parser.add_argument("--alternate-compile", default="light", choices=("auto", "1", "light", "0"),
+                        help="HF_SPARSEKV_COMPILE while alternating (light: steps traced in each one's first round)")
     parser.add_argument("--compile", default="auto", choices=("auto", "1", "light", "0"),
                         help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
     parser.add_argument("--growth", action="store_true", help="time a prompt that outgrows the engine (fresh processes)")
@@ -254,8 +268,9 @@ def main(argv=None) -> int:
         record["growth"] = {name: growth(name, args) for name in methods if name in ("static-engine", "routed")}
         save()
     if args.alternate:
+        record["alternation_compile"] = args.alternate_compile
         record["alternation"] = alternate(args.alternate.split(","), unrelated(text, lengths[1], 6), verifier,
-                                          drafter, 3, args.new_tokens)
+                                          drafter, 3, args.new_tokens, args.alternate_compile)
     save()
     print(table(record))
     plot(record, out / "lifecycle.png")

@@ -184,10 +184,11 @@ def lifecycle(spec: dict, results: Path) -> str:
 
 def lifecycle_later(spec: dict, results: Path) -> str:
     """The calls after the first: a chat whose turns extend the previous output (each turn against a warm call of
-    the same length on another prompt, and on its own prompt with nothing held), and configurations alternated on one model (each round against warm)."""
-    name = spec["files"][0]
-    d = _load(name, results)
-    chat, alt = d.get("chat", {}), d.get("alternation", {})
+    the same length on another prompt, and on its own prompt with nothing held), and configurations alternated on one
+    model (each round against warm; from the last file where two are named)."""
+    name, alt_name = spec["files"][0], spec["files"][-1]
+    d, a = _load(name, results), _load(alt_name, results)
+    chat, alt = d.get("chat", {}), a.get("alternation", {})
     lines = _head("method", "chat: first turn (s)", "chat: later turns (s)",
                   "worst later turn / warm call, unrelated prompt", "/ warm call, its own prompt",
                   "alternation: first round (s)", "later rounds / warm call")
@@ -207,9 +208,13 @@ def lifecycle_later(spec: dict, results: Path) -> str:
             cells += ["–"] * 2
         lines.append(_row(cells))
     first = next(iter(chat.values()), [{}])
-    settings = (f"chat of {len(first)} turns from {first[0].get('length')} tokens; alternation on a "
-                f"{_k(d['lengths'][1]) if len(d['lengths']) > 1 else '?'}-token prompt" if chat else "")
-    return "\n".join(lines + ["", _source(name, d, settings)])
+    alternation = (f"alternation on a {_k(a['lengths'][1]) if len(a['lengths']) > 1 else '?'}-token prompt"
+                   + (f", `HF_SPARSEKV_COMPILE={a['alternation_compile']}`" if "alternation_compile" in a else ""))
+    if alt_name == name:
+        return "\n".join(lines + ["", _source(name, d, f"chat of {len(first)} turns from {first[0].get('length')} "
+                                                      f"tokens; {alternation}" if chat else "")])
+    return "\n".join(lines + ["", _source(name, d, f"chat of {len(first)} turns from {first[0].get('length')} tokens"),
+                              _source(alt_name, a, alternation)])
 
 
 def e2e(spec: dict, results: Path) -> str:
