@@ -112,8 +112,8 @@ def unrelated(text: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
 
 def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int,
               setting: str) -> dict:
-    """``names`` called in turn on one model for ``rounds`` rounds, then each again 3 times (its warm time, the
-    median), round r on ``prompts[r]`` (no call repeats the previous one's prompt), with ``HF_SPARSEKV_COMPILE`` set
+    """``names`` called in turn on one model for ``rounds`` rounds, round r on ``prompts[r]`` (no call repeats the
+    previous one's prompt), then each round's call again 3 times with nothing held (its warm time, the median), with ``HF_SPARSEKV_COMPILE`` set
     to ``setting`` (``light``: every configuration's steps traced in its first round, so that the later rounds and
     the warm calls run the same steps; under ``auto`` a configuration's trace lands in whichever call crosses its
     threshold): every call's seconds."""
@@ -125,17 +125,23 @@ def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, 
 
 
 def _alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int) -> dict:
+    from hf_sparsekv.generation.engine import forget_sequences
+
     times = {name: [] for name in names}
     for r in range(rounds):
         for name in names:
             times[name].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
-    warm = {name: [] for name in names}
-    for r in range(rounds, rounds + 3):
-        for name in names:
-            warm[name].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
-    result = {name: dict(rounds=times[name], warm=statistics.median(warm[name])) for name in names}
-    print("alternation: " + ", ".join(f"{n} {r['rounds']} warm {r['warm']:.3f}" for n, r in result.items()),
-          flush=True)
+    same = {name: [[] for _ in range(rounds)] for name in names}  # each round's call again, warm, 3 times
+    for _ in range(3):
+        for r in range(rounds):
+            for name in names:
+                forget_sequences(verifier)  # (as in its round: nothing of the prompt held)
+                same[name][r].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
+    result = {name: dict(rounds=times[name], warm_same=[statistics.median(t) for t in same[name]],
+                         warm=statistics.median(t for ts in same[name] for t in ts)) for name in names}
+    print("alternation (round/warm on its prompt): " + ", ".join(
+        f"{n} " + " ".join(f"{t:.3f}/{w:.3f}" for t, w in zip(r["rounds"], r["warm_same"])) for n, r in result.items()),
+        flush=True)
     return result
 
 
@@ -305,8 +311,10 @@ def table(record: dict) -> str:
                      f"{result['dynamo_graphs']} dynamo graphs, Triton kernels {result['triton_kernels']}")
     for name, result in record.get("alternation", {}).items():
         later = result["rounds"][1:]
-        lines.append(f"\nalternation, {name}: rounds {', '.join(f'{t:.3f}' for t in result['rounds'])} s; warm "
-                     f"{result['warm']:.3f} s; worst later round / warm {max(later) / result['warm']:.2f}")
+        warm = result.get("warm_same", [result["warm"]] * len(result["rounds"]))
+        worst = max(t / w for t, w in zip(later, warm[1:]))
+        lines.append(f"\nalternation, {name}: rounds {', '.join(f'{t:.3f}' for t in result['rounds'])} s; warm on "
+                     f"the same prompts {', '.join(f'{w:.3f}' for w in warm)} s; worst later round / warm {worst:.2f}")
     return "\n".join(lines)
 
 

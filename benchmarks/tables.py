@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ BENCHMARKS = ROOT / "BENCHMARKS.md"
 
 # The run each family of tables reads: a new run is a one-line change here.
 RUNS = {
-    "lifecycle": "lifecycle-h200-2026-12-04c",
+    "lifecycle": "lifecycle-h200-2026-12-04d",
     "e2e-16k": "e2e-h200-2026-12-03/never-slower-16k-095687a.json",
     "e2e-16k-latest": ["rope-h200-2026-12-03/e2e-16k-fused-b1d68a4.json",
                        "rope-h200-2026-12-03/e2e-16k-fused-c29746b.json", "steps-h200-2026-12-03/e2e-16k-2262244.json"],
@@ -45,7 +46,9 @@ RUNS = {
 
 TABLES = {
     "lifecycle": dict(kind="lifecycle", files=[f"{RUNS['lifecycle']}/loops.json"]),
-    "lifecycle-later-calls": dict(kind="lifecycle_later", files=[f"{RUNS['lifecycle']}/chat.json"]),
+    "lifecycle-later-calls": dict(kind="lifecycle_later", files=[f"{RUNS['lifecycle']}/loops.json",
+                                                                 f"{RUNS['lifecycle']}/alternation.json"]),
+    "lifecycle-growth": dict(kind="lifecycle_growth", files=[f"{RUNS['lifecycle']}/loops.json"]),
     "routed": dict(kind="e2e", files=[RUNS["routed"]], first_call=True),
     "e2e-16k": dict(kind="e2e", files=[RUNS["e2e-16k"]]),
     "e2e-16k-latest": dict(kind="e2e", files=RUNS["e2e-16k-latest"]),
@@ -178,8 +181,25 @@ def lifecycle(spec: dict, results: Path) -> str:
     lengths = ", ".join(f"{n:,}" for n in d["lengths"])
     settings = (f"{d.get('models', '')}, {d.get('new_tokens')} new tokens, `HF_SPARSEKV_COMPILE={d.get('compile')}`; "
                 f"first loop {lengths} tokens; second loop {n_long} prompts of "
-                f"{min(d.get('long_loop_lengths', [0]))}-{max(d.get('long_loop_lengths', [0]))} tokens")
+                f"{min(d.get('long_loop_lengths', [0]))}-{max(d.get('long_loop_lengths', [0]))} tokens"
+                + (f"; {d['long_loop_note']}" if "long_loop_note" in d else ""))
     return "\n".join(lines + ["", _source(name, d, settings)])
+
+
+def lifecycle_growth(spec: dict, results: Path) -> str:
+    """A prompt that outgrows a traced engine (``lifecycle.py --growth``, a fresh process each): the growth call
+    against the warm calls after it, and what it compiled."""
+    name = spec["files"][0]
+    d = _load(name, results)
+    lines = _head("method", "positions", "the growing call (s)", "warm call after it (s)", "more than warm (s)",
+                  "dynamo graphs compiled", "Triton kernels compiled")
+    for key, g in d.get("growth", {}).items():
+        warm = statistics.median(g["warm"])
+        lines.append(_row([method_name(key), f"{g['positions'][0]:,} → {g['positions'][1]:,}", _num(g["growth_s"], 3),
+                           _num(warm, 3), _num(g["growth_s"] - warm, 3), g["dynamo_graphs"],
+                           len(g["triton_kernels"])]))
+    return "\n".join(lines + ["", _source(name, d, "`HF_SPARSEKV_COMPILE=light` (steps traced from the first call); "
+                                                    "three calls at 3,000 tokens, then one at 12,000, then three warm")])
 
 
 def lifecycle_later(spec: dict, results: Path) -> str:
@@ -191,7 +211,7 @@ def lifecycle_later(spec: dict, results: Path) -> str:
     chat, alt = d.get("chat", {}), a.get("alternation", {})
     lines = _head("method", "chat: first turn (s)", "chat: later turns (s)",
                   "worst later turn / warm call, unrelated prompt", "/ warm call, its own prompt",
-                  "alternation: first round (s)", "later rounds / warm call")
+                  "alternation: first round (s)", "later rounds / warm call on the same prompt")
     for key in list(chat) + [k for k in alt if k not in chat]:
         turns, later = chat.get(key, []), chat.get(key, [])[1:]
         cells = [method_name(key)]
@@ -202,8 +222,10 @@ def lifecycle_later(spec: dict, results: Path) -> str:
         else:
             cells += ["–"] * 4
         if len(alt.get(key, {}).get("rounds", [])) > 1:
-            rounds, warm = alt[key]["rounds"], alt[key]["warm"]
-            cells += [_num(rounds[0], 3), f"{min(rounds[1:]) / warm:.2f}-{max(rounds[1:]) / warm:.2f}"]
+            rounds = alt[key]["rounds"]
+            warm = alt[key].get("warm_same", [alt[key]["warm"]] * len(rounds))  # (older runs: one warm time)
+            ratios = [t / w for t, w in zip(rounds[1:], warm[1:])]
+            cells += [_num(rounds[0], 3), f"{min(ratios):.2f}-{max(ratios):.2f}"]
         else:
             cells += ["–"] * 2
         lines.append(_row(cells))
@@ -380,7 +402,8 @@ def controller_cpu(spec: dict, results: Path) -> str:
     return "\n".join(lines + [""] + sources)
 
 
-KINDS = dict(controller_cpu=controller_cpu, lifecycle=lifecycle, lifecycle_later=lifecycle_later, e2e=e2e, best_fixed=best_fixed, steps=steps,
+KINDS = dict(controller_cpu=controller_cpu, lifecycle=lifecycle, lifecycle_later=lifecycle_later,
+             lifecycle_growth=lifecycle_growth, e2e=e2e, best_fixed=best_fixed, steps=steps,
              headline=headline, acceptance=acceptance, drop_in=drop_in)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
 
