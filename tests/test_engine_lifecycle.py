@@ -52,6 +52,26 @@ def test_longer_prompts_compile_nothing_again(compiled_steps, call):
     assert len(static_engine._engines[model]) == 1  # a grown engine supersedes the shorter one
 
 
+def test_a_separate_drafters_light_steps_recompile_once_at_most_over_longer_prompts(compiled_steps, monkeypatch):
+    """A separate drafter, steps traced light (one decoder layer for all): over prompts of growing and shrinking
+    lengths after the first call, one call at most compiles graphs (the first growth: a trace that guarded on the
+    capacity is traced again with it dynamic), and no later growth compiles any; the tokens are stock greedy's."""
+    monkeypatch.setenv("HF_SPARSEKV_COMPILE", "light")
+    model = copy.deepcopy(tiny_model("llama"))
+    drafter = tiny_model("llama", role="drafter")
+    kwargs = dict(max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+    compiled, capacities = [], []
+    for n in LENGTHS:
+        ids = prompt(n, seed=n)
+        before = _graphs()
+        out = model.generate(ids, assistant_model=drafter, **kwargs)
+        compiled.append(_graphs() - before)
+        capacities.append(static_engine.current_engine(model).max_tokens)
+        assert torch.equal(out, model.generate(ids, **kwargs))
+    assert compiled[0] > 0 and sum(1 for c in compiled[1:] if c) <= 1, compiled
+    assert compiled[2] == 0 and capacities[2] > capacities[1] > capacities[0]  # the second growth: nothing
+
+
 def test_alternating_configurations_compile_and_build_nothing_after_the_first_round(compiled_steps):
     """Plain decoding, a separate drafter on the full cache, a chunk budget, prompt lookup and sampling, called in
     turn on one model: once each was seen (the second round also compiles the prefill that continues a held
