@@ -79,6 +79,7 @@ import os
 import threading
 import weakref
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.nn import Parameter
@@ -181,6 +182,15 @@ def _weights(*models) -> tuple:
     return tuple(found)
 
 
+class _PrefillPlan(NamedTuple):
+    """How :meth:`StaticEngine.prefill` fills the caches (:meth:`StaticEngine._plan_prefill`)."""
+
+    separate: bool  # the drafter has a cache of its own
+    shared_prefill: bool  # self-drafting: the verifier's prefill fills both caches
+    voting: list  # a self-drafter's prompt queries kept per row (counts)
+    fills_after: bool  # a self-drafter filled right after the verifier's compiled prefill
+
+
 class StaticEngine:
     """Static caches, token buffers and (captured) steps for one verifier/drafter pair. See the module docstring."""
 
@@ -193,7 +203,18 @@ class StaticEngine:
         self.use_graphs = use_graphs
         self.verifier_keyword = cache_keyword(verifier)
         self.drafter_keyword = None if drafter is None else cache_keyword(drafter)
-        gamma, device, dtype = spec.gamma, spec.device, spec.dtype
+        slack = self._plan_rounds(verifier, drafter)
+        self.max_tokens = _round_up(max_tokens)
+        self.max_new = _round_up(max_new)
+        self._allocate_caches(verifier, drafter, slack, warpers)
+        self._allocate_round_state(verifier, drafter, slack, warpers)
+        self._start_state(verifier, drafter)
+
+    def _plan_rounds(self, verifier, drafter) -> int:
+        """What a round does (a draft tree or one chain, self-drafting, a drafter that lags behind plain rounds);
+        the positions a round may write past the last kept token."""
+        spec = self.spec
+        gamma = spec.gamma
         slack = gamma + 2  # a round may write up to γ + 1 positions past the last kept token
         self.tree = DraftTree.plan(gamma, spec.tree_size, bool(spec.retrieval))  # None: every round one chain
         self.grows_tree = self.tree is not None and self.tree.width > 0  # the drafter grows each round's tree
@@ -210,8 +231,12 @@ class StaticEngine:
         # back (a separate drafter: its forward on them; self-drafting: the verifier's keys/values copied over, its
         # plain steps then write one cache, not both)
         self.lagging = spec.adaptive and drafter is not None and spec.mode in ("chunk", "window", "full")
-        self.max_tokens = _round_up(max_tokens)
-        self.max_new = _round_up(max_new)
+        return slack
+
+    def _allocate_caches(self, verifier, drafter, slack: int, warpers) -> None:
+        """The verifier's cache and the drafter's (one quantized store for int4 self-speculation)."""
+        spec = self.spec
+        gamma, device, dtype = spec.gamma, spec.device, spec.dtype
         self.cap = None  # int4: the most drafts each row may keep this round (its quantization state must not move)
         if spec.mode == "int4":  # one store: the draft reads its INT4 view, verification its INT8 view
             if warpers is not None and spec.batch > 1:  # a row's cap would have to cut a sampled block
@@ -229,13 +254,22 @@ class StaticEngine:
             self.drafter_cache = None if drafter is None else drafter_cache(drafter, spec, self.max_tokens,
                                                                               self.max_new, slack + ahead, scratch,
                                                                               ahead)
+
+    def _caches(self) -> list:
+        """The engine's distinct caches (the verifier's, and the drafter's where it is another)."""
+        return list({id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values())
+
+    def _allocate_round_state(self, verifier, drafter, slack: int, warpers) -> None:
+        """The device tensors the steps read and write: the sequences, the drafts and the report, a tree's and the
+        sampling rules' state, the vocabularies' limits."""
+        spec = self.spec
+        gamma, device = spec.gamma, spec.device
         rows = spec.batch
         self.seq = torch.zeros(rows, self.max_tokens + slack + AR_STEPS_PER_SYNC, dtype=torch.long, device=device)
         mark_length_dynamic(self.seq, dim=1)
         self.n = torch.zeros(rows, dtype=torch.long, device=device)
         self.live = torch.ones(rows, dtype=torch.long, device=device)  # 0: the row has finished, its n stays
-        caches = {id(c): c for c in (self.verifier_cache, self.drafter_cache) if c is not None}.values()
-        for cache in caches:
+        for cache in self._caches():
             cache.live = self.live  # a finished row's steps read (almost) none of its cache
         self.drafts = torch.zeros(rows, gamma, dtype=torch.long, device=device)
         # [a, v_0..v_γ, kind, found] per row: what the host reads (kind: the kind of the last node a tree round
@@ -288,7 +322,11 @@ class StaticEngine:
         if spec.host:  # the verify step's raw logits (a tree's: N + 1), for the host-side rules (:mod:`.host_rules`)
             width = gamma + 1 if self.tree is None else self.tree.size + 1
             self.logits = torch.zeros(rows, width, vocab, dtype=torch.float32, device=device)
-        self.pool = torch.cuda.graph_pool_handle() if use_graphs else None
+
+    def _start_state(self, verifier, drafter) -> None:
+        """Graphs, steps, what the controller and the prefills carry across calls, and the compile stage."""
+        spec, device, rows = self.spec, self.spec.device, self.spec.batch
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
         self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
                                for device in c.layer_devices if device.type == "cuda"} - {device.index})
@@ -320,7 +358,7 @@ class StaticEngine:
         self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
         self.compile_if_due()
         self._compiled_draft_token = None
-        self.nbytes = sum(c.nbytes() for c in caches) + self.seq.nbytes  # what keeping it holds, about
+        self.nbytes = sum(c.nbytes() for c in self._caches()) + self.seq.nbytes  # what keeping it holds, about
 
     @property
     def verifier(self):
@@ -706,6 +744,18 @@ class StaticEngine:
         (engines with ``spec.token_types``), fed by :meth:`typed_forwards`."""
         if len(prompts) != self.spec.batch:
             raise ValueError(f"an engine of {self.spec.batch} rows was given {len(prompts)} prompts")
+        plan = self._plan_prefill(prompts, prefixes, defer_drafter, token_types)
+        last = [self._prefill_row(row, prompt, plan, prefixes, timer) for row, prompt in enumerate(prompts)]
+        self.drafter_prefills += plan.separate and not self.drafter_deferred and not plan.fills_after
+        if plan.fills_after:
+            self.prefill_drafter(prompts)
+        return self._first_tokens(last, host_first)
+
+    def _plan_prefill(self, prompts: list[torch.Tensor], prefixes: list | None, defer_drafter: bool,
+                      token_types: list | None) -> _PrefillPlan:
+        """Reset the caches and decide how :meth:`prefill` fills them: what the verifier's cache holds of row 0's
+        prompt already, whether the drafter's prefill is deferred, whether a self-drafter keeps its prompt's
+        queries."""
         separate = self.drafter_cache is not None and self.drafter_cache is not self.verifier_cache
         shared_prefill = separate and self.drafter is self.verifier  # self-drafting: one prefill fills both caches
         if self.spec.token_types:
@@ -730,43 +780,49 @@ class StaticEngine:
         fills_after = (keeps_queries and not self.drafter_deferred and self.prefill_compiled(self.verifier)
                        and prefill_compiles(self.verifier_cache))
         self.prompt_queries = [{} for _ in prompts]  # a deferred self-drafter's: row -> layer -> (queries, scaling)
-        last = []
-        for row, prompt in enumerate(prompts):
-            p = prompt.shape[1]
-            if shared_prefill and not (self.drafter_deferred or fills_after):
-                self.drafter_cache.begin_prefill(p, row)
-                self.verifier_cache.companion = self.drafter_cache
-            elif shared_prefill and voting[row]:
-                self.verifier_cache.prompt_queries = functools.partial(_keep_queries, self.prompt_queries[row],
-                                                                       voting[row])
-            try:
-                prefix = None if prefixes is None else prefixes[row]
-                start = self.reused if row == 0 else 0
-                held = 0 if prefix is None else prefix.get_seq_length()
-                if held > start:  # (a prefix the cache does not hold already: copied in)
-                    start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers],
-                                                            row)
-                last.append(static_prefill(self.verifier, prompt, self.verifier_cache, row, start,
-                                            self.prefill_compiled(self.verifier)))
-            finally:
-                self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
-            if shared_prefill and not (self.drafter_deferred or fills_after):
-                self.drafter_cache.end_prefill()
-            elif separate and not shared_prefill and not self.drafter_deferred:
-                timed = timer is not None and self.drafter_prefills > 0
-                if timed:
-                    timer.mark("drafter_prefill", True)
-                self._prefill_separate_drafter(prompt, row)
-                if timed:
-                    timer.mark("drafter_prefill", False)
-            self.seq[row, :p].copy_(prompt[0])
-            self.n[row] = p
-            if self.penalty is not None:
-                self.seen[row].zero_()
-                self.seen[row, prompt[0, self.penalty[1] :]] = True
-        self.drafter_prefills += separate and not self.drafter_deferred and not fills_after
-        if fills_after:
-            self.prefill_drafter(prompts)
+        return _PrefillPlan(separate, shared_prefill, voting, fills_after)
+
+    def _prefill_row(self, row: int, prompt: torch.Tensor, plan: _PrefillPlan, prefixes: list | None,
+                     timer) -> torch.Tensor:
+        """Row ``row``'s prompt ``[1, P]`` into the verifier's cache (and the drafter's, as ``plan`` says), its
+        sequence and length; the verifier's logits at its last position ``[V]``."""
+        p = prompt.shape[1]
+        fills_drafter = plan.shared_prefill and not (self.drafter_deferred or plan.fills_after)
+        if fills_drafter:
+            self.drafter_cache.begin_prefill(p, row)
+            self.verifier_cache.companion = self.drafter_cache
+        elif plan.shared_prefill and plan.voting[row]:
+            self.verifier_cache.prompt_queries = functools.partial(_keep_queries, self.prompt_queries[row],
+                                                                   plan.voting[row])
+        try:
+            prefix = None if prefixes is None else prefixes[row]
+            start = self.reused if row == 0 else 0
+            held = 0 if prefix is None else prefix.get_seq_length()
+            if held > start:  # (a prefix the cache does not hold already: copied in)
+                start = self.verifier_cache.load_prefix([(layer.keys, layer.values) for layer in prefix.layers], row)
+            last = static_prefill(self.verifier, prompt, self.verifier_cache, row, start,
+                                  self.prefill_compiled(self.verifier))
+        finally:
+            self.verifier_cache.companion = self.verifier_cache.prompt_queries = None
+        if fills_drafter:
+            self.drafter_cache.end_prefill()
+        elif plan.separate and not plan.shared_prefill and not self.drafter_deferred:
+            timed = timer is not None and self.drafter_prefills > 0
+            if timed:
+                timer.mark("drafter_prefill", True)
+            self._prefill_separate_drafter(prompt, row)
+            if timed:
+                timer.mark("drafter_prefill", False)
+        self.seq[row, :p].copy_(prompt[0])
+        self.n[row] = p
+        if self.penalty is not None:
+            self.seen[row].zero_()
+            self.seen[row, prompt[0, self.penalty[1] :]] = True
+        return last
+
+    def _first_tokens(self, last: list[torch.Tensor], host_first) -> list[int]:
+        """Each row's first new token from its prompt's last logits ``last[b] [V]`` (``host_first``: chosen on the
+        host), appended to the sequences; the round state set for the first round."""
         seen = None if self.penalty is None else self.seen[:, None]
         if host_first is None:
             first = self._next(torch.stack(last)[:, None], self.n, seen)[:, 0]
