@@ -56,7 +56,7 @@ test-lowest:
 
 # What a user pays over a loop of generate() calls of varying prompt lengths, compilations included (CUDA).
 bench-lifecycle: $(STAMP)
-	$(PY) benchmarks/lifecycle.py --out runs/lifecycle $(ARGS)
+	$(PY) benchmarks/lifecycle.py --out runs/lifecycle --growth $(ARGS)
 
 # docs/architectures.md: every causal-LM architecture of the installed transformers through the engine's six ways in
 # against stock greedy (tests/arch_grid.py; make test-extended checks each row against the page).
