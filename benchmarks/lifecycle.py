@@ -113,8 +113,8 @@ def unrelated(text: torch.Tensor, length: int, count: int) -> list[torch.Tensor]
 def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int,
               setting: str) -> dict:
     """``names`` called in turn on one model for ``rounds`` rounds, round r on ``prompts[r]`` (no call repeats the
-    previous one's prompt), then each round's call again 3 times with nothing held (its warm time, the median), with ``HF_SPARSEKV_COMPILE`` set
-    to ``setting`` (``light``: every configuration's steps traced in its first round, so that the later rounds and
+    previous one's prompt), then each round's call again 3 times with nothing held (its warm time, the median), with
+    ``HF_SPARSEKV_COMPILE`` set to ``setting`` (``light``: every configuration's steps traced in its first round, so that the later rounds and
     the warm calls run the same steps; under ``auto`` a configuration's trace lands in whichever call crosses its
     threshold): every call's seconds."""
     previous, os.environ["HF_SPARSEKV_COMPILE"] = os.environ.get("HF_SPARSEKV_COMPILE"), setting
@@ -235,7 +235,8 @@ def main(argv=None) -> int:
                         help="HF_SPARSEKV_COMPILE while alternating (light: steps traced in each one's first round)")
     parser.add_argument("--compile", default="auto", choices=("auto", "1", "light", "0"),
                         help="HF_SPARSEKV_COMPILE for our calls (auto: the library's default)")
-    parser.add_argument("--growth", action="store_true", help="time a prompt that outgrows the engine (fresh processes)")
+    parser.add_argument("--growth", action="store_true",
+                        help="time a prompt that outgrows the engine (fresh processes)")
     parser.add_argument("--only-long-loop", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
     parser.add_argument("--only-growth", metavar="METHOD", help=argparse.SUPPRESS)  # (a fresh process's part)
     args = parser.parse_args(argv)
@@ -303,7 +304,8 @@ def table(record: dict) -> str:
         prefilled = [(t["prefill_tokens"], t.get("drafter_prefill_tokens")) for t in turns]
         lines.append(f"\nchat, {name}: {len(turns)} turns, {turns[0]['length']}-{turns[-1]['length']} tokens; total "
                      f"{sum(t['s'] for t in turns):.2f} s; worst later turn / warm call on an unrelated prompt "
-                     f"{worst:.2f}, on its own prompt {same:.2f}; prefill tokens per turn (verifier, drafter) {prefilled}")
+                     f"{worst:.2f}, on its own prompt {same:.2f}; prefill tokens per turn (verifier, drafter) "
+                     f"{prefilled}")
     for name, result in record.get("growth", {}).items():
         warm = statistics.median(result["warm"])
         lines.append(f"\ngrowth, {name}: {result['positions'][0]} -> {result['positions'][1]} positions; the call "

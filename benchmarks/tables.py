@@ -198,8 +198,9 @@ def lifecycle_growth(spec: dict, results: Path) -> str:
         lines.append(_row([method_name(key), f"{g['positions'][0]:,} → {g['positions'][1]:,}", _num(g["growth_s"], 3),
                            _num(warm, 3), _num(g["growth_s"] - warm, 3), g["dynamo_graphs"],
                            len(g["triton_kernels"])]))
-    return "\n".join(lines + ["", _source(name, d, "`HF_SPARSEKV_COMPILE=light` (steps traced from the first call); "
-                                                    "three calls at 3,000 tokens, then one at 12,000, then three warm")])
+    settings = ("`HF_SPARSEKV_COMPILE=light` (steps traced from the first call); three calls at 3,000 tokens, then "
+                "one at 12,000, then three warm")
+    return "\n".join(lines + ["", _source(name, d, settings)])
 
 
 def lifecycle_later(spec: dict, results: Path) -> str:

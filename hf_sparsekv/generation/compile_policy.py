@@ -19,8 +19,9 @@ tracing a configuration's steps light is expected to cost (:func:`light_after`: 
 step, more for a drafting configuration's dozen), that configuration's next call compiles its steps light; once it
 reaches ``HF_SPARSEKV_COMPILE_AFTER`` seconds (default :data:`DEFAULT_COMPILE_AFTER_S`), every configuration's next
 call compiles them fully. This is the rent-or-buy rule applied to each stage (rent: what compiling would save, buy:
-what it costs): whatever the number of calls, the total stays within about twice the best fixed choice. Prefills stay eager under this rule: compiling a small model's
-prefill for prompts of every length took 25-40 s per cache layout (H200) to save about 10 ms per 16K prompt.
+what it costs): whatever the number of calls, the total stays within about twice the best fixed choice. Prefills
+stay eager under this rule: compiling a small model's prefill for prompts of every length took 25-40 s per cache
+layout (H200) to save about 10 ms per 16K prompt.
 
 ``HF_SPARSEKV_COMPILE="1"`` compiles the steps fully and (small models') prefills from the first call, ``"light"``
 the steps light from the first call, ``"0"`` nothing (``"later"``: the rule above also without CUDA graphs: tests);
@@ -112,9 +113,10 @@ def light_after(steps: int, regional: bool = False) -> float:
 
 def charge(model, seconds: float, light: bool = False) -> None:
     """Add what compiling would have saved of ``seconds`` of a call's rounds on ``model``'s steps not fully compiled
-    (its prefill, the same either way, and an adaptive engine's first captures of its widths excluded): :data:`UNCOMPILED_CHARGE_SHARE` of rounds on
-    uncompiled steps, :data:`LIGHT_CHARGE_SHARE` of rounds on light steps (``light``). Past :func:`compile_after` the
-    model's steps are due to compile fully (the light stage: :func:`compiles`)."""
+    (its prefill, the same either way, and an adaptive engine's first captures of its widths excluded):
+    :data:`UNCOMPILED_CHARGE_SHARE` of rounds on uncompiled steps, :data:`LIGHT_CHARGE_SHARE` of rounds on light
+    steps (``light``). Past :func:`compile_after` the model's steps are due to compile fully (the light stage:
+    :func:`compiles`)."""
     share = LIGHT_CHARGE_SHARE if light else UNCOMPILED_CHARGE_SHARE
     with _lock:
         total = _charged[model] = _charged.get(model, 0.0) + share * seconds
