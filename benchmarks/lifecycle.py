@@ -127,18 +127,33 @@ def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, 
 def _alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, rounds: int, new_tokens: int) -> dict:
     from hf_sparsekv.generation.engine import forget_sequences
 
-    times = {name: [] for name in names}
+    def timed_call(name: str, ids: torch.Tensor) -> tuple[float, dict]:
+        """The call's seconds and the draft widths its rounds chose (``spec_stats.width_rounds``; {} for none)."""
+        holder = {}
+        seconds = timed(lambda: holder.setdefault("out", call(name, verifier, drafter, ids, new_tokens,
+                                                                return_dict_in_generate=True)))
+        stats = getattr(holder["out"], "spec_stats", None)
+        return seconds, {} if stats is None else dict(stats.width_rounds)
+
+    times, widths = {name: [] for name in names}, {name: [] for name in names}
     for r in range(rounds):
         for name in names:
-            times[name].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
+            seconds, chosen = timed_call(name, prompts[r])
+            times[name].append(seconds)
+            widths[name].append(chosen)
     same = {name: [[] for _ in range(rounds)] for name in names}  # each round's call again, warm, 3 times
-    for _ in range(3):
+    same_widths = {name: [] for name in names}  # the last repeat's widths, per round
+    for repeat in range(3):
         for r in range(rounds):
             for name in names:
                 forget_sequences(verifier)  # (as in its round: nothing of the prompt held)
-                same[name][r].append(timed(lambda n=name: call(n, verifier, drafter, prompts[r], new_tokens)))
+                seconds, chosen = timed_call(name, prompts[r])
+                same[name][r].append(seconds)
+                if repeat == 2:
+                    same_widths[name].append(chosen)
     result = {name: dict(rounds=times[name], warm_same=[statistics.median(t) for t in same[name]],
-                         warm=statistics.median(t for ts in same[name] for t in ts)) for name in names}
+                         warm=statistics.median(t for ts in same[name] for t in ts), round_widths=widths[name],
+                         warm_widths=same_widths[name]) for name in names}
     print("alternation (round/warm on its prompt): " + ", ".join(
         f"{n} " + " ".join(f"{t:.3f}/{w:.3f}" for t, w in zip(r["rounds"], r["warm_same"])) for n, r in result.items()),
         flush=True)
