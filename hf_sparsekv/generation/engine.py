@@ -328,8 +328,8 @@ class StaticEngine:
         spec, device, rows = self.spec, self.spec.device, self.spec.batch
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         # every CUDA device a step runs on (a model dispatched over several devices: one graph spans them all)
-        self.devices = sorted({device.index for c in (self.verifier_cache, self.drafter_cache) if c is not None
-                               for device in c.layer_devices if device.type == "cuda"} - {device.index})
+        self.devices = sorted({d.index for c in self._caches() for d in c.layer_devices if d.type == "cuda"}
+                              - {device.index})
         self.devices = [device.index] + self.devices if device.type == "cuda" else []
         self.steps: dict = {}  # name, or (name, width) for a width other than γ -> CapturedStep
         self.controller_memory = ControllerMemory(spec.gamma)  # what the draft-length controller learnt so far

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig
@@ -380,10 +381,23 @@ def _refuse_config(config, kwargs: dict, generation_config, model) -> None:
                                       f"{_refuse_source(name, value, kwargs, generation_config, model)}")
 
 
-def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: tuple, logits_processor,
-                        stopping_criteria, tokenizer):
-    """A batch's rows decoded together on one engine of ``len(input_ids)`` rows; ``plan`` = (mode, budget, layout,
-    γ, draft_weights, retrieval, tree_size, adaptive). Returns the output as stock assembles a batch."""
+class DraftPlan(NamedTuple):
+    """How the engine drafts for a call (:func:`_draft_plan`)."""
+
+    mode: str  # the engine's mode: "ar" (plain decoding), "lookup", or :func:`~.draft_modes.draft_mode`'s
+    budget: int | None  # the chunk/window budget (int4: the group size), or prompt lookup's n-gram size
+    layout: tuple  # the drafter cache's settings (empty: the defaults)
+    gamma: int  # drafts a round (at most, when adaptive)
+    draft_weights: str  # "full" or "int4": the weights the drafter's steps read
+    retrieval: int  # retrieval beside the drafter: the longest n-gram matched (0: none)
+    tree_size: int | None  # draft nodes a round (None: one chain)
+    adaptive: bool  # the controller chooses each round's drafts
+
+
+def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: DraftPlan,
+                          logits_processor, stopping_criteria, tokenizer):
+    """A batch's rows decoded together on one engine of ``len(input_ids)`` rows under ``plan``
+    (:func:`_draft_plan`). Returns the output as stock assembles a batch."""
     mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive = plan
     rows = [
         _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
@@ -547,8 +561,7 @@ def speculative_generate(
         return _decode_one_row(model, assistant_model, config, input_ids, attention_mask, plan, token_types,
                                past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
                                stock_fallback)
-    mode, draft_weights = plan[0], plan[4]
-    one_by_one = config.do_sample and mode == "int4"  # a row's quantization cap would cut a sampled block
+    one_by_one = config.do_sample and plan.mode == "int4"  # a row's quantization cap would cut a sampled block
     check_batch(input_ids, attention_mask, config, streamer=streamer,
                 prefix_cache=past_key_values is not None, max_time=config.max_time if one_by_one else None)
     if one_by_one:
@@ -556,7 +569,7 @@ def speculative_generate(
         def one_row(ids, mask, cache):
             return speculative_generate(
                 model, ids, generation_config, logits_processor, stopping_criteria, assistant_model=assistant_model,
-                kv_budget=kv_budget, draft_cache=cache, draft_weights=draft_weights,
+                kv_budget=kv_budget, draft_cache=cache, draft_weights=plan.draft_weights,
                 draft_tree_size=draft_tree_size, attention_mask=mask,
                 tokenizer=tokenizer,
                 **{**row_kwargs, "return_dict_in_generate": config.return_dict_in_generate},
@@ -587,9 +600,9 @@ def _checked_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -
 
 def _draft_plan(model, assistant_model, config, generation_config, kwargs: dict, tokenizer, kv_budget: int | None,
                 draft_cache, draft_tree_size: int | None, draft_weights: str | None, plain: bool,
-                alone: bool) -> tuple:
-    """How the engine drafts for this call: ``(mode, budget, layout, gamma, draft_weights, retrieval, tree_size,
-    adaptive)`` (``plain``: one verifier step per token; ``alone``: retrieval without a drafter)."""
+                alone: bool) -> DraftPlan:
+    """How the engine drafts for this call (``plain``: one verifier step per token; ``alone``: retrieval without a
+    drafter)."""
     gamma, adaptive = _draft_length(model, assistant_model, generation_config, kwargs, bool(config.do_sample))
     retrieval = 0  # retrieval beside the drafter: the longest n-gram matched
     if plain:  # one verifier step per token
@@ -616,10 +629,10 @@ def _draft_plan(model, assistant_model, config, generation_config, kwargs: dict,
     adaptive = (adaptive and mode in ADAPTIVE_MODES and (tree_size is None or assistant_model is not model)
                 and not retrieval and _tp_size(model) == 1)
     draft_weights = _draft_weights(draft_weights, mode, assistant_model)
-    return mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive
+    return DraftPlan(mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive)
 
 
-def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, attention_mask, plan: tuple,
+def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, attention_mask, plan: DraftPlan,
                     token_types, past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
                     stock_fallback: bool):
     """One prompt ``input_ids [1, P]`` (left padding dropped) decoded on its engine under ``plan``
