@@ -114,9 +114,9 @@ def alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter, 
               setting: str) -> dict:
     """``names`` called in turn on one model for ``rounds`` rounds, round r on ``prompts[r]`` (no call repeats the
     previous one's prompt), then each round's call again 3 times with nothing held (its warm time, the median), with
-    ``HF_SPARSEKV_COMPILE`` set to ``setting`` (``light``: every configuration's steps traced in its first round, so that the later rounds and
-    the warm calls run the same steps; under ``auto`` a configuration's trace lands in whichever call crosses its
-    threshold): every call's seconds."""
+    ``HF_SPARSEKV_COMPILE`` set to ``setting`` (``light``: every configuration's steps traced in its first round, so
+    that the later rounds and the warm calls run the same steps; under ``auto`` a configuration's trace lands in
+    whichever call crosses its threshold): every call's seconds."""
     previous, os.environ["HF_SPARSEKV_COMPILE"] = os.environ.get("HF_SPARSEKV_COMPILE"), setting
     try:
         return _alternate(names, prompts, verifier, drafter, rounds, new_tokens)
@@ -165,15 +165,14 @@ def long_lengths(count: int) -> list[int]:
     return torch.randint(1000, 16001, (count,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def fresh_long_loop(name: str, args) -> list[float]:
-    """``name``'s loop over :func:`long_lengths` in a new Python process (``--only-long-loop``): each call's
-    seconds."""
+def in_fresh_process(part: str, name: str, args, compile_setting: str):
+    """``name``'s ``part`` (``"long-loop"``: its loop over :func:`long_lengths`; ``"growth"``: :func:`only_growth`)
+    in a new Python process (``--only-<part>``) under ``HF_SPARSEKV_COMPILE=<compile_setting>``: what it wrote."""
     import subprocess
 
-    result = Path(args.out) / f"long-loop-{name}.json"
-    subprocess.run([sys.executable, __file__, "--only-long-loop", name, "--long-loop", str(args.long_loop),
-                    "--new-tokens", str(args.new_tokens), "--compile", args.compile, "--out", args.out], check=True)
-    return json.loads(result.read_text())
+    subprocess.run([sys.executable, __file__, f"--only-{part}", name, "--long-loop", str(args.long_loop),
+                    "--new-tokens", str(args.new_tokens), "--compile", compile_setting, "--out", args.out], check=True)
+    return json.loads((Path(args.out) / f"{part}-{name}.json").read_text())
 
 
 def only_long_loop(name: str, args) -> int:
@@ -189,20 +188,11 @@ def only_long_loop(name: str, args) -> int:
 GROWTH_LENGTHS = (3000, 12000)  # a first engine of 8,192 positions, then a prompt that outgrows it
 
 
-def growth(name: str, args) -> dict:
-    """In a new process with ``HF_SPARSEKV_COMPILE=light`` (steps traced from the first call, so a recompilation
-    would show): three calls at the first length, a call at the second (the engine grows), three warm calls at the
-    second on other prompts. The growth call's seconds against the warm median, the engine's positions before and
-    after, and what the growth call compiled (dynamo graphs, Triton kernels)."""
-    import subprocess
-
-    result = Path(args.out) / f"growth-{name}.json"
-    subprocess.run([sys.executable, __file__, "--only-growth", name, "--new-tokens", str(args.new_tokens),
-                    "--compile", "light", "--out", args.out], check=True)
-    return json.loads(result.read_text())
-
-
 def only_growth(name: str, args) -> int:
+    """(In a process of its own, with the steps traced light from the first call, so that a recompilation would show)
+    three calls at the first of :data:`GROWTH_LENGTHS`, one at the second (the engine grows), three warm calls at the
+    second on other prompts: the growth call's seconds, the warm calls', the engine's positions before and after, and
+    what the growth call compiled (dynamo graphs, Triton kernels)."""
     from triton.runtime import jit
     from torch._dynamo.utils import counters
 
@@ -280,14 +270,16 @@ def main(argv=None) -> int:
     save()
     if args.long_loop:  # each method's in a process of its own: its first call and compilations included
         record["long_loop_lengths"] = long_lengths(args.long_loop)
-        record["long_loop"] = {name: fresh_long_loop(name, args) for name in methods if name != "hf-ar"}
+        record["long_loop"] = {name: in_fresh_process("long-loop", name, args, args.compile)
+                               for name in methods if name != "hf-ar"}
         save()
     if args.chat_turns:
         record["chat"] = {name: chat(name, text, verifier, drafter, args.chat_turns, 1024, 512, args.new_tokens)
                           for name in methods if name in ("static-engine", "routed", "hf-static-ar")}
         save()
     if args.growth:
-        record["growth"] = {name: growth(name, args) for name in methods if name in ("static-engine", "routed")}
+        record["growth"] = {name: in_fresh_process("growth", name, args, "light")
+                            for name in methods if name in ("static-engine", "routed")}
         save()
     if args.alternate:
         record["alternation_compile"] = args.alternate_compile

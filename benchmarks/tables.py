@@ -233,11 +233,12 @@ def lifecycle_later(spec: dict, results: Path) -> str:
     first = next(iter(chat.values()), [{}])
     alternation = (f"alternation on a {_k(a['lengths'][1]) if len(a['lengths']) > 1 else '?'}-token prompt"
                    + (f", `HF_SPARSEKV_COMPILE={a['alternation_compile']}`" if "alternation_compile" in a else ""))
+    chat_settings = f"chat of {len(first)} turns from {first[0].get('length')} tokens" if chat else ""
     if alt_name == name:
-        return "\n".join(lines + ["", _source(name, d, f"chat of {len(first)} turns from {first[0].get('length')} "
-                                                      f"tokens; {alternation}" if chat else "")])
-    return "\n".join(lines + ["", _source(name, d, f"chat of {len(first)} turns from {first[0].get('length')} tokens"),
-                              _source(alt_name, a, alternation)])
+        sources = [_source(name, d, "; ".join(part for part in (chat_settings, alternation) if part))]
+    else:
+        sources = [_source(name, d, chat_settings), _source(alt_name, a, alternation)]
+    return "\n".join(lines + [""] + sources)
 
 
 def e2e(spec: dict, results: Path) -> str:

@@ -479,19 +479,19 @@ def test_overlapping_prefills_restore_the_users_attention_settings():
     inside and comes back as the user set it when the last leaves; the other backends keep the user's choice."""
     from hf_sparsekv.generation.graph_steps import cudnn_attention_off
 
-    flash = torch.backends.cuda.flash_sdp_enabled()
+    flash, cudnn = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
     torch.backends.cuda.enable_flash_sdp(False)
     try:
         for user_cudnn in (True, False):
             torch.backends.cuda.enable_cudnn_sdp(user_cudnn)
-            first = threading.Barrier(2)
+            first = threading.Barrier(2, timeout=30)  # (every wait bounded: a failing thread hangs nothing)
             second, done = threading.Event(), threading.Event()
             seen = []
 
             def outer():
                 with cudnn_attention_off:
                     first.wait()
-                    second.wait()  # (the inner prefill entered after this one ...)
+                    second.wait(30)  # (the inner prefill entered after this one ...)
                 seen.append(torch.backends.cuda.cudnn_sdp_enabled())  # (... and is still inside)
                 done.set()
 
@@ -499,7 +499,7 @@ def test_overlapping_prefills_restore_the_users_attention_settings():
                 first.wait()
                 with cudnn_attention_off:
                     second.set()
-                    done.wait()
+                    done.wait(30)
                     seen.append(torch.backends.cuda.flash_sdp_enabled())
 
             threads = [threading.Thread(target=outer), threading.Thread(target=inner)]
@@ -511,7 +511,7 @@ def test_overlapping_prefills_restore_the_users_attention_settings():
             assert torch.backends.cuda.cudnn_sdp_enabled() == user_cudnn
     finally:
         torch.backends.cuda.enable_flash_sdp(flash)
-        torch.backends.cuda.enable_cudnn_sdp(True)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)
 
 
 def test_a_forgotten_sequence_is_prefilled_again():
