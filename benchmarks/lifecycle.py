@@ -128,32 +128,34 @@ def _alternate(names: list[str], prompts: list[torch.Tensor], verifier, drafter,
     from hf_sparsekv.generation.engine import forget_sequences
 
     def timed_call(name: str, ids: torch.Tensor) -> tuple[float, dict]:
-        """The call's seconds and the draft widths its rounds chose (``spec_stats.width_rounds``; {} for none)."""
+        """The call's seconds, and where they went (``spec_stats``' widths chosen, prefill and rounds seconds; {}
+        without stats)."""
         holder = {}
         seconds = timed(lambda: holder.setdefault("out", call(name, verifier, drafter, ids, new_tokens,
                                                                 return_dict_in_generate=True)))
         stats = getattr(holder["out"], "spec_stats", None)
-        return seconds, {} if stats is None else dict(stats.width_rounds)
+        return seconds, {} if stats is None else dict(
+            widths=dict(stats.width_rounds), prefill_s=stats.prefill_seconds, rounds_s=stats.rounds_seconds)
 
-    times, widths = {name: [] for name in names}, {name: [] for name in names}
+    times, phases = {name: [] for name in names}, {name: [] for name in names}
     for r in range(rounds):
         for name in names:
-            seconds, chosen = timed_call(name, prompts[r])
+            seconds, where = timed_call(name, prompts[r])
             times[name].append(seconds)
-            widths[name].append(chosen)
+            phases[name].append(where)
     same = {name: [[] for _ in range(rounds)] for name in names}  # each round's call again, warm, 3 times
-    same_widths = {name: [] for name in names}  # the last repeat's widths, per round
+    same_phases = {name: [] for name in names}  # the last repeat's phases, per round
     for repeat in range(3):
         for r in range(rounds):
             for name in names:
                 forget_sequences(verifier)  # (as in its round: nothing of the prompt held)
-                seconds, chosen = timed_call(name, prompts[r])
+                seconds, where = timed_call(name, prompts[r])
                 same[name][r].append(seconds)
                 if repeat == 2:
-                    same_widths[name].append(chosen)
+                    same_phases[name].append(where)
     result = {name: dict(rounds=times[name], warm_same=[statistics.median(t) for t in same[name]],
-                         warm=statistics.median(t for ts in same[name] for t in ts), round_widths=widths[name],
-                         warm_widths=same_widths[name]) for name in names}
+                         warm=statistics.median(t for ts in same[name] for t in ts), round_phases=phases[name],
+                         warm_phases=same_phases[name]) for name in names}
     print("alternation (round/warm on its prompt): " + ", ".join(
         f"{n} " + " ".join(f"{t:.3f}/{w:.3f}" for t, w in zip(r["rounds"], r["warm_same"])) for n, r in result.items()),
         flush=True)

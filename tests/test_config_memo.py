@@ -65,3 +65,27 @@ def test_inputs_that_cannot_be_copied_are_served_and_not_remembered():
     model.config.not_copyable = threading.Lock()  # (deepcopy raises on a lock)
     _same_as_stock(model, None, dict(max_new_tokens=5, do_sample=False))
     assert model not in config_memo._memos
+
+
+def test_alternating_calls_each_find_their_config_remembered(monkeypatch):
+    """Configurations alternating on one model (plain, sampled, prompt lookup) each keep their remembered config:
+    after the first round, no call merges configs again, and each still gets stock's result."""
+    from hf_sparsekv.generation import config_memo
+
+    model = copy.deepcopy(tiny_model("llama"))
+    calls = [dict(max_new_tokens=5, do_sample=False), dict(max_new_tokens=5, do_sample=True, top_k=4),
+             dict(max_new_tokens=5, prompt_lookup_num_tokens=3)]
+    merged = []
+    stock = type(model)._prepare_generation_config
+    monkeypatch.setattr(type(model), "_prepare_generation_config",
+                        lambda self, *a, **k: merged.append(1) or stock(self, *a, **k))
+    for _ in range(3):
+        for kwargs in calls:
+            config, unused = prepare_generation_config(model, None, copy.deepcopy(kwargs))
+            want, want_unused = stock(model, None, **copy.deepcopy(kwargs))
+            assert config.to_dict() == want.to_dict() and unused == want_unused
+    assert len(merged) == len(calls)  # (stock's own calls above go through `stock`, not the counted method)
+    for n in range(config_memo.KEPT + 1):  # more distinct calls than are kept: the oldest is merged again
+        prepare_generation_config(model, None, dict(max_new_tokens=6 + n))
+    prepare_generation_config(model, None, dict(max_new_tokens=6))
+    assert len(merged) == len(calls) + config_memo.KEPT + 2

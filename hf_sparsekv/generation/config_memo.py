@@ -3,9 +3,10 @@
 ``model._prepare_generation_config(generation_config, **kwargs)`` (the user's config or kwargs over the model's
 ``generation_config`` over the library defaults) deep-copies and merges whole configs: 0.25 ms a call on one CPU
 core for the bundled pair, 0.9-1.7 ms on an H200's host, the largest part of a ``generate()`` call's front end. Its
-result depends only on its inputs' values, so each model keeps its last call's inputs (deep copies) and result: a
-call whose inputs equal them gets a deep copy of that result. Inputs that are not plain values (a tensor among the
-kwargs, say) always take stock's path.
+result depends only on its inputs' values, so each model keeps the inputs (deep copies) and results of its last
+:data:`KEPT` distinct calls (configurations alternating on one model each keep theirs): a call whose inputs equal
+one of them gets a deep copy of its result. Inputs that are not plain values (a tensor among the kwargs, say) always
+take stock's path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import weakref
 from transformers import GenerationConfig
 
 _PLAIN = (type(None), bool, int, float, str)
-_memos: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> (inputs, config, unused)
+KEPT = 8  # distinct calls remembered per model
+_memos: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> [(inputs, config, unused)], latest first
 _lock = threading.Lock()  # guards _memos (calls on different models may run at once)
 
 
@@ -50,14 +52,21 @@ def prepare_generation_config(model, generation_config: GenerationConfig | None,
         return model._prepare_generation_config(generation_config, **kwargs)
     inputs = _inputs(model, generation_config, kwargs)
     with _lock:
-        memo = _memos.get(model)
-    if memo is not None and _equal(memo[0], inputs):
-        return copy.deepcopy(memo[1]), dict(memo[2])
+        kept = list(_memos.get(model, ()))
+    for memo in kept:
+        if _equal(memo[0], inputs):
+            _remember(model, memo)
+            return copy.deepcopy(memo[1]), dict(memo[2])
     config, unused = model._prepare_generation_config(generation_config, **kwargs)  # (unused: plain kwargs, flags)
     try:
         memo = (copy.deepcopy(inputs), copy.deepcopy(config), dict(unused))
     except Exception:  # (an attribute that cannot be copied: the call is served, nothing is remembered)
         return config, unused
-    with _lock:
-        _memos[model] = memo
+    _remember(model, memo)
     return config, unused
+
+
+def _remember(model, memo: tuple) -> None:
+    """``memo`` becomes ``model``'s latest; the least recently used past :data:`KEPT` is dropped."""
+    with _lock:
+        _memos[model] = [memo, *(m for m in _memos.get(model, ()) if m is not memo)][:KEPT]
