@@ -91,6 +91,7 @@ from ..cache_keyword import cache_keyword
 from ..caches.chunk_selection import voting_queries
 from ..caches.static import StaticFullCache, StaticQuantCache, mark_length_dynamic
 from ..kernels import runtime
+from ..kernels.chunk_attention import MAX_QUERIES
 from .acceptance import accept_or_resample, accepted_length, walk_tree
 from .compile_policy import compile_setting, compiles
 from .common import _attention_shape, _text_config, layer_devices
@@ -114,9 +115,10 @@ logger = logging.get_logger(__name__)
 
 CAPACITY_ROUNDING = 256
 AR_STEPS_PER_SYNC = 8
-LAG_BLOCK = 128  # adaptive engines: tokens a drafter catches up on per step after rounds without drafts (a drafter's
-# forward over a short block costs mostly its launches and weight reads, so fewer, larger blocks cost less per missed
-# position; 128 against the earlier 32 is not measured on its own)
+LAG_BLOCK = MAX_QUERIES  # adaptive engines: tokens a drafter catches up on per step after rounds without drafts: the
+# most a block of the decode kernel takes (a drafter's forward over a short block costs mostly its launches and weight
+# reads, so larger blocks cost less per missed position; a longer block ran PyTorch's masked attention, whose traced
+# step guards on the cache's capacity: a grown engine traced it again, about 1 s, bundled pair, H200)
 
 
 def _round_up(n: int, to: int = CAPACITY_ROUNDING) -> int:
