@@ -315,6 +315,21 @@ def test_chunk_attention_reads_its_length_from_the_device(dtype, hq, hkv, length
     assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < (1e-5 if dtype == torch.float32 else TOL)
 
 
+def test_a_block_of_the_longest_chain_is_causal_among_its_queries():
+    """A block of :data:`MAX_QUERIES` queries without a tree (a lagging drafter's catch-up block, the engine's
+    ``LAG_BLOCK``) over a preallocated buffer: each query sees the stored tokens before the block and the block up to
+    itself, as the reference's causal rule says."""
+    from hf_sparsekv.generation.engine import LAG_BLOCK
+    from hf_sparsekv.kernels.chunk_attention import MAX_QUERIES
+
+    assert LAG_BLOCK == MAX_QUERIES
+    q, k, v = _qkv(2, 1, MAX_QUERIES, 64, 96, torch.float32, seed=63)
+    k[:, :, 70:] = 1e4  # never read
+    n = torch.tensor([70], dtype=torch.int32, device=k.device)
+    ref = chunk_decode_attention_reference(q, k[:, :, :70], v[:, :, :70], 0.125)
+    assert _rel(chunk_decode_attention(q, k, v, 0.125, length=n), ref) < 1e-5
+
+
 @pytest.mark.parametrize("dtype", HALF_DTYPES + [torch.float32], ids=str)
 @pytest.mark.parametrize("hq,hkv,length", [(4, 4, 1), (8, 2, 4), (16, 2, 3)])
 def test_batched_rows_read_their_own_lengths(dtype, hq, hkv, length):
