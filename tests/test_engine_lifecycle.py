@@ -24,8 +24,9 @@ def _graphs() -> int:
     return counters["stats"]["unique_graphs"]
 
 
-@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16), dict(draft_cache="int4")],
-                         ids=["ar", "chunk", "int4"])
+@pytest.mark.parametrize("call", [dict(static_engine=True), dict(kv_budget=16),
+                                  pytest.param(dict(draft_cache="int4"), marks=pytest.mark.extended, id="int4")],
+                         ids=["ar", "chunk", "int4"])  # (int4: 27 s of CPU; its compiled steps: test_static.py)
 def test_longer_prompts_compile_nothing_again(compiled_steps, call):
     """After a configuration's first call, prompts of other lengths (longer than any before included) compile no
     graph: no step, no prefill; every call's tokens are stock greedy's (int4: greedy on the same quantized cache is

@@ -1057,6 +1057,7 @@ def test_the_quantized_prompt_op_declares_what_it_writes():
 
 
 @pytest.mark.compiled
+@pytest.mark.extended  # (29 s of CPU; the quantized store's compiled prefill alone: the tests above)
 def test_int4_self_speculation_compiles_its_prefill_and_decodes_as_after_the_eager_one(compiled_steps, monkeypatch):
     """int4 self-speculation under a compiled engine: its quantized store's prefill runs through the compiled forward
     (one graph for two prompt lengths) and the call returns the tokens it returns after an eager prefill
