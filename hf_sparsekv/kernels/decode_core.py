@@ -42,6 +42,7 @@ import contextlib
 import json
 import math
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -363,18 +364,7 @@ def launch_decode(
     ``slot_positions`` are the step's ``query_positions``). The kernel folds the new keys in from registers (where
     the slots are a live row's last L slots read, in position order; always on a ring); the output is the kernel's
     over the written buffers (:func:`~.rope_attention.rope_decode_attention_reference`)."""
-    if rope is not None and (fp_length is None or quant is not None or (positions is not None and tree is not None)):
-        raise ValueError("rope needs fp_length (lengths on the device), no quantized segment, and no tree on a ring")
-    if tree is not None:
-        if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
-                tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
-            raise ValueError(f"tree must be int64 [{q.shape[2]}] or [B, {q.shape[2]}] (one ancestor mask per query, "
-                             "per row)")
-        tree = tree if tree.dim() == 2 else tree[None]  # [B or 1, L]; one row of bits: every row's
-    if quant is not None and (fp_length is None) != (quant_length is None):
-        raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
-    if positions is not None and (fp_length is None or quant is not None):
-        raise ValueError("positions need fp_length (lengths on the device) and no quantized segment")
+    tree = _checked_launch(q, quant, fp_length, quant_length, positions, tree, rope)
     runtime.require(q, k, v)
     batch = q.shape[0]
     if batch > 1:
@@ -387,18 +377,10 @@ def launch_decode(
     rows = group * length
     batch_rows = fp_length.numel() if fp_length is not None else 1  # a batch arrives folded into KV heads
     fcfg = _fp_settings(batch_rows, k.shape[1])
-    block_m = _block_m(rows)
-    if quant is None:  # more query rows than one tile: several programs per split
-        block_m = min(block_m, fcfg["block_m"], MAX_BLOCK_M)
-    elif block_m > MAX_BLOCK_M:
-        raise NotImplementedError(f"{rows} query rows per KV head over a quantized segment (at most {MAX_BLOCK_M})")
+    block_m, block_n = _tiles(q, rows, quant is not None, fcfg)
     device = q.device
-    for t in (q, k, v):
-        if t.stride(-1) != 1:
-            raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
-    block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
-    if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
-        block_n = min(block_n, 32)
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
     qcfg = QUANT_CONFIG
     gluon = (quant is not None and qcfg["kernel"] == "gluon"
              and hkv * quant[0].upper.shape[-2] * d >= qcfg["gluon_min_work"] and quant_gluon.usable(q, d, group_size))
@@ -408,55 +390,24 @@ def launch_decode(
                            fcfg["programs_per_sm"] if gluon else 0)
     vec_m = triton_next_pow2(rows) if qcfg["path"] == "vec" and rows <= min(4, qcfg["vec_max_rows"]) else 0
     n_fsplits = max(1, math.ceil(s_fp / fsplit))
-    if quant is not None:
-        qk, qv = quant
-        t_q = qk.upper.shape[-2]
-        qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
-        if gluon:  # one warp per program, 8 or 16 query rows: whole key groups per split
-            n_rows, block, stages = gluon_settings(rows, int8)
-            programs = hkv * math.ceil(rows / n_rows)
-            qsplit = _split_tokens(t_q, programs, group_size, device, q_min_split or qcfg["gluon_min_split"],
-                                   qcfg["gluon_per_sm"], qcfg["gluon_per_sm"])
-        else:
-            if q_min_split is None:
-                q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
-            qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"],
-                                   qcfg["fill_per_sm"])
-        n_qsplits = math.ceil(t_q / qsplit) if t_q else 0
-        ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
-        vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
-    else:
-        t_q, qblock, qsplit, n_qsplits = 0, 16, 16, 0
-        ku = kl = vu = vl = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
-        ks = kz = vs = vz = k
+    seg = _quant_segment(quant, k, group_size, int8, rows, hkv, device, q_min_split, vec_m, gluon)
+    t_q, qblock, qsplit, n_qsplits = seg.tokens, seg.block, seg.split, seg.n_splits
     n_splits = n_qsplits + n_fsplits
     final = n_splits == 1 and not gluon
-    out = torch.empty(length, hq, d, dtype=q.dtype, device=device)
-    if final:
-        op = lp = out
-        op_strides, lp_strides = (0, 0, 0), (0, 0)
-    else:
-        op = torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=device)
-        lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=device)
-        op_strides, lp_strides = op.stride()[:3], lp.stride()[:2]
+    out, op, lp = _outputs(q, hkv, n_splits, rows, final)
+    op_strides, lp_strides = ((0, 0, 0), (0, 0)) if final else (op.stride()[:3], lp.stride()[:2])
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
     row_heads = hkv // batch_rows
     t_ptr = quant_length if quant_length is not None else s_ptr
-    if positions is not None:
-        slot_pos, query_pos, sink, window, *chunk = positions
-        pos_args = (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window),
-                    int(chunk[0]) if chunk and chunk[0] else NO_CHUNK)
-    else:
-        pos_args = (s_ptr, 0, s_ptr, 0, 0, 0, NO_CHUNK)
+    pos_args = _position_args(positions, s_ptr)
     split_base = 0
     if gluon:  # the quantized splits by the Gluon kernel, then the full-precision ones below
         if n_qsplits:
             try:
                 quant_gluon.launch_quant_splits(q, scaling * LOG2E, quant, group_size, int8, t_q, qsplit, n_qsplits, op,
-                                                lp, quant_length, row_heads, length,
-                                                block, stages, n_rows)
+                                                lp, quant_length, row_heads, length, *seg.gluon)
             except quant_gluon.CompileFailed:  # this Triton's Gluon: the Triton kernel from now on
                 return launch_decode(q, scaling, k, v, quant=quant, group_size=group_size, int8=int8,
                                      fp_min_split=fp_min_split, q_min_split=q_min_split, fp_length=fp_length,
@@ -475,8 +426,7 @@ def launch_decode(
         decode_split_kernel, (row_blocks, n_splits_here, hkv),
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
-        ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
-        vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
+        *_code_args(seg.keys), *_code_args(seg.values), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
@@ -495,15 +445,120 @@ def launch_decode(
         num_stages=qcfg["num_stages"] if quant is not None else fcfg["num_stages"], **runtime.LAUNCH_OPTIONS,
     )
     if not final and not merge:
-        # every split count up to COMBINE_MIN_SPLITS in one compiled kernel (engines of every capacity)
-        block_s, block_d = max(triton_next_pow2(n_splits), COMBINE_MIN_SPLITS), min(d, COMBINE_BLOCK_D)
-        runtime.launch(
-            combine_kernel, (hkv, rows, d // block_d),
-            op, lp, *op_strides, *lp_strides, out, out.stride(0), out.stride(1), n_splits, length,
-            GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
-            CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS,
-        )
+        _combine(combine_kernel, op, lp, out, n_splits, group)
     return out.unsqueeze(0)
+
+
+def _tiles(q: torch.Tensor, rows: int, quantized: bool, fcfg: dict) -> tuple[int, int]:
+    """``(BLOCK_M, BLOCK_N)``: query rows per program (without a quantized segment, more rows than one tile take
+    several programs per split) and full-precision tokens per loop step."""
+    block_m = _block_m(rows)
+    if not quantized:
+        block_m = min(block_m, fcfg["block_m"], MAX_BLOCK_M)
+    elif block_m > MAX_BLOCK_M:
+        raise NotImplementedError(f"{rows} query rows per KV head over a quantized segment (at most {MAX_BLOCK_M})")
+    d = q.shape[-1]
+    block_n = fcfg["block_n"] or (64 if d <= 64 else 32)
+    if q.dtype == torch.float32 and d > 64:  # float32 tiles of 64 x 128 over 3 stages overflow shared memory
+        block_n = min(block_n, 32)
+    return block_m, block_n
+
+
+def _checked_launch(q, quant, fp_length, quant_length, positions, tree, rope) -> torch.Tensor | None:
+    """:func:`launch_decode`'s arguments checked together; its ``tree`` as ``[B or 1, L]`` (one row of bits: every
+    row's)."""
+    if rope is not None and (fp_length is None or quant is not None or (positions is not None and tree is not None)):
+        raise ValueError("rope needs fp_length (lengths on the device), no quantized segment, and no tree on a ring")
+    if tree is not None:
+        if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
+                tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
+            raise ValueError(f"tree must be int64 [{q.shape[2]}] or [B, {q.shape[2]}] (one ancestor mask per query, "
+                             "per row)")
+        tree = tree if tree.dim() == 2 else tree[None]
+    if quant is not None and (fp_length is None) != (quant_length is None):
+        raise ValueError("fp_length and quant_length are given together (lengths on the device) or not at all")
+    if positions is not None and (fp_length is None or quant is not None):
+        raise ValueError("positions need fp_length (lengths on the device) and no quantized segment")
+    return tree
+
+
+class _QuantSegment(NamedTuple):
+    """How a launch reads its quantized segment (:func:`_quant_segment`)."""
+
+    tokens: int  # T_Q: the code buffers' tokens (their capacity where lengths are on the device)
+    block: int  # tokens a program's loop step reads (the Triton kernel's QBLOCK_N)
+    split: int  # tokens a split reads
+    n_splits: int  # its splits (0: no quantized segment, or an empty one)
+    keys: tuple  # (upper, lower, scale, zero) of the keys; placeholders without a segment
+    values: tuple  # the same of the values
+    gluon: tuple | None  # the Gluon kernel's (block, stages, query rows per program), where it runs the segment
+
+
+def _quant_segment(quant, k, group_size, int8, rows, hkv, device, q_min_split, vec_m, gluon) -> _QuantSegment:
+    """The quantized segment's tiling: splits of whole key groups for the Gluon kernel (``gluon``: one warp per
+    program, 8 or 16 query rows), or of ``block`` tokens for the Triton kernel; without ``quant``, placeholders the
+    kernel never reads (``k`` stands in for the scale and zero pointers)."""
+    qcfg = QUANT_CONFIG
+    if quant is None:
+        codes = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
+        return _QuantSegment(0, 16, 16, 0, (codes, codes, k, k), (codes, codes, k, k), None)
+    qk, qv = quant
+    t_q = qk.upper.shape[-2]
+    qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
+    settings = None
+    if gluon:
+        n_rows, block, stages = gluon_settings(rows, int8)
+        settings = (block, stages, n_rows)
+        qsplit = _split_tokens(t_q, hkv * math.ceil(rows / n_rows), group_size, device,
+                               q_min_split or qcfg["gluon_min_split"], qcfg["gluon_per_sm"], qcfg["gluon_per_sm"])
+    else:
+        if q_min_split is None:
+            q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
+        qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"], qcfg["fill_per_sm"])
+    return _QuantSegment(t_q, qblock, qsplit, math.ceil(t_q / qsplit) if t_q else 0,
+                         (qk.upper, qk.lower, qk.scale, qk.zero), (qv.upper, qv.lower, qv.scale, qv.zero), settings)
+
+
+def _code_args(codes: tuple) -> tuple:
+    """The split kernel's arguments for one quantized tensor: upper, lower, their head and token strides, scale,
+    zero, their head and group strides."""
+    upper, lower, scale, zero = codes
+    return upper, lower, upper.stride(1), upper.stride(2), scale, zero, scale.stride(1), scale.stride(2)
+
+
+def _outputs(q: torch.Tensor, hkv: int, n_splits: int, rows: int, final: bool) -> tuple:
+    """``(out [L, Hq, D], partial outputs [Hkv, splits, rows, D], their log-sum-exps [Hkv, splits, rows])``; a
+    ``final`` launch (one split, no Gluon kernel) writes ``out`` directly (the partials are ``out``, never read)."""
+    _, hq, length, d = q.shape
+    out = torch.empty(length, hq, d, dtype=q.dtype, device=q.device)
+    if final:
+        return out, out, out
+    return (out, torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=q.device),
+            torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=q.device))
+
+
+def _position_args(positions: tuple | None, placeholder: torch.Tensor) -> tuple:
+    """The split kernel's position arguments: slot positions and their row stride, query positions and theirs, sink,
+    window, chunk (:data:`NO_CHUNK` for none); without ``positions``, placeholders never read."""
+    if positions is None:
+        return placeholder, 0, placeholder, 0, 0, 0, NO_CHUNK
+    slot_pos, query_pos, sink, window, *chunk = positions
+    return (slot_pos, slot_pos.stride(0), query_pos, query_pos.stride(0), int(sink), int(window),
+            int(chunk[0]) if chunk and chunk[0] else NO_CHUNK)
+
+
+def _combine(combine_kernel, op: torch.Tensor, lp: torch.Tensor, out: torch.Tensor, n_splits: int, group: int) -> None:
+    """The merge of the splits' partial outputs ``op`` and log-sum-exps ``lp`` into ``out`` in a launch of its own
+    (where the split kernel did not merge them): every split count up to :data:`COMBINE_MIN_SPLITS` in one compiled
+    kernel (engines of every capacity)."""
+    hkv, _, rows, d = op.shape
+    block_s, block_d = max(triton_next_pow2(n_splits), COMBINE_MIN_SPLITS), min(d, COMBINE_BLOCK_D)
+    runtime.launch(
+        combine_kernel, (hkv, rows, d // block_d),
+        op, lp, *op.stride()[:3], *lp.stride()[:2], out, out.stride(0), out.stride(1), n_splits, out.shape[0],
+        GROUP=group, HEAD_DIM=d, BLOCK_S=block_s, BLOCK_D=block_d,
+        CHUNK_S=min(block_s, COMBINE_TILE // block_d), num_warps=4, **runtime.LAUNCH_OPTIONS,
+    )
 
 
 def _rope_args(rope: tuple, k: torch.Tensor, length: int) -> tuple:
