@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 
 from . import quant_gluon, runtime
+from .quant_reference import QuantizedTensor
 
 LOG2E = 1.4426950408889634
 
@@ -394,8 +395,7 @@ def launch_decode(
     t_q, qblock, qsplit, n_qsplits = seg.tokens, seg.block, seg.split, seg.n_splits
     n_splits = n_qsplits + n_fsplits
     final = n_splits == 1 and not gluon
-    out, op, lp = _outputs(q, hkv, n_splits, rows, final)
-    op_strides, lp_strides = ((0, 0, 0), (0, 0)) if final else (op.stride()[:3], lp.stride()[:2])
+    out, op, lp, op_strides, lp_strides = _outputs(q, hkv, n_splits, rows, final)
     dot_prec, dot_dtype = dot_config(q.dtype)
     on_device = fp_length is not None
     s_ptr = fp_length if on_device else out
@@ -426,7 +426,7 @@ def launch_decode(
         decode_split_kernel, (row_blocks, n_splits_here, hkv),
         q, q.stride(1), q.stride(2),
         k, v, k.stride(1), k.stride(2), v.stride(1), v.stride(2), s_fp,
-        *_code_args(seg.keys), *_code_args(seg.values), t_q,
+        *seg.keys.kernel_args(), *seg.values.kernel_args(), t_q,
         op, lp, *op_strides, *lp_strides,
         out, out.stride(0), out.stride(1),
         scaling * LOG2E, length, n_qsplits, qsplit, n_fsplits, fsplit, 0x4B000000, s_ptr, t_ptr, row_heads, *pos_args,
@@ -489,8 +489,8 @@ class _QuantSegment(NamedTuple):
     block: int  # tokens a program's loop step reads (the Triton kernel's QBLOCK_N)
     split: int  # tokens a split reads
     n_splits: int  # its splits (0: no quantized segment, or an empty one)
-    keys: tuple  # (upper, lower, scale, zero) of the keys; placeholders without a segment
-    values: tuple  # the same of the values
+    keys: QuantizedTensor  # the keys' codes; placeholders without a segment
+    values: QuantizedTensor  # the values' codes
     gluon: tuple | None  # the Gluon kernel's (block, stages, query rows per program), where it runs the segment
 
 
@@ -500,8 +500,8 @@ def _quant_segment(quant, k, group_size, int8, rows, hkv, device, q_min_split, v
     kernel never reads (``k`` stands in for the scale and zero pointers)."""
     qcfg = QUANT_CONFIG
     if quant is None:
-        codes = torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device)
-        return _QuantSegment(0, 16, 16, 0, (codes, codes, k, k), (codes, codes, k, k), None)
+        placeholder = QuantizedTensor(*(torch.empty(1, 1, 1, 1, dtype=torch.uint8, device=device),) * 2, k, k)
+        return _QuantSegment(0, 16, 16, 0, placeholder, placeholder, None)
     qk, qv = quant
     t_q = qk.upper.shape[-2]
     qblock = next(b for b in (qcfg["qblock"], 64, 32, 16) if group_size % b == 0)
@@ -515,26 +515,20 @@ def _quant_segment(quant, k, group_size, int8, rows, hkv, device, q_min_split, v
         if q_min_split is None:
             q_min_split = qcfg["min_split"] if vec_m else qcfg["dot_min_split"]
         qsplit = _split_tokens(t_q, hkv, qblock, device, q_min_split, qcfg["programs_per_sm"], qcfg["fill_per_sm"])
-    return _QuantSegment(t_q, qblock, qsplit, math.ceil(t_q / qsplit) if t_q else 0,
-                         (qk.upper, qk.lower, qk.scale, qk.zero), (qv.upper, qv.lower, qv.scale, qv.zero), settings)
-
-
-def _code_args(codes: tuple) -> tuple:
-    """The split kernel's arguments for one quantized tensor: upper, lower, their head and token strides, scale,
-    zero, their head and group strides."""
-    upper, lower, scale, zero = codes
-    return upper, lower, upper.stride(1), upper.stride(2), scale, zero, scale.stride(1), scale.stride(2)
+    return _QuantSegment(t_q, qblock, qsplit, math.ceil(t_q / qsplit) if t_q else 0, qk, qv, settings)
 
 
 def _outputs(q: torch.Tensor, hkv: int, n_splits: int, rows: int, final: bool) -> tuple:
-    """``(out [L, Hq, D], partial outputs [Hkv, splits, rows, D], their log-sum-exps [Hkv, splits, rows])``; a
-    ``final`` launch (one split, no Gluon kernel) writes ``out`` directly (the partials are ``out``, never read)."""
+    """``(out [L, Hq, D], partial outputs [Hkv, splits, rows, D], their log-sum-exps [Hkv, splits, rows], the
+    partials' strides, the log-sum-exps' strides)``; a ``final`` launch (one split, no Gluon kernel) writes ``out``
+    directly (the partials are ``out`` with zero strides, never read)."""
     _, hq, length, d = q.shape
     out = torch.empty(length, hq, d, dtype=q.dtype, device=q.device)
     if final:
-        return out, out, out
-    return (out, torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=q.device),
-            torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=q.device))
+        return out, out, out, (0, 0, 0), (0, 0)
+    op = torch.empty(hkv, n_splits, rows, d, dtype=torch.float32, device=q.device)
+    lp = torch.empty(hkv, n_splits, rows, dtype=torch.float32, device=q.device)
+    return out, op, lp, op.stride()[:3], lp.stride()[:2]
 
 
 def _position_args(positions: tuple | None, placeholder: torch.Tensor) -> tuple:
@@ -588,8 +582,6 @@ def _launch_rows(q, scaling, k, v, fp_min_split, fp_length, positions, quant, gr
     """A batch ``q [B, Hq, L, D]`` over preallocated ``k/v [B, Hkv, S, D]`` (and code buffers ``[B, Hkv, ...]``) with
     ``fp_length [B]`` (and ``quant_length [B]``): the rows become B·Hkv KV heads of one launch (each reads its row's
     lengths, and its row of ``positions``) -> ``[B, L, Hq, D]``."""
-    from .quant_reference import QuantizedTensor
-
     batch, hq, length, d = q.shape
     hkv = k.shape[1]
     if fp_length is None or fp_length.numel() != batch:

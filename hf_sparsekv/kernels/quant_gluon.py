@@ -112,13 +112,10 @@ def _launch(kern, q, scaling_log2, quant, group_size, int8, t_q, qsplit, n_qspli
     hkv = qk.upper.shape[1]
     group = hq // hkv
     rows = group * length
-    ku, kl, ks, kz = qk.upper, qk.lower, qk.scale, qk.zero
-    vu, vl, vs, vz = qv.upper, qv.lower, qv.scale, qv.zero
     runtime.launch(
         kern, (math.ceil(rows / rows_per_program), n_qsplits, hkv),
         q, q.stride(1), q.stride(2),
-        ku, kl, ku.stride(1), ku.stride(2), ks, kz, ks.stride(1), ks.stride(2),
-        vu, vl, vu.stride(1), vu.stride(2), vs, vz, vs.stride(1), vs.stride(2), t_q,
+        *qk.kernel_args(), *qv.kernel_args(), t_q,
         op, lp, *op.stride()[:3], *lp.stride()[:2],
         scaling_log2, length, qsplit, quant_length if quant_length is not None else op, row_heads,
         GROUP=group, HEAD_DIM=d, N_ROWS=rows_per_program, BLOCK=block, KEY_GROUP=group_size, INT8=int8,

@@ -36,6 +36,12 @@ class QuantizedTensor:
     scale: torch.Tensor
     zero: torch.Tensor
 
+    def kernel_args(self) -> tuple:
+        """The decode kernels' arguments for these codes (the Triton split kernel's and the Gluon one's, in this
+        order): upper, lower, their head and token strides, scale, zero, their head and group strides."""
+        return (self.upper, self.lower, self.upper.stride(1), self.upper.stride(2), self.scale, self.zero,
+                self.scale.stride(1), self.scale.stride(2))
+
     def float32(self) -> QuantizedTensor:
         """The same codes with float32 scales and zeros (the float32 reference's parameters)."""
         return QuantizedTensor(self.upper, self.lower, self.scale.float(), self.zero.float())
