@@ -60,12 +60,12 @@ from pathlib import Path
 import torch
 
 import hf_sparsekv
-from hf_sparsekv.generation import engine as static_engine, graph_steps, rounds
+from hf_sparsekv.generation import compile_policy, engine as static_engine, graph_steps, rounds
 from hf_sparsekv.generation.controller import CATCH_UP, PREFILL
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
-ABLATIONS = {"-nocompile": graph_steps.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV}  # set to "0"
+ABLATIONS = {"-nocompile": compile_policy.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV}  # set to "0"
 SLOW = ("hf-eager-ar", "hf-assisted") + tuple(f"hf-lookup-g{g}" for g in range(1, 33))
 
 
