@@ -25,6 +25,7 @@ BENCHMARKS = ROOT / "BENCHMARKS.md"
 # The run each family of tables reads: a new run is a one-line change here.
 RUNS = {
     "lifecycle": "lifecycle-h200-2026-12-04d",
+    "lifecycle-later": "lifecycle-h200-2026-12-05",
     "e2e-16k": "e2e-h200-2026-12-03/never-slower-16k-095687a.json",
     "e2e-16k-latest": ["rope-h200-2026-12-03/e2e-16k-fused-b1d68a4.json",
                        "rope-h200-2026-12-03/e2e-16k-fused-c29746b.json", "steps-h200-2026-12-03/e2e-16k-2262244.json"],
@@ -47,8 +48,8 @@ RUNS = {
 TABLES = {
     "lifecycle": dict(kind="lifecycle", files=[f"{RUNS['lifecycle']}/loops.json"]),
     "lifecycle-later-calls": dict(kind="lifecycle_later", files=[f"{RUNS['lifecycle']}/loops.json",
-                                                                 f"{RUNS['lifecycle']}/alternation.json"]),
-    "lifecycle-growth": dict(kind="lifecycle_growth", files=[f"{RUNS['lifecycle']}/loops.json"]),
+                                                                 f"{RUNS['lifecycle-later']}/alternation.json"]),
+    "lifecycle-growth": dict(kind="lifecycle_growth", files=[f"{RUNS['lifecycle-later']}/growth.json"]),
     "routed": dict(kind="e2e", files=[RUNS["routed"]], first_call=True),
     "e2e-16k": dict(kind="e2e", files=[RUNS["e2e-16k"]]),
     "e2e-16k-latest": dict(kind="e2e", files=RUNS["e2e-16k-latest"]),
