@@ -33,6 +33,7 @@ RUNS = {
     "e2e-2k": "e2e-h200-2026-12-02/never-slower-2k-a9888b3.json",
     "controller": ["e2e-h200-2026-12-02/fixed-vs-controller-16k-3fc8340.json",
                    "e2e-h200-2026-12-02/fixed-vs-controller-4k-3fc8340.json"],
+    "controller-compiled": ["adaptive-compiled-16384-2026-12-05/results.json"],
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
@@ -56,6 +57,7 @@ TABLES = {
     "drafter-prefill": dict(kind="e2e", files=[RUNS["drafter-prefill"]]),
     "e2e-2k": dict(kind="e2e", files=[RUNS["e2e-2k"]]),
     "controller": dict(kind="best_fixed", files=RUNS["controller"]),
+    "controller-compiled": dict(kind="per_document", files=RUNS["controller-compiled"]),
     "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
@@ -271,6 +273,34 @@ def e2e(spec: dict, results: Path) -> str:
     return "\n".join(lines + [""] + sources)
 
 
+def per_document(spec: dict, results: Path) -> str:
+    """A graph_engine.py run by document: each method's median seconds a call × our graph AR's on the same document
+    (the never-slower criterion is per document), its τ there, and its first call (compilation included)."""
+    lines, sources = [], []
+    for name in spec["files"]:
+        d = _load(name, results)
+        calls: dict = {}
+        for r in d["records"]:
+            calls.setdefault((r["context"], r["method"], r["doc"]), []).append(r)
+        docs = sorted({doc for _, _, doc in calls})
+        if not lines:
+            lines = _head("context", "method", *[f"doc {doc}: × our graph AR" for doc in docs],
+                          *[f"doc {doc}: τ" for doc in docs], "first call (s)")
+        for context, method in dict.fromkeys((c, m) for c, m, _ in calls):
+            ratios, taus = [], []
+            for doc in docs:
+                base = calls.get((context, "graph-ar", doc))
+                mine = calls.get((context, method, doc), [])
+                ratios.append(_num(statistics.median(r["seconds"] for r in base)
+                                   / statistics.median(r["seconds"] for r in mine)) if base and mine else "–")
+                tau = [r["tau"] for r in mine if r.get("tau") is not None]
+                taus.append(_num(statistics.median(tau)) if tau else "–")
+            lines.append(_row([_k(context), method_name(method), *ratios, *taus,
+                               _num(d.get("first_call_s", {}).get(f"{method}@{context}"), 1)]))
+        sources.append(_source(name, d, _e2e_settings(d)))
+    return "\n".join(lines + [""] + sources)
+
+
 def best_fixed(spec: dict, results: Path) -> str:
     """The controller (method ``...-gA...``) against the best of the fixed γ of the same cell (``...-gN...``),
     chosen in hindsight, and against our uncompiled graph AR of the same run."""
@@ -407,7 +437,7 @@ def controller_cpu(spec: dict, results: Path) -> str:
 
 KINDS = dict(controller_cpu=controller_cpu, lifecycle=lifecycle, lifecycle_later=lifecycle_later,
              lifecycle_growth=lifecycle_growth, e2e=e2e, best_fixed=best_fixed, steps=steps,
-             headline=headline, acceptance=acceptance, drop_in=drop_in)
+             headline=headline, acceptance=acceptance, drop_in=drop_in, per_document=per_document)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
 
 
