@@ -47,7 +47,11 @@ host work together, so nothing is synchronised for timing) and each live row's a
 
 The first rounds start from what is known: each round takes the width of the best rate, from the first round on,
 at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at first), so that retrieval or a
-cheap drafter that pays at that acceptance drafts at once. Where plain steps win there, they are measured first
+cheap drafter that pays at that acceptance drafts at once. Once the width it drafts has its own time, and drafting
+still wins only by less than ``CHECK_PLAIN`` times on a plain step's time the prior guessed, ``TRUST`` plain steps
+are measured, one a round (a drafting round costs more than a plain step plus its drafts: a drafter on a
+compressed cache at 16K took twice a plain step for one draft, so the guess had it drafting where plain steps win);
+the engine keeps them for its later calls. Where plain steps win there, they are measured first
 (``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
 narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
 little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
@@ -103,6 +107,7 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_SHARE_CALLS = 0.05  # ... where the acceptance over earlier calls says drafting pays (this call's may be a dip)
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
+CHECK_PLAIN = 2.0  # drafting that wins by less than this on a guessed plain step's time measures one first
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
@@ -233,6 +238,7 @@ class DraftController:
         self._basis_kept: tuple | None = None  # what round_seconds derives from (:meth:`_basis`)
         self._times: dict[int, float | None] = {}  # round_seconds(g) since the last observation
         self.explorations = 0
+        self.checking = False  # the round chosen is a plain step measured because drafting won on a guessed one
 
     # what earlier calls learnt, and this call adds to
     samples = property(lambda self: self.memory.samples)
@@ -346,6 +352,9 @@ class DraftController:
             self._plain_until = None
         best = max(options, key=self.rate)
         if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
+            if self._plain_guessed(best):
+                self.checking = True  # (one plain step to a round: :meth:`plain_steps`, :meth:`plain_ahead`)
+                return 0
             return best  # (from the first round where the prior, or what earlier calls measured, says it pays)
         if len(self.samples.get(0, ())) < TRUST:
             return 0  # plain steps win, not yet measured: TRUST samples of them (every choice is weighed against them)
@@ -361,11 +370,23 @@ class DraftController:
         self._plain_until = until, self.seconds[0], cap
         return 0
 
+    def _plain_guessed(self, best: int) -> bool:
+        """Whether drafting ``best`` wins only on a plain step's time the prior guessed: no TRUST plain samples yet,
+        ``best``'s own time trusted, and its predicted rate under CHECK_PLAIN times a plain step's. The guess
+        (:meth:`_basis`) prices a drafting round as a plain step plus its drafts; a round's own cost beyond them (the
+        verification of g + 1 tokens, the drafter's first step, a sync) makes it too high, so a drafter that loses
+        to plain steps would draft for good."""
+        return (len(self.samples.get(0, ())) < TRUST <= len(self.samples.get(best, ()))
+                and self.rate(best) < CHECK_PLAIN * self.rate(0))
+
     def plain_steps(self, most: int) -> int:
         """After choosing a plain step: how many to run before the next choice (one sync for all; at most ``most``,
-        and not past the next exploration; greedy AR, ``fixed`` 0, and the first plain rounds: ``most``)."""
+        and not past the next exploration; greedy AR, ``fixed`` 0, and the first plain rounds: ``most``; a plain
+        step measured because drafting won on a guessed plain step's time (:meth:`_plain_guessed`): 1)."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 1
+        if self.checking:
+            return 1
         if self._plain_until is None and len(self.samples.get(0, ())) < TRUST:
             return most  # measuring a plain step: no exploration is due (the probes come next)
         until = self._plain_until[0] if self._plain_until is not None else self.explore_every(self.best_drafting())
@@ -378,6 +399,8 @@ class DraftController:
         queue whole bursts until the burst that gives the last of their ``TRUST`` samples is in flight."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 0
+        if self.checking:
+            return 0
         if self._plain_until is None:  # the first plain steps, measuring a plain step (TRUST samples): whole bursts,
             # queued too, so that no sample holds a host wait the later, queued runs do not pay; the burst in flight
             # gives one sample, then the probes
@@ -478,6 +501,7 @@ class DraftController:
             seconds = None
         self._forget_derived()
         if g == 0:
+            self.checking = False
             self.plain_run += rounds
         else:
             self.plain_run, self._plain_until = 0, None
