@@ -182,3 +182,30 @@ def test_a_rotary_embedding_that_reads_positions_on_the_host_is_never_captured(a
 
     model = arch_grid.build(arch)
     assert updates_rotary_per_call(model) is per_call
+
+
+def test_the_rotary_check_walks_a_model_once_and_reads_its_rotary_modules_each_call(monkeypatch):
+    """The check runs twice a ``generate()`` call: the model's modules are walked once, then each call reads the
+    ``rope_type`` of the rotary modules found (a change of it is seen); a model whose children change is walked
+    again."""
+    import torch.nn as nn
+
+    from hf_sparsekv.generation.graph_steps import updates_rotary_per_call
+
+    model = arch_grid.build("llama")
+    walks = []
+    original = nn.Module.modules
+
+    def counted(self):
+        walks.append(self)
+        return original(self)
+
+    monkeypatch.setattr(nn.Module, "modules", counted)
+    assert [updates_rotary_per_call(model) for _ in range(3)] == [False] * 3
+    assert walks.count(model) == 1
+    rotary = next(m for m in original(model) if hasattr(m, "rope_type"))
+    monkeypatch.setattr(rotary, "rope_type", "dynamic")
+    assert updates_rotary_per_call(model) is True and walks.count(model) == 1
+    monkeypatch.setattr(rotary, "rope_type", "default")
+    model.extra = nn.Linear(2, 2)  # (a new child: walked again)
+    assert updates_rotary_per_call(model) is False and walks.count(model) == 2

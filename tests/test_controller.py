@@ -1259,7 +1259,7 @@ def test_a_chat_turn_starts_a_lagging_drafter_from_what_it_read(scripted):
 def test_drafting_that_wins_only_on_a_guessed_plain_step_measures_one():
     """A separate drafter (the prior: a sixth of a plain step a draft) whose rounds cost a fixed 1.2 plain steps beyond
     the prior's: the plain step's time guessed from the drafting widths is too high, and drafting looks best. Once the
-    width it drafts is trusted, TRUST plain steps are measured, one a round, and from then on plain steps win (the
+    width it drafts is trusted, TRUST plain rounds are measured, and from then on plain steps win (the
     simulated truth: at 0.7 acceptance a round of g drafts brings at most 3.3 tokens for 2.0 + 0.1 g plain steps'
     time). A cheap perfect drafter, whose gain is large on any plain step's time, measures none."""
     plain, drafting = 0.8, lambda g: 2.0 + 0.1 * g
@@ -1270,10 +1270,10 @@ def test_drafting_that_wins_only_on_a_guessed_plain_step_measures_one():
     assert chosen[first_plain:first_plain + TRUST] == [0] * TRUST
     assert ctl.seconds[0] == pytest.approx(plain)
     assert chosen[-60:].count(0) >= 50, chosen  # plain steps, explored now and then
-    # the check is one step a round, queuing none behind it
+    # the check runs as the first plain steps do: whole bursts, queued until the last sample's is in flight
     check = DraftController(8, draft_cost=1 / 6)
     _run(check, 0.7, lambda g: plain if g == 0 else drafting(g), first_plain)
-    assert check.choose() == 0 and check.plain_steps(4) == 1 and check.plain_ahead(1, 4) == 0
+    assert check.choose() == 0 and check.plain_steps(4) == 4 and check.plain_ahead(4, 4) == 4
     # without it the guess keeps drafting: the plain step priced from the widths stays above the truth
     assert check.round_seconds(0) > 1.3 * plain
     perfect = DraftController(8, draft_cost=0.0)

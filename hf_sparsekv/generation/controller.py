@@ -48,10 +48,11 @@ host work together, so nothing is synchronised for timing) and each live row's a
 The first rounds start from what is known: each round takes the width of the best rate, from the first round on,
 at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at first), so that retrieval or a
 cheap drafter that pays at that acceptance drafts at once. Once the width it drafts has its own time, and drafting
-still wins only by less than ``CHECK_PLAIN`` times on a plain step's time the prior guessed, ``TRUST`` plain steps
-are measured, one a round (a drafting round costs more than a plain step plus its drafts: a drafter on a
-compressed cache at 16K took twice a plain step for one draft, so the guess had it drafting where plain steps win);
-the engine keeps them for its later calls. Where plain steps win there, they are measured first
+still wins only by less than ``CHECK_PLAIN`` times on a plain step's time the prior guessed, plain steps are
+measured as the first ones are (``TRUST`` samples, bursts queued: a plain step timed alone, sync and host work
+included, would cost twice its time in a run of them). A drafting round costs more than a plain step plus its
+drafts (a drafter on a compressed cache at 16K took twice a plain step for one draft), so the guess had it drafting
+where plain steps win. The engine keeps the samples for its later calls. Where plain steps win there, they are measured first
 (``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
 narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
 little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
@@ -238,7 +239,6 @@ class DraftController:
         self._basis_kept: tuple | None = None  # what round_seconds derives from (:meth:`_basis`)
         self._times: dict[int, float | None] = {}  # round_seconds(g) since the last observation
         self.explorations = 0
-        self.checking = False  # the round chosen is a plain step measured because drafting won on a guessed one
 
     # what earlier calls learnt, and this call adds to
     samples = property(lambda self: self.memory.samples)
@@ -353,8 +353,7 @@ class DraftController:
         best = max(options, key=self.rate)
         if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
             if self._plain_guessed(best):
-                self.checking = True  # (one plain step to a round: :meth:`plain_steps`, :meth:`plain_ahead`)
-                return 0
+                return 0  # (measured as the first plain steps are: :meth:`plain_steps`, :meth:`plain_ahead`)
             return best  # (from the first round where the prior, or what earlier calls measured, says it pays)
         if len(self.samples.get(0, ())) < TRUST:
             return 0  # plain steps win, not yet measured: TRUST samples of them (every choice is weighed against them)
@@ -375,18 +374,16 @@ class DraftController:
         ``best``'s own time trusted, and its predicted rate under CHECK_PLAIN times a plain step's. The guess
         (:meth:`_basis`) prices a drafting round as a plain step plus its drafts; a round's own cost beyond them (the
         verification of g + 1 tokens, the drafter's first step, a sync) makes it too high, so a drafter that loses
-        to plain steps would draft for good."""
-        return (len(self.samples.get(0, ())) < TRUST <= len(self.samples.get(best, ()))
+        to plain steps would draft for good. Not retrieval (``draft_cost`` 0), whose rounds without a match are plain
+        steps, measured as they come."""
+        return (self.draft_cost > 0 and len(self.samples.get(0, ())) < TRUST <= len(self.samples.get(best, ()))
                 and self.rate(best) < CHECK_PLAIN * self.rate(0))
 
     def plain_steps(self, most: int) -> int:
         """After choosing a plain step: how many to run before the next choice (one sync for all; at most ``most``,
-        and not past the next exploration; greedy AR, ``fixed`` 0, and the first plain rounds: ``most``; a plain
-        step measured because drafting won on a guessed plain step's time (:meth:`_plain_guessed`): 1)."""
+        and not past the next exploration; greedy AR, ``fixed`` 0, and the first plain rounds: ``most``)."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 1
-        if self.checking:
-            return 1
         if self._plain_until is None and len(self.samples.get(0, ())) < TRUST:
             return most  # measuring a plain step: no exploration is due (the probes come next)
         until = self._plain_until[0] if self._plain_until is not None else self.explore_every(self.best_drafting())
@@ -399,8 +396,6 @@ class DraftController:
         queue whole bursts until the burst that gives the last of their ``TRUST`` samples is in flight."""
         if self.fixed is not None:
             return most if self.fixed == 0 else 0
-        if self.checking:
-            return 0
         if self._plain_until is None:  # the first plain steps, measuring a plain step (TRUST samples): whole bursts,
             # queued too, so that no sample holds a host wait the later, queued runs do not pay; the burst in flight
             # gives one sample, then the probes
@@ -501,7 +496,6 @@ class DraftController:
             seconds = None
         self._forget_derived()
         if g == 0:
-            self.checking = False
             self.plain_run += rounds
         else:
             self.plain_run, self._plain_until = 0, None
