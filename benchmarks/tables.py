@@ -33,7 +33,8 @@ RUNS = {
     "e2e-2k": "e2e-h200-2026-12-02/never-slower-2k-a9888b3.json",
     "controller": ["e2e-h200-2026-12-02/fixed-vs-controller-16k-3fc8340.json",
                    "e2e-h200-2026-12-02/fixed-vs-controller-4k-3fc8340.json"],
-    "controller-compiled": ["adaptive-compiled-16384-2026-12-05/results.json"],
+    "controller-compiled": ["adaptive-compiled-16384-2026-12-05/results.json",
+                            "adaptive-compiled-16384-2026-12-05b/results.json"],
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
@@ -283,8 +284,9 @@ def per_document(spec: dict, results: Path) -> str:
         for r in d["records"]:
             calls.setdefault((r["context"], r["method"], r["doc"]), []).append(r)
         docs = sorted({doc for _, _, doc in calls})
+        several = len(spec["files"]) > 1  # rows of several runs: a column names each run's commit
         if not lines:
-            lines = _head("context", "method", *[f"doc {doc}: × our graph AR" for doc in docs],
+            lines = _head(*["run"] * several, "context", "method", *[f"doc {doc}: × our graph AR" for doc in docs],
                           *[f"doc {doc}: τ" for doc in docs], "first call (s)")
         for context, method in dict.fromkeys((c, m) for c, m, _ in calls):
             ratios, taus = [], []
@@ -295,7 +297,7 @@ def per_document(spec: dict, results: Path) -> str:
                                    / statistics.median(r["seconds"] for r in mine)) if base and mine else "–")
                 tau = [r["tau"] for r in mine if r.get("tau") is not None]
                 taus.append(_num(statistics.median(tau)) if tau else "–")
-            lines.append(_row([_k(context), method_name(method), *ratios, *taus,
+            lines.append(_row([*[d.get("commit", "?")] * several, _k(context), method_name(method), *ratios, *taus,
                                _num(d.get("first_call_s", {}).get(f"{method}@{context}"), 1)]))
         sources.append(_source(name, d, _e2e_settings(d)))
     return "\n".join(lines + [""] + sources)
