@@ -47,16 +47,16 @@ host work together, so nothing is synchronised for timing) and each live row's a
 
 The first rounds start from what is known: each round takes the width of the best rate, from the first round on,
 at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at first), so that retrieval or a
-cheap drafter that pays at that acceptance drafts at once. Once the width it drafts has its own time, and drafting
-still wins only by less than ``CHECK_PLAIN`` times on a plain step's time the prior guessed, plain steps are
-measured as the first ones are (``TRUST`` samples, bursts queued: a plain step timed alone, sync and host work
-included, would cost twice its time in a run of them). A drafting round costs more than a plain step plus its
-drafts (a drafter on a compressed cache at 16K took twice a plain step for one draft), so the guess had it drafting
-where plain steps win. The engine keeps the samples for its later calls. Where plain steps win there, they are measured first
+cheap drafter that pays at that acceptance drafts at once. Where plain steps win there, they are measured first
 (``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
 narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
 little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
-as the model expects it to win.
+as the model expects it to win. A drafter that drafts from the first round still has plain steps measured, as the
+first ones are (``TRUST`` samples, bursts queued: a plain step timed alone, its sync and host work included, costs
+twice its time in a run of them), once the width it drafts has its own time if drafting then wins by less than
+``CHECK_PLAIN`` times on the plain step's time the prior guessed: a drafting round costs more than a plain step plus
+its drafts (one draft of a drafter on a compressed cache at 16K took twice a plain step), so the guess can have it
+drafting where plain steps win. The engine keeps those samples for its later calls.
 
 While plain steps win, the controller drafts once every ``explore_every`` plain rounds at the best drafting width, so
 that a drafter whose acceptance rises is used again; the interval is set so that an exploration round's expected loss
