@@ -297,7 +297,7 @@ def per_document(spec: dict, results: Path) -> str:
                                    / statistics.median(r["seconds"] for r in mine)) if base and mine else "–")
                 tau = [r["tau"] for r in mine if r.get("tau") is not None]
                 taus.append(_num(statistics.median(tau)) if tau else "–")
-            lines.append(_row([*[d.get("commit", "?")] * several, _k(context), method_name(method), *ratios, *taus,
+            lines.append(_row([*[_run(name, d)] * several, _k(context), method_name(method), *ratios, *taus,
                                _num(d.get("first_call_s", {}).get(f"{method}@{context}"), 1)]))
         sources.append(_source(name, d, _e2e_settings(d)))
     return "\n".join(lines + [""] + sources)
