@@ -16,7 +16,7 @@ import hf_sparsekv.generation.rounds as rounds_module
 from hf_sparsekv.generation import engine as static_engine
 from hf_sparsekv.generation.controller import (
     CALL_PRIOR, CATCH_UP, EXPLORE_MAX, EXPLORE_MIN, EXPLORE_SHARE, EXPLORE_SHARE_CALLS, LONG_DECAY, PLAIN_DRIFT,
-    PREFILL, TRUST, VERIFY_COST, WINDOW, ControllerMemory, DraftController, widths,
+    PREFILL, PREFILL_CALL_SHARE, TRUST, VERIFY_COST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
 from .conftest import ARCHS, assert_drafter_holds, prompt, record_plain_reads, tiny_model
@@ -983,14 +983,40 @@ def test_a_call_too_short_to_pay_back_the_drafters_prefill_decodes_plainly():
     assert call.defers(20, 1000) and not call.defers(2000, 1000) and not call.defers(None, 1000)
     call.deferred = 1000
     assert [call.choose(remaining=20 - i) for i in range(5)] == [0] * 5
-    # it still explores, but the pending prefill (here 40 plain steps) spaces explorations past EXPLORE_MAX rounds
-    # so that each costs at most EXPLORE_SHARE_CALLS of the plain rounds before it (drafting paid on earlier calls)
+    # the pending prefill (here 40 plain steps) spaces explorations past EXPLORE_MAX rounds so that each costs at
+    # most EXPLORE_SHARE_CALLS of the plain rounds before it (drafting paid on earlier calls)
     every = call.explore_every(best)
     assert call.pays_over_calls(best)
     assert every > EXPLORE_MAX and 40.0 <= EXPLORE_SHARE_CALLS * every * call.round_seconds(0) <= 41.0 + EXPLORE_MIN
+    # and one falls due only in a call whose plain steps left take 1 / PREFILL_CALL_SHARE times the prefill (2000):
+    # not this one (15 tokens left: the whole plain run of the call, one choice); the count goes on to the next
     call.plain_run = every
-    assert call.choose(remaining=15) == best and call.explorations == 1
+    assert call.choose(remaining=15) == 0 and call.plain_steps(4) == 4 and call.explorations == 0
+    call.observe(0, [0], 4.0, 4)
+    assert call.plain_run == every + 4 and call.choose(remaining=11) == 0
     assert DraftController(8, memory=ctl.memory).choose(remaining=2000) == best
+
+
+def test_an_exploration_that_would_pay_the_drafters_prefill_waits_for_a_call_that_affords_it():
+    """A useless drafter, its prefill deferred (10 plain steps' seconds for the prompt): an exploration due in a call
+    runs there only if the call's plain steps left take at least 1 / PREFILL_CALL_SHARE times that prefill; else
+    the plain steps run on (no choice until the call ends) and the next call long enough explores."""
+    ctl = DraftController(8)
+    _run(ctl, 0.0, linear(1.0, 0.3), 300)
+    ctl.prefill_cost(10.0, 1000)
+    affords = math.ceil(10.0 / PREFILL_CALL_SHARE / ctl.round_seconds(0))
+    for remaining, explores in ((128, False), (affords - 1, False), (affords, True)):
+        call = DraftController(8, memory=ctl.memory)
+        assert call.defers(remaining, 1000)
+        call.deferred = 1000
+        call.plain_run = call.explore_every(call.best_drafting())  # (due now)
+        chosen = call.choose(remaining=remaining)
+        assert (chosen > 0, call.explorations) == (explores, int(explores)), remaining
+        if not explores:  # the call's plain steps are one choice, in bursts up to its end
+            assert call.plain_steps(4) == 4 and call.plain_ahead(4, 4) == 4
+    nothing_pending = DraftController(8, memory=ctl.memory)
+    nothing_pending.plain_run = nothing_pending.explore_every(nothing_pending.best_drafting())
+    assert nothing_pending.choose(remaining=None) > 0  # (an exploration without a prefill to pay runs when due)
 
 
 def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_drafter():

@@ -77,10 +77,11 @@ its chunks selected from the prompt queries the prefill kept): a drafter that do
 the calls between explorations. That prefill's cost is learnt per prompt token (from a deferred prefill's round,
 and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
 sync; not the engine's first, whose one-time costs would stand for good). It counts in the exploration's expected
-loss while it is pending, so explorations that would pay it come further apart; and a call whose remaining tokens
+loss while it is pending, so explorations that would pay it come further apart; a call whose remaining tokens
 would not save it by drafting (a short answer after a long prompt) does not draft, however well drafting pays per
-round (it still explores now and then, within the budget above: the acceptance it learnt on other text may be
-stale).
+round; and an exploration due in a call whose plain steps left would take less than 1 / ``PREFILL_CALL_SHARE`` times
+that prefill waits for a call long enough to afford it (each call stays within that share of our AR's time, where an
+exploration paying a whole prompt's drafter prefill in a short call would cost it several times as much).
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -108,6 +109,7 @@ EXPLORE_SHARE = 0.02  # an exploration's expected loss, as a share of the plain 
 EXPLORE_SHARE_CALLS = 0.05  # ... where the acceptance over earlier calls says drafting pays (this call's may be a dip)
 EXPLORE_MIN, EXPLORE_MAX = 8, 512
 PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay a deferred drafter prefill
+PREFILL_CALL_SHARE = 0.02  # ... which it pays only in a call whose plain steps left take 1 / this of that prefill
 CHECK_PLAIN = 2.0  # drafting that wins by less than this on a guessed plain step's time measures one first
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
@@ -364,10 +366,22 @@ class DraftController:
         # (else plain steps, explored now and then: acceptance learnt on other text may be stale)
         until = self.explore_every(best)
         if self.plain_run >= until:
-            self.explorations += 1
-            return best
+            if self._call_affords_prefill(remaining):
+                self.explorations += 1
+                return best
+            until = self.plain_run + remaining + 1  # (due, but not in this call: the next that affords it)
         self._plain_until = until, self.seconds[0], cap
         return 0
+
+    def _call_affords_prefill(self, remaining: int | None) -> bool:
+        """Whether an exploration due now may pay the drafter's pending prefill (:attr:`deferred` prompt tokens, at
+        its learnt cost): at most PREFILL_CALL_SHARE of the ``remaining`` plain steps' time this call may still take.
+        A short answer after a long prompt then never pays a prefill it cannot save (at 16K on an H100 a separate
+        drafter's prefill costs 10 of 128 plain steps, a self-drafter's cache fill 25); the exploration waits for a
+        call long enough (:attr:`ControllerMemory.plain_run` keeps counting across calls). True where nothing is
+        pending or its cost is not known yet."""
+        cost = self._low(PREFILL) * self.deferred
+        return not cost or remaining is None or cost <= PREFILL_CALL_SHARE * remaining * self.round_seconds(0)
 
     def _plain_guessed(self, best: int) -> bool:
         """Whether drafting ``best`` wins only on a plain step's time the prior guessed: no TRUST plain samples yet,
