@@ -6,6 +6,7 @@ drafter, and stock's own assisted generation for the output's shape)."""
 from __future__ import annotations
 
 import logging
+import types
 
 import pytest
 import torch
@@ -93,7 +94,9 @@ def test_stock_assisted_generation_runs_on_the_engine_with_greedy_tokens(pair):
         greedy = stock_generate(model, ids, **settings)
         out = model.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **settings)
         engine = static_engine.current_engine(model)
-        assert engine.spec.mode == "full" and engine.spec.adaptive and engine.drafter is drafter
+        trained = drafter.config.max_position_embeddings  # (past it the drafter drafts on a sink + window cache)
+        assert engine.spec.mode == ("full" if length + 24 <= trained else "window"), (length, trained)
+        assert engine.spec.adaptive and engine.drafter is drafter
         assert torch.equal(out.sequences, greedy)
         assert out.spec_stats.new_tokens == 24
     ids, mask = left_padded([prompt(20, 3), prompt(33, 4), prompt(27, 5)])
@@ -391,3 +394,13 @@ def test_an_engine_failure_hands_a_routed_call_to_stock(call, monkeypatch):
     assert torch.equal(out, stock_generate(model, ids, **settings, **stock_extra))
     assert len(warned) == 1 and "RuntimeError: a layer the engine cannot run" in warned[0]
     assert static_engine.current_engine(model) is None
+
+
+def test_the_routed_drafter_cache_is_full_within_the_drafters_trained_positions():
+    from hf_sparsekv.generation.draft_modes import routed_draft_cache
+
+    drafter = tiny_model("llama", "drafter")
+    trained = drafter.config.max_position_embeddings
+    assert routed_draft_cache(drafter, trained) == "full" and routed_draft_cache(drafter, trained + 1) == "window"
+    unknown = types.SimpleNamespace(config=types.SimpleNamespace())  # (no trained length known: stock's full cache)
+    assert routed_draft_cache(unknown, 10**6) == "full"

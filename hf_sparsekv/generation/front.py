@@ -23,7 +23,7 @@ from ..caches.base import is_integer
 from .batch_rows import assemble, check_batch, generate_rows, pad_value, place_rows, token_ids
 from .common import _strip_left_padding, _text_config, _tp_size
 from .config_memo import prepare_generation_config
-from .draft_modes import check_budget, check_prefix, draft_mode
+from .draft_modes import check_budget, check_prefix, draft_mode, routed_draft_cache
 from .draft_tree import MAX_TREE_NODES
 from .draft_weights import check_choice, default_choice
 from .engine import captures, engine_for
@@ -552,6 +552,8 @@ def speculative_generate(
         attention_mask = None if attention_mask is None else attention_mask.repeat_interleave(copies, 0)
         batch = input_ids.shape[0]
         row_kwargs["num_return_sequences"] = 1
+    if stock_fallback and draft_cache == "full" and assistant_model is not model:  # stock's assisted call, routed
+        draft_cache = routed_draft_cache(assistant_model, config.max_length)
     plan = _draft_plan(model, assistant_model, config, generation_config, kwargs, tokenizer, kv_budget, draft_cache,
                        draft_tree_size, draft_weights, plain, alone)
     if batch > 1 and token_types is not None:
