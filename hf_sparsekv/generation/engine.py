@@ -1155,7 +1155,8 @@ def captures(model) -> bool:
     (``HF_SPARSEKV_COMPILE``, ``HF_SPARSEKV_COMPILE_AFTER``, ``HF_SPARSEKV_ENGINE_MEMORY``): on every device, a wrong
     value raises ``ValueError``."""
     setting = graphs_setting()
-    use_graphs = model.device.type == "cuda" and setting != "0" and not updates_rotary_per_call(model)
+    device = model.device  # (a walk of its parameters to the first: once)
+    use_graphs = device.type == "cuda" and setting != "0" and not updates_rotary_per_call(model)
     compile_setting(use_graphs)
-    engine_memory_budget(model.device)
+    engine_memory_budget(device)
     return use_graphs

@@ -395,9 +395,10 @@ class DraftPlan(NamedTuple):
 
 
 def _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan: DraftPlan,
-                          logits_processor, stopping_criteria, tokenizer):
+                          logits_processor, stopping_criteria, tokenizer, use_graphs: bool):
     """A batch's rows decoded together on one engine of ``len(input_ids)`` rows under ``plan``
-    (:func:`_draft_plan`). Returns the output as stock assembles a batch."""
+    (:func:`_draft_plan`), its steps captured where ``use_graphs`` (:func:`~.engine.captures`). Returns the output as
+    stock assembles a batch."""
     mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive = plan
     rows = [
         _row_rules(model, config, input_ids[b : b + 1], None if attention_mask is None else attention_mask[b : b + 1],
@@ -409,11 +410,11 @@ def _decode_rows_together(model, assistant_model, config, input_ids, attention_m
     warpers, host, penalty = _engine_rules(rules[0], logits_processor, sampling=config.do_sample, wants_outputs=False)
     engine = engine_for(
         model, assistant_model, mode, budget, gamma, max(r.max_length for r in rules),
-        max(r.max_length - r.prompt_length for r in rules), use_graphs=captures(model), warpers=warpers,
+        max(r.max_length - r.prompt_length for r in rules), use_graphs=use_graphs, warpers=warpers,
         batch=len(prompts), penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
         retrieval=retrieval, tree_size=tree_size, adaptive=adaptive)
     results = static_decode_rows(engine, prompts, rules)
-    sequences = [torch.cat([input_ids[b : b + 1].to(model.device), res.sequence[:, prompts[b].shape[1] :]], 1)
+    sequences = [torch.cat([input_ids[b : b + 1].to(prompts[b].device), res.sequence[:, prompts[b].shape[1] :]], 1)
                  for b, res in enumerate(results)]
     cache = None
     if config.return_dict_in_generate:
@@ -558,11 +559,12 @@ def speculative_generate(
                        draft_tree_size, draft_weights, plain, alone)
     if batch > 1 and token_types is not None:
         raise NotImplementedError("token_type_ids with a batch of several prompts (one prompt at a time is served)")
-    captures(model)  # (the engine's settings checked here: a wrong value is the caller's error, not a fallback)
+    use_graphs = captures(model)  # (the engine's settings checked here: a wrong value is the caller's error, not a
+    # fallback)
     if batch == 1:
         return _decode_one_row(model, assistant_model, config, input_ids, attention_mask, plan, token_types,
                                past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
-                               stock_fallback)
+                               stock_fallback, use_graphs)
     one_by_one = config.do_sample and plan.mode == "int4"  # a row's quantization cap would cut a sampled block
     check_batch(input_ids, attention_mask, config, streamer=streamer,
                 prefix_cache=past_key_values is not None, max_time=config.max_time if one_by_one else None)
@@ -581,7 +583,7 @@ def speculative_generate(
                              _stock_cache(model) if config.return_dict_in_generate else None)
     with _handing_back(stock_fallback and plain):  # (stock's speculative calls take one row: its error is ours)
         output = _decode_rows_together(model, assistant_model, config, input_ids, attention_mask, plan,
-                                       logits_processor, stopping_criteria, tokenizer)
+                                       logits_processor, stopping_criteria, tokenizer, use_graphs)
     return _length_reminder(model, config, output)
 
 
@@ -636,9 +638,10 @@ def _draft_plan(model, assistant_model, config, generation_config, kwargs: dict,
 
 def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, attention_mask, plan: DraftPlan,
                     token_types, past_key_values, streamer, logits_processor, stopping_criteria, tokenizer,
-                    stock_fallback: bool):
+                    stock_fallback: bool, use_graphs: bool):
     """One prompt ``input_ids [1, P]`` (left padding dropped) decoded on its engine under ``plan``
-    (:func:`_draft_plan`): the sequences, or stock's output class with the cache, scores, logits and stats."""
+    (:func:`_draft_plan`), its steps captured where ``use_graphs`` (:func:`~.engine.captures`): the sequences, or
+    stock's output class with the cache, scores, logits and stats."""
     mode, budget, layout, gamma, draft_weights, retrieval, tree_size, adaptive = plan
     prompt, rules = _row_rules(model, config, input_ids, attention_mask, stopping_criteria, logits_processor,
                                tokenizer)
@@ -651,7 +654,7 @@ def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, att
     # (not with a streamer, which may have had tokens, nor with the caller's cache, which may have been extended)
     with _handing_back(stock_fallback and streamer is None and past_key_values is None):
         engine = engine_for(model, assistant_model, mode, budget, gamma, rules.max_length,
-                            rules.max_length - prompt.shape[1], use_graphs=captures(model), warpers=warpers,
+                            rules.max_length - prompt.shape[1], use_graphs=use_graphs, warpers=warpers,
                             penalty=penalty, layout=layout, host=host, draft_weights=draft_weights,
                             retrieval=retrieval, tree_size=tree_size, adaptive=adaptive,
                             token_types=token_types is not None)
@@ -661,11 +664,12 @@ def _decode_one_row(model, assistant_model, config, input_ids: torch.Tensor, att
         cache = _stock_cache(model) if past_key_values is None and config.return_dict_in_generate else past_key_values
         pad = input_ids.shape[1] - prompt.shape[1]
         result = static_speculative_decode(engine, prompt, rules, streamer, prefix=None if pad else cache,
-                                           streamed_prompt=input_ids.cpu(), token_types=token_types)
+                                           streamed_prompt=None if streamer is None else input_ids.cpu(),
+                                           token_types=token_types)
         if cache is not None and pad:
             _place_engine_rows(engine, cache, [pad], [result.sequence.shape[1] - 1])
 
-    sequences = torch.cat([input_ids.to(model.device), result.sequence[:, prompt.shape[1] :]], dim=1)
+    sequences = torch.cat([input_ids.to(prompt.device), result.sequence[:, prompt.shape[1] :]], dim=1)
     _length_reminder(model, config, sequences)
     if not config.return_dict_in_generate:
         return sequences
