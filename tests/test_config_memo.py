@@ -89,3 +89,23 @@ def test_alternating_calls_each_find_their_config_remembered(monkeypatch):
         prepare_generation_config(model, None, dict(max_new_tokens=6 + n))
     prepare_generation_config(model, None, dict(max_new_tokens=6))
     assert len(merged) == len(calls) + config_memo.KEPT + 2
+
+
+def test_a_remembered_config_is_copied_as_deep_as_a_deep_copy():
+    """The copy a remembered call gets shares no mutable attribute with the remembered config (attributes that share
+    a list share its copy), and equals a deep copy."""
+    from hf_sparsekv.generation.config_memo import _copied
+
+    shared = [4, 5]
+    config = GenerationConfig(eos_token_id=[2, 3], sequence_bias={(4,): 1.0}, bad_words_ids=[[6]], max_new_tokens=3)
+    config.suppress_tokens = config.begin_suppress_tokens = shared
+    copied = _copied(config)
+    assert copied.to_dict() == copy.deepcopy(config).to_dict()
+    for name, value in vars(config).items():
+        if isinstance(value, (list, dict)):
+            assert getattr(copied, name) is not value and getattr(copied, name) == value
+    assert copied.suppress_tokens is copied.begin_suppress_tokens
+    copied.eos_token_id.append(7)
+    copied.bad_words_ids[0].append(8)
+    copied.max_new_tokens = 9
+    assert config.eos_token_id == [2, 3] and config.bad_words_ids == [[6]] and config.max_new_tokens == 3
