@@ -226,3 +226,26 @@ def test_engine_calls_lock_their_models_in_one_order():
     for thread in threads:
         thread.join(30)
     assert done == [True, True]
+
+
+def test_holding_locks_the_models_however_they_are_passed_and_refuses_as_binding_does():
+    """``holding`` finds each model by position or keyword (the lock is held inside the call), and a call whose
+    arguments do not bind raises ``inspect``'s error before the function runs."""
+    a, b = torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)
+    seen = []
+
+    @model_locks.holding("model", "other")
+    def call(model, x=None, other=None, *, flag=False, **kwargs):
+        seen.append((model_locks.lock_for(a).held(), model_locks.lock_for(b).held()))
+
+    call(a, 1, b)
+    call(a, other=b, flag=True, extra=2)
+    call(model=a, x=1, other=b)
+    call(a)
+    assert seen == [(True, True)] * 3 + [(True, False)]
+    with pytest.raises(TypeError, match="multiple values for argument 'model'"):
+        call(a, model=b)
+    with pytest.raises(TypeError, match="too many positional arguments"):
+        call(a, 1, b, 4)
+    assert seen == [(True, True)] * 3 + [(True, False)]
+    assert not model_locks.lock_for(a).held() and not model_locks.lock_for(b).held()

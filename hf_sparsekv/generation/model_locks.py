@@ -43,11 +43,18 @@ def _in_order(models) -> list[nn.Module]:
 
 @contextlib.contextmanager
 def _held(models, mode: str):
-    """Hold the locks of ``models`` in ``mode`` (``"exclusive"`` or ``"shared"``) inside the block."""
-    with contextlib.ExitStack() as held:
-        for model in _in_order(models):
-            held.enter_context(getattr(lock_for(model), mode)())
+    """Hold the locks of ``models`` in ``mode`` (``"exclusive"`` or ``"shared"``) inside the block; those taken are
+    released in reverse order, also where taking a later one fails."""
+    locks = [lock_for(model) for model in _in_order(models)]
+    taken = []
+    try:
+        for lock in locks:
+            getattr(lock, "acquire_" + mode)()
+            taken.append(lock)
         yield
+    finally:
+        for lock in reversed(taken):
+            getattr(lock, "release_" + mode)()
 
 
 def exclusive(*models):
@@ -61,15 +68,37 @@ def shared(*models):
 
 
 def holding(*names: str):
-    """Decorator: the function runs holding exclusively the models passed to it as the arguments ``names``."""
+    """Decorator: the function runs holding exclusively the models passed to it as the arguments ``names`` (each a
+    parameter that may be passed by keyword). The models are read from the call's arguments by position or keyword
+    (``inspect.Signature.bind_partial``, 14 us a call, only where they may not bind: its error then)."""
 
     def decorate(function):
         signature = inspect.signature(function)
+        parameters = signature.parameters.values()
+        kinds = {p.name: p.kind for p in parameters}
+        if any(kinds.get(name) not in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+               for name in names):
+            raise TypeError(f"holding{names}: each must be a parameter of {function.__name__} that takes a keyword")
+        positional = [p.name for p in parameters if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD]
+        if any(p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.VAR_POSITIONAL) for p in parameters):
+            positional = None  # (such a function's calls all go through bind_partial)
+        keywords = None if inspect.Parameter.VAR_KEYWORD in kinds.values() else frozenset(kinds)  # None: any
+        places = [(name, positional.index(name) if positional and name in positional else None) for name in names]
+
+        def bound(args: tuple, kwargs: dict) -> bool:
+            """Whether ``args``/``kwargs`` bind as the call's arguments with each model where ``places`` says."""
+            return (positional is not None and len(args) <= len(positional)
+                    and kwargs.keys().isdisjoint(positional[: len(args)])
+                    and (keywords is None or kwargs.keys() <= keywords))
 
         @functools.wraps(function)
         def locked(*args, **kwargs):
-            arguments = signature.bind_partial(*args, **kwargs).arguments
-            with exclusive(*(arguments.get(name) for name in names)):
+            if bound(args, kwargs):
+                models = [args[i] if i is not None and i < len(args) else kwargs.get(name) for name, i in places]
+            else:
+                arguments = signature.bind_partial(*args, **kwargs).arguments
+                models = [arguments.get(name) for name in names]
+            with exclusive(*models):
                 return function(*args, **kwargs)
 
         return locked
