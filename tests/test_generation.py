@@ -146,6 +146,25 @@ def test_min_new_tokens_suppresses_eos_like_stock():
     assert out.shape[1] - ids.shape[1] >= 6
 
 
+def test_eos_rules_that_change_between_calls_on_one_engine_are_each_applied():
+    """The engine keeps its EOS floor and EOS ids from the last call (written only where they change): calls on one
+    engine alternating min_new_tokens and EOS ids each give stock's output."""
+    verifier = tiny_model("qwen2")
+    drafter = _copy_of(verifier)
+    ids = prompt(30, 2)
+    tokens = _greedy_tokens(verifier, ids, 8)
+    engines = []
+    for extra in (dict(min_new_tokens=6, eos_token_id=tokens[1]), dict(eos_token_id=tokens[1]),
+                  dict(min_new_tokens=6, eos_token_id=tokens[1]), dict(eos_token_id=tokens[2]), dict(eos_token_id=None),
+                  dict(eos_token_id=tokens[2])):
+        kwargs = dict(max_new_tokens=15, do_sample=False, pad_token_id=0, **extra)
+        reference = verifier.generate(ids, **kwargs)
+        out = verifier.generate(ids, assistant_model=drafter, kv_budget=16, num_assistant_tokens=3, **kwargs)
+        assert torch.equal(out, reference), extra
+        engines.append(static_engine.current_engine(verifier))
+    assert all(engine is engines[0] for engine in engines)
+
+
 @pytest.mark.parametrize("mode", ["chunk", "int4"])
 def test_max_new_tokens_one(mode):
     verifier = tiny_model("mistral")

@@ -312,6 +312,7 @@ class StaticEngine:
                 self.draft_vocab = (d_out, d_in)
         self.eos_mask = torch.zeros(vocab, dtype=torch.bool, device=device)  # EOS ids, masked below eos_floor
         self.eos_floor = torch.zeros(rows, dtype=torch.long, device=device)  # min_length / min_new_tokens, absolute
+        self._eos_rules = ((0,) * rows, ())  # what eos_floor and eos_mask hold (set_min_length's arguments)
         self.warpers = warpers  # None: greedy
         self.penalty = spec.penalty
         if self.penalty is not None:  # the repetition penalty: each row's tokens so far, as a mask over the vocabulary
@@ -432,11 +433,17 @@ class StaticEngine:
 
     def set_min_length(self, floors: list[int], eos_token_ids: list[int]) -> None:
         """Greedy generate()'s min_length/min_new_tokens: EOS cannot be row b's token at sequence index <
-        ``floors[b]``."""
-        self.eos_floor.copy_(torch.tensor(floors if eos_token_ids else [0] * len(floors)))
+        ``floors[b]``. Written only where they differ from the last call's (a host-to-device copy and two launches
+        otherwise; nothing else writes ``eos_floor`` or ``eos_mask``)."""
+        rules = (tuple(floors) if eos_token_ids else (0,) * len(floors), tuple(eos_token_ids))
+        if rules == self._eos_rules:
+            return
+        self._eos_rules = None  # (until both are written)
+        self.eos_floor.copy_(torch.tensor(rules[0]))
         self.eos_mask.zero_()
         if eos_token_ids:
             self.eos_mask[[e for e in eos_token_ids if 0 <= e < self.eos_mask.numel()]] = True
+        self._eos_rules = rules
 
     def _seen_after(self, drafts: torch.Tensor, length: int) -> torch.Tensor | None:
         """The repetition penalty's masks ``[B, length, V]`` of the positions after each row's sequence and its first
