@@ -10,7 +10,8 @@ Which calls reach the engine:
 - a call with an argument of ours (``kv_budget``, ``draft_cache``, ``draft_weights``, ``draft_tree_size``);
 - ``static_engine=True`` (keyword or generation-config attribute): plain decoding, greedy or sampled, on the engine;
 - stock's own speculative calls, by the import alone (:func:`set_routing` turns each off): assisted generation
-  (``assistant_model=drafter`` and no argument of ours: the drafter on a full cache, γ chosen by the controller) and
+  (``assistant_model=drafter`` and no argument of ours: the drafter on a full cache, or past its trained positions a
+  sink + window cache, :func:`~.draft_modes.routed_draft_cache`; γ chosen by the controller) and
   prompt lookup (``prompt_lookup_num_tokens``: retrieval drafting). What the engine does not serve in them or in
   ``static_engine`` (an encoder-decoder model, universal assisted generation with two tokenizers, a drafter on
   another device or with another vocabulary, an option the engine refuses with ``NotImplementedError``) goes to
