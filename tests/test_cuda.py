@@ -469,11 +469,14 @@ def test_routed_assisted_generation_and_static_engine_on_the_captured_engine_flo
     verifier, drafter = _on_cuda("qwen2"), _on_cuda("qwen2", "drafter")
     prompts = [prompt(30, 1).cuda(), prompt(140, 2).cuda()]
     sampling = dict(do_sample=True, top_k=1) if do_sample else dict(do_sample=False)
-    for extra, mode in ((dict(assistant_model=drafter), "full"), (dict(static_engine=True), "ar")):
+    from hf_sparsekv.generation.draft_modes import routed_draft_cache
+
+    for extra, mode in ((dict(assistant_model=drafter), "routed"), (dict(static_engine=True), "ar")):
         for p in prompts:
             out = verifier.generate(p, max_new_tokens=40, **extra, **sampling)
             engine = static_engine.current_engine(verifier)
-            assert engine.spec.mode == mode and engine.use_graphs
+            expected = routed_draft_cache(drafter, p.shape[1] + 40) if mode == "routed" else mode  # (full or window)
+            assert engine.spec.mode == expected and engine.use_graphs
             assert torch.equal(out, verifier.generate(p, max_new_tokens=40, do_sample=False))
         ids, mask = left_padded(prompts)
         out = verifier.generate(ids, attention_mask=mask, max_new_tokens=40, **extra, **sampling)
