@@ -35,6 +35,7 @@ RUNS = {
                    "e2e-h200-2026-12-02/fixed-vs-controller-4k-3fc8340.json"],
     "controller-compiled": ["adaptive-compiled-16384-2026-12-05/results.json",
                             "adaptive-compiled-16384-2026-12-05b/results.json"],
+    "controller-traces": ["controller-traces-h100-2026-12-05/results.json"],
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
@@ -59,6 +60,7 @@ TABLES = {
     "e2e-2k": dict(kind="e2e", files=[RUNS["e2e-2k"]]),
     "controller": dict(kind="best_fixed", files=RUNS["controller"]),
     "controller-compiled": dict(kind="per_document", files=RUNS["controller-compiled"]),
+    "controller-traces": dict(kind="per_document", files=RUNS["controller-traces"]),
     "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
@@ -159,8 +161,9 @@ def _run(name: str, data: dict) -> str:
 
 def _e2e_settings(data: dict) -> str:
     s = data.get("settings", {})
-    opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in ("contexts", "docs", "repeats", "new_tokens") if k in s)
-    return f"`graph_engine.py {opts}`, prefill included, median"
+    keys = ("contexts", "docs", "repeats", "new_tokens", "compile")
+    opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in keys if k in s)
+    return f"`{s.get('script', 'graph_engine.py')} {opts}`, prefill included, median"
 
 
 # --- one function per kind: (spec, results folder) -> markdown -------------------------------------------------
