@@ -1065,6 +1065,37 @@ def test_the_drafters_prefill_cost_is_learnt_and_a_short_call_never_runs_the_dra
     static_engine.release_engines()
 
 
+def test_on_the_engine_an_exploration_waits_for_a_call_that_affords_the_drafters_prefill():
+    """A drafter whose rounds look slow (plain steps win, its prefill deferred) with an exploration due: a 12-token
+    call whose plain steps would not cover 50 times the prefill's learnt cost never runs the drafter and is stock
+    greedy, its plain rounds counted towards the exploration; with the prefill's cost small, the next call explores
+    (the drafter reads its prompt and drafts) and is stock greedy too."""
+    from hf_sparsekv.generation.controller import PREFILL, WINDOW
+
+    static_engine.release_engines()
+    verifier, drafter, ids = tiny_model("llama"), tiny_model("llama", "drafter"), prompt(60, 4)
+    kw = dict(assistant_model=drafter, kv_budget=24, do_sample=False, return_dict_in_generate=True, max_new_tokens=12)
+    greedy = verifier.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(verifier.generate(ids, **kw).sequences, greedy)
+    memory = static_engine.current_engine(verifier).controller_memory
+    forwards = []
+    hook = drafter.register_forward_hook(lambda *a: forwards.append(1))
+    try:
+        for prefill_cost, explores in ((1.0 / ids.shape[1], False), (1e-12, True)):  # (1 s for the prompt: no)
+            for width in widths(memory.gamma):
+                memory.samples[width] = [10.0] * WINDOW  # (every drafting width loses)
+            memory.samples[PREFILL] = [prefill_cost]
+            memory.plain_run = 10**6  # (an exploration is due)
+            forwards.clear()
+            out = verifier.generate(ids, **kw)
+            assert torch.equal(out.sequences, greedy)
+            assert bool(forwards) == explores and (set(out.spec_stats.width_rounds) != {0}) == explores
+            assert (memory.plain_run > 10**6) == (not explores)  # (the count goes on where it waited)
+    finally:
+        hook.remove()
+    static_engine.release_engines()
+
+
 def test_a_deferred_prefill_counts_as_prefill_not_drafting(scripted, monkeypatch):
     """The drafter's prefill deferred to a drafting round (made to take 1.5 s here, beyond what this call's 18 drafts
     take on a loaded CPU) is reported in ``prefill_seconds``, not in ``draft_seconds``."""
