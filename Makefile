@@ -131,8 +131,8 @@ bench-adaptive-compiled: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive-compiled-$(or $(CONTEXT),16384) --contexts $(or $(CONTEXT),16384) \
 		--docs 2 --repeats 2 --new-tokens 128 --only hf-static-ar,graph-ar --extra $(ADAPTIVE_COMPILED) $(ARGS)
 
-# Where the controller's calls gain or lose against our graph AR, round by round (issue 82): per-call traces of each
-# choice and observation, light-traced steps, two minutes on an H100 (CONTEXT=16384 by default)
+# Where the controller's calls gain or lose against our graph AR, round by round: per-call traces of each choice and
+# observation, light-traced steps, two minutes on an H100 (CONTEXT=16384 by default)
 bench-controller-traces: $(STAMP)
 	$(PY) benchmarks/controller_traces.py --out runs/controller-traces --context $(or $(CONTEXT),16384) $(ARGS)
 
