@@ -26,7 +26,7 @@ import statistics
 import time
 from pathlib import Path
 
-METHODS = "graph-ar,static-engine,useless-gA,full-gA,assisted,selfchunk-512-gA,chunk-512-gA,window-gA"
+METHODS = "hf-static-ar,graph-ar,static-engine,useless-gA,full-gA,assisted,selfchunk-512-gA,chunk-512-gA,window-gA"
 
 
 def traced(controller_class, trace: list):
