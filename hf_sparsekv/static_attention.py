@@ -41,15 +41,21 @@ NAME = "sparsekv_static"
 _NO_WINDOW = 1 << 40  # the kernel's window where a layer has chunks but no sliding window
 
 
-def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 0,
-                  chunk: int | None = None) -> torch.Tensor | None:
+def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 0, chunk: int | None = None,
+                  fed: torch.Tensor | None = None) -> torch.Tensor | None:
     """The mask ``[1, 1, length, start + length]`` of a prefill whose queries are at ``start..start+length-1`` over
-    the keys of positions ``0..start+length-1``; None for plain causal attention over the prompt alone. ``chunk``:
-    a query sees only keys of its own chunk of ``chunk`` positions (chunked attention)."""
-    if start == 0 and (sliding_window is None or sliding_window >= length) and (chunk is None or chunk >= length):
+    the keys of positions ``0..start+length-1`` (``fed``, int64 ``[length]`` increasing: the queries and keys are at
+    these positions instead); None for plain causal attention over the tokens fed. ``chunk``: a query sees only keys
+    of its own chunk of ``chunk`` positions (chunked attention)."""
+    if fed is not None:
+        q, k = fed.to(device)[:, None], fed.to(device)[None, :]
+        if sliding_window is None and chunk is None:
+            return None
+    elif start == 0 and (sliding_window is None or sliding_window >= length) and (chunk is None or chunk >= length):
         return None  # plain causal: SDPA's is_causal
-    q = torch.arange(start, start + length, device=device)[:, None]
-    k = torch.arange(start + length, device=device)[None, :]
+    else:
+        q = torch.arange(start, start + length, device=device)[:, None]
+        k = torch.arange(start + length, device=device)[None, :]
     return within_window_and_chunk(k <= q, k, q, sliding_window, chunk)[None, None]
 
 
@@ -239,7 +245,7 @@ def static_attention(
     chunk, softcap = layer.attention_chunk, kwargs.get("softcap")
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))
     if cache.prefilling:
-        mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start, chunk)
+        mask = _prefill_mask(query.shape[-2], sliding, query.device, cache.prefill_start, chunk, cache.prefill_fed)
         out = _reference_attention(module, query, key, value, mask, scale, softcap, sinks)
         if cache.prompt_queries is not None:
             cache.prompt_queries(layer.layer_idx, query, scale)

@@ -920,11 +920,12 @@ def _recorded_prefill(monkeypatch) -> list:
     return graphs
 
 
-def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0, cache=None) -> list[torch.Tensor]:
+def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0, cache=None,
+               kept_only: bool = False) -> list[torch.Tensor]:
     """``ids [1, P]`` prefilled into ``cache`` (default: a fresh one-row full cache of ``model``; ``prefix``: its
     first tokens loaded from a ``DynamicCache`` first) through
-    :func:`~hf_sparsekv.generation.graph_steps.static_prefill`: the logits, slot positions, length, a chunk layout's
-    offset and kept count, and every layer's keys and values."""
+    :func:`~hf_sparsekv.generation.graph_steps.static_prefill` (``kept_only`` passed on): the logits, slot
+    positions, length, a chunk layout's offset and kept count, and every layer's keys and values."""
     cache = _full_cache(model) if cache is None else cache
     start = 0
     with torch.no_grad():
@@ -933,7 +934,7 @@ def _prefilled(model, ids: torch.Tensor, compiled: bool, prefix: int = 0, cache=
             model(ids[:, :prefix], past_key_values=held, use_cache=True)
             start = cache.load_prefix([(layer.keys, layer.values) for layer in held.layers])
     with torch.no_grad(), graph_steps.static_attention_for(model):
-        logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled)
+        logits = graph_steps.static_prefill(model, ids, cache, start=start, compiled=compiled, kept_only=kept_only)
     chunks = [cache.offset, torch.tensor(cache.kept)] if hasattr(cache, "kept") else []
     return [logits, cache.slot_positions, cache.fp_length] + chunks + [t for layer in cache.layers
                                                                        for t in (layer.keys, layer.values)]
@@ -992,6 +993,64 @@ def test_a_drafter_cache_prefill_compiles_once_for_every_length_and_keeps_what_t
         if selection:  # past the budget, chunks were dropped
             assert (int(eager[4]) < length) == (length > 48)
     assert len(graphs) == 2 + (arch == "mistral")
+
+
+@pytest.mark.parametrize("arch,sliding", [("llama", None), ("qwen2", None), ("mistral", 20)])
+def test_a_ring_prefill_of_the_kept_positions_alone_holds_what_a_forward_of_those_tokens_computes(arch, sliding):
+    """``kept_only``: a sink + window ring's prefill of a prompt longer than its sinks and ring feeds only those
+    positions. Each layer then holds, in their slots, the keys and values that a plain forward of those tokens alone
+    at their own positions computes (transformers' SDPA with an explicit mask from the positions: causal, and past
+    Mistral's sliding window of 20 nothing), and the last logits agree. A prompt within the ring feeds every token,
+    as a prefill without ``kept_only`` does."""
+    model = copy.deepcopy(tiny_model(arch, "drafter", layers=2))
+    model.config.sliding_window = sliding
+    shape = _attention_shape(model)
+    for length in (19, 33, 34, 100):
+        ids = prompt(length, seed=length)
+        cache = StaticSinkWindowCache(4, 24, 4, *shape, model.dtype, "cpu")  # a ring of 29 slots after 4 sinks
+        logits, slot_positions, *_ = _prefilled(model, ids, False, cache=cache, kept_only=True)
+        kept = torch.cat([torch.arange(4), torch.arange(max(4, length - 29), length)])
+        q, k = kept[:, None], kept[None, :]
+        mask = (k <= q) & (k > q - (sliding or 1 << 30))
+        held = DynamicCache()
+        with torch.no_grad():
+            reference = model(ids[:, kept], position_ids=kept[None], attention_mask=mask[None, None],
+                              past_key_values=held, use_cache=True).logits[0, -1]
+        torch.testing.assert_close(logits, reference, rtol=0, atol=1e-10)
+        slots = cache.slots_of(kept)
+        assert torch.equal(slot_positions[0, slots], kept) and int((slot_positions[0] >= 0).sum()) == len(kept)
+        for layer, (keys, values) in zip(cache.layers, ((l.keys, l.values) for l in held.layers)):
+            torch.testing.assert_close(layer.keys[0][:, slots], keys[0], rtol=0, atol=1e-10)
+            torch.testing.assert_close(layer.values[0][:, slots], values[0], rtol=0, atol=1e-10)
+        if length <= 33:  # within sinks + ring: the prefill of every token
+            whole = _prefilled(model, ids, False, cache=StaticSinkWindowCache(4, 24, 4, *shape, model.dtype, "cpu"))
+            for a, b in zip(whole, [logits, slot_positions, *_]):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.compiled
+def test_a_compiled_ring_prefill_of_the_kept_positions_keeps_what_the_eager_one_keeps(monkeypatch):
+    """The ``kept_only`` ring prefill through the compiled forward keeps what the eager one keeps (logits, keys,
+    values, slot positions), prompts within the ring and past it; one graph serves every long prompt (the same
+    number of positions fed), one the short ones."""
+    graphs = _recorded_prefill(monkeypatch)
+    model = tiny_model("qwen2", "drafter")
+    shape = _attention_shape(model)
+    for length in (20, 97, 300, 121):
+        ids = prompt(length, seed=length)
+        eager, compiled = (_prefilled(model, ids, c, cache=StaticSinkWindowCache(4, 24, 4, *shape, model.dtype, "cpu"),
+                                      kept_only=True) for c in (False, True))
+        for a, b in zip(eager, compiled):
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert len(graphs) == 2
+
+
+def test_a_prefill_after_a_prefix_feeds_every_new_position():
+    model = tiny_model("llama", "drafter")
+    cache = StaticFullCache(*_attention_shape(model), 64, model.dtype, "cpu")
+    with pytest.raises(ValueError, match="after a prefix"):
+        cache.begin_prefill(10, 0, 5, kept_only=True)
+    assert cache.kept_prompt_positions(50) is None  # (a full cache keeps every position)
 
 
 def _quant_state(cache: StaticQuantCache) -> list[torch.Tensor]:

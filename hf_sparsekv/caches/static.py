@@ -200,6 +200,7 @@ class PreallocatedCache(Cache):
         self.prefilling = False
         self.prefill_row = 0
         self.prefill_start = 0  # a prefill after a loaded prefix (prompt caching, StaticFullCache): its first position
+        self.prefill_fed: torch.Tensor | None = None  # the prompt positions a prefill feeds (None: all, from its start)
         self.filled_rows: set[int] = set()  # rows holding a prompt (host side)
         # a cache filled from this one's prefill and steps without drafts (self-drafting), set for their length
         self.companion: PreallocatedCache | None = None
@@ -283,17 +284,28 @@ class PreallocatedCache(Cache):
         device that holds none of the cache's layers (the launch then merges in a kernel of its own)."""
         return self._tickets.get(device)
 
-    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+    def kept_prompt_positions(self, length: int) -> torch.Tensor | None:
+        """The positions of a ``length``-token prompt this layout keeps when fewer than all (int64 ``[K]``, increasing,
+        on the cache's device), else None. A prefill may feed these alone (:meth:`begin_prefill`'s ``kept_only``)
+        where what the layout keeps need not have seen the rest (a drafter's cache)."""
+        return None
+
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
         ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's
-        tokens are at ``start..start+length-1``."""
+        tokens are at ``start..start+length-1``. ``kept_only``: the forward feeds only the positions the layout keeps
+        where it keeps fewer than all (:meth:`kept_prompt_positions`, then in :attr:`prefill_fed`), which attend to
+        one another alone; not after a prefix."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} already holds a prompt (reset())")
         if start and not self.takes_prefix:
             raise NotImplementedError(f"{type(self).__name__} keeps no prefix: a prefill after a prefix needs the full cache")
+        if kept_only and start:
+            raise ValueError(f"{type(self).__name__}: a prefill after a prefix feeds every new position")
         self.prefilling = True
+        self.prefill_fed = self.kept_prompt_positions(length) if kept_only else None
         self.prefill_length, self.prefill_row, self.prefill_start = length, row, start
         self._mask = None
         self._local = {}
@@ -305,6 +317,7 @@ class PreallocatedCache(Cache):
 
     def end_prefill(self) -> None:
         self.prefilling = False
+        self.prefill_fed = None
         self.filled_rows.add(self.prefill_row)
         self.seen = self.prefill_start + self.prefill_length
 
@@ -317,8 +330,9 @@ class PreallocatedCache(Cache):
         if self.companion is not None and companion_layer is None:
             companion_layer = self.companion.layers[layer.layer_idx]
         if self.prefilling:
-            if key_states.shape[-2] != self.prefill_length:
-                raise ValueError(f"prefill of {self.prefill_length} tokens announced, got {key_states.shape[-2]}")
+            fed = self.prefill_length if self.prefill_fed is None else self.prefill_fed.numel()
+            if key_states.shape[-2] != fed:
+                raise ValueError(f"prefill of {fed} tokens announced, got {key_states.shape[-2]}")
             self._store_prefill(layer, key_states, value_states)
             if self.prefill_start:  # after a prefix: the row's whole prompt, prefix included
                 r, end = self.prefill_row, self.prefill_start + self.prefill_length
@@ -488,11 +502,11 @@ class StaticFullCache(PreallocatedCache):
         layer = self.layers[layer_idx]
         return layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
 
-    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         end = start + length
         if end > self.capacity:
             raise ValueError(f"prompt of {end} tokens exceeds the cache capacity {self.capacity}")
-        super().begin_prefill(length, row, start)
+        super().begin_prefill(length, row, start, kept_only)
 
     def _place_prompt(self, row):
         end = self.prefill_start + self.prefill_length
@@ -540,11 +554,14 @@ class _ChunkSelecting:
         self.offset.zero_()
         self.kept = [0] * self.batch
 
-    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+    def kept_prompt_positions(self, length):
+        return None  # (which chunks it keeps, the selection decides from every prompt position's keys)
+
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         k = kept_token_count(length, self.budget, self.chunk_size)
         if k + 1 > self.capacity:
             raise ValueError(f"{k} kept tokens leave no room in a cache of capacity {self.capacity}")
-        super().begin_prefill(length, row, start)
+        super().begin_prefill(length, row, start, kept_only)
 
     def _place_prompt(self, row):
         k = self.kept[row] = kept_token_count(self.prefill_length, self.budget, self.chunk_size)
@@ -663,16 +680,23 @@ class StaticSinkWindowCache(PreallocatedCache):
         ])
         return positions, self.slots_of(positions)  # (elementwise: any shape)
 
+    def kept_prompt_positions(self, length):
+        if length <= self.sink + self.ring:
+            return None
+        return self._kept_positions(length, self.slot_positions.device)[0]
+
     def _place_prompt(self, row):
         positions, slots = self._kept_positions(self.prefill_length, self.slot_positions.device)
         self.slot_positions[row].fill_(-1)
         self.slot_positions[row].index_copy_(0, slots, positions)
 
     def _store_prefill(self, layer, key_states, value_states):
-        positions, slots = self._kept_positions(key_states.shape[-2], key_states.device)
+        positions, slots = self._kept_positions(self.prefill_length, key_states.device)
+        if self.prefill_fed is None:  # (else the states are the kept positions')
+            key_states, value_states = key_states[:, :, positions], value_states[:, :, positions]
         r = self.prefill_row
-        layer.keys[r].index_copy_(1, slots, key_states[0, :, positions])
-        layer.values[r].index_copy_(1, slots, value_states[0, :, positions])
+        layer.keys[r].index_copy_(1, slots, key_states[0])
+        layer.values[r].index_copy_(1, slots, value_states[0])
 
 
 class StaticChunkWindowCache(_ChunkSelecting, StaticSinkWindowCache):
@@ -776,11 +800,11 @@ class StaticQuantCache(PreallocatedCache):
         quant = self.offset if self.live is None else self.offset * (self.live > 0)  # a finished row reads no codes
         self.quant_length.copy_(quant)
 
-    def begin_prefill(self, length: int, row: int = 0, start: int = 0) -> None:
+    def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         capacity = self.layers[0].qkeys.upper.shape[-2]
         if self.quantized_length(length) > capacity:
             raise ValueError(f"prompt of {length} tokens exceeds the store's capacity {capacity}")
-        super().begin_prefill(length, row, start)
+        super().begin_prefill(length, row, start, kept_only)
 
     def _place_prompt(self, row):
         p = self.prefill_length

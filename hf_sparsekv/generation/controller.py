@@ -74,9 +74,10 @@ What a controller learns (round times, acceptance, the plain rounds since the la
 across calls (:class:`ControllerMemory`). A call that starts where plain steps win (:meth:`DraftController.defers`)
 leaves the drafter's prefill for its first drafting round (a self-drafter's cache is then filled from the verifier's,
 its chunks selected from the prompt queries the prefill kept): a drafter that does not pay then costs no prefill in
-the calls between explorations. That prefill's cost is learnt per prompt token (from a deferred prefill's round,
-and from a separate drafter's prefill at a call's start: its host and device seconds, read after the prefill's own
-sync; not the engine's first, whose one-time costs would stand for good). It counts in the exploration's expected
+the calls between explorations. That prefill's cost is learnt per prompt token it reads (a sink + window drafter's
+reads only the positions its cache keeps), from a deferred prefill's round and from a separate drafter's prefill at a
+call's start (its host and device seconds, read after the prefill's own sync; not the engine's first, whose
+one-time costs would stand for good). It counts in the exploration's expected
 loss while it is pending, so explorations that would pay it come further apart; a call whose remaining tokens
 would not save it by drafting (a short answer after a long prompt) does not draft, however well drafting pays per
 round; and an exploration due in a call whose plain steps left would take less than 1 / ``PREFILL_CALL_SHARE`` times
@@ -231,7 +232,7 @@ class DraftController:
         self.memory = ControllerMemory(gamma) if memory is None else memory
         self.memory.start_call()
         self.seconds = {w: low(v) for w, v in self.samples.items() if w >= 0}  # width -> its low quantile
-        self.deferred = 0  # prompt tokens the drafter has not read this call (its prefill deferred, :meth:`defers`)
+        self.deferred = 0  # prompt tokens the drafter's prefill would read, not read this call (its prefill deferred, :meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._plain_until: tuple[int, float, int] | None = None  # while plain steps win: (the plain run at which
         # to explore, the plain step's seconds then, the widest width allowed then); the choice stands until then

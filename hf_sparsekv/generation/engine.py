@@ -925,8 +925,17 @@ class StaticEngine:
         :attr:`drafter_start`, the leading positions its full cache still holds of a chat's earlier turns."""
         start = self.drafter_start if row == 0 else 0
         static_prefill(self.drafter, drafter_input(prompt, self.draft_vocab), self.drafter_cache, row, start,
-                       compiled=self.prefill_compiled(self.drafter))
-        self.drafter_prefill_tokens += prompt.shape[1] - start
+                       compiled=self.prefill_compiled(self.drafter), kept_only=True)
+        self.drafter_prefill_tokens += self.drafter_reads(prompt.shape[1]) - start
+
+    def drafter_reads(self, length: int) -> int:
+        """The prompt tokens the drafter's prefill of a ``length``-token prompt reads: a separate drafter's, only
+        those its cache keeps where it keeps fewer than all (a sink + window: what its drafts can see of the prompt,
+        its keys computed from those alone, :meth:`~hf_sparsekv.caches.static.PreallocatedCache.kept_prompt_positions`);
+        else every one (a self-drafter's cache fill reads the verifier's keys of each)."""
+        cache = None if self.self_drafting else self.drafter_cache
+        kept = None if cache is None else cache.kept_prompt_positions(length)
+        return length if kept is None else kept.numel()
 
     @property
     def keeps_drafter_prefix(self) -> bool:

@@ -170,15 +170,19 @@ def static_forward(model, tokens: torch.Tensor, positions: torch.Tensor, cache, 
 
 
 def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int = 0,
-                   compiled: bool = False) -> torch.Tensor:
+                   compiled: bool = False, kept_only: bool = False) -> torch.Tensor:
     """Feed ``prompt [1, P]`` to the empty row ``row`` of a static cache (``start``: the row already holds the first
     ``start`` tokens, only the rest is fed); the last position's logits ``[V]``. ``compiled``: where
     :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager (and eager, with a warning, for
     every later prefill of a model whose compiled prefill raised or took more than :data:`PREFILL_MAX_GRAPHS`
-    graphs)."""
-    cache.begin_prefill(prompt.shape[1] - start, row, start)
-    positions = torch.arange(start, prompt.shape[1], device=prompt.device)[None]
-    args = (model, prompt[:, start:], positions, cache, cache_keyword(model))
+    graphs). ``kept_only``: feed only the positions the cache keeps where it keeps fewer than all
+    (:meth:`~hf_sparsekv.caches.static.PreallocatedCache.kept_prompt_positions`)."""
+    cache.begin_prefill(prompt.shape[1] - start, row, start, kept_only)
+    fed = cache.prefill_fed  # (None: every position from start)
+    positions = (torch.arange(start, prompt.shape[1], device=prompt.device) if fed is None
+                 else fed.to(prompt.device))[None]
+    args = (model, prompt[:, start:] if fed is None else prompt[:, positions[0]], positions, cache,
+            cache_keyword(model))
     with cudnn_attention_off:
         logits = _prefill_logits(model, args, compiled, cache)
     cache.end_prefill()

@@ -216,7 +216,8 @@ class RowsDecoding:
         engine, controller, prompts, timer = self.engine, self.controller, self.prompts, self.timer
         # a drafter the controller expects not to use yet reads its prompt only when a round first drafts
         prompt_tokens = sum(p.shape[1] for p in prompts)
-        defer = engine.defers_drafter and controller.defers(self.room_left(), prompt_tokens)
+        drafter_tokens = sum(engine.drafter_reads(p.shape[1]) for p in prompts)  # (a sink + window: its window)
+        defer = engine.defers_drafter and controller.defers(self.room_left(), drafter_tokens)
         firsts = engine.prefill(prompts, self.host_first if self.host else None, prefixes, defer, timer, token_types)
         wait_for(engine.devices)
         self.rounds_from = time.perf_counter()
@@ -225,12 +226,12 @@ class RowsDecoding:
         if "drafter_prefill" in timer.host and not engine.drafter_start:  # its cost, for the next calls' choice to
             # defer it (no extra sync; a chat turn's prefill of its new tokens alone is no sample of a whole prompt's)
             controller.prefill_cost(max(timer.seconds("drafter_prefill"), timer.host_seconds("drafter_prefill")),
-                                    prompt_tokens)
+                                    drafter_tokens)
         if engine.spec.adaptive:
             captures_from = time.perf_counter()
             engine.capture_widths(controller.widths)
             self.capture_seconds = time.perf_counter() - captures_from
-        controller.deferred = prompt_tokens if engine.drafter_deferred else 0
+        controller.deferred = drafter_tokens if engine.drafter_deferred else 0
         if self.streamer is not None and streamed_prompt is not None:
             self.streamer.put(streamed_prompt)
         for row, first in enumerate(firsts):
