@@ -136,6 +136,11 @@ bench-adaptive-compiled: $(STAMP)
 bench-controller-traces: $(STAMP)
 	$(PY) benchmarks/controller_traces.py --out runs/controller-traces --context $(or $(CONTEXT),16384) $(ARGS)
 
+# A sink + window drafter's prefill of the whole prompt against the positions its cache keeps: acceptance, the tokens
+# it reads and its time, bundled pair, 4K-16K (CPU: ~20 minutes; CUDA: a minute).
+bench-window-prefill: $(STAMP)
+	$(PY) benchmarks/window_prefill.py --out runs/window-prefill $(ARGS)
+
 # Where a call's time outside its prefill and rounds goes, by front-end function (issue 52); CPU or CUDA, a minute
 # (HF_SPARSEKV_COMPILE=0: the front end does not depend on compilation).
 bench-front-end: $(STAMP)

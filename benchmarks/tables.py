@@ -440,7 +440,44 @@ def controller_cpu(spec: dict, results: Path) -> str:
     return "\n".join(lines + [""] + sources)
 
 
-KINDS = dict(controller_cpu=controller_cpu, lifecycle=lifecycle, lifecycle_later=lifecycle_later,
+def window_prefill_lines(cells: list[dict]) -> list[str]:
+    """The table of ``benchmarks/window_prefill.py``'s cells: per prompt length and prefill, the tokens the
+    drafter's prefill read, its median time alone, α and τ pooled over the documents (all accepted over all drafted;
+    all tokens made by rounds over all rounds) and how many outputs equal greedy AR."""
+    lines = _head("prompt", "the drafter's prefill", "tokens it reads", "its time (ms)", "α per document", "α pooled",
+                  "τ pooled", "identical to greedy AR")
+    groups: dict = {}
+    for c in cells:
+        groups.setdefault((c["context"], c["method"]), []).append(c)
+    for (context, method), group in groups.items():
+        alpha = sum(c["accepted"] for c in group) / max(sum(c["drafted"] for c in group), 1)
+        tau = sum(c["new_tokens"] - 1 for c in group) / sum(c["rounds"] for c in group)
+        lines.append(_row([_k(context), WINDOW_PREFILLS.get(method, f"`{method}`"),
+                           "/".join(sorted({str(c["drafter_prefill_tokens"]) for c in group})),
+                           _num(statistics.median(c["drafter_prefill_ms"] for c in group), 1),
+                           " / ".join(_num(c["alpha"]) for c in group), _num(alpha, 3), _num(tau),
+                           f"{sum(bool(c['identical']) for c in group)}/{len(group)}"]))
+    return lines
+
+
+WINDOW_PREFILLS = {"window-whole-prefill": "the whole prompt", "window-kept-prefill": "the kept positions (sinks + ring)"}
+
+
+def window_prefill(spec: dict, results: Path) -> str:
+    """``benchmarks/window_prefill.py`` runs (:func:`window_prefill_lines`)."""
+    lines, sources = [], []
+    for name in spec["files"]:
+        d = _load(name, results)
+        lines = lines or window_prefill_lines([])[:2]
+        lines += window_prefill_lines(d["cells"])[2:]
+        s = d["settings"]
+        sources.append(_source(name, d, f"bundled pair, {s.get('dtype')}, {s.get('docs')} documents, constant "
+                                         f"γ {s.get('gamma')}, {s.get('new_tokens')} new tokens, drafter prefill time "
+                                         f"median of {s.get('timing_repeats')}, {s.get('torch_threads')} torch threads"))
+    return "\n".join(lines + [""] + sources)
+
+
+KINDS = dict(controller_cpu=controller_cpu, window_prefill=window_prefill, lifecycle=lifecycle, lifecycle_later=lifecycle_later,
              lifecycle_growth=lifecycle_growth, e2e=e2e, best_fixed=best_fixed, steps=steps,
              headline=headline, acceptance=acceptance, drop_in=drop_in, per_document=per_document)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
