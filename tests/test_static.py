@@ -1028,6 +1028,23 @@ def test_a_ring_prefill_of_the_kept_positions_alone_holds_what_a_forward_of_thos
                 torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_window_drafter_reads_only_the_positions_it_keeps_and_decodes_as_greedy(arch):
+    """On the engine a separate drafter's sink + window prefill reads a long prompt's kept positions alone
+    (``drafter_prefill_tokens``: the sinks and the ring), a short one whole; the output is stock greedy's."""
+    verifier, drafter = tiny_model(arch), tiny_model(arch, "drafter")
+    for length in (9, 90, 200):
+        ids = prompt(length, seed=length)
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache="window", kv_budget=16,
+                                num_assistant_tokens=3, num_assistant_tokens_schedule="constant", max_new_tokens=24,
+                                do_sample=False, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, stock_generate(verifier, ids, max_new_tokens=24, do_sample=False)), length
+        cache = static_engine.current_engine(verifier).drafter_cache
+        assert isinstance(cache, StaticSinkWindowCache)
+        assert out.spec_stats.drafter_prefill_tokens == min(length, cache.sink + cache.ring) < 90, length
+        assert out.spec_stats.drafted > 0
+
+
 @pytest.mark.compiled
 def test_a_compiled_ring_prefill_of_the_kept_positions_keeps_what_the_eager_one_keeps(monkeypatch):
     """The ``kept_only`` ring prefill through the compiled forward keeps what the eager one keeps (logits, keys,

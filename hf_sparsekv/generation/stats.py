@@ -49,7 +49,8 @@ class SpecStats:
     - ``prefill_tokens``: prompt tokens the verifier's prefill read: the prompt's, less the leading ones its cache
       still held from the engine's last call (a chat's next turn, :meth:`~.engine.StaticEngine.prefill`).
     - ``drafter_prefill_tokens``: prompt tokens a separate drafter's prefill read (its full cache also keeps a chat's
-      earlier turns; 0 where its prefill was deferred and no round drafted, or no separate drafter).
+      earlier turns; a sink + window cache's prefill reads only the positions it keeps; 0 where its prefill was
+      deferred and no round drafted, or no separate drafter).
     - ``prefill_seconds``: wall-clock seconds of the verifier's and the drafter's prefill of the prompt (a drafter
       prefill deferred to the first drafting round: its device seconds there, or host seconds on CPU).
     - ``draft_seconds``: seconds spent drafting; ``verify_seconds``: seconds in verifier forwards.
