@@ -647,10 +647,13 @@ def test_static_steps_trace_without_graph_breaks(fresh_engines, mode, sampled, b
 
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("mode", ["chunk", "window"])
-def test_static_self_drafting_is_lossless_with_one_prefill(fresh_engines, arch, mode):
+def test_static_self_drafting_is_lossless_with_one_prefill(fresh_engines, arch, mode, monkeypatch):
     """assistant_model=model with a chunk-budget or window cache on the static loop: the drafter's cache is filled
-    from the model's own prefill (the same keys and chunk selection as a second prefill would give), and the output
-    is greedy AR."""
+    from the model's own prefill (the same keys and chunk selection as a second prefill of the whole prompt would
+    give), and the output is greedy AR."""
+    # (a separate drafter's window reads only the positions it keeps; the twin below reads the whole prompt, as the
+    # shared prefill does)
+    monkeypatch.setattr(StaticSinkWindowCache, "kept_prompt_positions", lambda self, length: None)
     verifier = tiny_model(arch)
     kwargs = dict(max_new_tokens=40, do_sample=False, eos_token_id=None, pad_token_id=0)
     for length, gamma in ((9, 3), (250, 5)):
@@ -1062,12 +1065,12 @@ def test_a_compiled_ring_prefill_of_the_kept_positions_keeps_what_the_eager_one_
     assert len(graphs) == 2
 
 
-def test_a_prefill_after_a_prefix_feeds_every_new_position():
+def test_a_full_cache_prefill_feeds_every_position_with_or_without_a_prefix():
     model = tiny_model("llama", "drafter")
     cache = StaticFullCache(*_attention_shape(model), 64, model.dtype, "cpu")
-    with pytest.raises(ValueError, match="after a prefix"):
-        cache.begin_prefill(10, 0, 5, kept_only=True)
     assert cache.kept_prompt_positions(50) is None  # (a full cache keeps every position)
+    cache.begin_prefill(10, 0, 5, kept_only=True)
+    assert cache.prefill_fed is None
 
 
 def _quant_state(cache: StaticQuantCache) -> list[torch.Tensor]:

@@ -295,17 +295,15 @@ class PreallocatedCache(Cache):
         ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's
         tokens are at ``start..start+length-1``. ``kept_only``: the forward feeds only the positions the layout keeps
         where it keeps fewer than all (:meth:`kept_prompt_positions`, then in :attr:`prefill_fed`), which attend to
-        one another alone; not after a prefix."""
+        one another alone (after a prefix: every new position, a layout that takes one keeping all)."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} already holds a prompt (reset())")
         if start and not self.takes_prefix:
             raise NotImplementedError(f"{type(self).__name__} keeps no prefix: a prefill after a prefix needs the full cache")
-        if kept_only and start:
-            raise ValueError(f"{type(self).__name__}: a prefill after a prefix feeds every new position")
         self.prefilling = True
-        self.prefill_fed = self.kept_prompt_positions(length) if kept_only else None
+        self.prefill_fed = self.kept_prompt_positions(length) if kept_only and not start else None
         self.prefill_length, self.prefill_row, self.prefill_start = length, row, start
         self._mask = None
         self._local = {}
