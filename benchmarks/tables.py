@@ -36,6 +36,7 @@ RUNS = {
     "controller-compiled": ["adaptive-compiled-16384-2026-12-05/results.json",
                             "adaptive-compiled-16384-2026-12-05b/results.json"],
     "controller-traces": ["controller-traces-h100-2026-12-05/results.json"],
+    "window-prefill": ["window-prefill-cpu-2026-12-05/results.json"],
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
@@ -61,6 +62,7 @@ TABLES = {
     "controller": dict(kind="best_fixed", files=RUNS["controller"]),
     "controller-compiled": dict(kind="per_document", files=RUNS["controller-compiled"]),
     "controller-traces": dict(kind="per_document", files=RUNS["controller-traces"]),
+    "window-prefill": dict(kind="window_prefill", files=RUNS["window-prefill"]),
     "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
@@ -473,7 +475,7 @@ def window_prefill(spec: dict, results: Path) -> str:
         s = d["settings"]
         sources.append(_source(name, d, f"bundled pair, {s.get('dtype')}, {s.get('docs')} documents, constant "
                                          f"γ {s.get('gamma')}, {s.get('new_tokens')} new tokens, drafter prefill time "
-                                         f"median of {s.get('timing_repeats')}, {s.get('torch_threads')} torch threads"))
+                                         f"median of {s.get('timing_repeats')}, torch threads: {s.get('torch_threads')}"))
     return "\n".join(lines + [""] + sources)
 
 
