@@ -1051,8 +1051,7 @@ def test_a_window_drafter_reads_only_the_positions_it_keeps_and_decodes_as_greed
 @pytest.mark.compiled
 def test_a_compiled_ring_prefill_of_the_kept_positions_keeps_what_the_eager_one_keeps(monkeypatch):
     """The ``kept_only`` ring prefill through the compiled forward keeps what the eager one keeps (logits, keys,
-    values, slot positions), prompts within the ring and past it; one graph serves every long prompt (the same
-    number of positions fed), one the short ones."""
+    values, slot positions), prompts within the ring and past it, all through one graph."""
     graphs = _recorded_prefill(monkeypatch)
     model = tiny_model("qwen2", "drafter")
     shape = _attention_shape(model)
@@ -1062,7 +1061,7 @@ def test_a_compiled_ring_prefill_of_the_kept_positions_keeps_what_the_eager_one_
                                       kept_only=True) for c in (False, True))
         for a, b in zip(eager, compiled):
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
-    assert len(graphs) == 2
+    assert len(graphs) == 1
 
 
 def test_a_full_cache_prefill_feeds_every_position_with_or_without_a_prefix():

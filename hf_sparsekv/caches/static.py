@@ -285,17 +285,18 @@ class PreallocatedCache(Cache):
         return self._tickets.get(device)
 
     def kept_prompt_positions(self, length: int) -> torch.Tensor | None:
-        """The positions of a ``length``-token prompt this layout keeps when fewer than all (int64 ``[K]``, increasing,
-        on the cache's device), else None. A prefill may feed these alone (:meth:`begin_prefill`'s ``kept_only``)
-        where what the layout keeps need not have seen the rest (a drafter's cache)."""
+        """The positions of a ``length``-token prompt this layout keeps (int64 ``[K]``, increasing, on the cache's
+        device), or None where it keeps every one or decides which from the whole prompt (a chunk selection). A
+        prefill may feed these alone (:meth:`begin_prefill`'s ``kept_only``) where what the layout keeps need not
+        have seen the rest (a drafter's cache)."""
         return None
 
     def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
         ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's
         tokens are at ``start..start+length-1``. ``kept_only``: the forward feeds only the positions the layout keeps
-        where it keeps fewer than all (:meth:`kept_prompt_positions`, then in :attr:`prefill_fed`), which attend to
-        one another alone (after a prefix: every new position, a layout that takes one keeping all)."""
+        where it says which (:meth:`kept_prompt_positions`, then in :attr:`prefill_fed`), which attend to one
+        another alone (after a prefix: every new position, a layout that takes one keeping all)."""
         if not 0 <= row < self.batch:
             raise ValueError(f"{type(self).__name__}.begin_prefill: row {row} of a cache of {self.batch} rows")
         if row in self.filled_rows:
@@ -679,8 +680,7 @@ class StaticSinkWindowCache(PreallocatedCache):
         return positions, self.slots_of(positions)  # (elementwise: any shape)
 
     def kept_prompt_positions(self, length):
-        if length <= self.sink + self.ring:
-            return None
+        # (every position of a prompt within the sinks and the ring too: one compiled prefill feeds every prompt)
         return self._kept_positions(length, self.slot_positions.device)[0]
 
     def _place_prompt(self, row):

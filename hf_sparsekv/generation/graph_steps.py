@@ -175,7 +175,7 @@ def static_prefill(model, prompt: torch.Tensor, cache, row: int = 0, start: int 
     ``start`` tokens, only the rest is fed); the last position's logits ``[V]``. ``compiled``: where
     :func:`prefill_compiles` allows, through :data:`compiled_prefill`, else eager (and eager, with a warning, for
     every later prefill of a model whose compiled prefill raised or took more than :data:`PREFILL_MAX_GRAPHS`
-    graphs). ``kept_only``: feed only the positions the cache keeps where it keeps fewer than all
+    graphs). ``kept_only``: feed only the positions the cache keeps where it says which
     (:meth:`~hf_sparsekv.caches.static.PreallocatedCache.kept_prompt_positions`)."""
     cache.begin_prefill(prompt.shape[1] - start, row, start, kept_only)
     fed = cache.prefill_fed  # (None: every position from start)
