@@ -19,7 +19,7 @@ from hf_sparsekv.generation.controller import (
     PREFILL, PREFILL_CALL_SHARE, TRUST, VERIFY_COST, WINDOW, ControllerMemory, DraftController, widths,
 )
 
-from .conftest import ARCHS, assert_drafter_holds, prompt, record_plain_reads, tiny_model
+from .conftest import ARCHS, assert_drafter_holds, prompt, record_plain_reads, stock_generate, tiny_model
 
 
 def _run(controller: DraftController, accept_prob: float, seconds, rounds: int, seed: int = 0) -> list[int]:
@@ -642,6 +642,78 @@ def test_the_default_controller_is_lossless_with_a_useless_and_a_perfect_drafter
         assert torch.equal(out.sequences, greedy)
     assert out.spec_stats.acceptance_rate == 1.0
     static_engine.release_engines()
+
+
+def _recording_queued_drafts(monkeypatch) -> list:
+    """QUEUE_DRAFTS on (as on CUDA); returns the list of ``(queued, width)`` of each drafting round after a round that
+    queued drafts: the queued width and the one the round chose."""
+    monkeypatch.setattr(rounds_module, "QUEUE_DRAFTS", True)
+    seen = []
+    draft = rounds_module.RowsDecoding.draft
+
+    def recorded(self, plan):
+        if self.queued_width:
+            seen.append((self.queued_width, plan.width))
+        return draft(self, plan)
+
+    monkeypatch.setattr(rounds_module.RowsDecoding, "draft", recorded)
+    return seen
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("mode", ["chunk", "window", "full"])
+def test_drafts_queued_behind_a_verify_step_are_lossless_whatever_width_comes_next(scripted, monkeypatch, arch, mode):
+    """Each drafting round of a separate drafter's chain queues the next round's drafts, of its own width, behind
+    its verify step (on CUDA by default; here forced on CPU). The scripted next width is the same (the queued drafts
+    are verified), smaller (their first ones), larger (drafted again) or none (plain steps). With a drafter that is
+    rarely right and one that is always right (the verifier's copy, whose rounds accept every draft, so that the
+    queued catch-up reads the last draft), the output is stock greedy; on the full cache the copy's every draft is
+    accepted, which a drafter missing a position would not achieve."""
+    import copy
+
+    seen = _recording_queued_drafts(monkeypatch)
+    monkeypatch.setattr(_Scripted, "SCRIPT", [3, 3, 3, 5, 2, 2, 0, 0, 4, 4, 1, 6, 6, 0, 3, 3])
+    verifier = tiny_model(arch)
+    ids = prompt(60, 4)
+    greedy = stock_generate(verifier, ids, max_new_tokens=70, do_sample=False)
+    for drafter in (tiny_model(arch, "drafter"), copy.deepcopy(verifier)):
+        out = verifier.generate(ids, max_new_tokens=70, do_sample=False, return_dict_in_generate=True,
+                                **SPECS[mode](verifier, drafter))
+        assert torch.equal(out.sequences, greedy)
+    if mode == "full":
+        assert out.spec_stats.acceptance_rate == 1.0
+    kinds = {(w > 0) + (w == q) + 2 * (w > q) for q, w in seen}  # 0 plain, 1 fewer, 2 the same, 3 more
+    assert kinds == {0, 1, 2, 3}, seen
+
+
+@pytest.mark.extended
+def test_sampled_rounds_on_queued_drafts_keep_the_exact_distribution(scripted, monkeypatch):
+    """Four new tokens, sampled, a width of one a round: the second round verifies the draft queued behind the first
+    round's verify step; the last two tokens' frequencies match their exact joint under stock sampling (summed over
+    the first two)."""
+    from .test_sampling import VOCAB, WARPERS, _consistent, _joint, _tiny
+
+    seen = _recording_queued_drafts(monkeypatch)
+    monkeypatch.setattr(_Scripted, "SCRIPT", [1])
+    verifier, drafter = _tiny(2, seed=0, width=32), _tiny(1, seed=1, width=16)
+    ids = torch.randint(3, VOCAB, (1, 40), generator=torch.Generator().manual_seed(5))
+    first = _joint(verifier, ids).view(VOCAB, VOCAB)  # the first two tokens
+    last = sum(first[a, b] * _joint(verifier, torch.cat([ids, torch.tensor([[a, b]])], 1))
+               for a in range(VOCAB) for b in range(VOCAB) if first[a, b] > 0)
+    torch.manual_seed(321)
+    samples, n = [], 2400
+    for _ in range(n):
+        out = verifier.generate(ids, do_sample=True, max_new_tokens=4, min_new_tokens=4, eos_token_id=None,
+                                assistant_model=drafter, draft_cache="full", num_assistant_tokens_schedule="heuristic",
+                                num_assistant_tokens=3, **WARPERS)
+        samples.append(int(out[0, -2]) * VOCAB + int(out[0, -1]))
+    assert seen and all(q == w == 1 for q, w in seen)
+    samples = torch.tensor(samples)
+    assert _consistent(samples, last)
+    counts = torch.bincount(samples, minlength=VOCAB * VOCAB).double() / samples.numel()
+    # the total variation that n exact draws leave on average (each cell's |error| about sqrt(2p(1-p) / (pi n)))
+    noise = float(0.5 * (2 * last * (1 - last) / (math.pi * n)).sqrt().sum())
+    assert float(0.5 * (counts - last).abs().sum()) < 1.5 * noise
 
 
 def test_sampled_rounds_of_every_width_keep_the_exact_distribution(scripted, monkeypatch):

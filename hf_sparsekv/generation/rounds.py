@@ -3,7 +3,8 @@ transfer of ``[a, v]`` per round, the host applying the stopping rules, the stre
 (:mod:`.host_rules` where processors, criteria or outputs need the host), until every row stops. Plain steps (greedy
 AR's every round, the controller's choice of none) run in bursts of up to ``QUEUED_BURST``, each queued before the
 host waits for the tokens of the one before (where the next round cannot be queued: up to ``AR_STEPS_PER_SYNC``
-steps to a sync)."""
+steps to a sync). A drafting round of a chain queues the next round's drafts behind its verify step, before the host
+reads the round (:meth:`RowsDecoding.queue_drafts`), so that the drafter runs while the host does its bookkeeping."""
 
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ from .stats import SpecStats
 # to outlast the host's work on the one before (about 0.1-0.2 ms); what a call wastes after its last token is the
 # burst queued then and the rest of the burst that held it, up to 2 * QUEUED_BURST - 1 steps
 QUEUED_BURST = 4
+# where the next round's drafts are queued behind a drafting round's verify step: "cuda" (where the host's time
+# between rounds is the device's idle time), or True / False everywhere (the tests run it on CPU)
+QUEUE_DRAFTS: bool | str = "cuda"
 
 
 def _same_draws_on_every_rank(model, device: torch.device) -> None:
@@ -83,22 +87,35 @@ class _Tokens:
         hi = min(max(live) + k, seq.shape[1])
         self.width = hi - self.lo
         block = seq[:, self.lo : hi] if tail is None else torch.cat([seq[:, self.lo : hi], tail], 1)
-        self.event = None
-        if block.is_cuda:
-            self.block = torch.empty(block.shape, dtype=block.dtype, pin_memory=True)
-            self.block.copy_(block, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(block.device))
-        else:  # (steps queued after this one write ``seq`` in place at once)
-            self.block = block.clone()
+        self.block = _HostCopy(block)
 
     def read(self) -> list:
         """The rows' tokens (the host waits for the copy)."""
-        if self.event is not None:
-            self.event.synchronize()
-        rows = self.block.tolist()
+        rows = self.block.read()
         return [r[: self.width][max(m - self.lo, 0) : max(m - self.lo, 0) + self.k] + r[self.width :]
                 for r, m in zip(rows, self.n)]
+
+
+class _HostCopy:
+    """A device tensor's values as they are now, on their way to the host: on CUDA one copy into pinned memory,
+    queued behind the steps that write them, and an event, so that the host may queue more steps before it waits
+    (:meth:`read`); elsewhere a copy at once (steps queued after this one write in place at once)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.values = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.values.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(t.device))
+        else:
+            self.values = t.clone()
+
+    def read(self) -> list:
+        """The values as a (nested) list; the host waits for the copy."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values.tolist()
 
 
 def draft_cost(engine: StaticEngine) -> float:
@@ -194,6 +211,12 @@ class RowsDecoding:
         self.outputs = [RowOutput(r.keep_scores) for r in rules]
         fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
         self.lagging = engine.lagging
+        # a separate drafter's chain (the controller's, lagging): the next round's drafts queued behind a verify step
+        queue = QUEUE_DRAFTS is True or (QUEUE_DRAFTS == "cuda" and self.device.type == "cuda")
+        self.queues = queue and self.lagging and not engine.self_drafting and not (
+            self.host or self.lookup or self.beside or self.always_tree or self.quant is not None
+            or self.drafter_store is not None)
+        self.queued_width = 0  # drafts queued for the next round (0: none)
         self.controller = DraftController(gamma, fixed, engine.controller_memory,
                                           (gamma,) if self.always_tree else None,
                                           engine.lag_offsets.numel() if self.lagging else 1, draft_cost(engine))
@@ -290,6 +313,9 @@ class RowsDecoding:
         """The drafter's steps of a round: a deferred prefill, what it missed, then its drafts."""
         engine, timer, tokens, prompts = self.engine, self.timer, self.tokens, self.prompts
         drafting = plan.drafting
+        queued, self.queued_width = self.queued_width, 0
+        if drafting and plan.width <= queued:  # queued behind the last verify step (:meth:`queue_drafts`)
+            return
         drafter_steps = drafting or self.catch_up is not None  # (else no drafter step runs: no events to record)
         if drafting and engine.drafter_deferred:  # (its seconds count as prefill, not drafting)
             timer.mark("deferred_prefill", True)
@@ -345,9 +371,30 @@ class RowsDecoding:
         if steps > 1:  # (int4 self-speculation's plain steps)
             new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done).read()
             return [(0, new[row], CHAIN) for row in range(self.rows)], each
-        report = engine.report.tolist()  # the round's one sync
+        if self.queues and plan.drafting and not tree and self.room_left() > width + 1:
+            on_its_way = _HostCopy(engine.report)
+            self.queue_drafts(width)
+            report = on_its_way.read()  # the round's one sync, for this round's report alone
+        else:
+            report = engine.report.tolist()  # the round's one sync
         self.found = [r[-1] for r in report]
         return [(r[0], r[1 : r[0] + 2], r[-2] if tree else CHAIN) for r in report], each
+
+    def queue_drafts(self, width: int) -> None:
+        """Behind this round's verify step, before the host reads it: the next round's ``width`` drafts (this round's
+        width, which the controller mostly keeps). The drafter first reads ``seq[n-2]`` (the last draft of a round
+        that accepted every draft, which it never read; else a token it read, the same keys written again), then
+        drafts from ``seq[n-1]``, every position read from the device. The next round verifies them where it drafts
+        at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the drafter has then
+        read every position before ``n - 1``."""
+        timer, engine = self.timer, self.engine
+        timer.mark("verify", False)
+        timer.mark("draft", True)
+        self.fresh |= engine.run_step("catch_up")
+        self.fresh |= engine.run_step("draft", width)
+        timer.mark("draft", False)
+        timer.mark("verify", True)
+        self.queued_width = width
 
     def account(self, plan: _Round, rounds: list, each: list[float] | None) -> None:
         """Each live row's tokens and stats of the round, what its drafter must read next, and the round's cost to
@@ -369,15 +416,16 @@ class RowsDecoding:
             # the drafter never read the last draft of a round that accepted every draft (the shared store of
             # self-speculation holds every token, and a self-drafting verify step writes the drafter's cache), nor
             # the tokens of a kept path off the chain; feeding it again to the other rows rewrites what they hold
+            unread = int(a == width and not self.queued_width)  # (a queued draft read it)
             if drafting and row == 0:  # (a row done this round read as far: its kept tokens are no more)
-                self.drafter_upto = len(self.tokens[0]) - 1 - int(a == width)
+                self.drafter_upto = len(self.tokens[0]) - 1 - unread
             if (self.quant is not None or engine.drafter is None or self.done[row]
                     or (self.always_tree and not self.lagging)):
                 continue
             if self.lagging:  # (a tree round: its draft step read up to the root; the kept tokens after it are new;
                 # a self-drafting verify step wrote the drafter's cache)
                 self.behind[row] += (steps if not drafting else 0 if engine.self_drafting
-                                     else a if self.always_tree else int(a == width))
+                                     else a if self.always_tree else unread)
             elif kind != CHAIN:
                 self.catch_up = "catch_up_block"
             elif drafting and a == width and self.catch_up is None and not (engine.self_drafting and not plan.tree):
