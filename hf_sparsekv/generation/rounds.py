@@ -211,9 +211,9 @@ class RowsDecoding:
         self.outputs = [RowOutput(r.keep_scores) for r in rules]
         fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
         self.lagging = engine.lagging
-        # a separate drafter's chain (the controller's, lagging): the next round's drafts queued behind a verify step
+        # a separate drafter's chain (the controller's or a constant γ): the next drafts queued behind a verify step
         queue = QUEUE_DRAFTS is True or (QUEUE_DRAFTS == "cuda" and self.device.type == "cuda")
-        self.queues = queue and self.lagging and not engine.self_drafting and not (
+        self.queues = queue and engine.drafter is not None and not engine.self_drafting and not (
             self.host or self.lookup or self.beside or self.always_tree or self.quant is not None
             or self.drafter_store is not None)
         self.queued_width = 0  # drafts queued for the next round (0: none)
@@ -428,7 +428,7 @@ class RowsDecoding:
                                      else a if self.always_tree else unread)
             elif kind != CHAIN:
                 self.catch_up = "catch_up_block"
-            elif drafting and a == width and self.catch_up is None and not (engine.self_drafting and not plan.tree):
+            elif drafting and unread and self.catch_up is None and not (engine.self_drafting and not plan.tree):
                 self.catch_up = "catch_up"  # (a self-drafting chain's verify step wrote the drafter's cache; a
                 # tree's did not)
         now = time.perf_counter()
