@@ -65,7 +65,8 @@ from hf_sparsekv.generation.controller import CATCH_UP, PREFILL
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
-ABLATIONS = {"-nocompile": compile_policy.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV}  # set to "0"
+ABLATIONS = {"-nocompile": compile_policy.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV,
+             "-noqueue": rounds.QUEUE_DRAFTS_ENV}  # set to "0"
 SLOW = ("hf-eager-ar", "hf-assisted") + tuple(f"hf-lookup-g{g}" for g in range(1, 33))
 
 

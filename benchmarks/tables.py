@@ -101,7 +101,8 @@ PARTS = {
 }
 CACHES = {"observed": "chunk budget, observed selection (the default)", "window": "sink + window",
           "cumulative": "chunk budget, cumulative score (the paper's)"}
-SUFFIXES = {"eagerprefill": "eager prefill", "nocompile": "uncompiled", "lookup": "with prompt lookup as a branch"}
+SUFFIXES = {"eagerprefill": "eager prefill", "nocompile": "uncompiled", "lookup": "with prompt lookup as a branch",
+            "noqueue": "drafts not queued"}
 STEPS = {
     "ar": "AR step, 8B", "verify-6": "verify step, 6 tokens, 8B", "draft-full": "1B draft step, full cache",
     "draft-chunk-1024": "1B draft step, chunk 1024", "draft-window-1024": "1B draft step, sink + window 1024",

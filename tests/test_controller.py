@@ -689,6 +689,18 @@ def test_drafts_queued_behind_a_verify_step_are_lossless_whatever_width_comes_ne
     assert kinds == ({2} if mode == "constant" else {0, 1, 2, 3}), seen
 
 
+def test_a_cpu_queues_no_drafts_by_default(monkeypatch):
+    """On a CPU each step runs as it is called: by default no round queues the next round's drafts."""
+    queued = []
+    monkeypatch.setattr(rounds_module.RowsDecoding, "queue_drafts", lambda self, width: queued.append(width))
+    verifier = tiny_model("llama")
+    ids = prompt(40, 3)
+    out = verifier.generate(ids, assistant_model=tiny_model("llama", "drafter"), draft_cache="full",
+                            num_assistant_tokens=3, num_assistant_tokens_schedule="constant", max_new_tokens=20,
+                            do_sample=False, return_dict_in_generate=True)
+    assert out.spec_stats.drafted > 0 and not queued
+
+
 @pytest.mark.extended
 def test_sampled_rounds_on_queued_drafts_keep_the_exact_distribution(scripted, monkeypatch):
     """Four new tokens, sampled, a width of one a round: the second round verifies the draft queued behind the first

@@ -126,6 +126,39 @@ def test_graph_path_lossless_float32(arch, mode, gamma):
     assert {"draft", "verify"} <= set(engine.steps)
 
 
+def test_graph_path_queues_the_next_drafts_behind_each_verify_step(monkeypatch):
+    """On CUDA a separate drafter's chain queues the next round's drafts behind each verify step, under the controller
+    and with a constant γ: stock greedy, and with the verifier's copy as drafter on its full cache every draft
+    accepted (the queued catch-up reads each round's last draft); none queued with HF_SPARSEKV_QUEUE_DRAFTS=0."""
+    from hf_sparsekv.generation import rounds
+
+    queued = []
+    queue_drafts = rounds.RowsDecoding.queue_drafts
+
+    def recorded(self, width):
+        queued.append(width)
+        return queue_drafts(self, width)
+
+    monkeypatch.setattr(rounds.RowsDecoding, "queue_drafts", recorded)
+    verifier = _on_cuda("llama")
+    drafter = copy.deepcopy(verifier)
+    ids = prompt(300, 1).cuda()
+    kwargs = dict(max_new_tokens=64, do_sample=False, **NO_EOS)
+    greedy = verifier.generate(ids, **kwargs)
+    for options in (dict(draft_cache="full"), dict(draft_cache="full", num_assistant_tokens=4,
+                                                   num_assistant_tokens_schedule="constant"),
+                    dict(kv_budget=64, num_assistant_tokens=4, num_assistant_tokens_schedule="constant")):
+        queued.clear()
+        out = verifier.generate(ids, assistant_model=drafter, return_dict_in_generate=True, **options, **kwargs)
+        assert torch.equal(out.sequences, greedy) and queued, options
+        if "kv_budget" not in options:
+            assert out.spec_stats.acceptance_rate == 1.0, options
+    monkeypatch.setenv(rounds.QUEUE_DRAFTS_ENV, "0")
+    queued.clear()
+    out = verifier.generate(ids, assistant_model=drafter, draft_cache="full", **kwargs)
+    assert torch.equal(out, greedy) and not queued
+
+
 @pytest.mark.parametrize("mode", ["chunk", "window"])
 def test_graph_path_self_drafting_lossless_float32(mode):
     verifier = _on_cuda("qwen2")

@@ -8,6 +8,7 @@ reads the round (:meth:`RowsDecoding.queue_drafts`), so that the drafter runs wh
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -30,8 +31,10 @@ from .stats import SpecStats
 # burst queued then and the rest of the burst that held it, up to 2 * QUEUED_BURST - 1 steps
 QUEUED_BURST = 4
 # where the next round's drafts are queued behind a drafting round's verify step: "cuda" (where the host's time
-# between rounds is the device's idle time), or True / False everywhere (the tests run it on CPU)
+# between rounds is the device's idle time; QUEUE_DRAFTS_ENV=0 turns it off), or True / False everywhere (the tests
+# run it on CPU)
 QUEUE_DRAFTS: bool | str = "cuda"
+QUEUE_DRAFTS_ENV = "HF_SPARSEKV_QUEUE_DRAFTS"
 
 
 def _same_draws_on_every_rank(model, device: torch.device) -> None:
@@ -212,7 +215,8 @@ class RowsDecoding:
         fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
         self.lagging = engine.lagging
         # a separate drafter's chain (the controller's or a constant γ): the next drafts queued behind a verify step
-        queue = QUEUE_DRAFTS is True or (QUEUE_DRAFTS == "cuda" and self.device.type == "cuda")
+        queue = QUEUE_DRAFTS is True or (QUEUE_DRAFTS == "cuda" and self.device.type == "cuda"
+                                         and os.environ.get(QUEUE_DRAFTS_ENV, "1") != "0")
         self.queues = queue and engine.drafter is not None and not engine.self_drafting and not (
             self.host or self.lookup or self.beside or self.always_tree or self.quant is not None
             or self.drafter_store is not None)
