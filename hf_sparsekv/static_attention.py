@@ -48,9 +48,9 @@ def _prefill_mask(length: int, sliding_window: int | None, device, start: int = 
     these positions instead); None for plain causal attention over the tokens fed. ``chunk``: a query sees only keys
     of its own chunk of ``chunk`` positions (chunked attention)."""
     if fed is not None:
-        q, k = fed.to(device)[:, None], fed.to(device)[None, :]
         if sliding_window is None and chunk is None:
-            return None
+            return None  # causal among the tokens fed, which are in position order
+        q, k = fed.to(device)[:, None], fed.to(device)[None, :]
     elif start == 0 and (sliding_window is None or sliding_window >= length) and (chunk is None or chunk >= length):
         return None  # plain causal: SDPA's is_causal
     else:

@@ -930,9 +930,9 @@ class StaticEngine:
 
     def drafter_reads(self, length: int) -> int:
         """The prompt tokens the drafter's prefill of a ``length``-token prompt reads: a separate drafter's, only
-        those its cache keeps where it says which (a sink + window: what its drafts can see of the prompt,
-        its keys computed from those alone, :meth:`~hf_sparsekv.caches.static.PreallocatedCache.kept_prompt_positions`);
-        else every one (a self-drafter's cache fill reads the verifier's keys of each)."""
+        those its cache keeps where it says which (a sink + window: what its drafts can see of the prompt, its keys
+        computed from those alone; ``kept_prompt_positions`` of :mod:`~hf_sparsekv.caches.static`); else every one
+        (a self-drafter's cache fill reads the verifier's keys of each)."""
         cache = None if self.self_drafting else self.drafter_cache
         kept = None if cache is None else cache.kept_prompt_positions(length)
         return length if kept is None else kept.numel()
