@@ -431,6 +431,19 @@ def test_a_fixed_gamma_always_drafts_it_or_nothing():
     assert ctl.choose(allowed=4) == 0
 
 
+def test_drafts_are_expected_again_where_they_pay_and_not_after_an_exploration():
+    """What the round loop queues the next drafts on: with a perfect cheap drafter, each drafting round after the
+    measuring ones expects another; with a useless one, no exploration does (its queued drafts would be thrown away);
+    a constant γ always does."""
+    perfect, useless = DraftController(8), DraftController(8)
+    _run(perfect, 1.0, linear(1.0, 0.05), 40)
+    chosen = _run(useless, 0.0, linear(1.0, 0.3), 600)
+    assert perfect.choose() == 8 and perfect.expects_to_draft(8)
+    assert useless.explorations >= 1 and chosen[5:].count(0) > 0.9 * len(chosen[5:])
+    assert not any(useless.expects_to_draft(g) for g in useless.widths)
+    assert DraftController(5, fixed=5).expects_to_draft(5)
+
+
 def test_exploration_interval_is_bounded():
     ctl = DraftController(8)
     ctl.observe(0, [], 1.0)
@@ -645,9 +658,11 @@ def test_the_default_controller_is_lossless_with_a_useless_and_a_perfect_drafter
 
 
 def _recording_queued_drafts(monkeypatch) -> list:
-    """QUEUE_DRAFTS on (as on CUDA); returns the list of ``(queued, width)`` of each drafting round after a round that
-    queued drafts: the queued width and the one the round chose."""
+    """QUEUE_DRAFTS on (as on CUDA), and the scripted controller expecting to draft again after every drafting round
+    (so that every script step after one follows queued drafts); returns the list of ``(queued, width)`` of each
+    round after a round that queued drafts: the queued width and the one the round chose."""
     monkeypatch.setattr(rounds_module, "QUEUE_DRAFTS", True)
+    monkeypatch.setattr(_Scripted, "expects_to_draft", lambda self, g: True)
     seen = []
     draft = rounds_module.RowsDecoding.draft
 

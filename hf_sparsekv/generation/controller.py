@@ -335,6 +335,12 @@ class DraftController:
     def best_drafting(self) -> int:
         return max(self.widths, key=self.rate)
 
+    def expects_to_draft(self, g: int) -> bool:
+        """Whether another round of ``g`` drafts is likely to follow, at the rates learnt so far, without choosing
+        (nothing changes): a constant γ always; else where ``g`` drafts beat plain steps (not an exploration's round
+        while plain steps win). The round loop queues the next round's drafts on it (:mod:`.rounds`)."""
+        return self.fixed is not None or self.rate(g) > self.rate(0)
+
     # ---- decisions
     def choose(self, allowed: int | None = None, remaining: int | None = None) -> int:
         """The next round's number of drafts, at most ``allowed`` (a width of :attr:`widths`, or 0); ``remaining``:

@@ -375,7 +375,8 @@ class RowsDecoding:
         if steps > 1:  # (int4 self-speculation's plain steps)
             new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done).read()
             return [(0, new[row], CHAIN) for row in range(self.rows)], each
-        if self.queues and plan.drafting and not tree and self.room_left() > width + 1:
+        if (self.queues and plan.drafting and not tree and self.room_left() > width + 1
+                and self.controller.expects_to_draft(width)):
             on_its_way = _HostCopy(engine.report)
             self.queue_drafts(width)
             report = on_its_way.read()  # the round's one sync, for this round's report alone
@@ -386,7 +387,7 @@ class RowsDecoding:
 
     def queue_drafts(self, width: int) -> None:
         """Behind this round's verify step, before the host reads it: the next round's ``width`` drafts (this round's
-        width, which the controller mostly keeps). The drafter first reads ``seq[n-2]`` (the last draft of a round
+        width, where the controller expects to draft it again). The drafter first reads ``seq[n-2]`` (the last draft of a round
         that accepted every draft, which it never read; else a token it read, the same keys written again), then
         drafts from ``seq[n-1]``, every position read from the device. The next round verifies them where it drafts
         at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the drafter has then
