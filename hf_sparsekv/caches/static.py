@@ -291,6 +291,11 @@ class PreallocatedCache(Cache):
         have seen the rest (a drafter's cache)."""
         return None
 
+    def prefill_reads(self, length: int) -> int:
+        """How many positions of a ``length``-token prompt a ``kept_only`` prefill feeds (host side, nothing
+        launched): :meth:`kept_prompt_positions`'s count, else ``length``."""
+        return length
+
     def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         """The next forward (batch 1, not captured) feeds a prompt of ``length`` tokens to the empty row ``row``;
         ``start``: the row already holds positions ``0..start-1`` (:meth:`StaticFullCache.load_prefix`) and the prompt's
@@ -556,6 +561,9 @@ class _ChunkSelecting:
     def kept_prompt_positions(self, length):
         return None  # (which chunks it keeps, the selection decides from every prompt position's keys)
 
+    def prefill_reads(self, length):
+        return length
+
     def begin_prefill(self, length: int, row: int = 0, start: int = 0, kept_only: bool = False) -> None:
         k = kept_token_count(length, self.budget, self.chunk_size)
         if k + 1 > self.capacity:
@@ -670,14 +678,20 @@ class StaticSinkWindowCache(PreallocatedCache):
     def _rule(self, slot_pos, query_pos):
         return (slot_pos < self.sink) | (slot_pos >= query_pos - self.window)
 
+    def _kept_spans(self, p: int) -> tuple[int, int]:
+        """What a ``p``-token prompt leaves in the ring: positions ``0..s-1`` (its sinks) and ``t..p-1`` (its last
+        ``ring`` tokens), as ``(s, t)``."""
+        return min(self.sink, p), min(p, max(self.sink, p - self.ring))
+
     def _kept_positions(self, p: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The positions a ``p``-token prompt leaves in the ring (its sinks and last ``ring`` tokens) and their
-        slots, int64 ``[K]`` each on ``device``."""
-        positions = torch.cat([
-            torch.arange(min(self.sink, p), device=device),
-            torch.arange(min(p, max(self.sink, p - self.ring)), p, device=device),
-        ])
+        """The positions :meth:`_kept_spans` gives and their slots, int64 ``[K]`` each on ``device``."""
+        s, t = self._kept_spans(p)
+        positions = torch.cat([torch.arange(s, device=device), torch.arange(t, p, device=device)])
         return positions, self.slots_of(positions)  # (elementwise: any shape)
+
+    def prefill_reads(self, length):
+        s, t = self._kept_spans(length)
+        return s + length - t
 
     def kept_prompt_positions(self, length):
         # (every position of a prompt within the sinks and the ring too: one compiled prefill feeds every prompt)

@@ -75,14 +75,14 @@ across calls (:class:`ControllerMemory`). A call that starts where plain steps w
 leaves the drafter's prefill for its first drafting round (a self-drafter's cache is then filled from the verifier's,
 its chunks selected from the prompt queries the prefill kept): a drafter that does not pay then costs no prefill in
 the calls between explorations. That prefill's cost is learnt per prompt token it reads (a sink + window drafter's
-reads only the positions its cache keeps), from a deferred prefill's round and from a separate drafter's prefill at a
-call's start (its host and device seconds, read after the prefill's own sync; not the engine's first, whose
-one-time costs would stand for good). It counts in the exploration's expected
-loss while it is pending, so explorations that would pay it come further apart; a call whose remaining tokens
-would not save it by drafting (a short answer after a long prompt) does not draft, however well drafting pays per
-round; and an exploration due in a call whose plain steps left would take less than 1 / ``PREFILL_CALL_SHARE`` times
-that prefill waits for a call long enough to afford it (each call stays within that share of our AR's time, where an
-exploration paying a whole prompt's drafter prefill in a short call would cost it several times as much).
+reads only the positions its cache keeps), from a deferred prefill's round and from a separate drafter's prefill at
+a call's start (its host and device seconds, read after the prefill's own sync; not the engine's first, whose
+one-time costs would stand for good). It counts in the exploration's expected loss while it is pending, so
+explorations that would pay it come further apart; a call whose remaining tokens would not save it by drafting (a
+short answer after a long prompt) does not draft, however well drafting pays per round; and an exploration due in a
+call whose plain steps left would take less than 1 / ``PREFILL_CALL_SHARE`` times that prefill waits for a call long
+enough to afford it (each call stays within that share of our AR's time, where an exploration paying a whole
+prompt's drafter prefill in a short call would cost it several times as much).
 
 A constant γ (``fixed``) bypasses all of this: every round drafts γ. The controller changes no acceptance rule; it
 only chooses how many drafts a round verifies, so the output is the same for any choice (greedy) or distributed the
@@ -232,7 +232,7 @@ class DraftController:
         self.memory = ControllerMemory(gamma) if memory is None else memory
         self.memory.start_call()
         self.seconds = {w: low(v) for w, v in self.samples.items() if w >= 0}  # width -> its low quantile
-        self.deferred = 0  # prompt tokens the drafter's prefill would read, not read this call (its prefill deferred, :meth:`defers`)
+        self.deferred = 0  # prompt tokens the drafter's deferred prefill would read, unread this call (:meth:`defers`)
         self.again: int | None = None  # a width to draft again next round (its switch round was no sample)
         self._plain_until: tuple[int, float, int] | None = None  # while plain steps win: (the plain run at which
         # to explore, the plain step's seconds then, the widest width allowed then); the choice stands until then

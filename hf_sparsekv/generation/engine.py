@@ -931,11 +931,10 @@ class StaticEngine:
     def drafter_reads(self, length: int) -> int:
         """The prompt tokens the drafter's prefill of a ``length``-token prompt reads: a separate drafter's, only
         those its cache keeps where it says which (a sink + window: what its drafts can see of the prompt, its keys
-        computed from those alone; ``kept_prompt_positions`` of :mod:`~hf_sparsekv.caches.static`); else every one
-        (a self-drafter's cache fill reads the verifier's keys of each)."""
+        computed from those alone; ``prefill_reads`` of :mod:`~hf_sparsekv.caches.static`, counted on the host);
+        else every one (a self-drafter's cache fill reads the verifier's keys of each)."""
         cache = None if self.self_drafting else self.drafter_cache
-        kept = None if cache is None else cache.kept_prompt_positions(length)
-        return length if kept is None else kept.numel()
+        return length if cache is None else cache.prefill_reads(length)
 
     @property
     def keeps_drafter_prefix(self) -> bool:

@@ -387,11 +387,11 @@ class RowsDecoding:
 
     def queue_drafts(self, width: int) -> None:
         """Behind this round's verify step, before the host reads it: the next round's ``width`` drafts (this round's
-        width, where the controller expects to draft it again). The drafter first reads ``seq[n-2]`` (the last draft of a round
-        that accepted every draft, which it never read; else a token it read, the same keys written again), then
-        drafts from ``seq[n-1]``, every position read from the device. The next round verifies them where it drafts
-        at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the drafter has then
-        read every position before ``n - 1``."""
+        width, where the controller expects to draft it again). The drafter first reads ``seq[n-2]`` (the last draft
+        of a round that accepted every draft, which it never read; else a token it read, the same keys written
+        again), then drafts from ``seq[n-1]``, every position read from the device. The next round verifies them
+        where it drafts at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the
+        drafter has then read every position before ``n - 1``."""
         timer, engine = self.timer, self.engine
         timer.mark("verify", False)
         timer.mark("draft", True)
