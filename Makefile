@@ -126,7 +126,7 @@ bench-adaptive: $(STAMP)
 
 # The controller as a user runs it, every step compiled (each method compiles its widths on its first call, 30-50 s
 # on an H100): one context a run, so that a run fits a 10-minute device call; CONTEXT=16384 by default.
-ADAPTIVE_COMPILED := $(subst $(space),$(comma),$(strip $(foreach m,$(ADAPTIVE_MODES),$(m)-gA)))
+ADAPTIVE_COMPILED := $(subst $(space),$(comma),$(strip assisted $(foreach m,$(ADAPTIVE_MODES),$(m)-gA)))
 bench-adaptive-compiled: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive-compiled-$(or $(CONTEXT),16384) --contexts $(or $(CONTEXT),16384) \
 		--docs 2 --repeats 2 --new-tokens 128 --only hf-static-ar,graph-ar --extra $(ADAPTIVE_COMPILED) $(ARGS)
