@@ -608,7 +608,26 @@ def test_compiled_static_loop_is_lossless(compiled_steps, arch, mode, gamma):
         graphs = counters["stats"]["unique_graphs"]
         with torch.no_grad(), graph_steps.static_attention_for(verifier, engine.drafter):
             engine.run_step("draft", 1)  # another width: the same compiled code
-        assert engine._compiled_draft_token is not None and counters["stats"]["unique_graphs"] == graphs
+        assert engine._compiled_draft_tokens and counters["stats"]["unique_graphs"] == graphs
+
+
+@pytest.mark.compiled
+def test_compiled_queued_drafts_are_lossless(compiled_steps, monkeypatch):
+    """Drafts queued behind each verify step (CUDA's default, forced on here), compiled: a queued round's first draft
+    step, which reads ``seq[n-2]`` too, compiles on its own beside the one-token step; stock greedy with a window
+    and a chunk drafter under a constant γ (every round after the first verifies queued drafts)."""
+    from hf_sparsekv.generation import rounds
+
+    monkeypatch.setattr(rounds, "QUEUE_DRAFTS", True)
+    verifier, drafter = tiny_model("llama"), tiny_model("llama", role="drafter")
+    ids = prompt(200, seed=7)
+    kwargs = dict(max_new_tokens=30, do_sample=False, eos_token_id=None, pad_token_id=0)
+    reference = verifier.generate(ids, **kwargs)
+    for mode in ("window", "chunk"):
+        out = verifier.generate(ids, assistant_model=drafter, draft_cache=mode, kv_budget=24, num_assistant_tokens=3,
+                                num_assistant_tokens_schedule="constant", **kwargs)
+        assert torch.equal(out, reference), mode
+        assert set(static_engine.current_engine(verifier)._compiled_draft_tokens) == {False, True}, mode
 
 
 _TRACE_CASES = [  # (mode, sampling, batch, engine_for's further settings); the later ones are extended

@@ -83,11 +83,13 @@ def drafter_input(tokens: torch.Tensor, draft_vocab: tuple[int, int] | None) -> 
     return torch.where(tokens < draft_vocab[1], tokens, torch.zeros_like(tokens))
 
 
-def draft(engine, width: int | None = None) -> None:
+def draft(engine, width: int | None = None, reread: bool = False) -> None:
     """``width`` (default γ) drafter steps from ``seq[n-1]``: ``engine.drafts[:, :width]`` (each step's argmax, or
     draw, the next step's input) and, sampling, ``engine.q[:, :width]``. Self-speculation reads the shared store's
     INT4 view. Each step is :meth:`~.engine.StaticEngine.draft_token` (:func:`draft_token`), one compiled function
-    for the steps of every width."""
+    for the steps of every width. ``reread``: the first step reads ``seq[n-2]`` too (a round queued before the host
+    knows how many drafts the last one accepted: its last draft where it accepted every draft, which the drafter
+    never read, else a token the drafter read, its keys written again), one forward of two tokens."""
     width = engine.spec.gamma if width is None else width
     quant = engine.spec.mode == "int4"
     if quant:
@@ -96,7 +98,7 @@ def draft(engine, width: int | None = None) -> None:
     if engine.penalty is not None:  # the drafter's scores get the penalty too, of the drafts as well
         engine.draft_seen.copy_(engine.seen)
     for i in range(width):
-        engine.draft_token(engine.draft_index[i])
+        engine.draft_token(engine.draft_index[i], reread and i == 0)
     if quant:
         engine.drafter_cache.view = "int8"
     if engine.tree is not None:  # what this step fed the drafter, checked against the sequence after verification
@@ -106,13 +108,16 @@ def draft(engine, width: int | None = None) -> None:
         engine.fed_valid.fill_(True)
 
 
-def draft_token(engine, index: torch.Tensor) -> None:
+def draft_token(engine, index: torch.Tensor, reread: bool = False) -> None:
     """Draft ``i`` (``index = [i]``, int64 on the device) of :func:`draft`: the drafter reads ``draft_input [B, 1]``
-    at position ``n - 1 + i`` and writes its token to ``drafts[:, i]`` (sampling: its distribution to ``q[:, i]``)
-    and to ``draft_input``, the next step's input. The index is a tensor so that one compiled function serves every
-    step."""
-    logits = static_forward(engine.drafter, engine.draft_input, (engine.n - 1 + index)[:, None],
-                            engine.drafter_cache, 1, engine.drafter_keyword)[:, 0]
+    at position ``n - 1 + i`` (``reread``, for ``i = 0``: ``seq[n-2]`` before it, at ``n - 2``) and writes its token
+    to ``drafts[:, i]`` (sampling: its distribution to ``q[:, i]``) and to ``draft_input``, the next step's input.
+    The index is a tensor so that one compiled function serves every step."""
+    tokens, positions = engine.draft_input, (engine.n - 1 + index)[:, None]
+    if reread:
+        tokens = torch.cat([drafter_input(engine.last(2), engine.draft_vocab), tokens], 1)
+        positions = (engine.n - 2)[:, None] + engine.block_offsets[:2]
+    logits = static_forward(engine.drafter, tokens, positions, engine.drafter_cache, 1, engine.drafter_keyword)[:, -1]
     if engine.draft_vocab is not None:
         logits = widened(logits, engine.vocab)
     seen = None if engine.penalty is None else engine.draft_seen

@@ -359,8 +359,8 @@ class StaticEngine:
         self.compiles_prefill = False  # prefills compiled too (where prefill_pays and their cache allows)
         self.compile_failed = False  # compiling a step raised: the engine's steps stay uncompiled
         self._prefill_pays = {id(m): prefill_pays(m) for m in (verifier, drafter) if m is not None}
+        self._compiled_draft_tokens: dict = {}  # reread -> the compiled draft step (:meth:`draft_token`)
         self.compile_if_due()
-        self._compiled_draft_token = None
         self.nbytes = sum(c.nbytes() for c in self._caches()) + self.seq.nbytes  # what keeping it holds, about
 
     @property
@@ -410,17 +410,22 @@ class StaticEngine:
         else:
             draft(self, width)
 
-    def draft_token(self, index: torch.Tensor) -> None:
+    def draft_token(self, index: torch.Tensor, reread: bool = False) -> None:
         """One draft step (:func:`~.drafting.draft_token`), compiled on its own when the steps are: every width's
-        draft step replays the same compiled code, so an adaptive engine compiles one draft step, not one per
-        width."""
+        draft step replays the same compiled code (and a queued round's first step, which reads ``seq[n-2]`` too,
+        its own), so an adaptive engine compiles one or two draft steps, not one per width."""
         if not self.compiled:
-            draft_token(self, index)
+            draft_token(self, index, reread)
             return
-        if self._compiled_draft_token is None:
-            self._compiled_draft_token = compiled_step(functools.partial(draft_token, self),
-                                                       self.spec.draft_weights == "int4", self.light, self.layers)
-        self._compiled_draft_token(index)
+        compiled = self._compiled_draft_tokens.get(reread)
+        if compiled is None:
+            compiled = self._compiled_draft_tokens[reread] = compiled_step(
+                functools.partial(draft_token, self, reread=reread), self.spec.draft_weights == "int4", self.light,
+                self.layers)
+        compiled(index)
+
+    def _queued_draft(self, width: int | None = None) -> None:
+        draft(self, width, reread=True)
 
     def _catch_up(self) -> None:
         catch_up(self)
@@ -664,13 +669,14 @@ class StaticEngine:
         the spec asks for them (:mod:`.draft_weights`). Returns whether the step was new (compiled or captured in
         this call) or replayed its graph for the first time: its time then is no sample of the step's."""
         key = self._key(name, width)
-        on_copies = self.spec.draft_weights == "int4" and (name == "draft" or name.startswith("catch_up"))
+        on_copies = self.spec.draft_weights == "int4" and (name.endswith("draft") or name.startswith("catch_up"))
         with drafting(on_copies):
             step = self.steps.get(key)
             new = step is None
             if new:
                 fn = getattr(self, "_" + name)
-                per_token = name == "draft" and not self.grows_tree  # its one-token steps compile on their own
+                per_token = name.endswith("draft") and not self.grows_tree  # its one-token steps compile on their
+                # own
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
                                                       self.compiled and not per_token, self.devices, on_copies,
                                                       self.light, self.layers)
@@ -683,10 +689,10 @@ class StaticEngine:
     def _key(self, name: str, width: int | None) -> str | tuple:
         return name if width is None or width == self.spec.gamma else (name, width)
 
-    def capture_widths(self, widths: tuple[int, ...]) -> None:
+    def capture_widths(self, widths: tuple[int, ...], queued: bool = False) -> None:
         """Adaptive engines on CUDA graphs: capture the steps of every width the controller may choose (and the
-        catch-ups) once, right after a prefill, so that no later round pays a capture. Their warm-up runs write only
-        past each row's sequence (restored or overwritten later)."""
+        catch-ups; ``queued``: the queued rounds' draft steps too) once, right after a prefill, so that no later round
+        pays a capture. Their warm-up runs write only past each row's sequence (restored or overwritten later)."""
         if not self.use_graphs:
             return
         if self.lagging:
@@ -696,7 +702,7 @@ class StaticEngine:
             verify = "tree_logits" if self.spec.host else "verify_tree"
         else:
             verify = "verify_logits" if self.spec.host else "verify"
-        names = [verify] + ([] if self.spec.mode == "lookup" else ["draft"])
+        names = [verify] + ([] if self.spec.mode == "lookup" else ["draft"]) + (["queued_draft"] if queued else [])
         steps = [(name, width) for width in widths for name in names]
         if self.lagging:  # what the drafter missed in plain rounds: one token, or blocks of LAG_BLOCK (their warm-ups
             if not (self.grows_tree or self.self_drafting):  # write from the slot of n - 1 on, as every draft
@@ -1131,7 +1137,7 @@ def _release_graphs(engines: list[StaticEngine]) -> None:
         for step in engine.steps.values():
             step.release()
         engine.steps.clear()  # (a caller still holding the engine captures its steps again on use)
-        engine._compiled_draft_token = None
+        engine._compiled_draft_tokens.clear()
 
 
 def release_engines(model=None) -> None:

@@ -256,7 +256,7 @@ class RowsDecoding:
                                     drafter_tokens)
         if engine.spec.adaptive:
             captures_from = time.perf_counter()
-            engine.capture_widths(controller.widths)
+            engine.capture_widths(controller.widths, self.queues)
             self.capture_seconds = time.perf_counter() - captures_from
         controller.deferred = drafter_tokens if engine.drafter_deferred else 0
         if self.streamer is not None and streamed_prompt is not None:
@@ -387,16 +387,15 @@ class RowsDecoding:
 
     def queue_drafts(self, width: int) -> None:
         """Behind this round's verify step, before the host reads it: the next round's ``width`` drafts (this round's
-        width, where the controller expects to draft it again). The drafter first reads ``seq[n-2]`` (the last draft
-        of a round that accepted every draft, which it never read; else a token it read, the same keys written
-        again), then drafts from ``seq[n-1]``, every position read from the device. The next round verifies them
+        width, where the controller expects to draft it again). Their first step reads ``seq[n-2]`` and ``seq[n-1]``
+        (the former the last draft of a round that accepted every draft, which the drafter never read; else a token
+        it read, the same keys written again), every position read from the device. The next round verifies them
         where it drafts at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the
         drafter has then read every position before ``n - 1``."""
-        timer, engine = self.timer, self.engine
+        timer = self.timer
         timer.mark("verify", False)
         timer.mark("draft", True)
-        self.fresh |= engine.run_step("catch_up")
-        self.fresh |= engine.run_step("draft", width)
+        self.fresh |= self.engine.run_step("queued_draft", width)
         timer.mark("draft", False)
         timer.mark("verify", True)
         self.queued_width = width
