@@ -61,7 +61,7 @@ import torch
 
 import hf_sparsekv
 from hf_sparsekv.generation import compile_policy, engine as static_engine, graph_steps, rounds
-from hf_sparsekv.generation.controller import CATCH_UP, PREFILL
+from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, ControllerMemory
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
 
@@ -91,20 +91,32 @@ def _env(name: str, value: str | None):
             os.environ.pop(name) if previous is None else os.environ.update({name: previous})
 
 
+# an ablation's own controller memory, per method and engine: a method and its ablation share an engine (the same
+# configuration), and each learns from its own calls, as a user running only one of them would
+_ABLATION_MEMORY: dict = {}
+
+
 @contextlib.contextmanager
-def _recorded_stats():
+def _recorded_stats(own_memory: dict | None = None):
     """A list that receives the ``SpecStats`` of each call's first row on our engine inside the block, read from the
     engine's round loop (``rounds.static_decode_rows``, which our graph AR and the one-row speculative calls run):
     the timed call stays ``generate(ids, ...)`` returning sequences, the call shape of the baselines
     (``return_dict_in_generate=True`` would add the copy of the whole KV cache into the returned cache, which stock's
-    static AR hands back without a copy)."""
+    static AR hands back without a copy). ``own_memory`` (engine id -> ``ControllerMemory``): the call's controller
+    learns from and into its own memory instead of the engine's."""
     calls = []
     original = rounds.static_decode_rows
 
     def recorded(engine, *args, **kwargs):
-        results = original(engine, *args, **kwargs)
+        shared = engine.controller_memory
+        if own_memory is not None:
+            engine.controller_memory = own_memory.setdefault(id(engine), ControllerMemory(shared.gamma))
+        try:
+            results = original(engine, *args, **kwargs)
+            memory = engine.controller_memory  # what the controller knows after the call (why it chose what it did)
+        finally:
+            engine.controller_memory = shared
         calls.append(results[0].stats)
-        memory = engine.controller_memory  # what the controller knows after the call (why it chose what it did)
         calls[-1].controller = dict(
             round_ms={w: round(1e3 * statistics.median(v), 4) for w, v in memory.samples.items() if w >= 0},
             prefill_us_per_token=round(1e6 * statistics.median(memory.samples[PREFILL]), 4) if PREFILL in memory.samples else None,
@@ -120,12 +132,14 @@ def _recorded_stats():
         rounds.static_decode_rows = original
 
 
-def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, temperature: float | None = None):
+def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, temperature: float | None = None,
+           own_memory: dict | None = None):
     """A function running method ``name`` once -> (sequences, spec_stats or None); greedy, or sampled at
-    ``temperature``."""
+    ``temperature``; an ablation (``NAME-noqueue``, ...) with its own controller memory (:func:`_recorded_stats`)."""
     for suffix, variable in ABLATIONS.items():
         if name.endswith(suffix):
-            inner = runner(name.removesuffix(suffix), verifier, drafter, ids, new_tokens, temperature)
+            inner = runner(name.removesuffix(suffix), verifier, drafter, ids, new_tokens, temperature,
+                           _ABLATION_MEMORY.setdefault(name, {}) if own_memory is None else own_memory)
 
             def ablated(inner=inner, variable=variable):
                 with _env(variable, "0"):
@@ -141,7 +155,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
     if name == "graph-ar":
 
         def ar():
-            with _recorded_stats() as calls:
+            with _recorded_stats(own_memory) as calls:
                 sequences = hf_sparsekv.graph_greedy_generate(verifier, ids, new_tokens, eos_token_id=[])
             return sequences, calls[-1] if calls else None
         return ar
@@ -150,7 +164,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
     if name == "assisted":
 
         def routed():
-            with _recorded_stats() as calls:
+            with _recorded_stats(own_memory) as calls:
                 sequences = verifier.generate(ids, assistant_model=drafter, **common)
             return sequences, calls[-1] if calls else None
         return routed
@@ -171,7 +185,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
                                                                        num_assistant_tokens_schedule="constant")
 
         def lookup():
-            with _recorded_stats() as calls:
+            with _recorded_stats(own_memory) as calls:
                 sequences = verifier.generate(ids, **length, **common)
             return sequences, calls[-1] if calls else None
         return lookup
@@ -200,7 +214,7 @@ def runner(name: str, verifier, drafter, ids: torch.Tensor, new_tokens: int, tem
             spec["draft_weights"] = "full"
 
     def run():
-        with _recorded_stats() as calls:
+        with _recorded_stats(own_memory) as calls:
             sequences = verifier.generate(ids, **length, **spec, **extra, **common)
         return sequences, calls[-1] if calls else None
     return run
