@@ -683,8 +683,8 @@ def test_drafts_queued_behind_a_verify_step_are_lossless_whatever_width_comes_ne
     are verified), smaller (their first ones), larger (drafted again) or none (plain steps). With a drafter that is
     rarely right and one that is always right (the verifier's copy, whose rounds accept every draft, so that the
     queued first draft step reads the last draft), the output is stock greedy; on the full cache the copy's every
-    draft is accepted, which a drafter missing a position would not achieve. A constant γ of 3 (full cache) verifies the
-    queued drafts every round."""
+    draft is accepted, which a drafter missing a position would not achieve. A constant γ of 3 (full cache) verifies
+    the queued drafts every round."""
     import copy
 
     seen = _recording_queued_drafts(monkeypatch)

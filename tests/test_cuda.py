@@ -129,9 +129,9 @@ def test_graph_path_lossless_float32(arch, mode, gamma):
 def test_graph_path_queues_the_next_drafts_behind_each_verify_step(monkeypatch):
     """On CUDA a separate drafter's chain queues the next round's drafts behind each verify step with a constant γ:
     stock greedy, and with the verifier's copy as drafter on its full cache every draft accepted (the queued first
-    draft step reads each round's last draft); none queued with HF_SPARSEKV_QUEUE_DRAFTS=0. Under the controller it queues
-    only a width it expects to draft again: this drafter costs what the verifier does, so plain steps win and the
-    output is stock greedy whatever it queued."""
+    draft step reads each round's last draft); none queued with HF_SPARSEKV_QUEUE_DRAFTS=0. Under the controller it
+    queues only a width it expects to draft again: this drafter costs what the verifier does, so plain steps win and
+    the output is stock greedy whatever it queued."""
     from hf_sparsekv.generation import rounds
 
     queued = []

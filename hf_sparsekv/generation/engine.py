@@ -675,8 +675,8 @@ class StaticEngine:
             new = step is None
             if new:
                 fn = getattr(self, "_" + name)
-                per_token = name.endswith("draft") and not self.grows_tree  # its one-token steps compile on their
-                # own
+                # (a chain's draft steps replay one-token steps compiled on their own)
+                per_token = name.endswith("draft") and not self.grows_tree
                 step = self.steps[key] = CapturedStep(fn if key == name else functools.partial(fn, width), self.pool,
                                                       self.compiled and not per_token, self.devices, on_copies,
                                                       self.light, self.layers)
