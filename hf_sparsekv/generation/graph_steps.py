@@ -390,11 +390,16 @@ class CapturedStep:
         streams = {d: torch.cuda.Stream(d) for d in [home, *others]}  # one side stream per device, warm-up and capture
         for s in streams.values():
             s.wait_stream(torch.cuda.current_stream(s.device))
+        # the warm-up draws from the generators as a replay does: put them back, so that a call which captures a
+        # step samples what every later call from the same seed samples
+        generators = [torch.cuda.get_rng_state(d) for d in [home, *others]]
         with _current_streams(streams):
             for _ in range(warmup):  # compilation, cuBLAS handles, allocator warm-up: outside the graph
                 self.run()
                 for t, s in zip(restore, saved):
                     t.copy_(s)
+        for d, state in zip([home, *others], generators):
+            torch.cuda.set_rng_state(state, d)
         for s in streams.values():
             torch.cuda.current_stream(s.device).wait_stream(s)
         graph = torch.cuda.CUDAGraph()

@@ -698,26 +698,34 @@ def _merge_when_last(
     """The merge of :func:`combine_kernel` for one row block of one KV head, run by the last of its ``ARRIVALS``
     programs to finish (the others return): each program counts itself in on ``TICKETS[kvh, row_block]`` (int32,
     zero before the launch) after its partial output is stored, and the one that draws the last ticket sets it back
-    to zero and merges the ``NS`` splits' partial outputs (``NS <= MERGE_S``, the block's rows ``<= MERGE_R``: one
-    tile). Partials are read from L2 (``.cg``): another program wrote them during this launch."""
+    to zero and merges the ``NS`` splits' partial outputs (the block's rows ``<= MERGE_R``), ``MERGE_S`` splits (one
+    tile) at a time with a running maximum. Partials are read from L2 (``.cg``): another program wrote them during
+    this launch."""
     ticket = TICKETS + kvh * tl.num_programs(0) + row_block
     tl.debug_barrier()  # every thread's partial-output stores come before the ticket (release)
     if tl.atomic_add(ticket, 1, sem="acq_rel", scope="gpu") == ARRIVALS - 1:
         tl.atomic_xchg(ticket, 0, sem="relaxed", scope="gpu")
-        s = tl.arange(0, MERGE_S)[:, None, None]
         r = row_block * BLOCK_M + tl.arange(0, MERGE_R)[:, None]  # [R, 1]
         d = tl.arange(0, HEAD_DIM)[None, :]  # [1, D]
         row_ok = r < tl.minimum(row_block * BLOCK_M + BLOCK_M, GROUP * L)
-        ok = (s < NS) & row_ok[None]
-        lse = tl.load(LP + kvh * stride_lph + s * stride_lps + r[None], mask=ok, other=float("-inf"),
-                      cache_modifier=".cg")  # [S, R, 1]
-        o = tl.load(OP + kvh * stride_oph + s * stride_ops + r[None] * stride_opm + d[None], mask=ok, other=0.0,
-                    cache_modifier=".cg")  # [S, R, D]
-        m = tl.max(lse, 0)
-        m = tl.where(m == float("-inf"), 0.0, m)  # no split saw a visible key (a finished row): the output is 0
-        w = tl.exp2(lse - m[None])
-        denom = tl.sum(w, 0)
-        out = tl.sum(o * w, 0) / tl.where(denom > 0, denom, 1.0)  # [R, D]
+        m = tl.full([MERGE_R, 1], float("-inf"), tl.float32)  # the largest log-sum-exp so far
+        denom = tl.zeros([MERGE_R, 1], tl.float32)
+        acc = tl.zeros([MERGE_R, HEAD_DIM], tl.float32)
+        for first in range(0, NS, MERGE_S):
+            s = first + tl.arange(0, MERGE_S)[:, None, None]
+            ok = (s < NS) & row_ok[None]
+            lse = tl.load(LP + kvh * stride_lph + s * stride_lps + r[None], mask=ok, other=float("-inf"),
+                          cache_modifier=".cg")  # [S, R, 1]
+            o = tl.load(OP + kvh * stride_oph + s * stride_ops + r[None] * stride_opm + d[None], mask=ok, other=0.0,
+                        cache_modifier=".cg")  # [S, R, D]
+            m_new = tl.maximum(m, tl.max(lse, 0))
+            base = tl.where(m_new == float("-inf"), 0.0, m_new)  # no split saw a visible key yet: weights 0
+            kept = tl.exp2(m - base)  # what the tiles before weigh now (0 before the first visible key)
+            w = tl.exp2(lse - base[None])
+            denom = denom * kept + tl.sum(w, 0)
+            acc = acc * kept + tl.sum(o * w, 0)
+            m = m_new
+        out = acc / tl.where(denom > 0, denom, 1.0)  # [R, D]; a finished row (no visible key): 0
         tl.store(O + (r % L) * stride_ol + (kvh * GROUP + r // L) * stride_oh + d, out.to(O.dtype.element_ty),
                  mask=row_ok)
 

@@ -26,8 +26,8 @@ partial outputs; the kernel of this module then runs the full-precision splits a
 
 The token ranges are cut into splits (one program per split and KV head, and per block of ``block_m`` query rows
 where a KV head has more rows); each writes a partial output and its base-2 log-sum-exp, and a second small kernel
-merges the splits (or, given the caller's ``tickets`` and where the partials fit one tile, the last program of each
-row block to finish merges them in the same launch). Keys before the queries' own ``L`` are seen by every query, so
+merges the splits (or, given the caller's ``tickets`` and where the partials fit a few tiles, the last program of
+each row block to finish merges them in the same launch). Keys before the queries' own ``L`` are seen by every query, so
 whole blocks of them run unmasked; only the blocks that reach the queries' own apply the causal or tree mask
 (LongSpec's prefix and tree parts, in one pass). With a single split the first kernel writes the final output
 directly. Softmax runs in float32 (base 2), dots accumulate in float32.
@@ -115,7 +115,7 @@ QUANT_CONFIG_ENV = "HF_SPARSEKV_QUANT_CONFIG"
 # Default: the fastest of benchmarks/decode_kernel.py --sweep (H200, Llama-3-8B shape, bf16, 8K/32K/128K, q 1 and 6;
 # 72 settings within 2 % of each other at 8K, up to 1.8x apart at 128K; results/decode-kernel-h200-2026-11-26/).
 FP_CONFIG = dict(block_n=64, num_warps=4, num_stages=3, programs_per_sm=2, min_split=256, block_m=64,
-                 merge_per_warp=2048)
+                 merge_per_warp=2048, merge_tiles=4)
 # ``block_m``: query rows per program. More rows (tree verification: group x (N + 1) rows) run as further programs of
 # the same split, side by side in the grid so that they can share the keys through L2. Swept for trees of 17 and 33
 # queries at Llama-3-8B shape, 16K/32K (benchmarks/decode_kernel.py --tree-sweep, H100, 2026-11-27): 64 rows with these
@@ -286,7 +286,9 @@ MAX_BLOCK_M = 128  # query rows per program at most (FP_CONFIG's block_m); the q
 # ``merge_per_warp`` (FP_CONFIG): with ``tickets`` given, the split kernel's last program of each row block merges
 # the splits itself (:func:`~._decode_triton._merge_when_last`) where the partial outputs it reads, splits x rows x
 # head_dim (each rounded up to a power of two), are at most this many float32 values per warp of the launch (one
-# tile); larger merges, or none given, run the merge kernel as a launch of its own. 0: always that launch.
+# tile) times ``merge_tiles`` (read one tile after another); larger merges, or none given, run the merge kernel as a
+# launch of its own. 0: always that launch. Four tiles take the quantized store's splits on the bundled verifier (65
+# splits of 2 query rows at 4K, 32 to a tile), where a launch of its own cost 2 µs a layer (H100 profile).
 
 
 def _merge_splits(rows: int, head_dim: int, num_warps: int) -> int:
@@ -299,8 +301,9 @@ def _merge_splits(rows: int, head_dim: int, num_warps: int) -> int:
 
 def _merges_in_kernel(tickets, n_splits: int, row_blocks: int, kv_heads: int, merge_splits: int) -> bool:
     """Whether the split kernel merges its splits itself: a ticket per row block and KV head, and the partials of
-    one row block in one tile (at most ``merge_splits``, :func:`_merge_splits`)."""
-    return tickets is not None and tickets.numel() >= row_blocks * kv_heads and n_splits <= merge_splits
+    one row block in at most ``merge_tiles`` tiles (of ``merge_splits`` splits, :func:`_merge_splits`)."""
+    return (tickets is not None and tickets.numel() >= row_blocks * kv_heads
+            and n_splits <= merge_splits * FP_CONFIG["merge_tiles"])
 
 
 def _block_m(rows: int) -> int:
@@ -353,8 +356,8 @@ def launch_decode(
 
     ``tickets`` (int32, on the device, all zero, at least row blocks x KV heads: the caller's, e.g. a static cache's
     :meth:`~hf_sparsekv.caches.static.PreallocatedCache.tickets`, used by one launch at a time): the split kernel's
-    last program of each row block merges the splits (one launch, not two) where they fit one tile; the kernel leaves
-    them zero.
+    last program of each row block merges the splits (one launch, not two) where they fit ``merge_tiles`` tiles; the
+    kernel leaves them zero.
 
     ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant``, nor ``tree`` with
     ``positions``): the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before
