@@ -31,6 +31,8 @@ the rounds (per call: ``generate()``'s front end, the engine's lookup, the outpu
 
 ``--profile NAME,...`` runs each named method once more under torch.profiler (CUDA time by kernel; the host's and
 the device's timeline as a gzipped Chrome trace beside it, to find where a call's wall time goes between steps).
+``--busy N``: the timed repeats run beside N processes that each spin on one of the host's cores (the warm-ups on an
+idle host), as on a host shared with other jobs.
 ``--temperature T``: every method samples (``do_sample=True, temperature=T``, the pair's other generation defaults;
 speculative sampling on the graph path), graph-ar is left out (it is greedy only) and there is no identity check.
 
@@ -54,6 +56,8 @@ import contextlib
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -237,6 +241,19 @@ def _useless(drafter):
     return _USELESS[id(drafter)]
 
 
+@contextlib.contextmanager
+def busy_host(processes: int):
+    """``processes`` Python processes that spin (one core each) while the block runs, then are stopped."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(1.0 if spinners else 0.0)  # let them start
+        yield
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+
+
 def timed(fn, verifier) -> tuple[float, torch.Tensor, dict | None, int]:
     static_engine.forget_sequences(verifier)  # a repeat prefills its whole prompt, as HF static does
     torch.cuda.synchronize()
@@ -287,6 +304,8 @@ def main(argv=None) -> int:
     p.add_argument("--temperature", type=float, help="sample at this temperature (default: greedy)")
     p.add_argument("--profile", default="", help="comma-separated methods to run once more under torch.profiler "
                    "(first context): CUDA time by kernel, written to profile-NAME.txt")
+    p.add_argument("--busy", type=int, default=0, help="time the repeats beside this many processes that spin on the "
+                   "host's cores (the warm-ups run on an idle host): a busy shared host")
     p.add_argument("--out", default="runs/graph-engine")
     args = p.parse_args(argv)
     out = Path(args.out)
@@ -311,17 +330,9 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps(payload, indent=1))
         return payload
 
-    for context in [int(c) for c in args.contexts.split(",")]:
-        prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
+    def measure(context: int, prompts: list) -> None:
+        """The timed repeats at one context: every method on every document, interleaved."""
         references = {}
-        for name in tqdm(names, desc=f"warm-up {context}"):
-            first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens,
-                                                           args.temperature), verifier)[0]
-            save()
-        # a second pass: int4 self-speculation swaps the verifier's linear layers for 4-bit-capable ones, so every
-        # compiled step of that model that ran before it compiles once more (70 s mid-table on an H200 once)
-        for name in tqdm(names, desc=f"warm-up again {context}"):
-            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens, args.temperature), verifier)
         for rep in range(args.repeats):
             for i, ids in enumerate(prompts):
                 for name in tqdm(names, desc=f"{context} rep {rep} doc {i}", leave=False):
@@ -351,6 +362,19 @@ def main(argv=None) -> int:
                             width_rounds=stats["width_rounds"], controller=stats.controller)),
                     ))
                 save()
+
+    for context in [int(c) for c in args.contexts.split(",")]:
+        prompts = [d[None, :context].cuda() for d in docs if d.numel() >= context][: args.docs]
+        for name in tqdm(names, desc=f"warm-up {context}"):
+            first_call[f"{name}@{context}"] = timed(runner(name, verifier, drafter, prompts[0], args.new_tokens,
+                                                           args.temperature), verifier)[0]
+            save()
+        # a second pass: int4 self-speculation swaps the verifier's linear layers for 4-bit-capable ones, so every
+        # compiled step of that model that ran before it compiles once more (70 s mid-table on an H200 once)
+        for name in tqdm(names, desc=f"warm-up again {context}"):
+            timed(runner(name, verifier, drafter, prompts[0], args.new_tokens, args.temperature), verifier)
+        with busy_host(args.busy):
+            measure(context, prompts)
         payload = save()
         summary = payload["summary"]
         print(table([r for r in summary if r["context"] == context]), flush=True)
