@@ -38,6 +38,9 @@ RUNS = {
     "controller-traces": ["controller-traces-h100-2026-12-05/results.json"],
     "never-slower": [f"never-slower-h200-2026-12-05/never-slower-{k}-2832b96.json" for k in ("16k", "4k")],
     "queued-drafts": ["never-slower-h200-2026-12-05/queue-16k-2832b96.json"],
+    "never-slower-h100": ["never-slower-h100-2026-12-05/never-slower-16k-f1284f4.json",
+                          "never-slower-h100-2026-12-05/int4-lookup-16k-4ce9de2.json"],
+    "busy-host": ["never-slower-h100-2026-12-05/busy16-16k-4ce9de2.json"],
     "window-prefill": ["window-prefill-cpu-2026-12-05/results.json"],
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
@@ -66,6 +69,8 @@ TABLES = {
     "controller-traces": dict(kind="per_document", files=RUNS["controller-traces"]),
     "never-slower": dict(kind="per_document", files=RUNS["never-slower"]),
     "queued-drafts": dict(kind="per_document", files=RUNS["queued-drafts"]),
+    "never-slower-h100": dict(kind="per_document", files=RUNS["never-slower-h100"]),
+    "busy-host": dict(kind="per_document", files=RUNS["busy-host"]),
     "window-prefill": dict(kind="window_prefill", files=RUNS["window-prefill"]),
     "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
@@ -169,8 +174,8 @@ def _run(name: str, data: dict) -> str:
 
 def _e2e_settings(data: dict) -> str:
     s = data.get("settings", {})
-    keys = ("contexts", "docs", "repeats", "new_tokens", "compile")
-    opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in keys if k in s)
+    keys = ("contexts", "docs", "repeats", "new_tokens", "compile", "busy")
+    opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in keys if s.get(k) not in (None, 0))
     return f"`{s.get('script', 'graph_engine.py')} {opts}`, prefill included, median"
 
 
