@@ -131,6 +131,14 @@ bench-adaptive-compiled: $(STAMP)
 	$(PY) benchmarks/graph_engine.py --out runs/adaptive-compiled-$(or $(CONTEXT),16384) --contexts $(or $(CONTEXT),16384) \
 		--docs 2 --repeats 2 --new-tokens 128 --only hf-static-ar,graph-ar --extra $(ADAPTIVE_COMPILED) $(ARGS)
 
+# The never-slower cells beside a busy host: the timed repeats beside one spinning process per core (the warm-ups
+# idle), one context a run (CONTEXT=16384 by default), under 5 minutes on an H100.
+BUSY_METHODS := window-gA,chunk-512-gA,lookup-gA,useless-gA,assisted
+bench-busy-host: $(STAMP)
+	$(PY) benchmarks/graph_engine.py --out runs/busy-host-$(or $(CONTEXT),16384) --busy $$(nproc) \
+		--contexts $(or $(CONTEXT),16384) --docs 2 --repeats 3 --new-tokens 128 --only hf-static-ar,graph-ar \
+		--extra $(BUSY_METHODS) $(ARGS)
+
 # Where the controller's calls gain or lose against our graph AR, round by round: per-call traces of each choice and
 # observation, light-traced steps, two minutes on an H100 (CONTEXT=16384 by default)
 bench-controller-traces: $(STAMP)

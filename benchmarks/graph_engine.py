@@ -42,7 +42,8 @@ the sequence they hold (``forget_sequences``): a repeat, or a method sharing ano
 prompt, as HF's static cache does. End to end (prefill + decode) tokens/s, median of ``--repeats`` after one warm-up run per method and context
 (torch.compile and graph capture happen there; its duration is reported as ``first_call_s``; a second warm-up
 pass catches the recompiles one method's model change causes in another's steps), acceptance α and τ, peak memory, token identity against greedy AR (stock's; our graph AR's where stock's eager AR
-is not in the run).
+is not in the run; a call apart from it is checked once per document for a tie of the verifier's dtype at its first
+token apart, ``speculative.tie_check``, and the table counts those).
 The slow stock baselines run ``--slow-repeats`` times. ``--steps`` also times one captured draft step and one
 captured verify step against the same steps run eagerly. Prints a table, writes ``results.json`` and a PNG plot.
 
@@ -68,6 +69,7 @@ from hf_sparsekv.generation import compile_policy, engine as static_engine, grap
 from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, ControllerMemory
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
+from speculative import tie_check
 
 ABLATIONS = {"-nocompile": compile_policy.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV,
              "-noqueue": rounds.QUEUE_DRAFTS_ENV}  # set to "0"
@@ -241,6 +243,23 @@ def _useless(drafter):
     return _USELESS[id(drafter)]
 
 
+def near_tie(verifier, method: str, ids: torch.Tensor, seq: torch.Tensor, reference: torch.Tensor) -> bool | None:
+    """Whether ``seq`` (``[1, P + n]``, a call's output for the prompt ``ids [1, P]``) first leaves ``reference`` (our
+    AR's) at a tie of the verifier's dtype: the float64 logits of the two tokens there closer than the dtype's error
+    on them (``speculative.tie_check``). None where that cannot tell: int4 verifies on the INT8 view (its reference is
+    not our AR), or the two differ in length only."""
+    if method.startswith("int4"):
+        return None
+    start = ids.shape[1]
+    n = min(seq.shape[1], reference.shape[1]) - start
+    apart = (seq[0, start:start + n] != reference[0, start:start + n]).nonzero()
+    if not len(apart):
+        return None
+    at = int(apart[0])
+    mismatch = dict(position=at, expected=int(reference[0, start + at]), got=int(seq[0, start + at]))
+    return tie_check(verifier, ids, reference, mismatch)["tie"]
+
+
 @contextlib.contextmanager
 def busy_host(processes: int):
     """``processes`` Python processes that spin (one core each) while the block runs, then are stopped."""
@@ -330,6 +349,8 @@ def main(argv=None) -> int:
         (out / "results.json").write_text(json.dumps(payload, indent=1))
         return payload
 
+    ties: dict = {}  # (context, document, method) -> near_tie's answer, checked once
+
     def measure(context: int, prompts: list) -> None:
         """The timed repeats at one context: every method on every document, interleaved."""
         references = {}
@@ -344,10 +365,13 @@ def main(argv=None) -> int:
                     if not sampling and (name == "hf-eager-ar" or (name == "graph-ar" and "hf-eager-ar" not in names)):
                         references[i] = seq  # stock greedy; else our AR (itself tested identical to it)
                     ref = references.get(i)
+                    identical = None if ref is None else bool(torch.equal(seq, ref))
+                    if identical is False and (context, i, name) not in ties:
+                        ties[context, i, name] = near_tie(verifier, name, ids, seq, ref)
                     records.append(dict(
                         context=context, doc=i, rep=rep, method=name, seconds=seconds,
-                        tokens=int(seq.shape[1] - ids.shape[1]), peak_bytes=peak,
-                        identical=None if ref is None else bool(torch.equal(seq, ref)),
+                        tokens=int(seq.shape[1] - ids.shape[1]), peak_bytes=peak, identical=identical,
+                        tie=None if identical is not False else ties[context, i, name],
                         acceptance=None if stats is None or name == "graph-ar" else stats["acceptance_rate"],
                         tau=None if stats is None or name == "graph-ar" else stats["mean_accepted_length"],
                         **({} if stats is None or not stats["rounds"] else dict(
@@ -433,13 +457,15 @@ def summarize(records: list[dict]) -> list[dict]:
             acc = [r["acceptance"] for r in rs if r["acceptance"] is not None]
             tau = [r["tau"] for r in rs if r["tau"] is not None]
             ident = [r["identical"] for r in rs if r["identical"] is not None]
+            tied = sum(1 for r in rs if r.get("tie"))
             per_round = {key: statistics.median([r[key] for r in rs])
                          for key in ("draft_ms_per_round", "verify_ms_per_round", "host_ms_per_round", "outside_ms",
                                      "prefill_ms") if all(key in r for r in rs)}
             rows.append(dict(context=context, method=name, tokens_per_s=tps[name], runs=len(rs), **per_round,
                              acceptance=statistics.mean(acc) if acc else None, tau=statistics.mean(tau) if tau else None,
                              peak_gib=max(r["peak_bytes"] for r in rs) / 2**30,
-                             identical=f"{sum(ident)}/{len(ident)}" if ident else "-"))
+                             identical=(f"{sum(ident)}/{len(ident)}" + (f" ({tied} apart at a tie)" if tied else ""))
+                             if ident else "-"))
         for row in rows:
             if row["context"] == context:
                 row["vs_hf_static"] = row["tokens_per_s"] / tps["hf-static-ar"] if "hf-static-ar" in tps else None

@@ -172,3 +172,32 @@ def test_resume_keeps_finished_records_and_runs_the_rest(tmp_path, capsys):
     assert len(new[0]["tokens"]) == 6 and "--resume: kept 2 finished records" in capsys.readouterr().out
     with pytest.raises(SystemExit, match="other settings"):
         bench.main(common + ["--gammas", "2", "--new-tokens", "7", "--resume"])
+
+
+def test_graph_engine_tells_a_tie_from_a_failure_at_the_first_token_apart():
+    """``graph_engine.near_tie``: a call apart from our AR at a token whose float64 logit equals the reference's
+    token's is a tie; apart at the float64 worst token it is not; int4 (verifying on the INT8 view) and outputs that
+    differ in length only get no answer."""
+    if str(ROOT / "benchmarks") not in sys.path:
+        sys.path.insert(0, str(ROOT / "benchmarks"))
+    import graph_engine
+
+    from transformers.cache_utils import DynamicCache
+
+    from hf_sparsekv.training.views import chunked_prefill
+
+    model = _tiny_llama(torch.bfloat16)
+    with torch.no_grad():
+        model.lm_head.weight[7] = model.lm_head.weight[3]  # tokens 3 and 7 have equal logits everywhere
+    ids = torch.randint(0, 64, (1, 20))
+    reference = torch.cat([ids, torch.tensor([[5, 3, 9]])], 1)
+    tied = reference.clone()
+    tied[0, 21] = 7
+    assert graph_engine.near_tie(model, "chunk-512-gA", ids, tied, reference) is True
+    exact = chunked_prefill(copy.deepcopy(model).to(torch.float64), reference[:, :21], 1024, DynamicCache())[0]
+    reference[0, 21] = int(exact.argmax())
+    apart = reference.clone()
+    apart[0, 21] = int(exact.argmin())
+    assert graph_engine.near_tie(model, "chunk-512-gA", ids, apart, reference) is False
+    assert graph_engine.near_tie(model, "int4-self-gA", ids, apart, reference) is None
+    assert graph_engine.near_tie(model, "lookup-gA", ids, reference[:, :22], reference) is None
