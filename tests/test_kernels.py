@@ -1858,7 +1858,7 @@ def test_engines_of_every_capacity_launch_one_compiled_decode_kernel(monkeypatch
     """A grown engine (a longer prompt: a larger capacity, so more splits) launches the split kernel, and the merge
     kernel where the splits take a launch of their own, with what Triton compiled for the smaller one: the same
     constexprs, tensor dtypes and classes of the integers it specializes. Capacities up to the in-kernel merge's
-    split count share one split kernel; every larger one shares a second (and one merge kernel). Nothing runs: the
+    split count share one split kernel; with one tile every larger one shares a second (and one merge kernel). Nothing runs: the
     launches are recorded, with an H100/H200's 132 SMs for the split counts."""
     from hf_sparsekv.kernels import _decode_triton, decode_core
 
@@ -1871,15 +1871,21 @@ def test_engines_of_every_capacity_launch_one_compiled_decode_kernel(monkeypatch
         keys[-1].append((kernel.fn.__name__, _compiled_for(kernel, args, kwargs, names[kernel.fn.__name__])))
 
     monkeypatch.setattr(runtime, "launch", recording)
-    for capacity in (8192, 8448, 15104, 16384, 32768, 65536, 131072):
-        keys.append([])
-        q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16, device=DEVICE)
-        k = v = torch.empty(1, 2, capacity, 64, dtype=torch.bfloat16, device=DEVICE)
-        n = torch.tensor([capacity - 100], dtype=torch.int32, device=DEVICE)
-        chunk_decode_attention(q, k, v, 0.125, length=n, tickets=torch.zeros(64, dtype=torch.int32, device=DEVICE))
-    merged, own_launch = keys[:4], keys[4:]
+    capacities = (8192, 8448, 15104, 16384, 32768, 65536, 131072)
+    for tiles in (1, 4):  # the in-kernel merge takes one tile of 64 splits, or up to four (the default)
+        with decode_core.fp_config(merge_tiles=tiles):
+            for capacity in capacities:
+                keys.append([])
+                q = torch.zeros(1, 4, 1, 64, dtype=torch.bfloat16, device=DEVICE)
+                k = v = torch.empty(1, 2, capacity, 64, dtype=torch.bfloat16, device=DEVICE)
+                n = torch.tensor([capacity - 100], dtype=torch.int32, device=DEVICE)
+                chunk_decode_attention(q, k, v, 0.125, length=n,
+                                       tickets=torch.zeros(64, dtype=torch.int32, device=DEVICE))
+    one_tile, tiles = keys[:len(capacities)], keys[len(capacities):]
+    merged, own_launch = one_tile[:4], one_tile[4:]
     assert [len(k) for k in merged] == [1] * 4 and [len(k) for k in own_launch] == [2] * 3
     assert all(k == merged[0] for k in merged) and all(k == own_launch[0] for k in own_launch)
+    assert all(k == merged[0] for k in tiles)  # 132 splits at most: every capacity merges in the kernel
 
 
 @pytest.mark.cuda
