@@ -27,6 +27,7 @@ from transformers import DynamicCache  # noqa: E402
 
 from hf_sparsekv import ChunkBudgetCache, HierarchicalQuantCache, SinkWindowCache  # noqa: E402
 from hf_sparsekv.caches.prefill_quantize import quantize_into  # noqa: E402
+from hf_sparsekv.kernels.quant_reference import QuantizedTensor  # noqa: E402
 from hf_sparsekv.kernels import runtime  # noqa: E402
 from hf_sparsekv.kernels.chunk_attention import chunk_decode_attention, chunk_decode_attention_reference  # noqa: E402
 from hf_sparsekv.kernels.gated_linear import gated_linear, gated_linear_reference  # noqa: E402
@@ -566,7 +567,6 @@ def test_static_quant_decode_reads_its_lengths_from_the_device(dtype, quantized,
     """``hf_sparsekv::static_quant_decode`` over preallocated code and buffer storage (garbage past both lengths) in
     both views: the reference on the first ``quantized`` codes and ``buffered`` buffer tokens."""
     from hf_sparsekv.caches.static import StaticQuantCache
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
     from hf_sparsekv.static_attention import static_quant_decode
 
     g = 32
@@ -673,7 +673,6 @@ def test_static_quant_decode_batched_rows(path, dtype, hq, hkv, length):
     row equals the reference on its own codes and buffer, in both views."""
     from hf_sparsekv.caches.static import StaticQuantCache
     from hf_sparsekv.kernels import decode_core
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
     from hf_sparsekv.static_attention import static_quant_decode
 
     g, cap, quantized, buffered = 32, 128, [64, 128, 0, 0], [37, 12, length + 50, length]
@@ -962,7 +961,6 @@ def _merge_case(case: str, dtype):
                 window_decode_attention_reference(q.float(), k.float(), v.float(), *args))
     if case == "quant":  # codes and buffer splits of one launch (the Triton kernel's quantized paths)
         from hf_sparsekv.caches.static import StaticQuantCache
-        from hf_sparsekv.kernels.quant_reference import QuantizedTensor
         from hf_sparsekv.static_attention import static_quant_decode
 
         q, k, v = _qkv(8, 2, 3, 64, 512 + 96, dtype, seed=43)
@@ -1111,6 +1109,48 @@ def test_quantize_kernel_reads_a_buffer_slice():
     x = torch.randn(1, 2, 100, 64, dtype=torch.float16, device=DEVICE)
     got, want = quantize_keys(x[:, :, :64], 32), quantize_keys_reference(x[:, :, :64].contiguous(), 32)
     assert torch.equal(got.upper, want.upper) and torch.equal(got.lower, want.lower)
+
+
+@pytest.mark.parametrize("kernels", ["kernels", "reference"])
+def test_quantize_into_writes_a_rows_slots_of_the_store_and_nothing_else(monkeypatch, kernels):
+    """``quantize_into`` (a prefill's, a flush's): row 1, positions 32..95 of a store of two rows hold the codes,
+    scales and zeros quantizing those keys/values gives, and every other slot keeps what it held; by the kernels
+    (writing the store's slots themselves) and by the reference (copied in)."""
+    from hf_sparsekv.kernels import quantize as quantize_module
+
+    if kernels == "reference":
+        monkeypatch.setattr(quantize_module, "_kernel_ok", lambda x: False)
+    g, d = 32, 64
+    gen = torch.Generator().manual_seed(3)
+    keys, values = (torch.randn(1, 2, 64, d, generator=gen).to(DEVICE, torch.float16) for _ in range(2))
+    store = [QuantizedTensor(torch.full((2, 2, 128, d // 2), 7, dtype=torch.uint8, device=DEVICE),
+                             torch.full((2, 2, 128, d // 2), 9, dtype=torch.uint8, device=DEVICE),
+                             torch.full((2, 2, rows, width), 0.5, dtype=torch.float16, device=DEVICE),
+                             torch.full((2, 2, rows, width), -0.5, dtype=torch.float16, device=DEVICE))
+             for rows, width in ((128 // g, d), (128, 1))]
+    before = [copy.deepcopy(s) for s in store]
+    quantize_into(store[0], store[1], 1, keys, values, 32, g)
+    for s, old, fresh, first in ((store[0], before[0], quantize_keys_reference(keys, g), 1),
+                                 (store[1], before[1], quantize_values_reference(values), 32)):
+        for name in ("upper", "lower", "scale", "zero"):
+            now, was, want = getattr(s, name), getattr(old, name), getattr(fresh, name)[0]
+            begin = 32 if name in ("upper", "lower") else first  # codes by position; keys' scales by group
+            end = begin + want.shape[-2]
+            assert torch.equal(now[1, :, begin:end], want), name
+            now, was = now.clone(), was.clone()
+            now[1, :, begin:end] = was[1, :, begin:end] = 0
+            assert torch.equal(now, was), name  # nothing else written
+
+
+def test_quantize_into_refuses_slots_of_another_layout():
+    x = torch.randn(1, 2, 32, 64, dtype=torch.float16, device=DEVICE)
+    codes = torch.empty(1, 2, 32, 32, dtype=torch.uint8, device=DEVICE)
+    scales = torch.empty(1, 2, 1, 64, dtype=torch.float16, device=DEVICE)
+    with pytest.raises(ValueError, match="out must hold"):
+        quantize_keys(x, 32, out=QuantizedTensor(codes, codes, scales.float(), scales.float()))
+    with pytest.raises(ValueError, match="one layout"):
+        quantize_keys(x, 32, out=QuantizedTensor(codes, codes.transpose(2, 3).contiguous().transpose(2, 3), scales,
+                                                 scales))
 
 
 # ---------------------------------------------------------------- clear errors
@@ -1665,7 +1705,6 @@ def test_cuda_quant_rows_at_real_size(length):
     with their own quantized (0-8192) and buffered lengths, one finished row (no codes, only the step's slots), both
     views, against the float32 reference row by row."""
     from hf_sparsekv.caches.static import StaticQuantCache
-    from hf_sparsekv.kernels.quant_reference import QuantizedTensor
     from hf_sparsekv.static_attention import static_quant_decode
 
     batch, g, cap = 8, 128, 8192

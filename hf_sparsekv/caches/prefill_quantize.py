@@ -32,14 +32,15 @@ def quantize_into(qkeys: QuantizedTensor, qvalues: QuantizedTensor, row: int, ke
     n = keys.shape[-2]
     if n == 0:
         return
-    for store, fresh, first, last in (
-        (qkeys, quantize_keys_auto(keys, group_size), start // group_size, (start + n) // group_size),
-        (qvalues, quantize_values_auto(values), start, start + n),
-    ):
-        store.upper[row, :, start : start + n].copy_(fresh.upper[0])
-        store.lower[row, :, start : start + n].copy_(fresh.lower[0])
-        store.scale[row, :, first:last].copy_(fresh.scale[0])
-        store.zero[row, :, first:last].copy_(fresh.zero[0])
+
+    def slots(store: QuantizedTensor, first: int, last: int) -> QuantizedTensor:  # row's codes and their scales
+        rows, codes, params = slice(row, row + 1), slice(start, start + n), slice(first, last)
+        return QuantizedTensor(store.upper[rows, :, codes], store.lower[rows, :, codes], store.scale[rows, :, params],
+                               store.zero[rows, :, params])
+
+    # the kernels write the store's slots themselves (a prefill's host work is a few launches a layer)
+    quantize_keys_auto(keys, group_size, out=slots(qkeys, start // group_size, (start + n) // group_size))
+    quantize_values_auto(values, out=slots(qvalues, start, start + n))
 
 
 @torch.library.custom_op("hf_sparsekv::store_quantized_prompt",

@@ -55,20 +55,38 @@ def _check(x: torch.Tensor, name: str) -> None:
     runtime.require(x)
 
 
+def _outputs(x: torch.Tensor, scale_rows: int, scale_width: int, out: QuantizedTensor | None) -> QuantizedTensor:
+    """Where the kernel writes: ``out`` (views into a store: codes ``[1, H, T, D/2]``, scale/zero ``[1, H,
+    scale_rows, scale_width]``, channels contiguous, each pair with one layout) checked, else fresh tensors."""
+    _, h, t, d = x.shape
+    codes, params = (1, h, t, d // 2), (1, h, scale_rows, scale_width)
+    if out is None:
+        upper = torch.empty(codes, dtype=torch.uint8, device=x.device)
+        scale = torch.empty(params, dtype=x.dtype, device=x.device)
+        return QuantizedTensor(upper, torch.empty_like(upper), scale, torch.empty_like(scale))
+    if (out.upper.shape != codes or out.lower.shape != codes or out.scale.shape != params
+            or out.zero.shape != params or out.upper.dtype != torch.uint8 or out.lower.dtype != torch.uint8
+            or out.scale.dtype != x.dtype or out.zero.dtype != x.dtype):
+        raise ValueError(f"out must hold uint8 codes {codes} and {x.dtype} scales {params}")
+    if (out.upper.stride() != out.lower.stride() or out.scale.stride() != out.zero.stride()
+            or out.upper.stride(-1) != 1 or out.scale.stride(-1) != 1):
+        raise ValueError("out's codes (and its scales) must share one layout, contiguous in the last dimension")
+    return out
+
+
 @runtime.on_input_device
-def quantize_keys(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
+def quantize_keys(keys: torch.Tensor, group_size: int, out: QuantizedTensor | None = None) -> QuantizedTensor:
     """Keys ``[1, H, T, D]`` (T a multiple of ``group_size``), per channel over groups of tokens -> codes
-    ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T/group_size, D]`` in the keys' dtype."""
+    ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T/group_size, D]`` in the keys' dtype; written into ``out`` where
+    given (e.g. a store's slots: no copy)."""
     _check(keys, "keys")
     _, h, t, d = keys.shape
     if t % group_size:
         raise ValueError(f"key length {t} is not a multiple of group_size={group_size}")
     from . import _quantize_triton as tk
 
-    upper = torch.empty(1, h, t, d // 2, dtype=torch.uint8, device=keys.device)
-    lower = torch.empty_like(upper)
-    scale = torch.empty(1, h, t // group_size, d, dtype=keys.dtype, device=keys.device)
-    zero = torch.empty_like(scale)
+    codes = _outputs(keys, t // group_size, d, out)
+    upper, lower, scale, zero = codes.upper, codes.lower, codes.scale, codes.zero
     if t:
         block_c = min(d // 2, 16)
         block_g = 1 << max(0, (group_size - 1).bit_length())
@@ -77,20 +95,19 @@ def quantize_keys(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
             scale, zero, scale.stride(1), scale.stride(2), group_size,
             BLOCK_G=block_g, BLOCK_C=block_c, **_type_args(keys.dtype), num_warps=4, **runtime.LAUNCH_OPTIONS,
         )
-    return QuantizedTensor(upper, lower, scale, zero)
+    return codes
 
 
 @runtime.on_input_device
-def quantize_values(values: torch.Tensor) -> QuantizedTensor:
-    """Values ``[1, H, T, D]`` per token -> codes ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T, 1]``."""
+def quantize_values(values: torch.Tensor, out: QuantizedTensor | None = None) -> QuantizedTensor:
+    """Values ``[1, H, T, D]`` per token -> codes ``[1, H, T, D/2]`` uint8, scale/zero ``[1, H, T, 1]``; written into
+    ``out`` where given."""
     _check(values, "values")
     _, h, t, d = values.shape
     from . import _quantize_triton as tk
 
-    upper = torch.empty(1, h, t, d // 2, dtype=torch.uint8, device=values.device)
-    lower = torch.empty_like(upper)
-    scale = torch.empty(1, h, t, 1, dtype=values.dtype, device=values.device)
-    zero = torch.empty_like(scale)
+    codes = _outputs(values, t, 1, out)
+    upper, lower, scale, zero = codes.upper, codes.lower, codes.scale, codes.zero
     if t:
         block_t = 32
         tk.quantize_values_kernel[(h, -(-t // block_t))](
@@ -98,7 +115,7 @@ def quantize_values(values: torch.Tensor) -> QuantizedTensor:
             scale, zero, scale.stride(1), scale.stride(2), t,
             HALF=d // 2, BLOCK_T=block_t, **_type_args(values.dtype), num_warps=4, **runtime.LAUNCH_OPTIONS,
         )
-    return QuantizedTensor(upper, lower, scale, zero)
+    return codes
 
 
 def _kernel_ok(x: torch.Tensor) -> bool:
@@ -114,11 +131,23 @@ def _kernel_ok(x: torch.Tensor) -> bool:
     )
 
 
-def quantize_keys_auto(keys: torch.Tensor, group_size: int) -> QuantizedTensor:
-    """The kernel where it runs (see :func:`runtime.enabled`), else the reference."""
-    return quantize_keys(keys, group_size) if _kernel_ok(keys) else quantize_keys_reference(keys, group_size)
+def _into(fresh: QuantizedTensor, out: QuantizedTensor | None) -> QuantizedTensor:
+    if out is None:
+        return fresh
+    for name in ("upper", "lower", "scale", "zero"):
+        getattr(out, name).copy_(getattr(fresh, name))
+    return out
 
 
-def quantize_values_auto(values: torch.Tensor) -> QuantizedTensor:
-    """The kernel where it runs (see :func:`runtime.enabled`), else the reference."""
-    return quantize_values(values) if _kernel_ok(values) else quantize_values_reference(values)
+def quantize_keys_auto(keys: torch.Tensor, group_size: int, out: QuantizedTensor | None = None) -> QuantizedTensor:
+    """The kernel where it runs (see :func:`runtime.enabled`), else the reference; into ``out`` where given."""
+    if _kernel_ok(keys):
+        return quantize_keys(keys, group_size, out)
+    return _into(quantize_keys_reference(keys, group_size), out)
+
+
+def quantize_values_auto(values: torch.Tensor, out: QuantizedTensor | None = None) -> QuantizedTensor:
+    """The kernel where it runs (see :func:`runtime.enabled`), else the reference; into ``out`` where given."""
+    if _kernel_ok(values):
+        return quantize_values(values, out)
+    return _into(quantize_values_reference(values), out)
