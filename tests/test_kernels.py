@@ -1897,8 +1897,8 @@ def test_engines_of_every_capacity_launch_one_compiled_decode_kernel(monkeypatch
     """A grown engine (a longer prompt: a larger capacity, so more splits) launches the split kernel, and the merge
     kernel where the splits take a launch of their own, with what Triton compiled for the smaller one: the same
     constexprs, tensor dtypes and classes of the integers it specializes. Capacities up to the in-kernel merge's
-    split count share one split kernel; with one tile every larger one shares a second (and one merge kernel). Nothing runs: the
-    launches are recorded, with an H100/H200's 132 SMs for the split counts."""
+    split count share one split kernel; with one tile every larger one shares a second (and one merge kernel).
+    Nothing runs: the launches are recorded, with an H100/H200's 132 SMs for the split counts."""
     from hf_sparsekv.kernels import _decode_triton, decode_core
 
     monkeypatch.setattr(decode_core, "_sm_count", lambda device: 132)

@@ -27,9 +27,9 @@ partial outputs; the kernel of this module then runs the full-precision splits a
 The token ranges are cut into splits (one program per split and KV head, and per block of ``block_m`` query rows
 where a KV head has more rows); each writes a partial output and its base-2 log-sum-exp, and a second small kernel
 merges the splits (or, given the caller's ``tickets`` and where the partials fit a few tiles, the last program of
-each row block to finish merges them in the same launch). Keys before the queries' own ``L`` are seen by every query, so
-whole blocks of them run unmasked; only the blocks that reach the queries' own apply the causal or tree mask
-(LongSpec's prefix and tree parts, in one pass). With a single split the first kernel writes the final output
+each row block to finish merges them in the same launch). Keys before the queries' own ``L`` are seen by every
+query, so whole blocks of them run unmasked; only the blocks that reach the queries' own apply the causal or tree
+mask (LongSpec's prefix and tree parts, in one pass). With a single split the first kernel writes the final output
 directly. Softmax runs in float32 (base 2), dots accumulate in float32.
 
 Invariants the launcher guarantees: every quantized block of ``qblock`` tokens lies in one key group
