@@ -69,6 +69,7 @@ from hf_sparsekv.generation import compile_policy, engine as static_engine, grap
 from hf_sparsekv.generation.controller import CATCH_UP, PREFILL, ControllerMemory
 from hf_sparsekv.zoo import eval_documents, load_pair
 from provenance import commit
+from spec_methods import _first_mismatch
 from speculative import tie_check
 
 ABLATIONS = {"-nocompile": compile_policy.COMPILE_ENV, "-eagerprefill": graph_steps.PREFILL_COMPILE_ENV,
@@ -248,15 +249,9 @@ def near_tie(verifier, method: str, ids: torch.Tensor, seq: torch.Tensor, refere
     AR's) at a tie of the verifier's dtype: the float64 logits of the two tokens there closer than the dtype's error
     on them (``speculative.tie_check``). None where that cannot tell: int4 verifies on the INT8 view (its reference is
     not our AR), or the two differ in length only."""
-    if method.startswith("int4"):
+    mismatch = None if method.startswith("int4") else _first_mismatch(seq, reference, ids.shape[1])
+    if mismatch is None or "got" not in mismatch:
         return None
-    start = ids.shape[1]
-    n = min(seq.shape[1], reference.shape[1]) - start
-    apart = (seq[0, start:start + n] != reference[0, start:start + n]).nonzero()
-    if not len(apart):
-        return None
-    at = int(apart[0])
-    mismatch = dict(position=at, expected=int(reference[0, start + at]), got=int(seq[0, start + at]))
     return tie_check(verifier, ids, reference, mismatch)["tie"]
 
 
