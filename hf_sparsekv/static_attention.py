@@ -202,32 +202,6 @@ def _static_quant_decode_shape(query, *args):
     return query.new_empty(batch, n, heads, dim)
 
 
-@torch.library.custom_op("hf_sparsekv::static_rope_quant_decode", mutates_args=("key", "value"))
-def static_rope_quant_decode(
-    query: torch.Tensor, key_new: torch.Tensor, value_new: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-    key: torch.Tensor, value: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, key_upper: torch.Tensor,
-    key_lower: torch.Tensor, key_scale: torch.Tensor, key_zero: torch.Tensor, value_upper: torch.Tensor,
-    value_lower: torch.Tensor, value_scale: torch.Tensor, value_zero: torch.Tensor, fp_length: torch.Tensor,
-    quant_length: torch.Tensor, group_size: int, int8: bool, scaling: float, tickets: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`static_quant_decode` with the step's rotary embedding and buffer write in the same launch, as
-    :func:`static_rope_decode` is :func:`static_decode`'s (``key/value``: the store's full-precision buffers, written
-    at ``[rows, :, slots]``; :func:`~hf_sparsekv.kernels.rope_attention.rope_quant_decode_attention`)."""
-    from .kernels.quant_reference import QuantizedTensor
-    from .kernels.rope_attention import rope_quant_decode_attention
-
-    quant = (QuantizedTensor(key_upper, key_lower, key_scale, key_zero),
-             QuantizedTensor(value_upper, value_lower, value_scale, value_zero))
-    return rope_quant_decode_attention(query, key_new, value_new, cos, sin, key, value, rows, slots, scaling,
-                                       fp_length, quant, quant_length, group_size, int8, tickets)
-
-
-@static_rope_quant_decode.register_fake
-def _static_rope_quant_decode_shape(query, *args, **kwargs):
-    batch, heads, n, dim = query.shape
-    return query.new_empty(batch, n, heads, dim)
-
-
 def _quant_attention(module, query, layer, cache: StaticQuantCache, scale: float, rules: tuple):
     sliding, chunk, softcap, sinks = rules
     if (cache.kernels and all(r is None for r in rules) and _kernel_shape_ok(query, layer.keys.shape[1])

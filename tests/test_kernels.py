@@ -1444,76 +1444,6 @@ def test_the_rotary_embedding_and_cache_write_in_the_decode_kernel(case, dtype):
         assert int(tickets.count_nonzero()) == 0
 
 
-@torch.no_grad()
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("path,hq,hkv,length", [
-    ("dot", 8, 2, 4), ("dot", 4, 2, 1), ("vec", 4, 2, 1), ("vec-one-row", 2, 2, 1), ("gluon-route", 4, 2, 3)])
-def test_the_rotary_embedding_and_buffer_write_over_a_quantized_store(monkeypatch, path, hq, hkv, length, dtype):
-    """One launch over a quantized store's codes and its full-precision buffer that rotates the queries (in the
-    codes' programs too), writes the step's keys (rotated) and values to the buffer and attends equals the unfused
-    step (rotary embedding, indexed write, float32 reference over the dequantized codes and the buffer): two rows, one
-    without codes, both views, every quantized path of the Triton kernel; where the Gluon kernel would read the codes
-    (``gluon-route``) the launch rotates and writes first. Tickets end zero."""
-    from hf_sparsekv.caches.static import StaticQuantCache
-    from hf_sparsekv.kernels import decode_core, rope_attention
-    from hf_sparsekv.kernels.rope_attention import rope_quant_decode_attention, rope_quant_decode_attention_reference
-
-    g, cap, batch, dim = 32, 128, 2, 64
-    quantized, buffered = [96, 0], [length + 37, length + 5]  # each row's buffer: its last `length` slots the step's
-    gen = torch.Generator().manual_seed(hq * 10 + length)
-
-    def rand(*shape):
-        return torch.randn(*shape, generator=gen).to(DEVICE, dtype)
-
-    store = StaticQuantCache(g, cap, 16, 1, hkv, dim, dtype, DEVICE, batch=batch)
-    layer = store.layers[0]
-    for b in range(batch):
-        quantize_into(layer.qkeys, layer.qvalues, b, rand(1, hkv, cap, dim), rand(1, hkv, cap, dim), 0, g)
-    layer.keys.copy_(rand(*layer.keys.shape))
-    layer.values.copy_(rand(*layer.values.shape))
-    query = rand(batch, length, hq, dim).transpose(1, 2)
-    key_new, value_new = (rand(batch, length, hkv, dim).transpose(1, 2) for _ in range(2))
-    positions = (torch.tensor(quantized)[:, None] + torch.tensor(buffered)[:, None] - length
-                 + torch.arange(length)[None]).to(DEVICE)
-    angles = positions[..., None].float() * (1.0 / 10000 ** (torch.arange(0, dim, 2, device=DEVICE) / dim))
-    emb = torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
-    rows = torch.arange(batch, device=DEVICE)[:, None]
-    slots = torch.tensor(buffered, device=DEVICE)[:, None] - length + torch.arange(length, device=DEVICE)[None]
-    fp_length = torch.tensor(buffered, dtype=torch.int32, device=DEVICE)
-    quant_length = torch.tensor(quantized, dtype=torch.int32, device=DEVICE)
-    quant = (layer.qkeys, layer.qvalues)
-    settings = {"dot": dict(kernel="triton", path="dot", dot_min_split=32),
-                "vec": dict(kernel="triton", path="vec", vec_max_rows=4, min_split=32),
-                "vec-one-row": dict(kernel="triton", path="vec", vec_max_rows=1, min_split=32),
-                "gluon-route": dict(kernel="triton", path="dot")}[path]
-    if path == "gluon-route":  # as if the Gluon kernel took these codes (the launch itself then runs Triton's)
-        monkeypatch.setattr(rope_attention, "gluon_takes", lambda *args: True)
-    tol = 1e-4 if dtype == torch.float32 else TOL
-    for int8 in (True, False):
-        buffers = (layer.keys.clone(), layer.values.clone())
-        ref_buffers = (layer.keys.clone(), layer.values.clone())
-        tickets = torch.zeros(batch * hkv * 16, dtype=torch.int32, device=DEVICE)
-        with decode_core.quant_config(**settings):
-            out = rope_quant_decode_attention(query, key_new, value_new, cos, sin, *buffers, rows, slots, dim ** -0.5,
-                                              fp_length, quant, quant_length, g, int8, tickets)
-        want = rope_quant_decode_attention_reference(query, key_new, value_new, cos, sin, *ref_buffers, rows, slots,
-                                                     dim ** -0.5, fp_length, quant, quant_length, g, int8)
-        assert out.shape == want.shape == (batch, length, hq, dim)
-        for got, expect in zip(buffers, ref_buffers):
-            torch.testing.assert_close(got.float(), expect.float(), rtol=tol, atol=tol)
-        assert _rel(out, want) < tol, (path, int8, _rel(out, want))
-        assert int(tickets.count_nonzero()) == 0
-    if path == "dot":  # the custom op a compiled step calls: its schema (the buffers it writes) and shape function
-        from hf_sparsekv.static_attention import static_rope_quant_decode
-
-        qk, qv = quant
-        torch.library.opcheck(static_rope_quant_decode, (
-            query, key_new, value_new, cos, sin, layer.keys.clone(), layer.values.clone(), rows, slots, qk.upper,
-            qk.lower, qk.scale, qk.zero, qv.upper, qv.lower, qv.scale, qv.zero, fp_length, quant_length, g, True,
-            dim ** -0.5), test_utils=("test_schema", "test_faketensor"))
-
-
 def _counted_rotary_rewrites(monkeypatch) -> list[int]:
     """The number of attention calls :func:`fuse_rotary_writes` rewrites in each step compiled from here on (dynamo
     reset first: the steps are compiled here, not another test's compiled code replayed)."""
@@ -1622,35 +1552,6 @@ def test_compiled_steps_fold_the_rotary_embedding_into_the_attention(monkeypatch
     static_engine.release_engines()
     before = len(counts)
     assert torch.equal(model.generate(prompts[0], max_new_tokens=8, do_sample=False, static_engine=True), want[0])
-    assert len(counts) == before
-
-
-@torch.no_grad()
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_compiled_int4_steps_fold_the_rotary_embedding_into_the_quantized_attention(monkeypatch, compiled_steps,
-                                                                                     arch):
-    """Self-speculation on the quantized store with compiled steps: the steps call ``static_rope_quant_decode`` in
-    both layers (the drafts on the INT4 view, the verification on the INT8 view), and generate() gives greedy's
-    tokens on the same quantized cache; with ``HF_SPARSEKV_FUSED_ROTARY=0`` the steps keep ``static_quant_decode``
-    and give the same tokens."""
-    from hf_sparsekv.generation import engine as static_engine
-
-    monkeypatch.setenv("HF_SPARSEKV_GRAPHS", "1")
-    model = _tiny_arch(arch)
-    prompt = torch.randint(3, 96, (1, 70), generator=torch.Generator().manual_seed(6)).to(DEVICE)
-    with runtime.use_kernels(False):
-        want = model.generate(prompt, max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                              past_key_values=HierarchicalQuantCache(group_size=16))
-    counts = _counted_rotary_rewrites(monkeypatch)
-    kwargs = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, assistant_model=model,
-                  num_assistant_tokens=3)
-    out = model.generate(prompt, draft_cache=HierarchicalQuantCache(group_size=16), **kwargs)
-    assert torch.equal(out, want)
-    assert counts and min(counts) == max(counts) == 2, counts
-    monkeypatch.setenv("HF_SPARSEKV_FUSED_ROTARY", "0")
-    static_engine.release_engines()
-    before = len(counts)
-    assert torch.equal(model.generate(prompt, draft_cache=HierarchicalQuantCache(group_size=16), **kwargs), want)
     assert len(counts) == before
 
 

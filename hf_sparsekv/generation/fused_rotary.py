@@ -11,8 +11,7 @@ and every model whose attention calls transformers' ``apply_rotary_pos_emb``)::
 
 into ``out = hf_sparsekv.static_rope_decode(q, k, v, cos, sin, keys, values, rows, slots, length, scaling, tree,
 tickets)``, which writes the buffers itself; a sink+window ring's ``static_window_decode`` (no tree) likewise into
-``static_rope_window_decode``, and a quantized store's ``static_quant_decode`` (whose buffers are the store's
-full-precision ones, its codes read alike) into ``static_rope_quant_decode``. It applies only where each of these values is read by the next alone
+``static_rope_window_decode``. It applies only where each of these values is read by the next alone
 and the buffers by the write and the attention alone (a self-drafting step, which also writes its companion cache,
 stays as it is), with the rotary embedding over the whole head (no partial rotary, no interleaved pairs).
 """
@@ -27,7 +26,6 @@ from .projection_groups import _call, _method, _recompiled, _value
 
 _DECODE = torch.ops.hf_sparsekv.static_decode.default
 _WINDOW_DECODE = torch.ops.hf_sparsekv.static_window_decode.default
-_QUANT_DECODE = torch.ops.hf_sparsekv.static_quant_decode.default
 
 
 def _arg(node: torch.fx.Node, index: int, name: str, default=None):
@@ -103,9 +101,8 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
     """Rewrite ``gm`` in place (see the module docstring); the number of attention calls rewritten."""
     rewritten = 0
     for decode in list(gm.graph.nodes):
-        ring, quant = _call(decode, _WINDOW_DECODE), _call(decode, _QUANT_DECODE)
-        if not (ring or quant or _call(decode, _DECODE)) or decode.kwargs or (
-                ring and _arg(decode, 9, "tree") is not None):
+        ring = _call(decode, _WINDOW_DECODE)
+        if not (ring or _call(decode, _DECODE)) or decode.kwargs or (ring and _arg(decode, 9, "tree") is not None):
             continue
         query, keys, values = decode.args[:3]
         rotated_query = _rotary(query)
@@ -125,9 +122,6 @@ def fuse_rotary_writes(gm: torch.fx.GraphModule) -> int:
         if ring:  # (length, slot_positions, query_positions, sink, window, scaling), tickets, chunk
             call = (torch.ops.hf_sparsekv.static_rope_window_decode.default,
                     inputs + tuple(decode.args[3:9]) + (_arg(decode, 10, "tickets"), _arg(decode, 11, "chunk", 0)))
-        elif quant:  # (8 code tensors, fp_length, quant_length, group_size, int8, scaling), tickets
-            call = (torch.ops.hf_sparsekv.static_rope_quant_decode.default,
-                    inputs + tuple(decode.args[3:16]) + (_arg(decode, 16, "tickets"),))
         else:  # (length, scaling), tree, tickets
             call = (torch.ops.hf_sparsekv.static_rope_decode.default,
                     inputs + tuple(decode.args[3:5]) + (_arg(decode, 5, "tree"), _arg(decode, 6, "tickets")))

@@ -230,29 +230,12 @@ def _head_bases(KU, KL, VU, VL, KS, KZ, VS, VZ, kvh, stride_kuh, stride_vuh, str
             KS + kvh * stride_ksh, KZ + kvh * stride_ksh, VS + kvh * stride_vsh, VZ + kvh * stride_vsh)
 
 @triton.jit
-def _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even, CS, SN, stride_cb, stride_cl, row,
-                  ROPE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """The query rows' even and odd channels ``[M, D/2]`` in float32 (masked rows read 0). ROPE: ``Q`` holds the
-    queries before the rotary embedding, applied here as :func:`_rotated` applies it (``CS/SN [B, L, D]``, rows
-    ``qi`` of batch row ``row``) and rounded to ``Q``'s dtype, as the full-precision segment's programs see them."""
+def _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even):
+    """The query rows' even and odd channels ``[M, D/2]`` in float32 (masked rows read 0)."""
     q_rows = Q + q_head[:, None] * stride_qh + qi[:, None] * stride_ql
     q_e = tl.load(q_rows + even[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
     q_o = tl.load(q_rows + even[None, :] + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
-    if ROPE:
-        cos_e, sin_e = _angles(CS, SN, row, qi, stride_cb, stride_cl, row_ok, even)
-        cos_o, sin_o = _angles(CS, SN, row, qi, stride_cb, stride_cl, row_ok, even + 1)
-        q_e = _rotated_channels(q_rows, q_e, even, row_ok, cos_e, sin_e, HEAD_DIM).to(Q.dtype.element_ty)
-        q_o = _rotated_channels(q_rows, q_o, even + 1, row_ok, cos_o, sin_o, HEAD_DIM).to(Q.dtype.element_ty)
-        q_e, q_o = q_e.to(tl.float32), q_o.to(tl.float32)
     return q_e, q_o
-
-@triton.jit
-def _rotated_channels(rows, x, c, row_ok, cos, sin, HEAD_DIM: tl.constexpr):
-    """Channels ``c [C]`` of rows ``rows [M, 1]`` (their values ``x [M, C]`` float32) after the rotary embedding:
-    ``x * cos + rotate_half(x)[c] * sin``, ``rotate_half(x)[c] = -x[c + D/2]`` below D/2, ``x[c - D/2]`` from it."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    pair = tl.load(rows + ((c + HALF) % HEAD_DIM)[None, :], mask=row_ok[:, None], other=0.0).to(tl.float32)
-    return x * cos + tl.where((c < HALF)[None, :], -pair, pair) * sin
 
 @triton.jit
 def _key_group_scales(ks_base, kz_base, g, stride_ksg, even):
@@ -364,10 +347,9 @@ def _quant_part(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
     T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-    CS, SN, stride_cb, stride_cl, row,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr,
     INT8: tl.constexpr, FINAL: tl.constexpr, DOT_PREC: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    TRANS_LOAD: tl.constexpr, ASM_CODES: tl.constexpr, ROPE: tl.constexpr,
+    TRANS_LOAD: tl.constexpr, ASM_CODES: tl.constexpr,
 ):
     HALF: tl.constexpr = HEAD_DIM // 2
     if INT8:
@@ -393,8 +375,7 @@ def _quant_part(
     ODD: tl.constexpr = 1.0 if HALF_CODES else 16.0
     half = tl.arange(0, HALF)
     even = 2 * half
-    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even, CS, SN, stride_cb, stride_cl, row,
-                             ROPE, HEAD_DIM)
+    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -519,9 +500,8 @@ def _quant_part_vec1(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
     T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
-    CS, SN, stride_cb, stride_cl, row,
     HEAD_DIM: tl.constexpr, QBLOCK_N: tl.constexpr, KEY_GROUP: tl.constexpr, INT8: tl.constexpr,
-    FINAL: tl.constexpr, PREFETCH: tl.constexpr, ACC_ROWS: tl.constexpr, ROPE: tl.constexpr,
+    FINAL: tl.constexpr, PREFETCH: tl.constexpr, ACC_ROWS: tl.constexpr,
 ):
     """:func:`_quant_part_vec` for one query row per KV head (no GQA, one query token): vectors and scalars only,
     so every tensor of a block shares the code tile's layout (no layout conversions in the loop). The value sums stay
@@ -540,15 +520,9 @@ def _quant_part_vec1(
         ZOFF: tl.constexpr = 0.0
     half = tl.arange(0, HALF)
     even = 2 * half
-    if ROPE:  # through the rows' loader ([1, D/2]), then as vectors
-        one = tl.zeros([1], tl.int32)
-        q_e, q_o = _query_halves(Q, stride_qh, 0, kvh + one, one, one == 0, even, CS, SN, stride_cb, stride_cl, row,
-                                 ROPE, HEAD_DIM)
-        q_e, q_o = tl.sum(q_e, 0), tl.sum(q_o, 0)
-    else:
-        q_ptr = Q + kvh * stride_qh
-        q_e = tl.load(q_ptr + even).to(tl.float32)
-        q_o = tl.load(q_ptr + even + 1).to(tl.float32)
+    q_ptr = Q + kvh * stride_qh
+    q_e = tl.load(q_ptr + even).to(tl.float32)
+    q_o = tl.load(q_ptr + even + 1).to(tl.float32)
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.max(tl.full([2], -1.0e30, tl.float32), 0)
@@ -627,9 +601,8 @@ def _quant_part_vec(
     VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
     T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, L, MAGIC,
     OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol, stride_oh,
-    CS, SN, stride_cb, stride_cl, row,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, VEC_M: tl.constexpr, QBLOCK_N: tl.constexpr,
-    KEY_GROUP: tl.constexpr, INT8: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr, ROPE: tl.constexpr,
+    KEY_GROUP: tl.constexpr, INT8: tl.constexpr, FINAL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """The quantized segment without tensor cores, for few query rows per KV head (``VEC_M`` <= 4, a power of two):
     everything stays in registers, dots are broadcast multiplies + sums (over channels for the scores, over tokens
@@ -648,8 +621,7 @@ def _quant_part_vec(
     q_head = kvh * GROUP + rows // L
     half = tl.arange(0, HALF)
     even = 2 * half
-    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even, CS, SN, stride_cb, stride_cl, row,
-                             ROPE, HEAD_DIM)
+    q_e, q_o = _query_halves(Q, stride_qh, stride_ql, q_head, qi, row_ok, even)
     start = pid_s * QSPLIT_TOKENS
     end = tl.minimum(start + QSPLIT_TOKENS, T_Q)
     m_i = tl.full([VEC_M], -1.0e30, tl.float32)
@@ -809,23 +781,20 @@ def decode_split_kernel(
                                  VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
                                  T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, MAGIC,
                                  OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_oh,
-                                 CS, SN, stride_cb, stride_cl, row,
-                                 HEAD_DIM, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH, ACC_ROWS, ROPE)
+                                 HEAD_DIM, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH, ACC_ROWS)
             elif VEC_M > 0:  # constexpr: only one of the two quantized paths is compiled into a kernel
                 _quant_part_vec(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh,
                                 stride_ksg, VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
                                 T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, L, MAGIC,
                                 OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
-                                stride_oh, CS, SN, stride_cb, stride_cl, row,
-                                GROUP, HEAD_DIM, VEC_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH, ROPE)
+                                stride_oh, GROUP, HEAD_DIM, VEC_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, PREFETCH)
             else:
                 _quant_part(Q, stride_qh, stride_ql, KU, KL, stride_kuh, stride_kun, KS, KZ, stride_ksh, stride_ksg,
                             VU, VL, stride_vuh, stride_vun, VS, VZ, stride_vsh, stride_vsn,
                             T_Q, QSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi, MAGIC,
                             OP, LP, stride_oph, stride_ops, stride_opm, stride_lph, stride_lps, O, stride_ol,
-                            stride_oh, CS, SN, stride_cb, stride_cl, row,
-                            HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
-                            TRANS_LOAD, ASM_CODES, ROPE)
+                            stride_oh, HEAD_DIM, BLOCK_M, QBLOCK_N, KEY_GROUP, INT8, FINAL, DOT_PREC, DOT_DTYPE,
+                            TRANS_LOAD, ASM_CODES)
         else:
             _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                      pid_s - N_QSPLITS, FSPLIT_TOKENS, scale_log2, pid_s, kvh, rows, row_ok, q_head, qi,
@@ -833,7 +802,7 @@ def decode_split_kernel(
                      SP, QP, SINK, WINDOW, CHUNK, TB,
                      KN, VN, stride_knb, stride_knh, stride_knl, stride_vnb, stride_vnh, stride_vnl, CS, SN,
                      stride_cb, stride_cl, SL, stride_slb, RW, row, ROW_HEADS,
-                     HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, ROPE, BLOCK_L)
+                     HEAD_DIM, BLOCK_M, BLOCK_N, FINAL, DOT_PREC, DOT_DTYPE, BY_POSITION, TREE, False, BLOCK_L)
     else:
         _fp_part(Q, stride_qh, stride_ql, K, V, stride_kh, stride_kn, stride_vh, stride_vn, S_FP, L,
                  pid_s, FSPLIT_TOKENS, scale_log2, pid_s + SPLIT_BASE, kvh, rows, row_ok, q_head, qi,

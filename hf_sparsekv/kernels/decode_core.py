@@ -359,10 +359,8 @@ def launch_decode(
     last program of each row block merges the splits (one launch, not two) where they fit ``merge_tiles`` tiles; the
     kernel leaves them zero.
 
-    ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``tree`` with ``positions``, no
-    quantized segment the Gluon kernel reads, :func:`gluon_takes`): the step's rotary embedding and cache write in
-    the same launch, ``k/v`` the full-precision segment (a quantized store's buffer; its codes' programs rotate the
-    queries alike). ``q`` is then the queries before
+    ``rope = (key_new, value_new, cos, sin, slots, rows)`` (needs ``fp_length``; no ``quant``, nor ``tree`` with
+    ``positions``): the step's rotary embedding and cache write in the same launch. ``q`` is then the queries before
     the rotary embedding, ``key_new/value_new [B, Hkv, L, D]`` the projections' keys (before it) and values,
     ``cos/sin [B, L, D]`` transformers' position embeddings (any strides, channels contiguous), ``slots [B, L]`` and
     ``rows [B]`` (int64) where the keys (rotated) and values go in ``k/v``: row ``rows[b]``, slots ``slots[b]`` (what
@@ -388,10 +386,8 @@ def launch_decode(
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("query/key/value must be contiguous in the last (head_dim) dimension")
     qcfg = QUANT_CONFIG
-    gluon = gluon_takes(q, hkv, quant, group_size)
-    if gluon and rope is not None:
-        raise ValueError("the Gluon kernel reads this quantized segment, and it takes no rope: rotate the queries and "
-                         "write the step's keys first (rope_attention.rope_quant_decode_attention)")
+    gluon = (quant is not None and qcfg["kernel"] == "gluon"
+             and hkv * quant[0].upper.shape[-2] * d >= qcfg["gluon_min_work"] and quant_gluon.usable(q, d, group_size))
     # Beside the Gluon kernel the full-precision segment is a launch of its own over the short buffer: one block per
     # program where that reaches programs_per_sm, so its few programs each wait on memory once.
     fsplit = _split_tokens(s_fp, hkv, block_n, device, fp_min_split or fcfg["min_split"], fcfg["programs_per_sm"],
@@ -456,16 +452,6 @@ def launch_decode(
     return out.unsqueeze(0)
 
 
-def gluon_takes(q: torch.Tensor, kv_heads: int, quant: tuple | None, group_size: int) -> bool:
-    """Whether the Gluon kernel (:mod:`.quant_gluon`) reads the quantized segment ``quant`` of a launch of ``q``
-    over ``kv_heads`` KV heads (a batch's rows folded in): ``QUANT_CONFIG["kernel"]``, ``gluon_min_work`` and what
-    the GPU and Triton take."""
-    d = q.shape[-1]
-    return (quant is not None and QUANT_CONFIG["kernel"] == "gluon"
-            and kv_heads * quant[0].upper.shape[-2] * d >= QUANT_CONFIG["gluon_min_work"]
-            and quant_gluon.usable(q, d, group_size))
-
-
 def _tiles(q: torch.Tensor, rows: int, quantized: bool, fcfg: dict) -> tuple[int, int]:
     """``(BLOCK_M, BLOCK_N)``: query rows per program (without a quantized segment, more rows than one tile take
     several programs per split) and full-precision tokens per loop step."""
@@ -484,8 +470,8 @@ def _tiles(q: torch.Tensor, rows: int, quantized: bool, fcfg: dict) -> tuple[int
 def _checked_launch(q, quant, fp_length, quant_length, positions, tree, rope) -> torch.Tensor | None:
     """:func:`launch_decode`'s arguments checked together; its ``tree`` as ``[B or 1, L]`` (one row of bits: every
     row's)."""
-    if rope is not None and (fp_length is None or (positions is not None and tree is not None)):
-        raise ValueError("rope needs fp_length (lengths on the device), and no tree on a ring")
+    if rope is not None and (fp_length is None or quant is not None or (positions is not None and tree is not None)):
+        raise ValueError("rope needs fp_length (lengths on the device), no quantized segment, and no tree on a ring")
     if tree is not None:
         if tree.dtype != torch.int64 or tree.shape[-1] != q.shape[2] or tree.dim() > 2 or (
                 tree.dim() == 2 and tree.shape[0] not in (1, q.shape[0] if fp_length is None else fp_length.numel())):
