@@ -231,6 +231,11 @@ bench-quant-kernels: $(STAMP)
 bench-linear: $(STAMP)
 	$(PY) benchmarks/linear_kernels.py --out runs/linear-kernels $(ARGS)
 
+# The quantized store's decode launches at the bundled verifier's shape under split/merge settings: a captured step of
+# 12 launches per setting, step kind and context (CUDA, under a minute).
+bench-quant-splits: $(STAMP)
+	$(PY) benchmarks/quant_splits.py --out runs/quant-splits $(ARGS)
+
 # Each captured step of the bundled pair at 16K (AR, a chunk engine's verification and draft steps of γ 3), kernel by
 # kernel in launch order with the gaps between them, from one profiled replay (CUDA, ~1 minute).
 bench-step-kernels: $(STAMP)

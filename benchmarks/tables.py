@@ -39,9 +39,12 @@ RUNS = {
     "never-slower": [f"never-slower-h200-2026-12-05/never-slower-{k}-2832b96.json" for k in ("16k", "4k")],
     "queued-drafts": ["never-slower-h200-2026-12-05/queue-16k-2832b96.json"],
     "never-slower-h100": ["never-slower-h100-2026-12-05/never-slower-16k-f1284f4.json",
-                          "never-slower-h100-2026-12-05/int4-lookup-16k-4ce9de2.json"],
-    "busy-host": ["never-slower-h100-2026-12-05/busy16-16k-4ce9de2.json"],
+                          "never-slower-h100-2026-12-05/int4-lookup-16k-4ce9de2.json",
+                          "never-slower-h100-2026-12-05/int4-16k-88016e8.json"],
+    "busy-host": ["never-slower-h100-2026-12-05/busy16-16k-88016e8.json",
+                  "never-slower-h100-2026-12-05/busy16-16k-4ce9de2.json"],
     "window-prefill": ["window-prefill-cpu-2026-12-05/results.json"],
+    "quant-splits": "quant-splits-h100-2026-12-05/quant_splits.json",
     "routed": "routed-h100-2026-11-27/results.json",
     "bundled-16k": ["tree-kernel-h100-2026-11-27/bundled-16k.json", "lookup-w4-h100-2026-11-26/graph-engine-16k.json"],
     "batches": [f"batch-int4-h100-2026-11-25/b{b}/results.json" for b in (1, 4, 16, 64)],
@@ -72,6 +75,7 @@ TABLES = {
     "never-slower-h100": dict(kind="per_document", files=RUNS["never-slower-h100"]),
     "busy-host": dict(kind="per_document", files=RUNS["busy-host"]),
     "window-prefill": dict(kind="window_prefill", files=RUNS["window-prefill"]),
+    "quant-splits": dict(kind="quant_splits", files=[RUNS["quant-splits"]]),
     "controller-cpu": dict(kind="controller_cpu", files=RUNS["controller-cpu"]),
     "bundled-16k": dict(kind="e2e", files=RUNS["bundled-16k"]),
     "batches": dict(kind="e2e", files=RUNS["batches"]),
@@ -177,6 +181,19 @@ def _e2e_settings(data: dict) -> str:
     keys = ("contexts", "docs", "repeats", "new_tokens", "compile", "busy")
     opts = " ".join(f"--{k.replace('_', '-')} {s[k]}" for k in keys if s.get(k) not in (None, 0))
     return f"`{s.get('script', 'graph_engine.py')} {opts}`, prefill included, median"
+
+
+def quant_splits(spec: dict, results: Path) -> str:
+    """A quant_splits.py run: µs of a step's 12 captured quantized-store launches under each split/merge setting (one
+    column each), by context and step kind."""
+    name = spec["files"][0]
+    d = _load(name, results)
+    settings = list(dict.fromkeys(r["setting"] for r in d["rows"]))
+    us = {(r["context"], r["step"], r["setting"]): r["us_12_launches"] for r in d["rows"]}
+    lines = _head("context", "step", *[f"`{s}` (µs)" for s in settings])
+    for context, step in dict.fromkeys((r["context"], r["step"]) for r in d["rows"]):
+        lines.append(_row([_k(context), step, *[_num(us.get((context, step, s)), 1) for s in settings]]))
+    return "\n".join(lines + ["", _source(name, d, "`quant_splits.py`, median of 300 replays of 12 launches")])
 
 
 # --- one function per kind: (spec, results folder) -> markdown -------------------------------------------------
@@ -492,7 +509,8 @@ def window_prefill(spec: dict, results: Path) -> str:
 
 KINDS = dict(controller_cpu=controller_cpu, window_prefill=window_prefill, lifecycle=lifecycle, lifecycle_later=lifecycle_later,
              lifecycle_growth=lifecycle_growth, e2e=e2e, best_fixed=best_fixed, steps=steps,
-             headline=headline, acceptance=acceptance, drop_in=drop_in, per_document=per_document)
+             headline=headline, acceptance=acceptance, drop_in=drop_in, per_document=per_document,
+             quant_splits=quant_splits)
 MARKED = re.compile(r"<!-- table: (?P<name>[\w-]+) -->\n(?P<body>.*?)\n?<!-- end table -->", re.S)
 
 

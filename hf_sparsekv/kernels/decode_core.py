@@ -76,7 +76,11 @@ LOG2E = 1.4426950408889634
 #   3 % slower at 1024 (H100 sweep of 2026-11-25, benchmarks/results/kernels-quant-h100-2026-11-25/splits/). Without
 #   the fill, 1024-token splits left most SMs idle below 64K: the bundled verifier (2 KV heads) at 4K ran 6 programs
 #   on 132 SMs (61 µs per call against 10 µs with the fill; Llama-3 at 16K 61 -> 28 µs; 128K unchanged;
-#   benchmarks/results/kernels-quant-h100-2026-11-25b/);
+#   benchmarks/results/kernels-quant-h100-2026-11-25b/). Two programs per SM, not four: the bundled verifier's step
+#   of 12 launches at 16K (benchmarks/quant_splits.py, H100, 2026-12-05) took 169 / 124 / 171 µs (plain INT8, INT4
+#   draft, verification of 6) against 195 / 158 / 206 at four (264 splits of one block each, 132 at two; one program
+#   per SM lost, 251 µs plain); at 4K the split count is the same (one block each); the Triton route at Llama-3 shape
+#   (the Gluon kernel's where it cannot run) was not measured at two;
 # * trans_load ("dot"): code tiles loaded transposed ([D/2, N], the dot's right operand);
 # * prefetch ("vec"): the next block's codes are loaded before the current one is computed;
 # * asm_codes ("dot", compiled kernels): codes become float16/bfloat16 operands by inline PTX, four bytes per call
@@ -97,7 +101,7 @@ LOG2E = 1.4426950408889634
 QUANT_CONFIG = dict(
     kernel="gluon", gluon_int4=(64, 2), gluon_int8=(32, 3), gluon_min_split=512, gluon_per_sm=8,
     gluon_int4_rows16=None, gluon_int8_rows16=(16, 3), path="vec", qblock=64, num_warps=2, num_stages=3,
-    programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=4, trans_load=True, prefetch=False,
+    programs_per_sm=16, min_split=512, dot_min_split=1024, fill_per_sm=2, trans_load=True, prefetch=False,
     vec_max_rows=1, asm_codes=True, gluon_min_work=1 << 22,
 )
 # ``gluon_min_work``: the Gluon kernel takes the quantized segment only where KV heads x code capacity x head_dim
