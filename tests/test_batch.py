@@ -135,7 +135,8 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(arch, monkeypat
     ids, mask = left_padded(prompts)
     caps = []
     verify = static_engine.StaticEngine._verify
-    monkeypatch.setattr(static_engine.StaticEngine, "_verify", lambda self: (caps.append(self.cap.tolist()), verify(self))[1])
+    monkeypatch.setattr(static_engine.StaticEngine, "_verify",
+                        lambda self: (caps.append((self.cap.tolist(), list(self.caps_held))), verify(self))[1])
     out = verifier.generate(ids, attention_mask=mask, assistant_model=verifier, num_assistant_tokens=5,
                             draft_cache=hf_sparsekv.HierarchicalQuantCache(group_size=16), max_new_tokens=40)
     _check_engine(verifier, len(prompts))
@@ -145,7 +146,8 @@ def test_int4_rows_cross_quantization_points_at_their_own_rounds(arch, monkeypat
         for p in prompts
     ]
     _assert_rows(out, prompts, references, ids.shape[1])
-    assert any(min(c) < 5 and max(c) == 5 for c in caps)  # one row's cap cut its block, another drafted in full
+    assert any(min(c) < 5 and max(c) == 5 for c, _ in caps)  # one row's cap cut its block, another drafted in full
+    assert all(c == held for c, held in caps)  # a round copies its caps only where they changed: none is stale
 
 
 def test_a_draft_cache_instance_serves_every_row():

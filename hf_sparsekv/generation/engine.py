@@ -235,6 +235,13 @@ class StaticEngine:
         self.lagging = spec.adaptive and drafter is not None and spec.mode in ("chunk", "window", "full")
         return slack
 
+    def set_caps(self, caps: list[int]) -> None:
+        """int4: each row's most drafts kept this round into ``cap``, copied to the device only where they differ from
+        what it holds (most rounds keep the last round's)."""
+        if caps != self.caps_held:
+            self.cap.copy_(torch.tensor(caps), non_blocking=True)
+            self.caps_held = caps
+
     def _allocate_caches(self, verifier, drafter, slack: int, warpers) -> None:
         """The verifier's cache and the drafter's (one quantized store for int4 self-speculation)."""
         spec = self.spec
@@ -248,6 +255,7 @@ class StaticEngine:
                                                    layer_devices(verifier))
             self.drafter_cache = self.verifier_cache
             self.cap = torch.full((spec.batch,), gamma, dtype=torch.long, device=device)
+            self.caps_held = [gamma] * spec.batch  # what ``cap`` holds (only :meth:`set_caps` writes it)
         else:
             self.verifier_cache = StaticFullCache(*_attention_shape(verifier), self.max_tokens + slack, dtype, device,
                                                   spec.batch, layer_devices(verifier))

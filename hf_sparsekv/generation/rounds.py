@@ -310,7 +310,7 @@ class RowsDecoding:
         if not drafting and allowed > 0 and not (self.host or tree):
             steps = controller.plain_steps(min(QUEUED_BURST if queued else AR_STEPS_PER_SYNC, self.room_left()))
         if drafting and self.quant is not None:
-            engine.cap.copy_(torch.tensor([min(r - 1, width) for r in rooms]), non_blocking=True)
+            engine.set_caps([min(r - 1, width) for r in rooms])
         return _Round(width, tree, queued, steps, rooms)
 
     def draft(self, plan: _Round) -> None:
