@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 from pathlib import Path
 
 import torch
@@ -27,7 +26,7 @@ from hf_sparsekv.caches.static import StaticQuantCache
 from hf_sparsekv.kernels import decode_core
 from hf_sparsekv.static_attention import static_quant_decode
 
-from linear_kernels import captured
+from linear_kernels import captured, time_graphs
 from provenance import commit
 
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM, GROUP = 12, 2, 4, 64, 128  # the bundled verifier's attention
@@ -75,18 +74,6 @@ def captured_step(store: StaticQuantCache, context: int, quantized: int, queries
         return captured(step)
 
 
-def replay_us(graph: torch.cuda.CUDAGraph, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1000)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,4096")
@@ -102,7 +89,7 @@ def main() -> None:
         for step, (queries, int8) in STEPS.items():
             for name, settings in SETTINGS.items():
                 graph = captured_step(store, context, quantized, queries, int8, settings)
-                us = replay_us(graph, args.repeats)
+                us = time_graphs({name: graph}, args.repeats)[name] * 1000
                 rows.append(dict(context=context, step=step, setting=name, us_12_launches=us))
                 print(f"| {context} | {step} | {name} | {us:.1f} |", flush=True)
     out = Path(args.out)
