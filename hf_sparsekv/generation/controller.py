@@ -26,6 +26,11 @@ host work together, so nothing is synchronised for timing) and each live row's a
   price is corrected by the width's own samples; a pessimistic one would never be), but not below
   ``t0 (1 + VERIFY_COST g)`` (a verification of g + 1 tokens costs a forward and a little more per token: a drafter
   whose drafts are never accepted does not look free). ``t(g)`` is never below a plain step.
+  Load that comes and goes (a shared host) leaves a width sampled under it priced high, and the choice, weighing its
+  own samples, would never draft it again: so a width whose last sample is ``REPROBE`` rounds old is drafted once in
+  place of the best width where the other widths alone price it (a narrower width's time plus the slope) at a better
+  rate (at most one such round in ``REPROBE``), and a stale width's sample ``RENEW`` under its time drops the older
+  ones (noise only adds time: the load they held has passed), so it is measured afresh.
   The prior, before anything is measured: a round of g drafts costs ``t0 (1 + (draft_cost + VERIFY_COST) g)``, a
   verification of g + 1 tokens about one forward (on a CPU too) and each draft a drafting step, ``draft_cost`` plain
   steps (the round loop's :func:`~.rounds.draft_cost`: 0 for retrieval, a separate drafter's layers over the
@@ -113,6 +118,10 @@ PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay
 PREFILL_CALL_SHARE = 0.02  # ... which it pays only in a call whose plain steps left take 1 / this of that prefill
 CHECK_PLAIN = 2.0  # drafting that wins by less than this on a guessed plain step's time measures one first
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
+REPROBE = 16  # rounds after which a width's own samples are stale: it is drafted again where the narrower widths
+# price it above the best width (:meth:`DraftController._stale_width`); at most one such round in this many
+RENEW = 0.25  # a stale width's sample this much under its time drops the older ones: the load they held has passed
+# (noise only adds time), and the width is measured afresh (TRUST new samples) before its own time counts again
 CATCH_UP = -1  # the key of :attr:`DraftController.samples` holding the seconds of one catch-up step
 PREFILL = -2  # ... and the deferred drafter prefill's seconds per prompt token
 
@@ -175,6 +184,9 @@ class ControllerMemory:
     hits: list = None
     pooled: list = None
     plain_run: int = 0
+    rounds: int = 0  # rounds observed (a burst of plain steps counts each), over every call
+    sampled: dict = field(default_factory=dict)  # width -> :attr:`rounds` at its last time sample
+    reprobed: int = -REPROBE  # :attr:`rounds` at the last round that drafted a stale width
     calls: list = None  # per depth, then pooled: (trials, acceptances) decayed by LONG_DECAY, over every call
 
     def __post_init__(self):
@@ -363,6 +375,10 @@ class DraftController:
         if self.rate(best) > self.rate(0) and self.pays_back(best, remaining, self.deferred):
             if self._plain_guessed(best):
                 return 0  # (measured as the first plain steps are: :meth:`plain_steps`, :meth:`plain_ahead`)
+            stale = self._stale_width(best, options)
+            if stale is not None:
+                self.memory.reprobed = self.memory.rounds
+                return stale
             return best  # (from the first round where the prior, or what earlier calls measured, says it pays)
         if len(self.samples.get(0, ())) < TRUST:
             return 0  # plain steps win, not yet measured: TRUST samples of them (every choice is weighed against them)
@@ -379,6 +395,40 @@ class DraftController:
             until = self.plain_run + remaining + 1  # (due, but not in this call: the next that affords it)
         self._plain_until = until, self.seconds[0], cap
         return 0
+
+    def _stale_width(self, best: int, options: list[int]) -> int | None:
+        """A width to draft instead of ``best`` this round, to renew its own time: trusted, its last sample REPROBE
+        rounds old or more, and priced by the other drafting widths (:meth:`_bound_by_others`) at a rate above
+        ``best``'s (the best such); None where there is none or a stale width was drafted in the last REPROBE rounds.
+        Load that comes and goes leaves a width sampled under it priced high for good: the choice, weighing its own
+        samples, never drafts it again. Each such round costs at most the rate it loses once every REPROBE rounds."""
+        memory = self.memory
+        if memory.rounds - memory.reprobed < REPROBE:
+            return None
+        target, stale = self.rate(best), None
+        for w in options:
+            if w == best or len(self.samples.get(w, ())) < TRUST or not self._stale(w):
+                continue
+            rate = self.expected_tokens(w) / self._bound_by_others(w)
+            if rate > target:
+                target, stale = rate, w
+        return stale
+
+    def _stale(self, g: int) -> bool:
+        """Whether width ``g``'s last time sample is REPROBE rounds old or more."""
+        rounds = self.memory.rounds
+        return rounds - self.memory.sampled.get(g, rounds) >= REPROBE
+
+    def _bound_by_others(self, g: int) -> float:
+        """What width ``g``'s time is at most by the other measured drafting widths alone (a narrower width's time
+        plus the slope per extra draft, a wider width's time; with no narrower one, a plain step's plus the slope per
+        draft), at least t0 (1 + VERIFY_COST g)."""
+        self.round_seconds(g)  # (the basis)
+        t0, slope, _, _, drafting = self._basis_kept
+        bounds = [t + slope * (g - w) if w < g else t for w, t in drafting.items() if w != g]
+        if not any(w < g for w in drafting):
+            bounds.append(t0 + slope * g)
+        return max(min(bounds), t0 * (1.0 + VERIFY_COST * g))
 
     def _call_affords_prefill(self, remaining: int | None) -> bool:
         """Whether an exploration due now may pay the drafter's pending prefill (:attr:`deferred` prompt tokens, at
@@ -516,6 +566,7 @@ class DraftController:
             self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
         self._forget_derived()
+        self.memory.rounds += rounds
         if g == 0:
             self.plain_run += rounds
         else:
@@ -532,9 +583,12 @@ class DraftController:
 
     def _keep(self, key: int, seconds: float) -> None:
         kept = self.samples.setdefault(key, [])
+        if key > 0 and kept and seconds < (1.0 - RENEW) * low(kept) and self._stale(key):
+            kept.clear()  # (load that has passed: see :data:`RENEW`)
         kept.append(seconds)
         del kept[:-WINDOW]
         if key >= 0:
+            self.memory.sampled[key] = self.memory.rounds
             self.seconds[key] = low(kept)
             self._forget_derived()
 
