@@ -51,7 +51,7 @@ RUNS = {
     "steps-8b": "scale-h200-2026-12-02/scale/scale.json",
     "steps-8b-latest": "rope-h200-2026-12-03/scale-fused-c29746b.json",
     "drop-in": "chunk-selection-cpu/observe/real-8192.json",
-    "controller-cpu": [f"controller-cpu-2026-12-05/controller_cpu_load{n}{order}.json"
+    "controller-cpu": [f"controller-cpu-2026-12-05-0955f3e/controller_cpu_load{n}{order}.json"
                        for n in (0, 2) for order in ("", "_grouped")],
     "acceptance": ["real-cpu-fp32/results.json", "real-chunk-selection-cpu/observe512/results-4k.json",
                    "real-chunk-selection-cpu/observe512/results-8k.json"],
