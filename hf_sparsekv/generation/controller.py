@@ -118,7 +118,7 @@ PREFILL_EXPLORE_MAX = 8 * EXPLORE_MAX  # ... while an exploration would also pay
 PREFILL_CALL_SHARE = 0.02  # ... which it pays only in a call whose plain steps left take 1 / this of that prefill
 CHECK_PLAIN = 2.0  # drafting that wins by less than this on a guessed plain step's time measures one first
 PLAIN_DRIFT = 0.05  # a run of plain steps is decided again early once their time moves by more than this
-REPROBE = 16  # rounds after which a width's own samples are stale: it is drafted again where the narrower widths
+REPROBE = 16  # rounds after which a width's own samples are stale: it is drafted again where the other widths
 # price it above the best width (:meth:`DraftController._stale_width`); at most one such round in this many
 RENEW = 0.25  # a stale width's sample this much under its time drops the older ones: the load they held has passed
 # (noise only adds time), and the width is measured afresh (TRUST new samples) before its own time counts again
