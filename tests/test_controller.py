@@ -704,6 +704,63 @@ def test_drafts_queued_behind_a_verify_step_are_lossless_whatever_width_comes_ne
     assert kinds == ({2} if mode == "constant" else {0, 1, 2, 3}), seen
 
 
+@pytest.mark.parametrize("group", [16, 32])
+def test_int4_drafts_queued_behind_a_verify_step_are_greedy_on_the_int8_view(scripted, monkeypatch, group):
+    """int4 self-speculation queues the next round's drafts behind its verify step where every live row, whatever it
+    accepts, stays in the round's quantization state with room for them (:meth:`RowsDecoding.state_holds`): the next
+    round verifies them (or their first ones), drafts again, or steps plainly; the output is greedy AR on the store's
+    INT8 view, alone and in a batch of two lengths. No round queues drafts that would cross a quantization step."""
+    from hf_sparsekv import HierarchicalQuantCache
+
+    seen = _recording_queued_drafts(monkeypatch)
+    crossed = []
+    holds = rounds_module.RowsDecoding.state_holds
+
+    def checked(self, width):
+        held = holds(self, width)
+        for row, tokens in enumerate(self.tokens):
+            p, cap = len(tokens) - 1, self.engine.caps_held[row]
+            last = p + cap + 1 + width  # the furthest position the next round's drafts may reach
+            if held and not self.done[row] and self.quant.quantized_length(last) != self.quant.quantized_length(p):
+                crossed.append((row, p, cap, width))
+        return held
+
+    monkeypatch.setattr(rounds_module.RowsDecoding, "state_holds", checked)
+    monkeypatch.setattr(_Scripted, "SCRIPT", [3, 3, 3, 5, 2, 2, 0, 0, 4, 4, 1, 6, 6, 0, 3, 3])
+    verifier = tiny_model("llama")
+    ids = prompt(70, 9)
+    def call(**options):
+        static_engine.release_engines()  # (a fresh script)
+        return verifier.generate(ids, assistant_model=verifier, draft_cache=HierarchicalQuantCache(group_size=group),
+                                 max_new_tokens=80, do_sample=False, return_dict_in_generate=True, **options)
+
+    out = call()
+    reference = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=group), max_new_tokens=80,
+                                  do_sample=False)
+    assert torch.equal(out.sequences, reference)
+    kinds = {(w > 0) + (w == q) + 2 * (w > q) for q, w in seen}  # 0 plain, 1 fewer, 2 the same, 3 more
+    assert kinds == {0, 1, 2, 3}, seen
+    monkeypatch.setattr(rounds_module, "QUEUE_DRAFTS", False)  # the same rounds, each drafting after the host's read:
+    unqueued = call()  # the same drafts (queued ones ran in the state they would have run in), so as many accepted
+    monkeypatch.setattr(rounds_module, "QUEUE_DRAFTS", True)
+    assert out.spec_stats.width_rounds == unqueued.spec_stats.width_rounds
+    assert (out.spec_stats.drafted, out.spec_stats.accepted) == (unqueued.spec_stats.drafted,
+                                                                 unqueued.spec_stats.accepted)
+    a, b = prompt(37, 10), prompt(58, 11)
+    batch = torch.cat([torch.cat([torch.zeros(1, 21, dtype=a.dtype), a], 1), b])
+    mask = torch.cat([torch.cat([torch.zeros(1, 21), torch.ones(1, 37)], 1), torch.ones(1, 58)]).long()
+    queued = len(seen)
+    out = verifier.generate(batch, attention_mask=mask, assistant_model=verifier, max_new_tokens=60, do_sample=False,
+                            draft_cache=HierarchicalQuantCache(group_size=group))
+    assert len(seen) > queued
+    for row, ids in enumerate((a, b)):
+        alone = verifier.generate(ids, past_key_values=HierarchicalQuantCache(group_size=group), max_new_tokens=60,
+                                  do_sample=False)
+        new = alone[0, ids.shape[1]:]
+        assert torch.equal(out[row, batch.shape[1] : batch.shape[1] + new.numel()], new), row
+    assert not crossed, crossed
+
+
 def test_a_cpu_queues_no_drafts_by_default(monkeypatch):
     """On a CPU each step runs as it is called: by default no round queues the next round's drafts."""
     queued = []

@@ -214,12 +214,12 @@ class RowsDecoding:
         self.outputs = [RowOutput(r.keep_scores) for r in rules]
         fixed = 0 if engine.spec.mode == "ar" else None if engine.spec.adaptive else gamma  # "ar": no round drafts
         self.lagging = engine.lagging
-        # a separate drafter's chain (the controller's or a constant γ): the next drafts queued behind a verify step
+        # a separate drafter's chain (the controller's or a constant γ), or int4 self-speculation's: the next drafts
+        # queued behind a verify step
         queue = QUEUE_DRAFTS is True or (QUEUE_DRAFTS == "cuda" and self.device.type == "cuda"
                                          and os.environ.get(QUEUE_DRAFTS_ENV, "1") != "0")
         self.queues = queue and engine.drafter is not None and not engine.self_drafting and not (
-            self.host or self.lookup or self.beside or self.always_tree or self.quant is not None
-            or self.drafter_store is not None)
+            self.host or self.lookup or self.beside or self.always_tree or self.drafter_store is not None)
         self.queued_width = 0  # drafts queued for the next round (0: none)
         self.controller = DraftController(gamma, fixed, engine.controller_memory,
                                           (gamma,) if self.always_tree else None,
@@ -256,7 +256,8 @@ class RowsDecoding:
                                     drafter_tokens)
         if engine.spec.adaptive:
             captures_from = time.perf_counter()
-            engine.capture_widths(controller.widths, self.queues)
+            engine.capture_widths(controller.widths, self.queues and self.quant is None)  # (int4 queues its own
+            # draft steps: :meth:`queue_drafts`)
             self.capture_seconds = time.perf_counter() - captures_from
         controller.deferred = drafter_tokens if engine.drafter_deferred else 0
         if self.streamer is not None and streamed_prompt is not None:
@@ -376,7 +377,7 @@ class RowsDecoding:
             new = _Tokens(engine.seq, [len(t) for t in tokens], steps, done).read()
             return [(0, new[row], CHAIN) for row in range(self.rows)], each
         if (self.queues and plan.drafting and not tree and self.room_left() > width + 1
-                and self.controller.expects_to_draft(width)):
+                and self.controller.expects_to_draft(width) and (self.quant is None or self.state_holds(width))):
             on_its_way = _HostCopy(engine.report)
             self.queue_drafts(width)
             report = on_its_way.read()  # the round's one sync, for this round's report alone
@@ -391,14 +392,25 @@ class RowsDecoding:
         (the former the last draft of a round that accepted every draft, which the drafter never read; else a token
         it read, the same keys written again), every position read from the device. The next round verifies them
         where it drafts at most ``width`` (:meth:`draft`), and else drafts again (or steps plainly); either way the
-        drafter has then read every position before ``n - 1``."""
+        drafter has then read every position before ``n - 1``. int4 self-speculation's store already holds every
+        position before ``n - 1`` (the verify step wrote them): its queued drafts are a plain draft step, from
+        ``seq[n-1]``, where the quantization state holds (:meth:`state_holds`)."""
         timer = self.timer
         timer.mark("verify", False)
         timer.mark("draft", True)
-        self.fresh |= self.engine.run_step("queued_draft", width)
+        self.fresh |= self.engine.run_step("draft" if self.quant is not None else "queued_draft", width)
         timer.mark("draft", False)
         timer.mark("verify", True)
         self.queued_width = width
+
+    def state_holds(self, width: int) -> bool:
+        """int4 self-speculation, before the host reads this round's tokens: whether every live row, whatever this
+        round accepts (at most its cap), starts the next round in the quantization state this round ran in, with room
+        for ``width`` drafts, so that the next round's drafts may run now (nothing to quantize before them, and the
+        same caps). A row's next round starts at most cap + 1 positions on, where its room shrinks by as many."""
+        caps = self.engine.caps_held
+        return all(self.quant.room(len(tokens) - 1) >= caps[row] + width + 2
+                   for row, tokens in enumerate(self.tokens) if not self.done[row])
 
     def account(self, plan: _Round, rounds: list, each: list[float] | None) -> None:
         """Each live row's tokens and stats of the round, what its drafter must read next, and the round's cost to
