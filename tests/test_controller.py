@@ -1081,6 +1081,27 @@ def test_the_controller_defers_the_prefill_where_plain_steps_win_and_explores_le
     assert call.explore_every(best) > 3 * before
 
 
+def test_a_probe_that_would_pay_the_drafters_prefill_waits_for_a_call_that_affords_it():
+    """A useless drafter whose first probe (width 1) is measured: the next call defers the drafter's prefill, and its
+    probe of width 2 pays it; that prefill's cost is learnt although width 2 has no time of its own yet. A later
+    short call then decodes plainly instead of probing (the prefill would cost more than PREFILL_CALL_SHARE of its
+    plain steps); a long call probes. (Before, probes ignored a pending prefill: at 4K on an H100 two of three short
+    calls of a chunk drafter paid its prefill, 0.94x our AR.)"""
+    ctl = DraftController(8)
+    for _ in range(TRUST):
+        ctl.observe(0, [0], 1.0)
+    ctl.observe(1, [0], 1.3)
+    call = DraftController(8, memory=ctl.memory)
+    call.deferred = 1000
+    assert call.choose(remaining=500) == 2
+    call.observe(2, [0], call.round_seconds(2) + 50.0, 1, prefilled=1000)  # the prefill: 50 plain steps
+    assert 2 not in call.seconds and ctl.memory.samples[PREFILL] == [pytest.approx(0.05)]
+    short = DraftController(8, memory=ctl.memory)
+    short.deferred = 1000
+    assert short.choose(remaining=128) == 0
+    assert short.choose(remaining=100_000) == 2
+
+
 def _call(memory: ControllerMemory, accept_prob: float, seconds, new_tokens: int, prompt_tokens: int,
           rng: torch.Generator, tried: list) -> list[int]:
     """One ``generate()`` call as the round loop drives the controller: the drafter's prefill deferred where

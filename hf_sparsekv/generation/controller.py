@@ -384,8 +384,9 @@ class DraftController:
             return 0  # plain steps win, not yet measured: TRUST samples of them (every choice is weighed against them)
         probes = [w for w in self.widths[:2] if w not in self.seconds]
         if probes and sum(w > 0 for w in self.seconds) < 2:  # then the two narrowest widths, where the prior said
-            # no (the cost per draft, the first depths' acceptance; a drafter that cannot pay costs little there)
-            return probes[0] if probes[0] <= cap else 0
+            # no (the cost per draft, the first depths' acceptance; a drafter that cannot pay costs little there), in
+            # a call that affords the drafter's pending prefill, as an exploration
+            return probes[0] if probes[0] <= cap and self._call_affords_prefill(remaining) else 0
         # (else plain steps, explored now and then: acceptance learnt on other text may be stale)
         until = self.explore_every(best)
         if self.plain_run >= until:
@@ -556,13 +557,13 @@ class DraftController:
         which ran in this round (likewise)."""
         if seconds is not None and g > 0 and (prefilled or (self.plain_run > 0 and caught_up > 0)):
             t = self.round_seconds(g)
-            if g in self.seconds:
-                steps = math.ceil(caught_up / self.lag_block)  # the catch-up steps this round ran
-                if prefilled:
-                    excess = seconds - t - self._low(CATCH_UP) * steps
-                    self._keep(PREFILL, max(excess, 0.0) / prefilled)
-                else:
-                    self._keep(CATCH_UP, max(seconds - t, 0.0) / steps)
+            steps = math.ceil(caught_up / self.lag_block)  # the catch-up steps this round ran
+            if prefilled:  # (against the width's priced time where it is not measured yet: its bounds price it
+                # low, so the prefill's cost comes out high, never free)
+                excess = seconds - t - self._low(CATCH_UP) * steps
+                self._keep(PREFILL, max(excess, 0.0) / prefilled)
+            elif g in self.seconds:
+                self._keep(CATCH_UP, max(seconds - t, 0.0) / steps)
             self.again = g  # the next round drafts g again: a clean sample of its time
             seconds = None
         self._forget_derived()
