@@ -55,7 +55,8 @@ at the prior's costs and the acceptance over earlier calls (``PRIOR_ACCEPT`` at 
 cheap drafter that pays at that acceptance drafts at once. Where plain steps win there, they are measured first
 (``TRUST`` samples: every choice is weighed against them; queued as every plain run is, below), then the two
 narrowest widths are probed while fewer than two drafting widths are measured (a drafter that cannot pay costs
-little more than a plain step there; the prior may be wrong), then the choice, which tries a wider width as soon
+little more than a plain step there; the prior may be wrong; a probe that would pay the drafter's deferred prefill
+waits, as an exploration does, for a call that affords it), then the choice, which tries a wider width as soon
 as the model expects it to win. A drafter that drafts from the first round still has plain steps measured, as the
 first ones are (``TRUST`` samples, bursts queued: a plain step timed alone, its sync and host work included, costs
 twice its time in a run of them), once the width it drafts has its own time if drafting then wins by less than
