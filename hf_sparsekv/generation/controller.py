@@ -306,16 +306,17 @@ class DraftController:
         times[g] = t = max(t, t0)
         return t
 
-    def _bounds(self, g: int) -> list[float]:
+    def _bounds(self, g: int, own: bool = True) -> list[float]:
         """What an untrusted width ``g``'s time is at most, from the measured drafting widths' times: the line through
         the base widths (two or more; :func:`interpolated`), a narrower width's time plus the slope per extra draft
         (with neither it nor a narrower width measured, a plain step's plus the slope per draft), a wider width's time
         (more drafts never cost less), its own time so far. Noise only adds time, so one slow sample of one width moves
-        none of the others' bounds."""
+        none of the others' bounds. ``own=False``: by the other widths alone (no line, not its own time)."""
         t0, slope, base, known, drafting = self._basis_kept
-        bounds = [interpolated(base, g, known)] if len(known) >= 2 else []
-        bounds += [t + slope * (g - w) if w < g else t for w, t in drafting.items()]
-        if not any(w <= g for w in drafting):
+        others = drafting if own else {w: t for w, t in drafting.items() if w != g}
+        bounds = [interpolated(base, g, known)] if own and len(known) >= 2 else []
+        bounds += [t + slope * (g - w) if w < g else t for w, t in others.items()]
+        if not any(w <= g for w in others):
             bounds.append(t0 + slope * g)
         return bounds
 
@@ -422,15 +423,10 @@ class DraftController:
         return rounds - self.memory.sampled.get(g, rounds) >= REPROBE
 
     def _bound_by_others(self, g: int) -> float:
-        """What width ``g``'s time is at most by the other measured drafting widths alone (a narrower width's time
-        plus the slope per extra draft, a wider width's time; with no narrower one, a plain step's plus the slope per
-        draft), at least t0 (1 + VERIFY_COST g)."""
+        """What width ``g``'s time is at most by the other measured drafting widths alone (:meth:`_bounds` without
+        its own time), at least t0 (1 + VERIFY_COST g)."""
         self.round_seconds(g)  # (the basis)
-        t0, slope, _, _, drafting = self._basis_kept
-        bounds = [t + slope * (g - w) if w < g else t for w, t in drafting.items() if w != g]
-        if not any(w < g for w in drafting):
-            bounds.append(t0 + slope * g)
-        return max(min(bounds), t0 * (1.0 + VERIFY_COST * g))
+        return max(min(self._bounds(g, own=False)), self._basis_kept[0] * (1.0 + VERIFY_COST * g))
 
     def _call_affords_prefill(self, remaining: int | None) -> bool:
         """Whether an exploration due now may pay the drafter's pending prefill (:attr:`deferred` prompt tokens, at
