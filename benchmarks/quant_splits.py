@@ -6,8 +6,11 @@ The setting that matters here is the quantized segment's split count: ``QUANT_CO
 until the GPU holds that many programs per SM) and ``FP_CONFIG["merge_tiles"]`` (how many splits the kernel's last
 program merges itself instead of a second launch). Each step kind is timed: ``plain`` (one query, INT8 view),
 ``draft`` (one query, INT4 view), ``verify6`` (7 queries, INT8 view), at each context of ``--contexts`` (the store
-holding the context less a buffer's worth of tokens, its capacity 512 more). Time: the median over ``--repeats``
-replays of CUDA events around one replay, in µs for the 12 launches (capture and warm-ups outside).
+holding the context less a buffer's worth of tokens, its capacity 512 more), beside ``ar``: our AR's attention launch
+(``hf_sparsekv::static_decode``, one query over a bfloat16 buffer of the whole context, 12 layers). Time: the median
+over ``--repeats`` replays of CUDA events around one replay, in µs for the 12 launches (capture and warm-ups outside).
+Each row's floor: the bytes its 12 launches must read once (codes of the view, scales, zero points, the buffer; for
+``ar`` the bfloat16 keys and values) over the device copy rate of the same run (bytes read + written).
 
     python benchmarks/quant_splits.py --out runs/quant-splits
 """
@@ -24,9 +27,9 @@ import torch
 from hf_sparsekv.caches.prefill_quantize import quantize_into
 from hf_sparsekv.caches.static import StaticQuantCache
 from hf_sparsekv.kernels import decode_core
-from hf_sparsekv.static_attention import static_quant_decode
+from hf_sparsekv.static_attention import static_decode, static_quant_decode
 
-from linear_kernels import captured, time_graphs
+from linear_kernels import captured, copy_rate, time_graphs
 from provenance import commit
 
 LAYERS, KV_HEADS, QUERY_HEADS, HEAD_DIM, GROUP = 12, 2, 4, 64, 128  # the bundled verifier's attention
@@ -74,28 +77,69 @@ def captured_step(store: StaticQuantCache, context: int, quantized: int, queries
         return captured(step)
 
 
+def captured_ar_step(context: int, device: str) -> torch.cuda.CUDAGraph:
+    """Our AR's 12 attention launches: one query over a bfloat16 buffer of ``context`` tokens a layer, captured."""
+    keys = [torch.randn(1, KV_HEADS, context + 512, HEAD_DIM, device=device, dtype=torch.bfloat16)
+            for _ in range(2 * LAYERS)]
+    length = torch.tensor([context], dtype=torch.int32, device=device)
+    tickets = torch.zeros(KV_HEADS * 16, dtype=torch.int32, device=device)
+    query = torch.randn(1, QUERY_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
+
+    def step():
+        for layer in range(LAYERS):
+            static_decode(query, keys[2 * layer], keys[2 * layer + 1], length, HEAD_DIM ** -0.5, None, tickets)
+
+    return captured(step)
+
+
+def floor_bytes(context: int, quantized: int, step: str) -> int:
+    """The bytes a step's 12 launches must read once: for ``ar`` the context's bfloat16 keys and values; else the
+    quantized tokens' codes (upper, and lower in the INT8 view: D/2 bytes each), key scale/zero per group and value
+    scale/zero per token (bfloat16), and the buffer's bfloat16 keys and values."""
+    if step == "ar":
+        return LAYERS * KV_HEADS * context * HEAD_DIM * 2 * 2
+    views = 2 if STEPS[step][1] else 1
+    codes = 2 * quantized * HEAD_DIM // 2 * views
+    scales = 2 * 2 * (quantized // GROUP * HEAD_DIM + quantized)
+    buffer = 2 * (context - quantized) * HEAD_DIM * 2
+    return LAYERS * KV_HEADS * (codes + scales + buffer)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--contexts", default="16384,4096")
     p.add_argument("--repeats", type=int, default=300)
+    p.add_argument("--settings", default=",".join(SETTINGS), help="a comma-separated subset of SETTINGS")
     p.add_argument("--out", default="runs/quant-splits")
     args = p.parse_args()
+    chosen = args.settings.split(",")
+    unknown = sorted(set(chosen) - set(SETTINGS))
+    if unknown:
+        raise SystemExit(f"unknown settings {unknown}; known: {sorted(SETTINGS)}")
     if not torch.cuda.is_available():
         raise SystemExit("quant_splits.py times CUDA graphs: it needs a CUDA GPU")
     rows = []
-    print("| context | step | setting | µs (12 launches) |\n| --- | --- | --- | --- |")
+    bandwidth = copy_rate()
+    print(f"copy rate {bandwidth / 1e12:.2f} TB/s (read + write)")
+    print("| context | step | setting | µs (12 launches) | floor (µs) |\n| --- | --- | --- | --- | --- |")
+
+    def timed(context, step, name, graph, quantized):
+        us = time_graphs({name: graph}, args.repeats)[name] * 1000
+        floor = floor_bytes(context, quantized, step) / bandwidth * 1e6
+        rows.append(dict(context=context, step=step, setting=name, us_12_launches=us, floor_us=floor))
+        print(f"| {context} | {step} | {name} | {us:.1f} | {floor:.1f} |", flush=True)
+
     for context in (int(c) for c in args.contexts.split(",")):
+        timed(context, "ar", "default", captured_ar_step(context, "cuda"), 0)
         store, quantized = filled_store(context, "cuda")
         for step, (queries, int8) in STEPS.items():
-            for name, settings in SETTINGS.items():
-                graph = captured_step(store, context, quantized, queries, int8, settings)
-                us = time_graphs({name: graph}, args.repeats)[name] * 1000
-                rows.append(dict(context=context, step=step, setting=name, us_12_launches=us))
-                print(f"| {context} | {step} | {name} | {us:.1f} |", flush=True)
+            for name in chosen:
+                timed(context, step, name, captured_step(store, context, quantized, queries, int8, SETTINGS[name]),
+                      quantized)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     result = dict(gpu=torch.cuda.get_device_name(), date=datetime.date.today().isoformat(), commit=commit(),
-                  torch=torch.__version__, settings=vars(args), rows=rows)
+                  torch=torch.__version__, settings=vars(args), copy_rate=bandwidth, rows=rows)
     (out / "quant_splits.json").write_text(json.dumps(result, indent=1))
 
 
