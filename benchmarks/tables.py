@@ -188,6 +188,14 @@ def quant_splits(spec: dict, results: Path) -> str:
     column each), by context and step kind."""
     name = spec["files"][0]
     d = _load(name, results)
+    if "floor_us" in d["rows"][0]:  # a run with floors: one row a launch setting, µs against the floor
+        lines = _head("context", "step", "setting", "µs (12 launches)", "floor (µs)", "× floor")
+        for r in d["rows"]:
+            lines.append(_row([_k(r["context"]), r["step"], f"`{r['setting']}`", _num(r["us_12_launches"], 1),
+                               _num(r["floor_us"], 1), _num(r["us_12_launches"] / r["floor_us"], 1)]))
+        rate = d["copy_rate"] / 1e12
+        settings = f"`quant_splits.py`, median of 300 replays of 12 launches; copy rate {rate:.2f} TB/s"
+        return "\n".join(lines + ["", _source(name, d, settings)])
     settings = list(dict.fromkeys(r["setting"] for r in d["rows"]))
     us = {(r["context"], r["step"], r["setting"]): r["us_12_launches"] for r in d["rows"]}
     lines = _head("context", "step", *[f"`{s}` (µs)" for s in settings])
