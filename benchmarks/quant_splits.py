@@ -79,15 +79,15 @@ def captured_step(store: StaticQuantCache, context: int, quantized: int, queries
 
 def captured_ar_step(context: int, device: str) -> torch.cuda.CUDAGraph:
     """Our AR's 12 attention launches: one query over a bfloat16 buffer of ``context`` tokens a layer, captured."""
-    keys = [torch.randn(1, KV_HEADS, context + 512, HEAD_DIM, device=device, dtype=torch.bfloat16)
-            for _ in range(2 * LAYERS)]
+    keys, values = ([torch.randn(1, KV_HEADS, context + 512, HEAD_DIM, device=device, dtype=torch.bfloat16)
+                     for _ in range(LAYERS)] for _ in range(2))
     length = torch.tensor([context], dtype=torch.int32, device=device)
     tickets = torch.zeros(KV_HEADS * 16, dtype=torch.int32, device=device)
     query = torch.randn(1, QUERY_HEADS, 1, HEAD_DIM, device=device, dtype=torch.bfloat16)
 
     def step():
-        for layer in range(LAYERS):
-            static_decode(query, keys[2 * layer], keys[2 * layer + 1], length, HEAD_DIM ** -0.5, None, tickets)
+        for key, value in zip(keys, values):
+            static_decode(query, key, value, length, HEAD_DIM ** -0.5, None, tickets)
 
     return captured(step)
 
